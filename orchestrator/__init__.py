@@ -1,0 +1,1 @@
+"""Slipway orchestrator: Hydra config schema, pure planning, job-script assembly, and the submit layer."""

@@ -1,0 +1,88 @@
+"""Install the ``orchestrator`` and ``trainer`` packages and build ``trainer._C`` ahead of time.
+
+The extension is compiled here, never JIT at job start: a job that compiles on 512 ranks at once wastes
+allocation time and can fail on nodes without a compiler. CPU sources (``csrc/*.cpp``) are always built;
+CUDA sources (``csrc/cuda/*.cu`` plus their torch bindings ``csrc/cuda/*.cpp``) join when both a CUDA
+toolkit and a CUDA build of torch are present.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+INSTALL_REQUIRES = [
+    # A range the local 2.13.0 CPU build satisfies: a bare "torch" could pull a multi-GB CUDA wheel.
+    "torch>=2.4,<2.15",
+    "numpy>=1.24",
+    "submitit>=1.5",
+    "hydra-core>=1.3",
+    "omegaconf>=2.3",
+    "transformers>=4.40",
+    "tokenizers>=0.15",
+    "tiktoken>=0.6",
+    "safetensors>=0.4",
+    "wandb>=0.16",
+    "tqdm>=4.60",
+    "matplotlib>=3.7",
+    "pyyaml>=6",
+]
+EXTRAS = {"dev": ["pytest>=8", "pytest-timeout>=2.2", "ruff>=0.5"]}
+
+
+def _extensions():
+    """Return (ext_modules, cmdclass); empty when torch is not importable (e.g. sdist metadata only)."""
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:  # pragma: no cover - metadata-only invocations
+        return [], {}
+    here = os.path.dirname(os.path.abspath(__file__))
+    cpu_sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cuda_sources = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    cuda_bindings = sorted(glob.glob(os.path.join("csrc", "cuda", "*.cpp")))
+    cxx_flags = ["-O3", "-std=c++17", "-fopenmp"]
+    use_cuda = (
+        torch.version.cuda is not None
+        and cpp_extension.CUDA_HOME is not None
+        and os.environ.get("SLIPWAY_NO_CUDA", "0") != "1"
+    )
+    include_dirs = [os.path.join(here, "csrc")]
+    if use_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+        ext = cpp_extension.CUDAExtension(
+            "trainer._C",
+            cpu_sources + cuda_bindings + cuda_sources,
+            include_dirs=include_dirs,
+            define_macros=[("SLIPWAY_WITH_CUDA", "1")],
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "--use_fast_math", "-std=c++17"]},
+            extra_link_args=["-fopenmp"],
+        )
+    else:
+        ext = cpp_extension.CppExtension(
+            "trainer._C",
+            cpu_sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags},
+            extra_link_args=["-fopenmp"],
+        )
+    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=False)
+    return [ext], {"build_ext": build_ext}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="slipway",
+    version="0.1.0",
+    description="Pre-train GPT language models on Slurm: Hydra configs, submitit jobs, a parallel GPT, HF export.",
+    packages=find_packages(include=["orchestrator", "orchestrator.*", "trainer", "trainer.*"]),
+    python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS,
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    include_package_data=True,
+)
