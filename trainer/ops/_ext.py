@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib
 
+import torch  # noqa: F401  (libc10 must be loaded before the extension)
+
 from trainer.log import get_logger
 
 _log = get_logger(__name__)
