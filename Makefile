@@ -17,7 +17,7 @@ install: $(STAMP)
 $(STAMP): setup.py $(CSRC)
 	@mkdir -p .make
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install -q --upgrade setuptools wheel
+	$(PYTHON) -m pip install -q setuptools wheel
 	$(PYTHON) -m pip install -q --no-build-isolation -e '.[dev]'
 	@$(PYTHON) -c "import torch, trainer._C" && echo "slipway installed; C++ extension trainer._C built"
 	@touch $(STAMP)
