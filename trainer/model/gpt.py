@@ -1,0 +1,282 @@
+"""The GPT: single-device code, Megatron GPT / HF GPT-2 math, Megatron legacy parameter names.
+
+Activations inside the stack are ``[s, b, h]`` (sequence first, as Megatron) so that sequence parallelism
+shards a contiguous leading dimension. Parameter names mirror Megatron's legacy checkpoint
+(formats.md §4; :mod:`trainer.model.names` nests them):
+
+    embedding.word_embeddings.weight            [padded_vocab, h]
+    embedding.position_embeddings.weight        [max_pos, h]
+    encoder.layers.{i}.input_layernorm.{weight,bias}
+    encoder.layers.{i}.self_attention.query_key_value.{weight [3h, h], bias}   rows per head: [q, k, v]
+    encoder.layers.{i}.self_attention.dense.{weight [h, h], bias}
+    encoder.layers.{i}.post_attention_layernorm.{weight,bias}
+    encoder.layers.{i}.mlp.dense_h_to_4h.{weight [4h, h], bias}
+    encoder.layers.{i}.mlp.dense_4h_to_h.{weight [h, 4h], bias}
+    encoder.final_layernorm.{weight,bias}
+    word_embeddings_for_head.weight             only on a last pipeline stage without the embedding
+
+``i`` is the *local* index within a pipeline stage, as in Megatron's checkpoints; ``layer_offset`` gives
+the global index. Parallelism is applied from outside (trainer.parallel): tensor parallelism swaps the
+Linear/Embedding/LMHead modules and the ``sequence_scatter`` and ``*_dropout_rng`` hooks; pipeline
+parallelism builds a :class:`StageSpec` slice. This module never imports torch.distributed.
+
+Linear layers return ``(x·Wᵀ, bias)`` without adding the bias (Megatron's skip_bias_add), so that the
+bias is fused into bias-GeLU / bias-dropout-add and a row-parallel bias is added once after the reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.model.config import GPTConfig
+from trainer.ops import KernelSet, resolve
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Which part of the GPT one pipeline stage builds (the whole model by default)."""
+
+    layer_start: int
+    """Global index of this stage's first transformer layer."""
+    layer_end: int
+    """One past the global index of its last layer."""
+    pre_process: bool = True
+    """Holds the embedding (first stage)."""
+    post_process: bool = True
+    """Holds the final LayerNorm, the LM head and the loss (last stage)."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.layer_start <= self.layer_end:
+            raise ValueError(f"StageSpec layers [{self.layer_start}, {self.layer_end}) is not a valid range")
+
+
+class Linear(nn.Module):
+    """``y = x·Wᵀ`` returned together with the un-added bias (skip_bias_add). W: [out, in]."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return F.linear(x, self.weight), self.bias
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm through the kernel set (fp32 statistics)."""
+
+    def __init__(self, hidden_size: int, eps: float, kernels: KernelSet) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        self.bias = nn.Parameter(torch.empty(hidden_size))
+        self.eps = eps
+        self.kernels = kernels
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.kernels.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class LMHead(nn.Module):
+    """Logits against the tied word embeddings, and the per-token loss over the *true* vocabulary.
+
+    Padded vocabulary columns are excluded from the softmax (Megatron lets them in); their rows are zero
+    and never trained, so the loss is independent of the TP-dependent padding and equals the loss of the
+    converted Hugging Face model, which has no padded rows.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, x: Tensor, weight: Tensor, labels: Tensor | None = None) -> Tensor:
+        """x [s, b, h] → logits [b, s, padded_vocab]; with labels [b, s] → per-token loss [b, s] (fp32)."""
+        logits = F.linear(x, weight).transpose(0, 1)  # [b, s, V_pad]
+        if labels is None:
+            return logits
+        true_logits = logits[..., : self.vocab_size].float()
+        return F.cross_entropy(true_logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head attention with a fused QKV projection (per-head [q, k, v] rows)."""
+
+    def __init__(self, cfg: GPTConfig, kernels: KernelSet) -> None:
+        super().__init__()
+        self.query_key_value = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.dense = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.head_dim = cfg.head_dim
+        self.dropout_p = cfg.attention_dropout
+        self.backend = cfg.attention_backend
+        self.kernels = kernels
+        # Attention probabilities are sharded by head under TP, so TP sets this to the RNG tracker's fork.
+        self.dropout_rng = contextlib.nullcontext
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        s, b, _ = x.shape                                      # x: [s, b, h]
+        qkv, qkv_bias = self.query_key_value(x)                # [s, b, 3·h_local] (h_local = h / tp)
+        qkv = (qkv + qkv_bias).view(s, b, -1, 3, self.head_dim)  # [s, b, heads_local, 3, d]
+        q, k, v = qkv.permute(3, 1, 2, 0, 4).unbind(0)         # each [b, heads_local, s, d]
+        p = self.dropout_p if self.training else 0.0
+        scale = self.head_dim ** -0.5
+        with self.dropout_rng():
+            if self.backend == "sdpa":
+                ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
+            else:
+                probs = self.kernels.scaled_causal_softmax(q @ k.transpose(-2, -1), scale)  # [b, n, s, s]
+                ctx = F.dropout(probs, p=p, training=self.training) @ v
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)        # [s, b, h_local]
+        return self.dense(ctx)                                 # ([s, b, h], bias)
+
+
+class MLP(nn.Module):
+    """h → 4h → GeLU(tanh) → h."""
+
+    def __init__(self, cfg: GPTConfig, kernels: KernelSet) -> None:
+        super().__init__()
+        self.dense_h_to_4h = Linear(cfg.hidden_size, cfg.ffn_hidden_size)
+        self.dense_4h_to_h = Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+        self.kernels = kernels
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        y, bias = self.dense_h_to_4h(x)                        # [s, b, 4h_local]
+        return self.dense_4h_to_h(self.kernels.bias_gelu(y, bias))  # ([s, b, h], bias)
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LN block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x)))."""
+
+    def __init__(self, cfg: GPTConfig, kernels: KernelSet) -> None:
+        super().__init__()
+        self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+        self.self_attention = SelfAttention(cfg, kernels)
+        self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+        self.mlp = MLP(cfg, kernels)
+        self.dropout_p = cfg.hidden_dropout
+        self.kernels = kernels
+        # Replicated residual stream: default RNG. Sequence parallelism shards it: TP sets the fork.
+        self.dropout_rng = contextlib.nullcontext
+
+    def forward(self, x: Tensor) -> Tensor:                    # x: [s, b, h] (s/tp under SP)
+        bda = self.kernels.bias_dropout_add
+        out, bias = self.self_attention(self.input_layernorm(x))
+        with self.dropout_rng():
+            x = bda(out, bias, x, self.dropout_p, self.training)
+        out, bias = self.mlp(self.post_attention_layernorm(x))
+        with self.dropout_rng():
+            x = bda(out, bias, x, self.dropout_p, self.training)
+        return x
+
+
+class Embedding(nn.Module):
+    """Word + learned position embeddings → [s, b, h], then dropout."""
+
+    def __init__(self, cfg: GPTConfig, padded_vocab_size: int) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.sequence_scatter = nn.Identity()  # sequence parallelism: keep this rank's sequence chunk
+        self.dropout_p = cfg.hidden_dropout
+        self.dropout_rng = contextlib.nullcontext
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.word_embeddings(tokens) + self.position_embeddings(positions)  # [b, s, h]
+        x = self.sequence_scatter(x.transpose(0, 1).contiguous())               # [s, b, h]
+        with self.dropout_rng():
+            return F.dropout(x, p=self.dropout_p, training=self.training)
+
+
+class Encoder(nn.Module):
+    """This stage's transformer layers (local indices) and, on the last stage, the final LayerNorm."""
+
+    def __init__(self, cfg: GPTConfig, stage: StageSpec, kernels: KernelSet) -> None:
+        super().__init__()
+        self.layer_offset = stage.layer_start
+        self.layers = nn.ModuleList(TransformerLayer(cfg, kernels)
+                                    for _ in range(stage.layer_start, stage.layer_end))
+        if stage.post_process:
+            self.final_layernorm = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.final_layernorm(x) if hasattr(self, "final_layernorm") else x
+
+
+class GPT(nn.Module):
+    """A GPT, or one pipeline stage of it.
+
+    Build on any device, then call :func:`trainer.model.init.init_weights` (or use :func:`build_gpt`).
+    ``forward`` takes tokens [b, s] on the first stage, the previous stage's hidden [s, b, h] otherwise;
+    returns the hidden [s, b, h] on non-last stages, and on the last stage logits [b, s, V_pad(/tp)] or,
+    with ``labels``, the per-token loss [b, s] (reduce it with :func:`masked_mean`).
+    """
+
+    def __init__(self, cfg: GPTConfig, stage: StageSpec | None = None,
+                 padded_vocab_size: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.stage = stage or StageSpec(0, cfg.num_layers)
+        if self.stage.layer_end > cfg.num_layers:
+            raise ValueError(f"stage layers up to {self.stage.layer_end} > model.num_layers={cfg.num_layers}")
+        self.padded_vocab_size = padded_vocab_size or cfg.padded_vocab_size(1)
+        if self.padded_vocab_size < cfg.vocab_size:
+            raise ValueError(f"padded_vocab_size={self.padded_vocab_size} < vocab_size={cfg.vocab_size}")
+        kernels = resolve(cfg.kernels)
+        if self.stage.pre_process:
+            self.embedding = Embedding(cfg, self.padded_vocab_size)
+        self.encoder = Encoder(cfg, self.stage, kernels)
+        if self.stage.post_process:
+            if not self.stage.pre_process:  # the tied head's own copy; kept equal by a grad all-reduce
+                self.word_embeddings_for_head = nn.Embedding(self.padded_vocab_size, cfg.hidden_size)
+            self.lm_head = LMHead(cfg.vocab_size)
+
+    def head_weight(self) -> Tensor:
+        """The LM head's weight: the word embeddings (tied), or this last stage's copy of them."""
+        if self.stage.pre_process:
+            return self.embedding.word_embeddings.weight
+        return self.word_embeddings_for_head.weight
+
+    def forward(self, tokens: Tensor | None = None, hidden: Tensor | None = None,
+                labels: Tensor | None = None) -> Tensor:
+        x = self.embedding(tokens) if self.stage.pre_process else hidden   # [s, b, h]
+        if x is None:
+            raise ValueError("a non-first pipeline stage needs `hidden` (the previous stage's output)")
+        x = self.encoder(x)
+        if not self.stage.post_process:
+            return x
+        return self.lm_head(x, self.head_weight(), labels)
+
+    def global_name(self, local_name: str) -> str:
+        """Parameter name with the layer index made global (``encoder.layers.{i+offset}...``)."""
+        prefix = "encoder.layers."
+        if not local_name.startswith(prefix) or not self.encoder.layer_offset:
+            return local_name
+        index, rest = local_name[len(prefix):].split(".", 1)
+        return f"{prefix}{int(index) + self.encoder.layer_offset}.{rest}"
+
+
+def masked_mean(losses: Tensor, loss_mask: Tensor | None = None) -> Tensor:
+    """Mean of per-token losses over the positions where loss_mask is 1 (all positions if None)."""
+    if loss_mask is None:
+        return losses.mean()
+    mask = loss_mask.to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def build_gpt(cfg: GPTConfig, seed: int, device: torch.device | str = "cpu") -> GPT:
+    """A whole single-device GPT with the layout-independent initialisation for ``seed``."""
+    from trainer.model.init import init_weights
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device=device)
+    init_weights(model, seed)
+    return model
