@@ -1,0 +1,38 @@
+"""``python -m orchestrator status RUN_OR_SWEEP_DIR [--plot [PNG]]``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m orchestrator")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("status", help="a table per run and stage (one squeue + one sacct call)")
+    st.add_argument("path", help="a run directory (run.json) or a sweep directory (sweep.json)")
+    st.add_argument(
+        "--plot",
+        nargs="?",
+        const="",
+        default=None,
+        help="also write the loss curves to this PNG (default: PATH/loss.png)",
+    )
+    args = parser.parse_args(argv)
+    from orchestrator.status import collect, format_rows, plot
+
+    try:
+        rows = collect(args.path)
+    except FileNotFoundError as err:
+        sys.stderr.write(f"{err}\n")
+        return 2
+    sys.stdout.write(format_rows(rows) + "\n")
+    if args.plot is not None:
+        out = args.plot or str(Path(args.path) / "loss.png")
+        sys.stdout.write(f"loss curves: {plot(args.path, out)}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""Per-device memory and run-time estimates (pure arithmetic on the typed config).
+
+Memory follows Megatron's accounting: mixed precision keeps 16-bit weights, fp32 main gradients, an fp32
+master copy and two fp32 Adam moments (2 + 4 + 4 + 8 = 18 bytes per parameter); fp32 training keeps
+4 + 4 + 8 = 16. Activations per transformer layer follow Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", table 2): s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes with tensor
+parallelism t, s·b·h·(34 + 5·a·s/h)/t with sequence parallelism, 2·s·b·h (/t with SP) with full
+recomputation; 1F1B keeps up to p micro-batches in flight on the first stage, so that stage holds the
+activations of L layers in total. Run time uses Megatron's FLOPs formula (performance.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from orchestrator.schema import SlipwayConfig
+from orchestrator.validate import Layout
+
+GIB = 1024**3
+
+
+def padded_vocab(vocab_size: int, tp_size: int) -> int:
+    """Megatron pads the vocabulary to a multiple of 128·tp so every shard has equal, aligned rows."""
+    mult = 128 * max(tp_size, 1)
+    return -(-vocab_size // mult) * mult
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes on the most loaded device (the first pipeline stage)."""
+
+    params: int  # parameter count on that device
+    weights_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    activations_recompute_bytes: int
+    logits_bytes: int
+    reserved_bytes: int
+    device_bytes: int  # 0: unknown
+    recompute: bool
+
+    @property
+    def total_bytes(self) -> int:
+        act = self.activations_recompute_bytes if self.recompute else self.activations_bytes
+        return (
+            self.weights_bytes
+            + self.grads_bytes
+            + self.optimizer_bytes
+            + act
+            + self.logits_bytes
+            + self.reserved_bytes
+        )
+
+    def total_with(self, recompute: bool) -> int:
+        act = self.activations_recompute_bytes if recompute else self.activations_bytes
+        return (
+            self.total_bytes
+            - (self.activations_recompute_bytes if self.recompute else self.activations_bytes)
+            + act
+        )
+
+    @property
+    def fits(self) -> bool:
+        return self.device_bytes == 0 or self.total_bytes <= self.device_bytes
+
+
+def stage_params(cfg: SlipwayConfig, vocab: int) -> tuple[int, int]:
+    """(parameters on the first stage's device, parameters of the whole model)."""
+    m, p = cfg.model, cfg.parallel
+    h, tp, pp = m.hidden_size, max(p.tp_size, 1), max(p.pp_size, 1)
+    per_layer = 12 * h * h + 13 * h  # QKV, dense, two MLP matrices, their biases, two layer norms
+    v = padded_vocab(vocab, tp)
+    embed = v * h + m.max_position_embeddings * h
+    total = m.num_layers * per_layer + embed + 2 * h
+    first = (m.num_layers // pp) * per_layer // tp + v * h // tp + m.max_position_embeddings * h
+    if pp == 1:
+        first += 2 * h  # final layer norm lives on the last stage
+    return first, total
+
+
+def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstimate:
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    params, _ = stage_params(cfg, vocab)
+    half = t.precision in ("fp16", "bf16")
+    w_bytes, g_bytes, o_bytes = (2, 4, 12) if half else (4, 4, 8)
+    act_el = 1 if half else 2  # the formula counts 16-bit activations; fp32 doubles them
+    s, b, h, a = m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
+    tp, pp = max(p.tp_size, 1), max(p.pp_size, 1)
+    if p.sequence_parallel:
+        per_layer = s * b * h * (34 + 5 * a * s / h) / tp
+        per_layer_rc = 2 * s * b * h / tp
+    else:
+        per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+        per_layer_rc = 2 * s * b * h
+    in_flight = min(pp, lay.num_microbatches or pp)
+    layers_held = (m.num_layers // pp) * in_flight
+    # fp32 logits for the vocab-parallel cross-entropy (last stage; counted on the same device when pp=1).
+    logits = 4 * s * b * padded_vocab(vocab, tp) // tp if pp == 1 else 0
+    return MemoryEstimate(
+        params=params,
+        weights_bytes=params * w_bytes,
+        grads_bytes=params * g_bytes,
+        optimizer_bytes=params * o_bytes,
+        activations_bytes=int(per_layer * layers_held * act_el),
+        activations_recompute_bytes=int(per_layer_rc * layers_held * act_el),
+        logits_bytes=logits,
+        reserved_bytes=int(cfg.cluster.reserved_memory_gb * GIB),
+        device_bytes=int(cfg.cluster.device_memory_gb * GIB),
+        recompute=t.recompute_activations,
+    )
+
+
+@dataclass(frozen=True)
+class TimeEstimate:
+    flops_per_iter: float
+    step_s: float
+    bubble_fraction: float
+    eta_s: float
+    device_hours: float
+    first_checkpoint_s: float
+
+
+def flops_per_iteration(cfg: SlipwayConfig, vocab: int) -> float:
+    """Megatron: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) (forward + backward, no recompute)."""
+    m = cfg.model
+    big_b, s, l, h = cfg.train.global_batch_size, m.seq_length, m.num_layers, m.hidden_size
+    return 72.0 * big_b * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
+
+
+def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
+    c = cfg.cluster
+    flops = flops_per_iteration(cfg, vocab)
+    if cfg.train.recompute_activations:
+        flops *= 4 / 3  # one extra forward
+    rate = max(lay.world, 1) * c.device_peak_tflops * 1e12 * max(c.mfu, 1e-6)
+    mb = max(lay.num_microbatches, 1)
+    bubble = (lay.pp - 1) / (mb + lay.pp - 1) if lay.pp > 1 else 0.0
+    step = flops / rate / (1 - bubble)
+    eta = step * cfg.train.iters
+    return TimeEstimate(
+        flops,
+        step,
+        bubble,
+        eta,
+        eta / 3600 * max(lay.world, 1),
+        step * min(cfg.train.save_interval, cfg.train.iters),
+    )
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / GIB:8.2f} GiB" if n >= GIB / 10 else f"{n / 1024**2:8.2f} MiB"
+
+
+def fmt_duration(s: float) -> str:
+    if s < 120:
+        return f"{s:.1f} s"
+    if s < 7200:
+        return f"{s / 60:.1f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def memory_table(mem: MemoryEstimate, device_name: str) -> str:
+    rows = [
+        ("parameters", f"{mem.params / 1e6:10.2f} M", ""),
+        ("weights", fmt_bytes(mem.weights_bytes), ""),
+        ("gradients", fmt_bytes(mem.grads_bytes), ""),
+        ("optimizer state", fmt_bytes(mem.optimizer_bytes), ""),
+        ("activations", fmt_bytes(mem.activations_bytes), "" if not mem.recompute else "(not used)"),
+        (
+            "activations, recompute",
+            fmt_bytes(mem.activations_recompute_bytes),
+            "(used)" if mem.recompute else "",
+        ),
+        ("logits (fp32)", fmt_bytes(mem.logits_bytes), ""),
+        ("reserved", fmt_bytes(mem.reserved_bytes), ""),
+        ("total", fmt_bytes(mem.total_bytes), ""),
+        ("total without recompute", fmt_bytes(mem.total_with(False)), ""),
+        ("total with recompute", fmt_bytes(mem.total_with(True)), ""),
+    ]
+    cap = fmt_bytes(mem.device_bytes) if mem.device_bytes else "   unknown"
+    rows.append((f"device ({device_name})", cap, "fits" if mem.fits else "DOES NOT FIT"))
+    return "\n".join(f"  {a:<26}{b:>14}  {c}".rstrip() for a, b, c in rows)

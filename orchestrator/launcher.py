@@ -1,0 +1,203 @@
+"""The launch flow behind ``launch.py``: facts → plan → (print | refuse | record + submit [+ wait])."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator import render
+from orchestrator.estimate import fmt_duration, memory_table
+from orchestrator.plan import Plan, PlanInputs, SweepInfo, make_plan, run_name
+from orchestrator.runs import (
+    add_to_sweep,
+    code_version,
+    default_run_dir,
+    fingerprint,
+    git_state,
+    mint_run_id,
+    update_run_json,
+    vocab_entries,
+    write_json,
+)
+from orchestrator.schema import SlipwayConfig
+from orchestrator.submit import Submitted, container_wrapper, render_stage, submit_plan
+from orchestrator.validate import PlanError
+from trainer.log import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class LaunchResult:
+    plan: Plan
+    text: str  # what was printed (redacted)
+    submitted: list[Submitted] = field(default_factory=list)
+
+
+def gather_facts(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> PlanInputs:
+    run_id = cfg.run_id or mint_run_id()
+    files = [*cfg.data.paths, cfg.tokenizer.vocab_file or "", cfg.tokenizer.merge_file or ""]
+    prints = {p: fp for p in files if p and (fp := fingerprint(p))}
+    return PlanInputs(
+        run_id,
+        default_run_dir(cfg, run_id),
+        code_version(),
+        prints,
+        vocab_entries(cfg.tokenizer.vocab_file),
+        sweep,
+    )
+
+
+def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
+    lay, t = plan.layout, plan.time
+    unit = "GPU" if cfg.cluster.gpus_per_node else "CPU-task"
+    lines = [f"Slipway plan: experiment {plan.experiment}, run {plan.run_id}", f"  run dir: {plan.run_dir}"]
+    if plan.sweep:
+        lines.append(
+            f"  sweep {plan.sweep.sweep_id} point {plan.sweep.point}: {' '.join(plan.sweep.overrides)}"
+        )
+    lines += [
+        f"  layout: {lay.nodes} node(s) × {lay.tasks_per_node} task(s) = world {lay.world} = "
+        f"tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; {lay.num_microbatches} micro-batch(es) of "
+        f"{cfg.train.micro_batch_size} per step",
+        f"  vocab {plan.vocab_size}, precision {cfg.train.precision}, {cfg.train.iters} iterations, "
+        f"{cfg.train.global_batch_size * cfg.model.seq_length * cfg.train.iters / 1e9:.2f} B tokens",
+        "",
+        "Memory per device (first pipeline stage):",
+        memory_table(plan.memory, cfg.cluster.device_name),
+        "",
+        f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {cfg.cluster.mfu:.0%} MFU of "
+        f"{cfg.cluster.device_peak_tflops:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}: "
+        f"{t.step_s:.3f} s/iteration",
+        f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {unit}-hours ({cfg.cluster.device_name} × "
+        f"{lay.world}); first checkpoint after {fmt_duration(t.first_checkpoint_s)}",
+        "",
+        "Stages:",
+    ]
+    for s in plan.stages:
+        where = "shared cache" if s.shared else "run dir"
+        deps = f" after {', '.join(s.depends_on)}" if s.depends_on else ""
+        lines.append(f"  {s.name:<11} key {s.key}  {s.state_dir} ({where}){deps}")
+    if plan.problems:
+        lines += ["", f"PROBLEMS ({len(plan.problems)}) — nothing would be submitted:"]
+        lines += [f"  - {p}" for p in plan.problems]
+    for name, text in scripts.items():
+        lines += ["", f"----- {name} job script -----", text.rstrip()]
+    return "\n".join(lines) + "\n"
+
+
+def scripts_of(cfg: SlipwayConfig, plan: Plan) -> dict[str, str]:
+    """Scripts as they will be submitted; upstream job ids are not known yet (<stage> placeholders)."""
+    out = {s.name: render_stage(cfg, plan, s, tuple(f"<{d}>" for d in s.depends_on)) for s in plan.stages}
+    wrapper = container_wrapper(cfg, plan)
+    if wrapper:
+        out["container_exec.sh"] = wrapper
+    return out
+
+
+def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> None:
+    from omegaconf import OmegaConf
+
+    run = Path(plan.run_dir)
+    (run / "logs").mkdir(parents=True, exist_ok=True)
+    resolved = OmegaConf.structured(cfg)
+    OmegaConf.save(resolved, run / "config.yaml")
+    git = git_state()
+    if git["diff"]:
+        (run / "git.diff").write_text(git["diff"])
+    update_run_json(
+        plan.run_dir,
+        run_id=plan.run_id,
+        experiment=plan.experiment,
+        name=run_name(cfg, _facts(plan)),
+        created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+        git={"sha": git["sha"], "dirty": git["dirty"]},
+        config=OmegaConf.to_container(resolved),
+        stages={s.name: {"key": s.key, "dir": s.state_dir} for s in plan.stages},
+        sweep=dataclasses.asdict(plan.sweep) if plan.sweep else None,
+        scripts=scripts,
+        jobs={},
+    )
+    wrapper = scripts.get("container_exec.sh")
+    if wrapper:
+        (run / "container_exec.sh").write_text(wrapper)
+
+
+def _facts(plan: Plan) -> PlanInputs:
+    return PlanInputs(plan.run_id, plan.run_dir, sweep=plan.sweep)
+
+
+def _follow_text(plan: Plan, submitted: list[Submitted]) -> str:
+    lines = [f"run dir: {plan.run_dir}"]
+    for s in submitted:
+        lines.append(f"  {s.stage:<11} {s.action:<18} {s.job_id or ''}")
+    lines += [
+        f"follow: python -m orchestrator status {plan.run_dir}",
+        f"logs:   tail -f {plan.run_dir}/logs/*",
+    ]
+    if plan.sweep:
+        lines.append(f"sweep:  python -m orchestrator status {plan.sweep.sweep_dir} --plot")
+    return "\n".join(lines) + "\n"
+
+
+def wait(plan: Plan, poll_s: float = 5.0, out=sys.stderr) -> bool:
+    """Block until every stage of the run ended; stream state changes and the last loss. True if all ok."""
+    from orchestrator.status import collect
+
+    seen: dict[str, str] = {}
+    while True:
+        rows = collect(plan.run_dir)
+        for r in rows:
+            extra = f" iter ckpt {r.checkpoint_iter} loss {r.loss}" if r.stage == "train" and r.loss else ""
+            line = f"{r.state}{extra}"
+            if seen.get(r.stage) != line:
+                seen[r.stage] = line
+                out.write(f"[{time.strftime('%H:%M:%S')}] {r.stage} job {r.job_id}: {line}\n")
+        ended = all(
+            r.state not in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "UNKNOWN")
+            for r in rows
+        )
+        if ended:
+            return all(r.state == "COMPLETED" for r in rows)
+        time.sleep(poll_s)
+
+
+def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -> LaunchResult:
+    """Plan, then print (dry run), refuse (problems), or record and submit."""
+    facts = gather_facts(cfg, sweep)
+    plan = make_plan(cfg, facts)
+    scripts = scripts_of(cfg, plan)
+    if cfg.dry_run:
+        text = render.redact(format_plan(cfg, plan, scripts), dict(os.environ))
+        out.write(text)
+        return LaunchResult(plan, text)
+    if plan.problems:
+        raise PlanError(plan.problems)
+    _record(cfg, plan, scripts)
+    submitted = submit_plan(cfg, plan)
+    if sweep:
+        add_to_sweep(
+            sweep.sweep_dir,
+            {
+                "point": sweep.point,
+                "run_dir": plan.run_dir,
+                "overrides": list(sweep.overrides),
+                "jobs": {s.stage: s.job_id for s in submitted},
+            },
+            {"sweep_id": sweep.sweep_id, "experiment": cfg.experiment},
+        )
+    text = render.redact(_follow_text(plan, submitted), dict(os.environ))
+    out.write(text)
+    do_wait = cfg.wait if cfg.wait is not None else cfg.cluster.executor == "local"
+    if do_wait:
+        ok = wait(plan)
+        write_json(Path(plan.run_dir) / "wait.json", {"ok": ok})
+        if not ok:
+            raise RuntimeError(
+                f"run {plan.run_id} did not complete; see python -m orchestrator status {plan.run_dir}"
+            )
+    return LaunchResult(plan, text, submitted)

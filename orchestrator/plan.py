@@ -1,0 +1,287 @@
+"""config → Plan: validation, estimates and the stage graph, as pure functions.
+
+The stage graph is ``[corpus] → preprocess → train → convert``. Shared stages (corpus, preprocess) write
+into ``<cache_dir>/<stage>/<key>/`` where the key hashes the config slice that produces the output plus
+the version of the code that produces it, so a second launch over the same data finds the output complete
+and skips the stage, and two sweep points needing the same key share one job. Per-run stages (train,
+convert) write into the run directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.estimate import GIB, MemoryEstimate, TimeEstimate, estimate_memory, estimate_time
+from orchestrator.schema import SlipwayConfig
+from orchestrator.stages import ConvertJob, CorpusJob, PreprocessJob, TrainJob
+from orchestrator.validate import Layout, Problem, layout_of, validate
+
+# Trainer sections that come straight from the schema (the trainer ignores keys it does not know only
+# with a warning, so the orchestrator-only ones are dropped here).
+_PLANNING_ONLY = {"train": ("recompute_activations",)}
+
+
+def stable_hash(obj: Any, n: int = 16) -> str:
+    """Hash of a JSON-able object, independent of dict order."""
+    blob = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:n]
+
+
+@dataclass(frozen=True)
+class SweepInfo:
+    sweep_id: str
+    sweep_dir: str
+    point: int
+    overrides: tuple[str, ...]  # the point's own overrides (what varies), e.g. ("optim.lr=1e-4",)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Facts gathered outside the pure planner (see runs.py): identity, code versions, file fingerprints."""
+
+    run_id: str
+    run_dir: str
+    code_version: dict[str, str] = field(default_factory=dict)  # package path -> tree hash
+    fingerprints: dict[str, str] = field(default_factory=dict)  # input path -> size/mtime fingerprint
+    vocab_from_file: int | None = None  # entries in tokenizer.vocab_file when readable here
+    sweep: SweepInfo | None = None
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    name: str  # corpus | preprocess | train | convert
+    key: str
+    state_dir: str  # where _COMPLETE/_FAILED/_JOB.json go (the output dir for shared stages)
+    shared: bool  # output reusable across runs (content-addressed, in the cache)
+    depends_on: tuple[str, ...]
+    job: Any  # CorpusJob | PreprocessJob | TrainJob | ConvertJob
+
+
+@dataclass
+class Plan:
+    run_id: str
+    run_dir: str
+    experiment: str
+    layout: Layout
+    vocab_size: int
+    memory: MemoryEstimate
+    time: TimeEstimate
+    stages: list[StagePlan]
+    problems: list[Problem]
+    sweep: SweepInfo | None = None
+
+    def stage(self, name: str) -> StagePlan:
+        return next(s for s in self.stages if s.name == name)
+
+
+def _cache_dir(cfg: SlipwayConfig) -> str:
+    return cfg.cache_dir or os.path.join(cfg.runs_root, "_cache")
+
+
+def resolve_vocab(cfg: SlipwayConfig, facts: PlanInputs) -> int:
+    return facts.vocab_from_file or cfg.tokenizer.vocab_size or 0
+
+
+def _tokenizer_files(cfg: SlipwayConfig, corpus: StagePlan | None) -> tuple[str, str]:
+    if corpus is not None and cfg.tokenizer.vocab_file is None:
+        return (os.path.join(corpus.state_dir, "vocab.json"), os.path.join(corpus.state_dir, "merges.txt"))
+    return str(cfg.tokenizer.vocab_file), str(cfg.tokenizer.merge_file)
+
+
+def _corpus_stage(cfg: SlipwayConfig, facts: PlanInputs) -> StagePlan | None:
+    c = cfg.data.corpus
+    if c is None:
+        return None
+    train_vocab = cfg.tokenizer.vocab_size if cfg.tokenizer.vocab_file is None else None
+    key = stable_hash(
+        {
+            "corpus": dataclasses.asdict(c),
+            "vocab_size": train_vocab,
+            "json_key": cfg.data.json_key,
+            "code": facts.code_version.get("trainer/data"),
+        }
+    )
+    out = os.path.join(_cache_dir(cfg), "corpus", key)
+    job = CorpusJob(
+        out,
+        c.source,
+        list(c.roots),
+        c.max_files,
+        c.max_bytes,
+        c.exclude_tests,
+        train_vocab,
+        cfg.data.json_key,
+    )
+    return StagePlan("corpus", key, out, True, (), job)
+
+
+def _preprocess_stage(cfg: SlipwayConfig, facts: PlanInputs, corpus: StagePlan | None) -> StagePlan:
+    d = cfg.data
+    vocab, merges = _tokenizer_files(cfg, corpus)
+    if corpus is not None:
+        inputs, source_id = [os.path.join(corpus.state_dir, "corpus.jsonl")], {"corpus": corpus.key}
+    else:
+        inputs = list(d.paths)
+        source_id = {"inputs": [(p, facts.fingerprints.get(p)) for p in inputs]}
+    tok_id = (
+        {"corpus": corpus.key}
+        if corpus is not None and cfg.tokenizer.vocab_file is None
+        else {
+            "vocab": (vocab, facts.fingerprints.get(vocab)),
+            "merges": (merges, facts.fingerprints.get(merges)),
+        }
+    )
+    key = stable_hash(
+        {
+            "source": source_id,
+            "tokenizer": tok_id,
+            "json_key": d.json_key,
+            "append_eod": d.append_eod,
+            "code": facts.code_version.get("trainer/data"),
+        }
+    )
+    out = os.path.join(_cache_dir(cfg), "preprocess", key)
+    job = PreprocessJob(out, inputs, vocab, merges, d.json_key, d.append_eod, d.workers)
+    deps = ("corpus",) if corpus is not None else ()
+    return StagePlan("preprocess", key, out, True, deps, job)
+
+
+def run_name(cfg: SlipwayConfig, facts: PlanInputs) -> str:
+    if cfg.logging.wandb.name:
+        return cfg.logging.wandb.name
+    if facts.sweep and facts.sweep.overrides:
+        return f"{facts.run_id}:{','.join(facts.sweep.overrides)}"
+    return facts.run_id
+
+
+def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> dict[str, Any]:
+    """The dict handed to ``trainer.config.RunConfig.from_dict`` (sections share the schema's names)."""
+    sec = {name: dataclasses.asdict(getattr(cfg, name)) for name in ("model", "parallel", "train", "optim")}
+    for name, drop in _PLANNING_ONLY.items():
+        for k in drop:
+            sec[name].pop(k, None)
+    sec["parallel"]["backend"] = cfg.cluster.backend or ("nccl" if cfg.cluster.gpus_per_node else "gloo")
+    job: PreprocessJob = prep.job
+    wandb = dataclasses.asdict(cfg.logging.wandb)
+    wandb["group"] = wandb["group"] or (facts.sweep.sweep_id if facts.sweep else None)
+    wandb["name"] = run_name(cfg, facts)
+    ck = cfg.checkpoint
+    return {
+        **sec,
+        "data": {
+            "paths": [f"{job.prefix}_{cfg.data.json_key}_document"],
+            "json_key": cfg.data.json_key,
+            "split": cfg.data.split,
+        },
+        "tokenizer": {"vocab_file": job.vocab_file, "merge_file": job.merge_file},
+        "checkpoint": {
+            "dir": ck.dir or os.path.join(facts.run_dir, "checkpoints"),
+            "keep": ck.keep,
+            "load": ck.load or "latest",
+        },
+        "logging": {
+            "wandb": wandb,
+            "peak_tflops": cfg.cluster.device_peak_tflops if cfg.cluster.gpus_per_node else None,
+        },
+        "kernels": cfg.kernels,
+        "run_dir": facts.run_dir,
+        "run_id": facts.run_id,
+    }
+
+
+def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[StagePlan]:
+    tcfg = trainer_config(cfg, facts, prep)
+    code = facts.code_version.get("trainer")
+    tkey = stable_hash(
+        {
+            "trainer": {k: v for k, v in tcfg.items() if k not in ("run_dir", "run_id", "logging")},
+            "code": code,
+        }
+    )
+    state = os.path.join(facts.run_dir, "stages")
+    stages = [
+        StagePlan(
+            "train",
+            tkey,
+            os.path.join(state, "train"),
+            False,
+            ("preprocess",),
+            TrainJob(facts.run_dir, tcfg, cfg.fail_train),
+        )
+    ]
+    if cfg.convert.enabled:
+        ckey = stable_hash({"train": tkey, "verify": cfg.convert.verify, "code": code})
+        job = ConvertJob(
+            facts.run_dir,
+            tcfg["checkpoint"]["dir"],
+            os.path.join(facts.run_dir, "hf"),
+            tcfg["tokenizer"]["vocab_file"],
+            tcfg["tokenizer"]["merge_file"],
+            cfg.convert.verify,
+        )
+        stages.append(StagePlan("convert", ckey, os.path.join(state, "convert"), False, ("train",), job))
+    return stages
+
+
+def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimate) -> list[Problem]:
+    out = []
+    if not mem.fits:
+        alt = mem.total_with(True)
+        hint = (
+            f"set train.recompute_activations=true ({alt / GIB:.1f} GiB)"
+            if alt <= mem.device_bytes and not mem.recompute
+            else "raise parallel.tp_size/pp_size or lower train.micro_batch_size"
+        )
+        acts = mem.total_bytes - mem.weights_bytes - mem.grads_bytes - mem.optimizer_bytes
+        parts = (
+            f"weights {mem.weights_bytes / GIB:.1f} + grads {mem.grads_bytes / GIB:.1f} + optimizer "
+            f"{mem.optimizer_bytes / GIB:.1f} + activations/logits/reserved {acts / GIB:.1f}"
+        )
+        out.append(
+            Problem(
+                "memory",
+                "train.micro_batch_size",
+                cfg.train.micro_batch_size,
+                f"needs {mem.total_bytes / GIB:.1f} GiB per device ({parts}) but "
+                f"{cfg.cluster.device_name} has {mem.device_bytes / GIB:.0f} GiB",
+                hint,
+            )
+        )
+    usable = cfg.cluster.time_limit_min * 60 - cfg.cluster.signal_lead_s
+    if cfg.train.save_interval > 0 and est.first_checkpoint_s > usable:
+        per_iter = est.step_s
+        fit = max(int(usable / per_iter), 0) if per_iter > 0 else 0
+        need_min = int((est.first_checkpoint_s + cfg.cluster.signal_lead_s) / 60) + 1
+        out.append(
+            Problem(
+                "time_limit",
+                "cluster.time_limit_min",
+                cfg.cluster.time_limit_min,
+                f"the first checkpoint (train.save_interval={cfg.train.save_interval}) is due after "
+                f"~{est.first_checkpoint_s / 60:.0f} min but the job has {usable / 60:.0f} min",
+                f"raise cluster.time_limit_min to >= {need_min} or lower train.save_interval to <= {fit}",
+            )
+        )
+    return out
+
+
+def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exists) -> Plan:
+    """Everything about a launch that can be known before submitting (no job is touched)."""
+    problems = validate(cfg, exists)
+    lay = layout_of(cfg)
+    vocab = resolve_vocab(cfg, facts)
+    mem = estimate_memory(cfg, vocab, lay)
+    est = estimate_time(cfg, vocab, lay)
+    if lay.dp and lay.num_microbatches:
+        problems += _estimate_problems(cfg, mem, est)
+    corpus = _corpus_stage(cfg, facts)
+    prep = _preprocess_stage(cfg, facts, corpus)
+    stages = ([corpus] if corpus else []) + [prep] + _run_stages(cfg, facts, prep)
+    return Plan(
+        facts.run_id, facts.run_dir, cfg.experiment, lay, vocab, mem, est, stages, problems, facts.sweep
+    )

@@ -1,0 +1,304 @@
+"""plan → job scripts: sbatch text, local-executor parameters and the container wrapper (pure, golden-tested).
+
+The sbatch script is Slipway's own (submitit still pickles the callable, names the job files and reads the
+results; see submit.py): submitit's template runs one ``srun`` and cannot retry a crashed step or forward a
+batch-level USR2. Ours:
+
+- ``--signal=USR2@<lead>`` signals every task before the time limit; a USR2 sent to the batch shell only
+  (``scancel --signal=USR2 --batch``) is trapped and forwarded to the step, so both paths reach the trainer.
+- The trainer saves and exits 75 (``EXIT_REQUEUE``); the script then requeues the job (``scontrol requeue``,
+  same job id, so ``afterok`` dependants keep waiting). A stop near the time limit counts against
+  ``max_timeouts``; any other stop is a preemption and is requeued without limit.
+- Any other non-zero step exit is a crash: the step is retried in the same allocation up to
+  ``max_retries`` times; the trainer resumes from its last complete checkpoint. Exit 65 (non-finite loss)
+  is not retried: it would repeat.
+- ``srun --kill-on-bad-exit=1`` ends all ranks when one dies, instead of the others hanging in a collective.
+- Log names carry the restart count and the attempt: ``train_<jobid>_r<restart>_a<attempt>_<task>.out``.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from orchestrator.schema import ClusterConfig, ContainerConfig
+
+SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+
+
+def is_secret_name(name: str) -> bool:
+    return any(m in name.upper() for m in SECRET_MARKERS)
+
+
+@dataclass(frozen=True)
+class JobResources:
+    """What one stage asks the scheduler for."""
+
+    name: str
+    nodes: int = 1
+    tasks_per_node: int = 1
+    gpus_per_node: int = 0
+    cpus_per_task: int = 1
+    time_limit_min: int = 60
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    mem: str | None = None
+    exclusive: bool = False
+    constraint: str | None = None
+    extra: tuple[tuple[str, str], ...] = ()
+    signal_lead_s: int | None = None  # training only: --signal=USR2@lead and the requeue logic
+    max_retries: int = 0
+    max_timeouts: int = 0
+
+
+def stage_resources(stage: str, cluster: ClusterConfig, experiment: str) -> JobResources:
+    """Training gets the GPU layout; corpus/preprocess/convert are single-task CPU jobs."""
+    c = cluster
+    common = {
+        "account": c.account,
+        "qos": c.qos,
+        "constraint": c.constraint,
+        "extra": tuple(sorted(c.sbatch_extra.items())),
+    }
+    name = f"slipway-{experiment}-{stage}"
+    if stage == "train":
+        tpn = c.tasks_per_node if c.tasks_per_node is not None else max(c.gpus_per_node, 1)
+        return JobResources(
+            name,
+            c.nodes,
+            tpn,
+            c.gpus_per_node,
+            c.cpus_per_task,
+            c.time_limit_min,
+            c.partition,
+            mem=c.mem,
+            exclusive=c.exclusive,
+            signal_lead_s=c.signal_lead_s,
+            max_retries=c.max_retries,
+            max_timeouts=c.max_timeouts,
+            **common,
+        )
+    return JobResources(
+        name, 1, 1, 0, c.stage_cpus, c.stage_time_limit_min, c.stage_partition or c.partition, **common
+    )
+
+
+@dataclass(frozen=True)
+class ScriptSpec:
+    """Everything one sbatch script depends on."""
+
+    resources: JobResources
+    command: str  # the per-task command (python -u -m submitit.core._submit FOLDER, maybe containerised)
+    log_dir: str
+    stage: str
+    run_id: str
+    state_dir: str  # where the requeue/timeout counters live
+    dependency: tuple[str, ...] = ()  # job ids this job runs after (afterok)
+    env: tuple[tuple[str, str], ...] = ()
+    setup: tuple[str, ...] = ()
+    master_port_base: int = 20000
+
+
+def sbatch_directives(spec: ScriptSpec) -> list[str]:
+    r = spec.resources
+    d: list[tuple[str, object]] = [
+        ("job-name", r.name),
+        ("nodes", r.nodes),
+        ("ntasks-per-node", r.tasks_per_node),
+    ]
+    if r.gpus_per_node:
+        d.append(("gpus-per-node", r.gpus_per_node))
+    d += [("cpus-per-task", r.cpus_per_task), ("time", r.time_limit_min)]
+    for key, value in (
+        ("partition", r.partition),
+        ("account", r.account),
+        ("qos", r.qos),
+        ("mem", r.mem),
+        ("constraint", r.constraint),
+    ):
+        if value not in (None, ""):
+            d.append((key, value))
+    if r.exclusive:
+        d.append(("exclusive", True))
+    if r.signal_lead_s is not None:
+        d += [("signal", f"USR2@{r.signal_lead_s}"), ("requeue", True)]
+    else:
+        d.append(("no-requeue", True))
+    if spec.dependency:
+        # kill-on-invalid-dep: a failed upstream removes this job instead of leaving it pending forever.
+        d += [("dependency", "afterok:" + ":".join(spec.dependency)), ("kill-on-invalid-dep", "yes")]
+    d += [("open-mode", "append"), ("output", f"{spec.log_dir}/{spec.stage}_%j_batch.out")]
+    d += list(r.extra)
+    return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}" for k, v in d]
+
+
+def _env_lines(spec: ScriptSpec) -> list[str]:
+    lines = [
+        "export SUBMITIT_EXECUTOR=slurm",
+        "export PYTHONUNBUFFERED=1",
+        f"export SLIPWAY_RUN_ID={shlex.quote(spec.run_id)}",
+        f"export SLIPWAY_STAGE={spec.stage}",
+    ]
+    for k, v in spec.env:
+        # Secrets are forwarded by reference from the submitting environment, never by value.
+        lines.append(f'export {k}="${{{k}}}"' if is_secret_name(k) else f"export {k}={shlex.quote(v)}")
+    return lines
+
+
+_LOOP = r"""
+# MASTER_ADDR from the first node of the allocation; the port from the job id (same on every node).
+export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
+export MASTER_PORT=$(( {port_base} + SLURM_JOB_ID % 20000 ))
+restart=${{SLURM_RESTART_COUNT:-0}}
+state={state}
+mkdir -p "$state"
+step=""
+# USR2 sent to the batch shell only (scancel --signal=USR2 --batch) is forwarded to the step's tasks.
+trap '[ -n "$step" ] && kill -USR2 "$step" 2>/dev/null' USR2
+attempt=0
+while true; do
+  export SLIPWAY_ATTEMPT=$attempt
+  srun --unbuffered --kill-on-bad-exit=1 \
+    --output {log_dir}/{stage}_%j_r${{restart}}_a${{attempt}}_%t.out \
+    --error {log_dir}/{stage}_%j_r${{restart}}_a${{attempt}}_%t.err \
+    {command} &
+  step=$!
+  wait "$step"; rc=$?
+  while [ "$rc" -gt 128 ] && kill -0 "$step" 2>/dev/null; do wait "$step"; rc=$?; done
+  step=""
+  echo "slipway: {stage} step attempt $attempt (restart $restart) exited with $rc" >&2
+  [ "$rc" -eq 0 ] && exit 0
+  if [ "$rc" -eq 75 ]; then
+    # Stopped cleanly after a checkpoint. Near the time limit it is a timeout, else a preemption.
+    if [ "$SECONDS" -ge {timeout_after_s} ]; then
+      n=$(( $(cat "$state/timeouts" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$state/timeouts"
+      if [ "$n" -gt {max_timeouts} ]; then
+        echo "slipway: timed out $n times (max {max_timeouts})" >&2; exit 75
+      fi
+    fi
+    echo "$(date +%s) requeue restart=$restart attempt=$attempt" >> "$state/requeues"
+    scontrol requeue "$SLURM_JOB_ID" && sleep 600
+    exit 75
+  fi
+  if [ "$rc" -eq 65 ]; then echo "slipway: non-finite loss; not retrying" >&2; exit 65; fi
+  if [ "$attempt" -ge {max_retries} ]; then exit "$rc"; fi
+  attempt=$(( attempt + 1 ))
+  echo "$(date +%s) retry attempt=$attempt after rc=$rc" >> "$state/retries"
+done
+"""
+
+
+def render_sbatch(spec: ScriptSpec) -> str:
+    """The complete sbatch script for one stage."""
+    r = spec.resources
+    head = [
+        "#!/bin/bash",
+        f"# Slipway {spec.stage} job of run {spec.run_id} (rendered by orchestrator/render.py)",
+    ]
+    body = ["", *_env_lines(spec)]
+    if spec.setup:
+        body += ["", "# setup", *spec.setup]
+    if r.signal_lead_s is None:
+        # CPU stage: one task, no requeue logic, plain srun (exit status is the job's).
+        body += [
+            "",
+            f"srun --unbuffered --kill-on-bad-exit=1 --output {spec.log_dir}/{spec.stage}_%j_%t.out "
+            f"--error {spec.log_dir}/{spec.stage}_%j_%t.err {spec.command}",
+        ]
+    else:
+        timeout_after = max(r.time_limit_min * 60 - r.signal_lead_s - 60, 0)
+        body.append(
+            _LOOP.format(
+                port_base=spec.master_port_base,
+                state=shlex.quote(spec.state_dir),
+                log_dir=spec.log_dir,
+                stage=spec.stage,
+                command=spec.command,
+                timeout_after_s=timeout_after,
+                max_timeouts=r.max_timeouts,
+                max_retries=r.max_retries,
+            ).rstrip("\n")
+        )
+    return "\n".join(head + sbatch_directives(spec) + body) + "\n"
+
+
+@dataclass(frozen=True)
+class LocalSpec:
+    resources: JobResources
+    command: str
+    folder: str
+    stage: str
+    env: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+
+
+def local_parameters(spec: LocalSpec) -> dict[str, object]:
+    """submitit LocalExecutor parameters (one node; tasks are processes on this machine)."""
+    r = spec.resources
+    return {
+        "tasks_per_node": r.nodes * r.tasks_per_node,
+        "timeout_min": r.time_limit_min,
+        "gpus_per_node": r.gpus_per_node,
+        "signal_delay_s": r.signal_lead_s or 30,
+    }
+
+
+def render_local(spec: LocalSpec) -> str:
+    """A readable record of a local job (the local executor has no script)."""
+    params = local_parameters(spec)
+    lines = [f"# Slipway {spec.stage} job (submitit LocalExecutor, folder {spec.folder})"]
+    lines += [f"# {k}={v}" for k, v in params.items()]
+    lines += [f"export {k}={'${' + k + '}' if is_secret_name(k) else shlex.quote(v)}" for k, v in spec.env]
+    lines.append(f"{spec.command}  # x{params['tasks_per_node']} processes")
+    return "\n".join(lines) + "\n"
+
+
+def container_binds(paths: list[str]) -> list[str]:
+    """Unique absolute bind paths in first-seen order (a bind of a parent makes children redundant)."""
+    out: list[str] = []
+    for p in paths:
+        if p and p not in out and not any(p.startswith(q.rstrip("/") + "/") for q in out):
+            out.append(p)
+    return out
+
+
+def render_container_wrapper(container: ContainerConfig, binds: list[str], code_dir: str, gpus: bool) -> str:
+    """``bash wrapper python ...`` runs python in the image, with only allowlisted variables inside."""
+    allow = "|".join(container.env_allowlist) or "SLURM_*"
+    deny = "|".join(container.env_denylist) or "_SLIPWAY_NONE_"
+    nv = "--nv " if gpus else ""
+    bind = ",".join(container_binds([code_dir, *binds, *container.binds]))
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            '# Runs "$@" inside the Slipway image: --cleanenv drops the host environment; the allowlist',
+            "# below is forwarded per task (APPTAINERENV_*), so per-rank SLURM_PROCID/LOCALID arrive intact.",
+            "# Secret values (WANDB_API_KEY, HF_TOKEN) pass through the environment only, never this file.",
+            "set -eu",
+            "for name in $(compgen -e); do",
+            '  case "$name" in',
+            f"    {deny}) continue ;;",
+            f'    {allow}) export "APPTAINERENV_${{name}}=${{!name}}" ;;',
+            "  esac",
+            "done",
+            f"export APPTAINERENV_PYTHONPATH={shlex.quote(code_dir)}",
+            f"exec {shlex.quote(container.apptainer_bin)} exec {nv}--cleanenv --bind {shlex.quote(bind)} "
+            f'{shlex.quote(str(container.image))} "$@"',
+            "",
+        ]
+    )
+
+
+def python_command(container: ContainerConfig, wrapper_path: str, python: str) -> str:
+    """The interpreter string submitit puts before ``-u -m submitit.core._submit FOLDER``."""
+    if container.kind == "apptainer":
+        return f"bash {shlex.quote(wrapper_path)} python"
+    return shlex.quote(python)
+
+
+def redact(text: str, environ: dict[str, str]) -> str:
+    """Replace the value of every secret-looking variable of ``environ`` found in ``text``."""
+    for name, value in environ.items():
+        if is_secret_name(name) and value and len(value) >= 4:
+            text = text.replace(value, f"<redacted:{name}>")
+    return text

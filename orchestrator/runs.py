@@ -1,0 +1,132 @@
+"""Run identity and the run directory: ids, git state, file fingerprints, ``run.json`` and sweep manifests.
+
+Layout: ``runs/<experiment>/<run_id>/`` with ``run.json``, ``config.yaml`` (resolved), ``scripts/``
+(rendered job scripts), ``logs/``, ``jobs/`` (submitit pickles), ``stages/`` (markers), ``checkpoints/``,
+``hf/``, ``wandb/``. Reads of the outside world (git, file stats) live here so plan.py stays pure.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import secrets
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from orchestrator.schema import SlipwayConfig
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RUN_JSON = "run.json"
+SWEEP_JSON = "sweep.json"
+
+
+def mint_run_id(now: _dt.datetime | None = None) -> str:
+    now = now or _dt.datetime.now()
+    return f"{now:%Y%m%d-%H%M%S}-{secrets.token_hex(3)}"
+
+
+def default_run_dir(cfg: SlipwayConfig, run_id: str) -> str:
+    return cfg.run_dir or os.path.join(cfg.runs_root, cfg.experiment, run_id)
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def git_state() -> dict[str, Any]:
+    """sha, whether the tree is dirty, and the diff of tracked files (saved next to run.json)."""
+    sha = (_git("rev-parse", "HEAD") or "").strip() or None
+    status = _git("status", "--porcelain", "--untracked-files=no") or ""
+    diff = _git("diff", "HEAD") or "" if status.strip() else ""
+    return {"sha": sha, "dirty": bool(status.strip()), "diff": diff}
+
+
+def code_version(paths: tuple[str, ...] = ("trainer", "trainer/data")) -> dict[str, str]:
+    """Per package: the git tree hash at HEAD, plus a hash of uncommitted changes under it.
+
+    Stage keys include this, so changing the preprocessing code invalidates cached preprocessed data and
+    nothing else.
+    """
+    out = {}
+    for p in paths:
+        tree = (_git("rev-parse", f"HEAD:{p}") or "").strip()
+        dirty = (_git("diff", "HEAD", "--", p) or "") + (
+            _git("ls-files", "--others", "--exclude-standard", p) or ""
+        )
+        extra = hashlib.sha256(dirty.encode()).hexdigest()[:12] if dirty else ""
+        out[p] = f"{tree[:16]}{'+' + extra if extra else ''}" or "unknown"
+    return out
+
+
+def fingerprint(path: str) -> str | None:
+    """size and mtime (cheap; a changed input file gets a new preprocessing key)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return f"{st.st_size}:{int(st.st_mtime)}"
+
+
+def vocab_entries(path: str | None) -> int | None:
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return len(json.load(f))
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())
+
+
+def update_run_json(run_dir: str, **fields: Any) -> dict[str, Any]:
+    path = Path(run_dir) / RUN_JSON
+    data = read_json(path) if path.exists() else {}
+    data.update(fields)
+    write_json(path, data)
+    return data
+
+
+def record_job(run_dir: str, stage: str, entry: dict[str, Any]) -> None:
+    """Append one submission (job id, attempt, dependency, folder) to run.json's ``jobs``."""
+    path = Path(run_dir) / RUN_JSON
+    data = read_json(path) if path.exists() else {}
+    data.setdefault("jobs", {}).setdefault(stage, []).append(entry)
+    write_json(path, data)
+
+
+def add_to_sweep(sweep_dir: str, entry: dict[str, Any], header: dict[str, Any]) -> None:
+    """Sweep manifest: one entry per point (run dir, overrides, job ids)."""
+    path = Path(sweep_dir) / SWEEP_JSON
+    data = read_json(path) if path.exists() else dict(header, points=[])
+    data["points"] = [p for p in data["points"] if p.get("point") != entry.get("point")] + [entry]
+    write_json(path, data)
+
+
+def run_dirs_of(path: str) -> list[Path]:
+    """A run dir → [it]; a sweep dir → its points' run dirs (in point order)."""
+    p = Path(path)
+    if (p / SWEEP_JSON).exists():
+        points = sorted(read_json(p / SWEEP_JSON)["points"], key=lambda e: e.get("point", 0))
+        return [Path(e["run_dir"]) for e in points]
+    if (p / RUN_JSON).exists():
+        return [p]
+    raise FileNotFoundError(
+        f"{path}: neither a run directory ({RUN_JSON}) nor a sweep directory ({SWEEP_JSON})"
+    )

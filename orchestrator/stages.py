@@ -1,0 +1,284 @@
+"""What each job runs: small picklable job specs and the callables submitit executes on the nodes.
+
+The callables import the trainer's entry points inside the call (the login node never imports torch for a
+submit, and the trainer never imports the orchestrator). Every stage writes ``_COMPLETE`` into its output
+directory when it succeeded and ``_FAILED`` when it raised, so later launches can reuse complete outputs
+and local jobs (which have no Slurm ``afterok``) can wait on their upstream.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+from trainer.log import get_logger
+
+log = get_logger(__name__)
+
+COMPLETE = "_COMPLETE"
+FAILED = "_FAILED"
+EXIT_REQUEUE = 75  # trainer.signals.EXIT_REQUEUE: stopped cleanly after a checkpoint, requeue me
+EXIT_NONFINITE = 65  # trainer.signals.EXIT_NONFINITE: a retry would repeat the failure
+LOCAL_REQUEUE = 144  # submitit's local controller restarts the tasks on this exit code
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """A stage this one needs: its output dir and, for local jobs, the controller's pid."""
+
+    output_dir: str
+    job_id: str | None = None
+    executor: str = "slurm"
+
+
+@dataclass
+class CorpusJob:
+    output_dir: str
+    source: str = "stdlib"
+    roots: list[str] = field(default_factory=list)
+    max_files: int | None = None
+    max_bytes: int | None = None
+    exclude_tests: bool = False
+    vocab_size: int | None = None  # train a BPE of this size on the corpus when set
+    json_key: str = "content"
+
+
+@dataclass
+class PreprocessJob:
+    output_dir: str
+    inputs: list[str]
+    vocab_file: str
+    merge_file: str
+    json_key: str = "content"
+    append_eod: bool = True
+    workers: int = 2
+
+    @property
+    def prefix(self) -> str:
+        return os.path.join(self.output_dir, "data")
+
+
+@dataclass
+class TrainJob:
+    run_dir: str
+    trainer_config: dict[str, Any]
+    fail: str | None = None  # test hook: "start" raises before training
+
+
+@dataclass
+class ConvertJob:
+    run_dir: str
+    checkpoint_dir: str
+    output_dir: str
+    vocab_file: str
+    merge_file: str
+    verify: bool = True
+
+
+def mark(output_dir: str, name: str, info: dict[str, Any]) -> None:
+    path = Path(output_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(info, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _rank() -> int:
+    try:
+        return submitit.JobEnvironment().global_rank
+    except RuntimeError:  # not inside a submitit job (a direct call in a test)
+        return 0
+
+
+def _job_alive(up: Upstream) -> bool:
+    if up.executor != "local" or not up.job_id:
+        return True  # Slurm enforces afterok itself; the marker check below is only for shared storage lag
+    try:
+        os.kill(int(up.job_id), 0)
+        return True
+    except (ProcessLookupError, ValueError):
+        return False
+    except PermissionError:
+        return True
+
+
+def wait_for(upstream: list[Upstream], timeout_s: float) -> None:
+    """Block until every upstream output is complete; raise if one failed (local ``afterok``)."""
+    deadline = time.monotonic() + timeout_s
+    for up in upstream:
+        done = Path(up.output_dir) / COMPLETE
+        while not done.exists():
+            if (Path(up.output_dir) / FAILED).exists():
+                raise RuntimeError(f"upstream stage {up.output_dir} failed; not running (afterok)")
+            if not _job_alive(up) and not done.exists():
+                raise RuntimeError(f"upstream job {up.job_id} ended without completing {up.output_dir}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"upstream {up.output_dir} not complete after {timeout_s:.0f} s")
+            time.sleep(1.0)
+
+
+class Stage(submitit.helpers.Checkpointable):
+    """Base callable: wait for upstream, run, write the completion marker (rank 0)."""
+
+    def __init__(
+        self,
+        job: Any,
+        output_dir: str,
+        upstream: list[Upstream],
+        key: str,
+        upstream_timeout_s: float = 3600.0,
+    ) -> None:
+        self.job, self.output_dir, self.upstream, self.key = job, output_dir, upstream, key
+        self.upstream_timeout_s = upstream_timeout_s
+
+    def run(self) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __call__(self) -> Any:
+        wait_for(self.upstream, self.upstream_timeout_s)
+        try:
+            result = self.run()
+        except Exception as err:
+            if _rank() == 0:
+                mark(self.output_dir, FAILED, {"key": self.key, "error": repr(err), "time": time.time()})
+            raise
+        if _rank() == 0:
+            (Path(self.output_dir) / FAILED).unlink(missing_ok=True)
+            mark(self.output_dir, COMPLETE, {"key": self.key, "result": result, "time": time.time()})
+        return result
+
+
+class CorpusStage(Stage):
+    def run(self) -> dict[str, Any]:
+        from trainer.data.corpus import CorpusConfig, build_corpus
+
+        job: CorpusJob = self.job
+        corpus = os.path.join(job.output_dir, "corpus.jsonl")
+        kwargs: dict[str, Any] = {
+            "output": corpus,
+            "max_files": job.max_files,
+            "max_bytes": job.max_bytes,
+            "exclude_tests": job.exclude_tests,
+        }
+        if job.roots:
+            kwargs["roots"] = list(job.roots)
+        summary = build_corpus(CorpusConfig(**kwargs))
+        out: dict[str, Any] = {"corpus": corpus, "files": summary.files, "bytes": summary.bytes}
+        if job.vocab_size:
+            out.update(_train_tokenizer(corpus, job))
+        return out
+
+
+def _train_tokenizer(corpus: str, job: CorpusJob) -> dict[str, Any]:
+    from trainer.data import tokenizer as tok
+
+    train = tok.train_tokenizer
+    result = train(corpus, job.output_dir, vocab_size=job.vocab_size, json_key=job.json_key)
+    return {
+        "vocab_file": os.path.join(job.output_dir, "vocab.json"),
+        "merge_file": os.path.join(job.output_dir, "merges.txt"),
+        "tokenizer": str(result),
+    }
+
+
+class PreprocessStage(Stage):
+    def run(self) -> dict[str, Any]:
+        from trainer.data.preprocess import PreprocessConfig, preprocess
+
+        job: PreprocessJob = self.job
+        cfg = PreprocessConfig(
+            input=list(job.inputs),
+            output_prefix=job.prefix,
+            json_keys=[job.json_key],
+            vocab_file=job.vocab_file,
+            merge_file=job.merge_file,
+            append_eod=job.append_eod,
+            workers=job.workers,
+        )
+        result = preprocess(cfg)
+        return {"prefix": job.prefix, "result": str(result)}
+
+
+def _export_torch_env() -> None:
+    """RANK/WORLD_SIZE/MASTER_* from the Slurm (or local) job; the sbatch script sets MASTER_ADDR/PORT."""
+    env = submitit.helpers.TorchDistributedEnvironment()
+    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    os.environ.update(
+        RANK=str(env.rank),
+        WORLD_SIZE=str(env.world_size),
+        LOCAL_RANK=str(env.local_rank),
+        LOCAL_WORLD_SIZE=str(env.local_world_size),
+    )
+
+
+class TrainStage(Stage):
+    """Training: one task per device. Exits with the requeue code when the trainer stopped on a signal.
+
+    Checkpointable: if USR2 arrives before the trainer installed its own handler, submitit's handler calls
+    :meth:`checkpoint`, which resubmits this same callable; the trainer resumes from its latest checkpoint.
+    """
+
+    def run(self) -> dict[str, Any]:
+        job: TrainJob = self.job
+        _export_torch_env()
+        rank = int(os.environ["RANK"])
+        pid_dir = Path(job.run_dir) / "pids"
+        pid_dir.mkdir(parents=True, exist_ok=True)
+        attempt = os.environ.get("SLIPWAY_ATTEMPT", "0")
+        restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+        (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()} {restart} {attempt}\n")
+        if job.fail == "start":
+            raise RuntimeError("fail_train=start: training failed on purpose (test hook)")
+        from trainer.main import run
+
+        from trainer.config import RunConfig
+
+        code = run(RunConfig.from_dict(job.trainer_config))
+        code = 0 if code is None else int(code)
+        if code == EXIT_REQUEUE:
+            # Local controller requeues on its own code; the sbatch script requeues on the trainer's.
+            local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
+            log.warning(
+                "trainer stopped for requeue (checkpoint saved); exiting with %s",
+                LOCAL_REQUEUE if local else EXIT_REQUEUE,
+            )
+            sys.exit(LOCAL_REQUEUE if local else EXIT_REQUEUE)
+        if code != 0:
+            raise RuntimeError(f"trainer exited with code {code}")
+        return {"checkpoints": job.trainer_config.get("checkpoint", {}).get("dir"), "rank": rank}
+
+    def __call__(self) -> Any:
+        # Only rank 0 writes the markers; the others must not race it with a stale _FAILED.
+        return super().__call__()
+
+
+class ConvertStage(Stage):
+    def run(self) -> dict[str, Any]:
+        from trainer.convert import convert_run
+
+        job: ConvertJob = self.job
+        result = convert_run(
+            job.run_dir,
+            checkpoint_dir=job.checkpoint_dir,
+            output_dir=job.output_dir,
+            vocab_file=job.vocab_file,
+            merge_file=job.merge_file,
+            verify=job.verify,
+        )
+        return {"hf": job.output_dir, "result": str(result)}
+
+
+STAGE_CALLABLES = {
+    "corpus": CorpusStage,
+    "preprocess": PreprocessStage,
+    "train": TrainStage,
+    "convert": ConvertStage,
+}

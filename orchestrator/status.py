@@ -1,0 +1,243 @@
+"""Where every job of a run or sweep stands: one ``squeue`` and one ``sacct`` call per look.
+
+(submitit's watcher calls sacct per job, which overloads slurmctld at scale.) Training progress comes
+from the run directory: the last checkpointed iteration (``latest_checkpointed_iteration.txt``), the last
+Megatron log line (loss, tokens/s), restarts (the requeue/retry records the sbatch script writes) and the
+W&B run id (``wandb_run.json``).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
+
+_ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
+_LOSS = re.compile(r"lm loss: ([0-9.Ee+-]+)")
+_TOKS = re.compile(r"tokens per second: ([0-9.Ee+-]+)")
+
+
+@dataclass
+class JobRow:
+    run: str
+    stage: str
+    job_id: str
+    state: str
+    reason: str = ""
+    restarts: int = 0
+    checkpoint_iter: int | None = None
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    wandb: str = ""
+    log: str = ""
+
+
+def parse_squeue(text: str) -> dict[str, tuple[str, str]]:
+    """``squeue -h -o %i|%T|%r`` → {job id: (state, reason)}."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) >= 3:
+            out[parts[0]] = (parts[1], parts[2] if parts[2] not in ("None", "(null)") else "")
+    return out
+
+
+def parse_sacct(text: str) -> dict[str, dict[str, str]]:
+    """``sacct -n -P -X -o JobIDRaw,State,ExitCode,NodeList,Reason`` → {job id: fields} (last record wins:
+    with --duplicates a requeued job lists its earlier runs first)."""
+    out: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) >= 4 and parts[0]:
+            state = parts[1].split()[0]  # "CANCELLED by 0" → CANCELLED
+            out[parts[0]] = {
+                "state": state,
+                "exit": parts[2],
+                "nodes": parts[3],
+                "reason": parts[4] if len(parts) > 4 else "",
+            }
+    return out
+
+
+def query_slurm(job_ids: list[str]) -> tuple[dict[str, tuple[str, str]], dict[str, dict[str, str]]]:
+    """One squeue and one sacct call for all the ids (an empty dict where a command is unavailable)."""
+    if not job_ids:
+        return {}, {}
+    ids = ",".join(sorted(set(job_ids)))
+    sq, sa = {}, {}
+    try:
+        r = subprocess.run(
+            ["squeue", "-h", "-j", ids, "-o", "%i|%T|%r"], capture_output=True, text=True, timeout=60
+        )
+        sq = parse_squeue(r.stdout) if r.returncode == 0 else {}
+        r = subprocess.run(
+            ["sacct", "-n", "-P", "-X", "-j", ids, "-o", "JobIDRaw,State,ExitCode,NodeList,Reason"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        sa = parse_sacct(r.stdout) if r.returncode == 0 else {}
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return sq, sa
+
+
+def log_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
+    """(iteration, loss, tokens/s) from every training log of the run, later restarts overriding."""
+    by_iter: dict[int, tuple[int, float | None, float | None]] = {}
+    files = sorted(
+        list((run_dir / "logs").glob("train_*")) + list((run_dir / "jobs" / "train").glob("*_log.*")),
+        key=lambda p: p.stat().st_mtime,
+    )
+    for f in files:
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            m = _ITER.search(line)
+            if not m:
+                continue
+            loss, toks = _LOSS.search(line), _TOKS.search(line)
+            it = int(m.group(1))
+            by_iter[it] = (
+                it,
+                float(loss.group(1)) if loss else by_iter.get(it, (0, None, None))[1],
+                float(toks.group(1)) if toks else None,
+            )
+    return [by_iter[k] for k in sorted(by_iter)]
+
+
+def _restarts(state_dir: Path) -> int:
+    n = 0
+    for name in ("requeues", "retries"):
+        p = state_dir / name
+        if p.exists():
+            n += len([x for x in p.read_text().splitlines() if x.strip()])
+    return n
+
+
+def _checkpoint_iter(run_dir: Path, data: dict) -> int | None:
+    ck = data.get("config", {}).get("checkpoint", {}).get("dir") or str(run_dir / "checkpoints")
+    p = Path(ck) / "latest_checkpointed_iteration.txt"
+    try:
+        return int(p.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _wandb_path(run_dir: Path, data: dict) -> str:
+    p = run_dir / "wandb_run.json"
+    if not p.exists():
+        return ""
+    wid = read_json(p).get("id", "")
+    w = data.get("config", {}).get("logging", {}).get("wandb", {})
+    return "/".join(x for x in (w.get("entity"), w.get("project"), wid) if x)
+
+
+def _local_state(entry: dict) -> str:
+    folder = Path(entry.get("folder", ""))
+    jid = entry["job_id"]
+    results = list(folder.glob(f"{jid}_*_result.pkl"))
+    if results:
+        import pickle
+
+        outcomes = {pickle.loads(r.read_bytes())[0] for r in results}
+        return "FAILED" if "error" in outcomes else "COMPLETED"
+    state_dir = Path(entry.get("state_dir", ""))
+    if (state_dir / "_FAILED").exists():
+        return "FAILED"
+    try:
+        import os
+
+        os.kill(int(jid), 0)
+        return "RUNNING"
+    except (OSError, ValueError):
+        return "COMPLETED" if (state_dir / "_COMPLETE").exists() else "ENDED"
+
+
+def collect(path: str) -> list[JobRow]:
+    """Rows for every stage of every run under ``path`` (a run dir or a sweep dir)."""
+    runs = run_dirs_of(path)
+    metas = [(r, read_json(r / RUN_JSON)) for r in runs]
+    ids = [
+        e["job_id"]
+        for _, d in metas
+        for es in d.get("jobs", {}).values()
+        for e in es
+        if e.get("executor") == "slurm"
+    ]
+    sq, sa = query_slurm(ids)
+    rows = []
+    for run_dir, data in metas:
+        for stage, entries in data.get("jobs", {}).items():
+            e = entries[-1]
+            jid = str(e["job_id"])
+            if e.get("executor") == "local":
+                state, reason = _local_state(e), ""
+            elif jid in sq:
+                state, reason = sq[jid]
+            else:
+                state, reason = sa.get(jid, {}).get("state", "UNKNOWN"), sa.get(jid, {}).get("reason", "")
+            row = JobRow(run_dir.name, stage, jid, state, reason)
+            if stage == "train":
+                recs = log_records(run_dir)
+                row.restarts = _restarts(Path(e.get("state_dir", run_dir / "stages" / "train")))
+                row.checkpoint_iter = _checkpoint_iter(run_dir, data)
+                if recs:
+                    row.loss, row.tokens_per_s = recs[-1][1], recs[-1][2]
+                row.wandb = _wandb_path(run_dir, data)
+                row.log = str(run_dir / "logs")
+            rows.append(row)
+    return rows
+
+
+def format_rows(rows: list[JobRow]) -> str:
+    head = ("run", "stage", "job", "state", "reason", "restarts", "ckpt", "loss", "tok/s", "wandb", "log")
+    table = [head] + [
+        (
+            r.run,
+            r.stage,
+            r.job_id,
+            r.state,
+            r.reason,
+            str(r.restarts),
+            "" if r.checkpoint_iter is None else str(r.checkpoint_iter),
+            "" if r.loss is None else f"{r.loss:.4f}",
+            "" if r.tokens_per_s is None else f"{r.tokens_per_s:.0f}",
+            r.wandb,
+            r.log,
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    lines = ("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table)
+    return "\n".join(lines)
+
+
+def plot(path: str, out: str) -> str:
+    """Loss curves of every run under ``path`` on one chart (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for run_dir in run_dirs_of(path):
+        recs = [(i, loss) for i, loss, _ in log_records(run_dir) if loss is not None]
+        if recs:
+            data = read_json(run_dir / RUN_JSON)
+            label = data.get("name") or run_dir.name
+            ax.plot([i for i, _ in recs], [x for _, x in recs], label=label)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_title(f"Slipway: {Path(path).name}")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,397 @@
+"""Everything knowable on the login node, checked before any job exists.
+
+Each check returns :class:`Problem` records naming the key, the value, and the fix; :func:`validate`
+collects all of them so the user fixes a config in one round, not one error per queue wait. The checks
+are pure functions of the typed config (plus an injectable ``exists`` for the file checks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from orchestrator.schema import (
+    CONTAINER_KINDS,
+    EXECUTORS,
+    PRECISIONS,
+    SCHEDULES,
+    WANDB_MODES,
+    SlipwayConfig,
+)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One configuration error: ``code`` is its class (stable, used by tests), the rest is for people."""
+
+    code: str
+    key: str
+    value: object
+    message: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.key}={self.value!r}: {self.message}. Fix: {self.fix}"
+
+
+class PlanError(ValueError):
+    """Raised instead of submitting when any problem was found; lists all of them."""
+
+    def __init__(self, problems: list[Problem]) -> None:
+        self.problems = problems
+        lines = "\n  - ".join(str(p) for p in problems)
+        super().__init__(f"{len(problems)} configuration problem(s); nothing was submitted:\n  - {lines}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Derived sizes of a run: world = nodes × tasks_per_node = tp × pp × dp."""
+
+    nodes: int
+    tasks_per_node: int
+    world: int
+    tp: int
+    pp: int
+    dp: int  # 0 when world is not a multiple of tp·pp
+    num_microbatches: int  # 0 when global batch is not a multiple of micro × dp
+
+
+def layout_of(cfg: SlipwayConfig) -> Layout:
+    c, p, t = cfg.cluster, cfg.parallel, cfg.train
+    tpn = c.tasks_per_node if c.tasks_per_node is not None else max(c.gpus_per_node, 1)
+    world = c.nodes * tpn
+    mp = max(p.tp_size, 1) * max(p.pp_size, 1)
+    dp = world // mp if world % mp == 0 else 0
+    per_step = t.micro_batch_size * dp
+    nmb = t.global_batch_size // per_step if per_step and t.global_batch_size % per_step == 0 else 0
+    return Layout(c.nodes, tpn, world, p.tp_size, p.pp_size, dp, nmb)
+
+
+def _positive(cfg: SlipwayConfig) -> list[Problem]:
+    keys = {
+        "model.num_layers": cfg.model.num_layers,
+        "model.hidden_size": cfg.model.hidden_size,
+        "model.num_attention_heads": cfg.model.num_attention_heads,
+        "model.seq_length": cfg.model.seq_length,
+        "parallel.tp_size": cfg.parallel.tp_size,
+        "parallel.pp_size": cfg.parallel.pp_size,
+        "train.micro_batch_size": cfg.train.micro_batch_size,
+        "train.global_batch_size": cfg.train.global_batch_size,
+        "train.iters": cfg.train.iters,
+        "train.save_interval": cfg.train.save_interval,
+        "train.log_interval": cfg.train.log_interval,
+        "cluster.nodes": cfg.cluster.nodes,
+        "cluster.time_limit_min": cfg.cluster.time_limit_min,
+        "optim.lr": cfg.optim.lr,
+    }
+    return [
+        Problem("positive", k, v, "must be > 0", f"set {k} to a positive value")
+        for k, v in keys.items()
+        if v <= 0
+    ]
+
+
+def _choices(cfg: SlipwayConfig) -> list[Problem]:
+    out = []
+    for key, value, allowed in (
+        ("train.precision", cfg.train.precision, PRECISIONS),
+        ("parallel.schedule", cfg.parallel.schedule, SCHEDULES),
+        ("cluster.executor", cfg.cluster.executor, EXECUTORS),
+        ("container.kind", cfg.container.kind, CONTAINER_KINDS),
+        ("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES),
+    ):
+        if value not in allowed:
+            out.append(
+                Problem("choice", key, value, f"must be one of {', '.join(allowed)}", f"{key}={allowed[0]}")
+            )
+    return out
+
+
+def _divisibility(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    out = []
+    if p.tp_size > 0 and m.num_attention_heads % p.tp_size:
+        out.append(
+            Problem(
+                "tp_heads",
+                "parallel.tp_size",
+                p.tp_size,
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by it",
+                "choose a tp_size that divides the number of heads",
+            )
+        )
+    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
+        out.append(
+            Problem(
+                "hidden_heads",
+                "model.hidden_size",
+                m.hidden_size,
+                f"not divisible by model.num_attention_heads={m.num_attention_heads}",
+                "make hidden_size a multiple of num_attention_heads",
+            )
+        )
+    if p.pp_size > 0 and m.num_layers % p.pp_size:
+        out.append(
+            Problem(
+                "pp_layers",
+                "parallel.pp_size",
+                p.pp_size,
+                f"model.num_layers={m.num_layers} is not divisible by it",
+                "choose a pp_size that divides the number of layers",
+            )
+        )
+    if lay.dp == 0 and p.tp_size > 0 and p.pp_size > 0:
+        out.append(
+            Problem(
+                "world",
+                "cluster.nodes",
+                cfg.cluster.nodes,
+                f"world = nodes {lay.nodes} × tasks_per_node {lay.tasks_per_node} = {lay.world} is not a "
+                f"multiple of tp {p.tp_size} × pp {p.pp_size} = {p.tp_size * p.pp_size}",
+                "change cluster.nodes / cluster.gpus_per_node (or cluster.tasks_per_node) or the tp/pp sizes",
+            )
+        )
+    elif lay.dp and lay.num_microbatches == 0 and t.micro_batch_size > 0:
+        need = t.micro_batch_size * lay.dp
+        out.append(
+            Problem(
+                "batch",
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"not divisible by micro_batch_size {t.micro_batch_size} × dp {lay.dp} = {need}",
+                f"use a multiple of {need}, e.g. {max(need, (t.global_batch_size // need) * need)}",
+            )
+        )
+    if p.sequence_parallel and p.tp_size < 2:
+        out.append(
+            Problem(
+                "sequence_parallel",
+                "parallel.sequence_parallel",
+                True,
+                "sequence parallelism splits along the tensor-parallel group, which has size 1",
+                "set parallel.sequence_parallel=false or parallel.tp_size>1",
+            )
+        )
+    return out
+
+
+def _model_and_optim(cfg: SlipwayConfig) -> list[Problem]:
+    m, o, t = cfg.model, cfg.optim, cfg.train
+    out = []
+    if m.seq_length > m.max_position_embeddings:
+        out.append(
+            Problem(
+                "seq_positions",
+                "model.seq_length",
+                m.seq_length,
+                f"exceeds model.max_position_embeddings={m.max_position_embeddings}",
+                f"lower seq_length or set model.max_position_embeddings>={m.seq_length}",
+            )
+        )
+    if o.min_lr > o.lr:
+        out.append(
+            Problem(
+                "lr_range",
+                "optim.min_lr",
+                o.min_lr,
+                f"exceeds optim.lr={o.lr}",
+                "set optim.min_lr <= optim.lr",
+            )
+        )
+    decay = o.decay_iters if o.decay_iters is not None else t.iters
+    if o.warmup_iters > decay:
+        out.append(
+            Problem(
+                "warmup",
+                "optim.warmup_iters",
+                o.warmup_iters,
+                f"exceeds the decay length {decay}",
+                "lower optim.warmup_iters",
+            )
+        )
+    return out
+
+
+def _precision(cfg: SlipwayConfig) -> list[Problem]:
+    prec, c = cfg.train.precision, cfg.cluster
+    if prec == "fp16" and c.gpus_per_node == 0:
+        return [
+            Problem(
+                "precision",
+                "train.precision",
+                prec,
+                f"fp16 mixed precision needs CUDA; cluster.{c.name} has no GPUs",
+                "use train.precision=fp32 (or bf16) on CPU clusters",
+            )
+        ]
+    if prec == "bf16" and not c.device_bf16:
+        return [
+            Problem(
+                "precision",
+                "train.precision",
+                prec,
+                f"cluster device {c.device_name} has no bf16 support (cluster.device_bf16=false)",
+                "use train.precision=fp16 on pre-Ampere GPUs",
+            )
+        ]
+    return []
+
+
+def _cluster(cfg: SlipwayConfig) -> list[Problem]:
+    c, out = cfg.cluster, []
+    if c.executor == "local" and c.nodes != 1:
+        out.append(
+            Problem(
+                "local_nodes",
+                "cluster.nodes",
+                c.nodes,
+                "the local executor runs on one machine",
+                "use cluster.nodes=1, or cluster=devcluster / cluster=slurm for several nodes",
+            )
+        )
+    backend = c.backend or ("nccl" if c.gpus_per_node else "gloo")
+    if backend == "nccl" and c.gpus_per_node == 0:
+        out.append(
+            Problem(
+                "backend",
+                "cluster.backend",
+                backend,
+                "NCCL needs GPUs; this cluster has none",
+                "set cluster.backend=gloo (or null)",
+            )
+        )
+    if c.signal_lead_s >= c.time_limit_min * 60:
+        out.append(
+            Problem(
+                "signal_lead",
+                "cluster.signal_lead_s",
+                c.signal_lead_s,
+                f"not shorter than the time limit ({c.time_limit_min} min)",
+                "lower cluster.signal_lead_s or raise cluster.time_limit_min",
+            )
+        )
+    for name in c.env:
+        if any(m in name.upper() for m in ("KEY", "TOKEN", "SECRET", "PASSWORD")):
+            out.append(
+                Problem(
+                    "secret_in_config",
+                    f"cluster.env.{name}",
+                    "<redacted>",
+                    "secrets must not be written into configs, scripts or run.json",
+                    f"remove it and export {name} in the environment you launch from",
+                )
+            )
+    if cfg.container.kind == "apptainer" and not cfg.container.image:
+        out.append(
+            Problem(
+                "container_image",
+                "container.image",
+                None,
+                "apptainer needs an image",
+                "build one with containers/build.sh and set container.image=/path/slipway.sif",
+            )
+        )
+    return out
+
+
+def _data(cfg: SlipwayConfig) -> list[Problem]:
+    d, tok, out = cfg.data, cfg.tokenizer, []
+    if d.corpus is None and not d.paths:
+        out.append(
+            Problem(
+                "data_missing",
+                "data.paths",
+                [],
+                "no input files and no corpus stage",
+                "set data.paths=[/path/train.jsonl] or data=stdlib",
+            )
+        )
+    try:
+        weights = [float(x) for x in d.split.split(",")]
+    except ValueError:
+        weights = []
+    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+        out.append(
+            Problem(
+                "split",
+                "data.split",
+                d.split,
+                "must be up to three weights 'train,valid,test'",
+                "e.g. data.split='969,30,1'",
+            )
+        )
+    if (tok.vocab_file is None) != (tok.merge_file is None):
+        out.append(
+            Problem(
+                "tokenizer_pair",
+                "tokenizer.merge_file",
+                tok.merge_file,
+                "vocab_file and merge_file go together",
+                "set both, or neither to train one",
+            )
+        )
+    if tok.vocab_file is None and d.corpus is None:
+        out.append(
+            Problem(
+                "tokenizer_missing",
+                "tokenizer.vocab_file",
+                None,
+                "no tokenizer files and no corpus stage to train one on",
+                "set tokenizer.vocab_file and tokenizer.merge_file (or tokenizer=codeparrot)",
+            )
+        )
+    if tok.vocab_file is None and not tok.vocab_size:
+        out.append(
+            Problem(
+                "vocab_size",
+                "tokenizer.vocab_size",
+                tok.vocab_size,
+                "needed to train a tokenizer",
+                "set tokenizer.vocab_size, e.g. 2048",
+            )
+        )
+    return out
+
+
+def check_files(cfg: SlipwayConfig, exists: Callable[[str], bool] = os.path.exists) -> list[Problem]:
+    """Inputs the stages read must exist now (they are not produced by an earlier stage)."""
+    out = []
+    files = [] if cfg.data.corpus is not None else [("data.paths", p) for p in cfg.data.paths]
+    files += [
+        (k, v)
+        for k, v in (
+            ("tokenizer.vocab_file", cfg.tokenizer.vocab_file),
+            ("tokenizer.merge_file", cfg.tokenizer.merge_file),
+        )
+        if v
+    ]
+    if cfg.container.kind == "apptainer" and cfg.container.image:
+        files.append(("container.image", cfg.container.image))
+    for key, path in files:
+        if not exists(path):
+            out.append(
+                Problem(
+                    "file_missing",
+                    key,
+                    path,
+                    "file does not exist (as seen from this node)",
+                    f"create it or point {key} at an existing file (paths must be on shared storage)",
+                )
+            )
+    return out
+
+
+def validate(cfg: SlipwayConfig, exists: Callable[[str], bool] = os.path.exists) -> list[Problem]:
+    """All config problems that need no estimate (memory/time problems are added by the plan)."""
+    lay = layout_of(cfg)
+    return (
+        _positive(cfg)
+        + _choices(cfg)
+        + _divisibility(cfg, lay)
+        + _model_and_optim(cfg)
+        + _precision(cfg)
+        + _cluster(cfg)
+        + _data(cfg)
+        + check_files(cfg, exists)
+    )

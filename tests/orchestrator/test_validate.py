@@ -1,0 +1,90 @@
+"""Each validation error class is caught before any job exists, with the key, the value and the fix."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from orchestrator.launcher import launch
+from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.validate import PlanError
+from tests.orchestrator.conftest import compose_cfg
+
+SMOKE = ["+experiment=codeparrot_smoke"]
+CP = ["+experiment=codeparrot"]
+
+# (base, overrides, expected problem code, key named in the problem)
+CASES = [
+    (SMOKE, ["parallel.tp_size=3"], "tp_heads", "parallel.tp_size"),
+    (SMOKE, ["model.num_layers=3"], "pp_layers", "parallel.pp_size"),
+    (SMOKE, ["model.hidden_size=66"], "hidden_heads", "model.hidden_size"),
+    (SMOKE, ["cluster.tasks_per_node=3"], "world", "cluster.nodes"),
+    (SMOKE, ["train.global_batch_size=5"], "batch", "train.global_batch_size"),
+    (SMOKE, ["model.seq_length=128"], "seq_positions", "model.seq_length"),
+    (SMOKE, ["train.precision=fp16"], "precision", "train.precision"),
+    (SMOKE, ["train.precision=fp8"], "choice", "train.precision"),
+    (
+        SMOKE,
+        ["parallel.sequence_parallel=true", "parallel.tp_size=1", "cluster.tasks_per_node=2"],
+        "sequence_parallel",
+        "parallel.sequence_parallel",
+    ),
+    (SMOKE, ["cluster.nodes=2"], "local_nodes", "cluster.nodes"),
+    (SMOKE, ["optim.min_lr=1.0"], "lr_range", "optim.min_lr"),
+    (SMOKE, ["train.iters=0"], "positive", "train.iters"),
+    (SMOKE, ["data.split='90,x,10'"], "split", "data.split"),
+    (SMOKE, ["+cluster.env.WANDB_API_KEY=abcd1234secret"], "secret_in_config", "cluster.env.WANDB_API_KEY"),
+    (CP, ["data.paths=[/nonexistent/train.jsonl]"], "file_missing", "data.paths"),
+    (CP, ["tokenizer.vocab_file=/nonexistent/vocab.json"], "file_missing", "tokenizer.vocab_file"),
+    (CP, ["train.micro_batch_size=96", "train.global_batch_size=768"], "memory", "train.micro_batch_size"),
+    (CP, ["cluster.time_limit_min=5"], "time_limit", "cluster.time_limit_min"),
+    (CP, ["train.precision=bf16", "cluster.device_bf16=false"], "precision", "train.precision"),
+]
+
+
+def _plan(overrides, exists=None):
+    cfg = compose_cfg(overrides)
+    facts = PlanInputs("r0", "/tmp/never-created/r0")
+    return cfg, make_plan(cfg, facts, exists=exists or (lambda p: "nonexistent" not in p))
+
+
+@pytest.mark.parametrize("base,overrides,code,key", CASES, ids=[c[2] + ":" + c[1][0] for c in CASES])
+def test_problem_names_key_value_fix(base, overrides, code, key):
+    _, plan = _plan(base + overrides)
+    hits = [p for p in plan.problems if p.code == code]
+    assert hits, [str(p) for p in plan.problems]
+    p = hits[0]
+    assert p.key == key and p.fix
+    text = str(p)
+    assert key in text and "Fix:" in text and repr(p.value) in text
+
+
+def test_clean_configs_have_no_problems():
+    assert _plan(SMOKE)[1].problems == []
+    assert _plan(CP, exists=lambda p: True)[1].problems == []
+
+
+def test_memory_problem_suggests_recompute_when_it_fits():
+    _, plan = _plan(CP + ["train.micro_batch_size=72", "train.global_batch_size=576"], exists=lambda p: True)
+    mem = [p for p in plan.problems if p.code == "memory"]
+    assert mem and "recompute_activations=true" in mem[0].fix
+    assert "weights" in mem[0].message and "optimizer" in mem[0].message
+    _, plan = _plan(
+        CP + ["train.micro_batch_size=72", "train.global_batch_size=576", "train.recompute_activations=true"],
+        exists=lambda p: True,
+    )
+    assert not [p for p in plan.problems if p.code == "memory"]
+
+
+def test_launch_refuses_before_any_job_exists(tmp_path: Path):
+    """Nothing is created or submitted: no run dir, no job folder, no marker (and on the devcluster,
+    test_devcluster asserts squeue stays empty)."""
+    cfg = compose_cfg(SMOKE + ["parallel.tp_size=3", "train.global_batch_size=5", f"runs_root={tmp_path}"])
+    with pytest.raises(PlanError) as err:
+        launch(cfg, out=io.StringIO())
+    codes = {p.code for p in err.value.problems}
+    assert {"tp_heads", "world"} <= codes
+    assert "nothing was submitted" in str(err.value)
+    assert list(tmp_path.iterdir()) == []
