@@ -15,13 +15,11 @@ _CONFIGURED = False
 
 def global_rank() -> int:
     """The process's global rank from torch.distributed, torchrun or Slurm, else 0."""
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:  # pragma: no cover
-        pass
+    # Only a torch.distributed that is already imported can be initialized; importing torch here would
+    # cost seconds on every CLI's first log line (e.g. the data tools, which never use torch).
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     for key in ("RANK", "SLURM_PROCID"):
         if key in os.environ:
             return int(os.environ[key])
