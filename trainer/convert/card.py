@@ -1,0 +1,85 @@
+"""The model card (README.md): training provenance, architecture, and the verification figures."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from trainer.convert.spec import GPTSpec, arg
+from trainer.convert.verify import VerifyReport
+
+
+@dataclass
+class Provenance:
+    """Where the weights came from; None where unknown (the card says so)."""
+
+    run_id: str | None = None
+    iteration: int | str | None = None
+    tokens_seen: int | None = None
+    data: str | None = None
+    val_loss: float | None = None
+    source: str | None = None  # the checkpoint directory
+    tp_size: int | None = None
+    pp_size: int | None = None
+
+    @classmethod
+    def from_args(cls, args: Any, **known: Any) -> Provenance:
+        """Read what the checkpoint's args say; ``known`` values (not None) take precedence."""
+        samples = arg(args, "consumed_train_samples", arg(args, "consumed_samples"))
+        seq = arg(args, "seq_length")
+        tokens = arg(args, "tokens_seen", samples * seq if samples is not None and seq else None)
+        data = arg(args, "data_path", arg(args, "data"))
+        if isinstance(data, (list, tuple)):
+            data = ", ".join(str(d) for d in data)
+        found = cls(run_id=arg(args, "run_id"), tokens_seen=tokens, data=data,
+                    val_loss=arg(args, "val_loss", arg(args, "final_val_loss")))
+        for key, value in known.items():
+            if value is not None:
+                setattr(found, key, value)
+        return found
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "unknown"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def render_card(spec: GPTSpec, prov: Provenance, report: VerifyReport, extra: dict[str, str]) -> str:
+    """Markdown with YAML front matter; ``extra`` adds rows (e.g. dtype, transformers version)."""
+    params = spec.num_layers * (4 * spec.hidden_size ** 2 + 2 * spec.hidden_size * spec.ffn_hidden_size) + (
+        spec.vocab_size + spec.max_position_embeddings) * spec.hidden_size
+    rows = {"run id": prov.run_id, "iteration": prov.iteration, "tokens seen": prov.tokens_seen,
+            "data": prov.data, "final validation loss": prov.val_loss, "source checkpoint": prov.source,
+            "training layout": f"tp={prov.tp_size}, pp={prov.pp_size}" if prov.tp_size else None}
+    arch = asdict(spec)
+    lines = [
+        "---", "library_name: transformers", "pipeline_tag: text-generation",
+        "tags: [gpt2, slipway, megatron]", "---", "",
+        f"# GPT-2 model ({params / 1e6:.1f}M parameters) trained with Slipway", "",
+        "## Provenance", "", "| | |", "|---|---|",
+        *(f"| {k} | {_fmt(v)} |" for k, v in rows.items()), "",
+        "## Architecture", "", "| | |", "|---|---|",
+        *(f"| {k} | {_fmt(v)} |" for k, v in arch.items()),
+        *(f"| {k} | {v} |" for k, v in extra.items()), "",
+        "## Conversion check", "", report.summary() + ".", "",
+        "The Megatron-layout source model and this directory, loaded back with `AutoModelForCausalLM` in "
+        "fp32, ran the same prompts:", "",
+        "| prompt | max abs logit diff | greedy identical |", "|---|---|---|",
+        *(f"| `{s['prompt']!r}` | {s['max_abs_logit_diff']:.3g} | {s['greedy_identical']} |"
+          for s in report.samples), "",
+        "## Use", "", "```python", "from transformers import pipeline",
+        'generate = pipeline("text-generation", model="path/to/this/directory")',
+        f'print(generate({report.samples[0]["prompt"]!r}, max_new_tokens=32)[0]["generated_text"])'
+        if report.samples else "", "```", "",
+    ]
+    return "\n".join(lines)
+
+
+def write_card(out_dir: Path, text: str) -> None:
+    (out_dir / "README.md").write_text(text, encoding="utf-8")

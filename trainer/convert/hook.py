@@ -1,0 +1,136 @@
+"""The post-job hook: convert a run's latest checkpoint into ``<run_dir>/hf/``, verify, write a sample.
+
+The orchestrator runs :func:`convert_run` as the stage after training; the training job can call it at
+its end. ``push_to_hub`` is checked before any work (huggingface_hub importable, a token, the endpoint
+reachable) so that a run never converts for an hour and then fails at the upload.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from trainer.convert.to_hf import ConversionResult, ToHFConfig, convert_checkpoint
+from trainer.log import get_logger
+
+log = get_logger(__name__)
+SAMPLE_FILE = "sample.txt"
+
+
+class HubUnavailable(RuntimeError):
+    """push_to_hub was asked for but cannot work here; raised before any conversion work."""
+
+
+@dataclass
+class ConvertRunConfig:
+    """What the post-job conversion does. Paths default to the run directory's standard layout."""
+
+    checkpoint_dir: str | None = None  # default <run_dir>/checkpoints
+    output_dir: str | None = None  # default <run_dir>/hf
+    vocab_file: str | None = None  # the run's tokenizer; default: the paths in the checkpoint's args
+    merge_file: str | None = None
+    iteration: int | None = None  # default: the latest committed one
+    verify: bool = True  # verification always runs (it is part of conversion); False only logs a warning
+    prompt: str = "def print_hello_world():"  # the sample written to <run_dir>/sample.txt
+    sample_tokens: int = 64
+    val_loss: float | None = None  # the final validation loss for the model card, when the caller knows it
+    write_bin: bool = False
+    push_to_hub: bool = False
+    hub_repo: str | None = None  # "user/name" on the Hub
+    hub_private: bool = True
+
+    def __post_init__(self) -> None:
+        if self.sample_tokens < 1:
+            raise ValueError(f"sample_tokens={self.sample_tokens} must be ≥ 1")
+        if self.push_to_hub and not self.hub_repo:
+            raise ValueError("push_to_hub=true needs hub_repo ('user/model-name')")
+
+
+def check_hub(repo: str | None, timeout_s: float = 5.0) -> str:
+    """Fail fast unless an upload to the Hub can work; returns the token."""
+    try:
+        import huggingface_hub
+    except ImportError as e:
+        raise HubUnavailable("push_to_hub needs the huggingface_hub package (pip install "
+                             "huggingface_hub)") from e
+    if not repo:
+        raise HubUnavailable("push_to_hub needs a repository id ('user/model-name')")
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        raise HubUnavailable("push_to_hub: HF_HUB_OFFLINE is set; unset it or drop push_to_hub")
+    token = huggingface_hub.get_token()
+    if not token:
+        raise HubUnavailable("push_to_hub: no Hugging Face token (set HF_TOKEN or run `hf auth login`); "
+                             "nothing was converted")
+    endpoint = os.environ.get("HF_ENDPOINT") or huggingface_hub.constants.ENDPOINT
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout_s).close()
+    except OSError as e:
+        raise HubUnavailable(f"push_to_hub: cannot reach {endpoint} ({e}); no network here? Nothing "
+                             "was converted; drop push_to_hub and upload the hf/ folder from a machine "
+                             "online") from e
+    return token
+
+
+def push(folder: Path, repo: str, token: str, private: bool) -> str:
+    """Upload a verified folder; returns the commit URL."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(token=token)
+    api.create_repo(repo, private=private, exist_ok=True)
+    return str(api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="Slipway conversion"))
+
+
+def write_sample(hf_dir: Path, out: Path, prompt: str, new_tokens: int) -> str:
+    """Greedy continuation of ``prompt`` by the converted model through ``transformers.pipeline``."""
+    from transformers import pipeline
+
+    generate = pipeline("text-generation", model=str(hf_dir), device="cpu")
+    text = generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_full_text=True)[0]
+    out.write_text(f"# greedy sample from {hf_dir} ({new_tokens} new tokens)\n{text['generated_text']}\n",
+                   encoding="utf-8")
+    return text["generated_text"]
+
+
+def _run_info(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "run.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        log.warning("%s is unreadable; the model card will lack the run's identity", path)
+        return {}
+
+
+def convert_run(run_dir: str | os.PathLike, cfg: ConvertRunConfig | None = None, **fields: Any
+                ) -> ConversionResult:
+    """Convert ``<run_dir>``'s latest checkpoint to ``<run_dir>/hf/`` (verified), write ``sample.txt``.
+
+    ``fields`` override ``cfg`` (the orchestrator passes checkpoint_dir, output_dir, vocab_file, merge_file,
+    verify). Raises HubUnavailable before any work, CheckpointError for a bad checkpoint, and
+    VerificationFailed (output marked invalid) when the converted model does not match.
+    """
+    cfg = dataclasses.replace(cfg or ConvertRunConfig(), **fields)
+    run = Path(run_dir)
+    token = check_hub(cfg.hub_repo) if cfg.push_to_hub else None
+    if not cfg.verify:
+        log.warning("convert.verify=false is ignored: verification is part of conversion and always runs")
+    info = _run_info(run)
+    out = Path(cfg.output_dir or run / "hf")
+    to_hf = ToHFConfig(
+        checkpoint_dir=Path(cfg.checkpoint_dir or run / "checkpoints"), output_dir=out,
+        iteration=cfg.iteration,
+        write_bin=cfg.write_bin, vocab_file=Path(cfg.vocab_file) if cfg.vocab_file else None,
+        merge_file=Path(cfg.merge_file) if cfg.merge_file else None, overwrite=True,
+        provenance={"run_id": info.get("run_id"), "val_loss": cfg.val_loss})
+    result = convert_checkpoint(to_hf)
+    write_sample(out, run / SAMPLE_FILE, cfg.prompt, cfg.sample_tokens)
+    if token:
+        log.info("pushed %s to %s", out, push(out, cfg.hub_repo, token, cfg.hub_private))
+    return result

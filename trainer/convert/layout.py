@@ -1,0 +1,175 @@
+"""Reading and writing the Megatron legacy checkpoint layout (``formats.md`` §4), model part only.
+
+```
+{dir}/latest_checkpointed_iteration.txt             # "150000" (no newline) or "release"
+{dir}/iter_0150000/mp_rank_00/model_optim_rng.pt     # PP == 1
+{dir}/iter_0150000/mp_rank_01_003/model_optim_rng.pt # TP rank 1, PP rank 3
+```
+
+The converters own this small piece themselves so they never depend on the training loop: a checkpoint
+written by ``from_hf`` at any (tp, pp) can be read back by ``to_hf`` and vice versa. Every problem raises
+:class:`CheckpointError` saying what is wrong, where, and what to do.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+SHARD_FILE = "model_optim_rng.pt"
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be converted; the message says why and how to fix it."""
+
+
+def iteration_dir_name(iteration: int | str) -> str:
+    """``iter_0000150`` for an iteration number, ``release`` for Megatron's release checkpoints."""
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """Megatron's shard folder: the PP rank appears only when the pipeline has more than one stage."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+
+
+def read_tracker(checkpoint_dir: Path) -> int | str:
+    """The iteration named by ``latest_checkpointed_iteration.txt``."""
+    if not checkpoint_dir.is_dir():
+        raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist")
+    tracker = checkpoint_dir / TRACKER
+    if not tracker.is_file():
+        found = sorted(p.name for p in checkpoint_dir.glob("iter_*"))
+        hint = f"; it holds {found[-3:]}: pass --iteration N" if found else " and holds no iter_* folders"
+        raise CheckpointError(f"{checkpoint_dir} has no {TRACKER} (not a finished Megatron/Slipway "
+                              f"checkpoint){hint}")
+    text = tracker.read_text().strip()
+    if text == "release":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{tracker} should hold an iteration number or 'release', not {text!r}; "
+                              "the save was interrupted — pass --iteration N for an earlier one") from None
+
+
+def iteration_path(checkpoint_dir: Path, iteration: int | str | None) -> tuple[Path, int | str]:
+    """The folder of ``iteration`` (the tracker's when None), checked to exist."""
+    from_tracker = iteration is None
+    if from_tracker:
+        iteration = read_tracker(checkpoint_dir)
+    path = checkpoint_dir / iteration_dir_name(iteration)
+    if not path.is_dir():
+        found = sorted(p.name for p in checkpoint_dir.glob("iter_*"))
+        source = f"{TRACKER} says {iteration}" if from_tracker else f"--iteration {iteration} was asked"
+        raise CheckpointError(f"{source} but {path} does not exist (available: {found or 'none'}); "
+                              "pass --iteration with one that exists")
+    return path, iteration
+
+
+def discover_layout(iter_dir: Path) -> tuple[int, int]:
+    """(tp_size, pp_size) from the shard folders, after checking that every rank's shard is there."""
+    ranks = set()
+    for child in iter_dir.iterdir():
+        m = _RANK_DIR.match(child.name)
+        if m and child.is_dir():
+            ranks.add((int(m.group(1)), int(m.group(2) or 0)))
+    if not ranks:
+        raise CheckpointError(f"{iter_dir} holds no mp_rank_* shard folders: incomplete checkpoint")
+    tp_size = max(t for t, _ in ranks) + 1
+    pp_size = max(p for _, p in ranks) + 1
+    missing = [rank_dir_name(t, p, pp_size) + "/" + SHARD_FILE for t in range(tp_size) for p in range(pp_size)
+               if not (iter_dir / rank_dir_name(t, p, pp_size) / SHARD_FILE).is_file()]
+    if missing:
+        raise CheckpointError(f"{iter_dir} is incomplete for tp={tp_size}, pp={pp_size}: missing "
+                              f"{', '.join(missing)} (a rank failed to save, or the copy is partial)")
+    return tp_size, pp_size
+
+
+def _numpy_globals() -> list:
+    """The numpy pieces an RNG state needs; plain data, so safe to allow under ``weights_only``."""
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        allowed += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
+    return allowed
+
+
+@contextmanager
+def _safe_numpy():
+    with torch.serialization.safe_globals(_numpy_globals()):
+        yield
+
+
+def load_shard(path: Path, trust_pickle: bool = False) -> dict[str, Any]:
+    """One ``model_optim_rng.pt``, memory-mapped. Arbitrary pickles (Megatron-LM's argparse Namespace)
+    only with ``trust_pickle``: unpickling runs code from the file."""
+    try:
+        if trust_pickle:
+            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        with _safe_numpy():
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        if trust_pickle:
+            raise CheckpointError(f"{path} is not a readable torch checkpoint: {e}") from e
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        raise CheckpointError(
+            f"{path} contains pickled Python objects ({', '.join(unsafe) or 'unknown'}), as Megatron-LM "
+            "writes (args is an argparse Namespace). Loading them runs code from the file, so it is off by "
+            "default: pass --trust-pickle if you trust where this checkpoint came from") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"{path} cannot be read ({e.__class__.__name__}: {e}); the file is truncated "
+                              "or not a torch checkpoint") from e
+
+
+def save_shard(path: Path, payload: dict[str, Any]) -> None:
+    """Write one shard atomically (a crash never leaves a half-written file under the real name)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(payload, tmp)
+    tmp.replace(path)
+
+
+def write_tracker(checkpoint_dir: Path, iteration: int | str) -> None:
+    """Megatron's tracker: the bare iteration, no newline; written last so readers see whole checkpoints."""
+    tmp = checkpoint_dir / (TRACKER + ".tmp")
+    tmp.write_text(str(iteration))
+    tmp.replace(checkpoint_dir / TRACKER)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested Megatron model dict → flat dotted names (already-flat entries pass through)."""
+    flat = {}
+    for key, value in tree.items():
+        name = prefix + str(key)
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
+    """Flat names → Megatron's nesting: ``language_model.embedding.word_embeddings.weight`` nests fully,
+    the encoder keeps flat ``layers.{i}...`` keys under ``language_model.encoder`` (as Megatron saves it)."""
+    tree: dict[str, Any] = {}
+    for name, value in flat.items():
+        if name.startswith("language_model.encoder."):
+            parts = ["language_model", "encoder", name.removeprefix("language_model.encoder.")]
+        else:
+            head, _, leaf = name.rpartition(".")
+            parts = [*head.split("."), leaf] if head else [leaf]
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return tree

@@ -1,0 +1,187 @@
+"""The declarative name map between Slipway/Megatron GPT parameters and Hugging Face ``GPT2LMHeadModel``.
+
+One table (:data:`RULES`) says, for every parameter, its Megatron legacy name (``formats.md`` §4), its
+HF name (§5), the tensor transform between them and how tensor parallelism shards it. Both directions are
+derived from that table: the inverse map is the same rules read right to left with each transform's
+inverse, so the two directions cannot drift apart.
+
+Names here are *flat* (dotted) and use *global* layer indices; nesting and per-stage local indices are
+the checkpoint layer's business (:mod:`trainer.convert.shards`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+ENCODER = "language_model.encoder."
+WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
+POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
+HEAD_EMBEDDINGS = "word_embeddings_for_head.weight"  # tied LM head copy on a last PP stage (PP > 1)
+
+# How a parameter is sharded over tensor-parallel ranks (formats.md §4).
+COLUMN, ROW, REPLICATED, VOCAB = "column", "row", "replicated", "vocab"
+# Which pipeline stage holds it.
+FIRST, LAYER, LAST = "first", "layer", "last"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One parameter: Megatron and HF names (``{i}``: global layer index), transform, TP and PP placement."""
+
+    megatron: str
+    hf: str
+    op: str  # key of TRANSFORMS
+    tp: str  # COLUMN | ROW | REPLICATED | VOCAB
+    stage: str  # FIRST | LAYER | LAST
+
+
+def _layer(megatron: str, hf: str, op: str, tp: str) -> Rule:
+    return Rule(ENCODER + "layers.{i}." + megatron, "transformer.h.{i}." + hf, op, tp, LAYER)
+
+
+RULES: tuple[Rule, ...] = (
+    Rule(WORD_EMBEDDINGS, "transformer.wte.weight", "vocab", VOCAB, FIRST),
+    Rule(POSITION_EMBEDDINGS, "transformer.wpe.weight", "copy", REPLICATED, FIRST),
+    _layer("input_layernorm.weight", "ln_1.weight", "copy", REPLICATED),
+    _layer("input_layernorm.bias", "ln_1.bias", "copy", REPLICATED),
+    _layer("self_attention.query_key_value.weight", "attn.c_attn.weight", "qkv_weight", COLUMN),
+    _layer("self_attention.query_key_value.bias", "attn.c_attn.bias", "qkv_bias", COLUMN),
+    _layer("self_attention.dense.weight", "attn.c_proj.weight", "transpose", ROW),
+    _layer("self_attention.dense.bias", "attn.c_proj.bias", "copy", REPLICATED),
+    _layer("post_attention_layernorm.weight", "ln_2.weight", "copy", REPLICATED),
+    _layer("post_attention_layernorm.bias", "ln_2.bias", "copy", REPLICATED),
+    _layer("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight", "transpose", COLUMN),
+    _layer("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias", "copy", COLUMN),
+    _layer("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", "transpose", ROW),
+    _layer("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", "copy", REPLICATED),
+    Rule(ENCODER + "final_layernorm.weight", "transformer.ln_f.weight", "copy", REPLICATED, LAST),
+    Rule(ENCODER + "final_layernorm.bias", "transformer.ln_f.bias", "copy", REPLICATED, LAST),
+)
+
+# Older Megatron releases call the encoder "transformer" and the attention block "attention"; newer
+# legacy-format ones may hold Transformer Engine bookkeeping. Normalised on read, never written.
+ALIASES: tuple[tuple[str, str], ...] = (
+    ("language_model.transformer.", ENCODER),
+    (".attention.query_key_value.", ".self_attention.query_key_value."),
+    (".attention.dense.", ".self_attention.dense."),
+)
+IGNORED_SUFFIXES = ("._extra_state", ".attn.bias", ".attn.masked_bias")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """What the transforms need to know about the model."""
+
+    num_heads: int
+    vocab_size: int  # the tokenizer's real size (HF rows)
+    padded_vocab_size: int  # Megatron rows (vocab padded to a multiple of 128·TP)
+    checkpoint_version: float = 3.0
+
+
+def _qkv_to_hf(t: torch.Tensor, s: Shapes) -> torch.Tensor:
+    """Megatron per-head rows [heads, 3, hd] (v ≥ 2.0) or [heads, hd, 3] (v1.0) → HF [3, heads, hd]."""
+    rest = t.shape[1:]
+    if s.checkpoint_version >= 2.0:
+        t = t.reshape(s.num_heads, 3, -1, *rest).transpose(0, 1)
+    elif s.checkpoint_version == 1.0:
+        t = t.reshape(s.num_heads, -1, 3, *rest).permute(2, 0, 1, *range(3, 3 + len(rest)))
+    # version 0 already stores [3, heads, hd].
+    return t.reshape(-1, *rest).contiguous()
+
+
+def _qkv_from_hf(t: torch.Tensor, s: Shapes) -> torch.Tensor:
+    """HF [3, heads, hd] rows → Megatron v ≥ 2.0 per-head rows [heads, 3, hd] (the only layout we write)."""
+    rest = t.shape[1:]
+    return t.reshape(3, s.num_heads, -1, *rest).transpose(0, 1).reshape(-1, *rest).contiguous()
+
+
+def _pad_rows(t: torch.Tensor, s: Shapes) -> torch.Tensor:
+    extra = s.padded_vocab_size - t.shape[0]
+    if extra < 0:
+        raise ValueError(f"vocab {t.shape[0]} rows exceed padded_vocab_size {s.padded_vocab_size}")
+    return torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) if extra else t
+
+
+def _drop_padding(t: torch.Tensor, s: Shapes) -> torch.Tensor:
+    if t.shape[0] < s.vocab_size:
+        raise ValueError(f"word embeddings have {t.shape[0]} rows, fewer than the tokenizer's "
+                         f"{s.vocab_size} tokens: the checkpoint and the tokenizer do not belong together")
+    return t[: s.vocab_size]
+
+
+Transform = Callable[[torch.Tensor, Shapes], torch.Tensor]
+# op → (Megatron → HF, HF → Megatron). Conv1D in HF stores [in, out], hence the transposes.
+TRANSFORMS: dict[str, tuple[Transform, Transform]] = {
+    "copy": (lambda t, s: t, lambda t, s: t),
+    "transpose": (lambda t, s: t.t().contiguous(), lambda t, s: t.t().contiguous()),
+    "qkv_weight": (lambda t, s: _qkv_to_hf(t, s).t().contiguous(), lambda t, s: _qkv_from_hf(t.t(), s)),
+    "qkv_bias": (_qkv_to_hf, _qkv_from_hf),
+    "vocab": (_drop_padding, _pad_rows),
+}
+
+
+def _pattern(template: str) -> re.Pattern:
+    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(?P<i>\d+)") + "$")
+
+
+_BY_MEGATRON = [(_pattern(r.megatron), r) for r in RULES]
+_BY_HF = [(_pattern(r.hf), r) for r in RULES]
+
+
+def match(name: str, hf: bool = False) -> tuple[Rule, int | None] | None:
+    """The rule for a flat name (Megatron by default, HF with ``hf=True``) and its layer index, or None."""
+    for pattern, rule in _BY_HF if hf else _BY_MEGATRON:
+        m = pattern.match(name)
+        if m:
+            return rule, int(m.group("i")) if "i" in m.groupdict() else None
+    return None
+
+
+def normalize(name: str) -> str | None:
+    """A Megatron name in Slipway's spelling, or None for bookkeeping entries that carry no weights."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return None
+    for old, new in ALIASES:
+        name = name.replace(old, new)
+    return name
+
+
+def megatron_to_hf(state: dict[str, torch.Tensor], shapes: Shapes) -> dict[str, torch.Tensor]:
+    """Full Megatron state (flat names, global layers, padded vocab) → HF GPT2LMHeadModel state."""
+    out = {}
+    for name, tensor in state.items():
+        found = match(name)
+        if found is None:
+            raise KeyError(f"no HF name for Megatron parameter {name!r}")
+        rule, i = found
+        out[rule.hf.format(i=i)] = TRANSFORMS[rule.op][0](tensor, shapes)
+    return out
+
+
+def hf_to_megatron(state: dict[str, torch.Tensor], shapes: Shapes) -> dict[str, torch.Tensor]:
+    """HF GPT2LMHeadModel state → full Megatron state; ``lm_head.weight`` must be tied to ``wte``."""
+    out = {}
+    for name, tensor in state.items():
+        if name == "lm_head.weight" or name.endswith(IGNORED_SUFFIXES):
+            continue
+        found = match(name, hf=True)
+        if found is None:
+            raise KeyError(f"{name!r} is not a GPT2LMHeadModel parameter Slipway knows")
+        rule, i = found
+        out[rule.megatron.format(i=i)] = TRANSFORMS[rule.op][1](tensor, shapes)
+    return out
+
+
+def expected_megatron_names(num_layers: int) -> list[str]:
+    """Every Megatron name a complete model has, in table order."""
+    names = []
+    for rule in RULES:
+        if rule.stage == LAYER:
+            names += [rule.megatron.format(i=i) for i in range(num_layers)]
+        else:
+            names.append(rule.megatron)
+    return names

@@ -1,0 +1,213 @@
+"""Merging a (tp, pp) checkpoint into one full state and splitting one back, Megatron names throughout.
+
+A *full* state is flat Megatron names (``names.RULES``) with global layer indices and the padded vocab.
+Merging follows ``formats.md`` §4: column-parallel tensors (QKV, h→4h, word embeddings) concatenate on
+dim 0, row-parallel weights on dim 1, everything else is replicated. Megatron numbers layers locally
+within each pipeline stage (stage k holds global layers k·L/p… as local 0…L/p−1); checkpoints that use
+global numbers are accepted too. Stages are read one at a time and memory-mapped, so merging needs about
+one copy of the model in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.convert import names
+from trainer.convert.layout import (
+    SHARD_FILE,
+    CheckpointError,
+    discover_layout,
+    flatten,
+    iteration_dir_name,
+    load_shard,
+    nest,
+    rank_dir_name,
+    save_shard,
+    write_tracker,
+)
+from trainer.log import get_logger
+
+log = get_logger(__name__)
+CHECKPOINT_VERSION = 3.0
+
+
+@dataclass
+class MergedCheckpoint:
+    """One checkpoint merged into a single full state."""
+
+    state: dict[str, torch.Tensor]  # flat Megatron names, global layers, padded vocab, source dtype
+    args: Any  # the checkpoint's args: a dict (Slipway) or an argparse Namespace (Megatron-LM)
+    iteration: int | str
+    checkpoint_version: float
+    tp_size: int
+    pp_size: int
+
+
+def _stage_model(shard: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
+    """The flat, normalised model entries of one shard, refusing what is not a GPT."""
+    if not isinstance(shard, dict) or "model" not in shard:
+        if isinstance(shard, dict) and "model0" in shard:
+            raise CheckpointError(f"{path} uses interleaved (virtual) pipeline stages; re-save it without "
+                                  "--num-layers-per-virtual-pipeline-stage, or convert it with Megatron's "
+                                  "tools/checkpoint first")
+        keys = sorted(shard)[:8] if isinstance(shard, dict) else type(shard).__name__
+        raise CheckpointError(f"{path} has no 'model' entry (found {keys}): not a Megatron/Slipway "
+                              "checkpoint")
+    out, unknown = {}, []
+    for raw, tensor in flatten(shard["model"]).items():
+        name = names.normalize(raw)
+        if name is None:
+            continue
+        if name != names.HEAD_EMBEDDINGS and names.match(name) is None:
+            unknown.append(raw)
+        out[name] = tensor
+    if unknown:
+        raise CheckpointError(f"{path} is not a GPT checkpoint Slipway can convert (GPT-2 architecture: "
+                              f"learned positions, LayerNorm, GeLU MLP, tied head); unexpected parameters: "
+                              f"{unknown[:6]}{' …' if len(unknown) > 6 else ''}")
+    return out
+
+
+def _merge_tp(parts: list[dict[str, torch.Tensor]], path: Path) -> dict[str, torch.Tensor]:
+    """One stage's TP shards → one stage state (local layer numbers kept)."""
+    if any(p.keys() != parts[0].keys() for p in parts):
+        raise CheckpointError(f"TP shards under {path} hold different parameter names: corrupted checkpoint")
+    merged = {}
+    for name in parts[0]:
+        tensors = [p[name] for p in parts]
+        found = names.match(name)
+        kind = names.VOCAB if found is None else found[0].tp  # None: word_embeddings_for_head
+        if kind in (names.COLUMN, names.VOCAB):
+            merged[name] = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
+        elif kind == names.ROW and name.endswith(".weight"):
+            merged[name] = torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0]
+        else:
+            if any(not torch.equal(t, tensors[0]) for t in tensors[1:]):
+                log.warning("replicated %s differs across TP ranks under %s; using TP rank 0", name, path)
+            merged[name] = tensors[0]
+    return merged
+
+
+def _layer_of(name: str) -> int | None:
+    found = names.match(name)
+    return found[1] if found else None
+
+
+def _layer_offsets(stage_layers: list[list[int]]) -> list[int]:
+    """Per stage, the number to add to stored layer indices to make them global."""
+    counts = [len(s) for s in stage_layers]
+    if all(s == list(range(len(s))) for s in stage_layers):  # Megatron: local numbering per stage
+        return [sum(counts[:k]) for k in range(len(counts))]
+    flat = [i for s in stage_layers for i in s]
+    if flat == list(range(len(flat))):  # already global
+        return [0] * len(stage_layers)
+    raise CheckpointError(f"pipeline stages hold layers {stage_layers}: neither local 0…n−1 per stage nor "
+                          "one global 0…L−1 sequence; the checkpoint is inconsistent")
+
+
+def _renumber(state: dict[str, torch.Tensor], offset: int) -> dict[str, torch.Tensor]:
+    if not offset:
+        return state
+    out = {}
+    for name, tensor in state.items():
+        i = _layer_of(name)
+        if i is not None:
+            name = name.replace(f"layers.{i}.", f"layers.{i + offset}.", 1)
+        out[name] = tensor
+    return out
+
+
+def load_merged(iter_dir: Path, iteration: int | str, trust_pickle: bool = False) -> MergedCheckpoint:
+    """Read every shard of one iteration folder and merge TP and PP into a single full state."""
+    tp_size, pp_size = discover_layout(iter_dir)
+    stages, meta = [], None
+    for pp in range(pp_size):
+        parts = []
+        for tp in range(tp_size):
+            path = iter_dir / rank_dir_name(tp, pp, pp_size) / SHARD_FILE
+            shard = load_shard(path, trust_pickle)
+            if meta is None:  # keep only what is needed: the rest (optimizer state) stays unread on disk
+                meta = {k: shard.get(k) for k in ("args", "checkpoint_version", "iteration")}
+            parts.append(_stage_model(shard, path))
+            del shard
+        stages.append(_merge_tp(parts, iter_dir / rank_dir_name(0, pp, pp_size)))
+    layers = [sorted({i for n in s if (i := _layer_of(n)) is not None}) for s in stages]
+    state: dict[str, torch.Tensor] = {}
+    head = None
+    for stage, offset in zip(stages, _layer_offsets(layers), strict=True):
+        head = stage.pop(names.HEAD_EMBEDDINGS, head)
+        state.update(_renumber(stage, offset))
+    num_layers = sum(len(s) for s in layers)
+    missing = [n for n in names.expected_megatron_names(num_layers) if n not in state]
+    if missing:
+        raise CheckpointError(f"{iter_dir} is incomplete: no {missing[:4]}{' …' if len(missing) > 4 else ''}"
+                              f" in any of its {tp_size * pp_size} shards")
+    _check_head(state, head, iter_dir)
+    version = float(meta["checkpoint_version"] or 0.0)
+    return MergedCheckpoint(state, meta["args"], meta["iteration"] or iteration, version, tp_size, pp_size)
+
+
+def _check_head(state: dict[str, torch.Tensor], head: torch.Tensor | None, where: Path) -> None:
+    """The last stage's LM-head copy must equal the first stage's embedding (the head is tied)."""
+    if head is None:
+        return
+    emb = state[names.WORD_EMBEDDINGS]
+    if head.shape != emb.shape:
+        raise CheckpointError(f"{where}: word_embeddings_for_head {tuple(head.shape)} does not match the "
+                              f"word embeddings {tuple(emb.shape)}")
+    if not torch.equal(head, emb):
+        diff = (head.float() - emb.float()).abs().max().item()
+        log.warning("%s: the last stage's tied LM head differs from the embedding by up to %.3g; "
+                    "Hugging Face ties them, so the embedding is used for both", where, diff)
+
+
+def split(state: dict[str, torch.Tensor], tp_size: int, pp_size: int) -> dict[tuple[int, int], dict]:
+    """A full state → {(tp_rank, pp_rank): flat stage state with local layer numbers}, Megatron style."""
+    num_layers = 1 + max(i for n in state if (i := _layer_of(n)) is not None)
+    if num_layers % pp_size:
+        raise ValueError(f"num_layers={num_layers} is not divisible by pp={pp_size}; pick a pp dividing it")
+    per_stage = num_layers // pp_size
+    shards: dict[tuple[int, int], dict] = {(t, p): {} for t in range(tp_size) for p in range(pp_size)}
+    for name, tensor in state.items():
+        rule, i = names.match(name)
+        if rule.stage == names.LAYER:
+            stages, local = [i // per_stage], name.replace(f"layers.{i}.", f"layers.{i % per_stage}.", 1)
+        else:
+            stages, local = [0 if rule.stage == names.FIRST else pp_size - 1], name
+        if name == names.WORD_EMBEDDINGS and pp_size > 1:
+            stages.append(pp_size - 1)  # the tied head's copy on the last stage
+        for t, piece in enumerate(_split_tp(tensor, rule, name, tp_size)):
+            for p in stages:
+                key = names.HEAD_EMBEDDINGS if p != stages[0] else local
+                shards[(t, p)][key] = piece
+    return shards
+
+
+def _split_tp(tensor: torch.Tensor, rule: names.Rule, name: str, tp_size: int) -> list[torch.Tensor]:
+    if rule.tp in (names.COLUMN, names.VOCAB):
+        dim = 0
+    elif rule.tp == names.ROW and name.endswith(".weight"):
+        dim = 1
+    else:
+        return [tensor.clone() for _ in range(tp_size)]
+    if tensor.shape[dim] % tp_size:
+        raise ValueError(f"{name} {tuple(tensor.shape)}: dim {dim} is not divisible by tp={tp_size}")
+    # clone: a saved view would drag the whole unsplit storage into every shard file.
+    return [c.clone() for c in torch.chunk(tensor, tp_size, dim=dim)]
+
+
+def write_checkpoint(checkpoint_dir: Path, state: dict[str, torch.Tensor], args: dict[str, Any],
+                     iteration: int, layout: tuple[int, int]) -> Path:
+    """Write ``state`` as a Megatron legacy checkpoint at ``layout`` = (tp, pp); returns its iteration dir."""
+    tp_size, pp_size = layout
+    iter_dir = checkpoint_dir / iteration_dir_name(iteration)
+    for (tp, pp), stage in split(state, tp_size, pp_size).items():
+        payload = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
+                   "model": nest(stage)}
+        save_shard(iter_dir / rank_dir_name(tp, pp, pp_size) / SHARD_FILE, payload)
+    write_tracker(checkpoint_dir, iteration)
+    return iter_dir

@@ -1,0 +1,213 @@
+"""Slipway/Megatron checkpoint (any tp, pp) → verified Hugging Face ``GPT2LMHeadModel`` directory.
+
+    python -m trainer.convert.to_hf --checkpoint-dir D [--iteration N] --output-dir O [--format bin]
+                                    [--trust-pickle] [--vocab-file V --merge-file M] [--overwrite]
+
+Reads and merges the shards on CPU in one process, writes config.json, (sharded) model.safetensors,
+generation_config.json, the run's tokenizer and a model card, then verifies the written directory against
+the merged source model (``verify.py``). A failed check exits non-zero and leaves the directory marked
+invalid: an ``INVALID`` file saying why, and no config.json, so nothing loads it by mistake.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.convert import card, hf_io, names
+from trainer.convert.layout import CheckpointError, iteration_path
+from trainer.convert.reference import make_source
+from trainer.convert.shards import MergedCheckpoint, load_merged
+from trainer.convert.spec import GPTSpec, arg, spec_from_checkpoint
+from trainer.convert.tokenizer import RunTokenizer, find_tokenizer, save_tokenizer
+from trainer.convert.verify import VerifyConfig, VerifyReport, verify
+from trainer.log import get_logger
+
+log = get_logger(__name__)
+INVALID = "INVALID"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class VerificationFailed(RuntimeError):
+    """The written model does not reproduce the source model; the output directory is marked invalid."""
+
+
+@dataclass
+class ToHFConfig:
+    """One conversion to Hugging Face format."""
+
+    checkpoint_dir: Path
+    output_dir: Path
+    iteration: int | None = None  # None: the tracker's latest
+    write_bin: bool = False  # also pytorch_model.bin (the 2022 workflow)
+    trust_pickle: bool = False  # allow Megatron-LM's pickled args (runs code from the file)
+    vocab_file: Path | None = None  # the run's tokenizer; default: args' paths or beside the checkpoint
+    merge_file: Path | None = None
+    dtype: str = "auto"  # auto = the checkpoint's weight dtype
+    max_shard_size: str = "5GB"
+    overwrite: bool = False  # replace a non-empty output directory
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    provenance: dict[str, Any] = field(default_factory=dict)  # overrides, e.g. run_id, val_loss
+
+    def __post_init__(self) -> None:
+        self.checkpoint_dir, self.output_dir = Path(self.checkpoint_dir), Path(self.output_dir)
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: use auto or one of {sorted(DTYPES)}")
+        if self.output_dir.resolve() == self.checkpoint_dir.resolve():
+            raise ValueError("output_dir must differ from checkpoint_dir")
+
+
+@dataclass
+class ConversionResult:
+    output_dir: Path
+    spec: GPTSpec
+    report: VerifyReport
+    provenance: card.Provenance
+    files: list[str]
+
+    def __str__(self) -> str:
+        return f"{self.output_dir}: {self.report.summary()}"
+
+
+def _tokenizer(cfg: ToHFConfig, merged: MergedCheckpoint) -> RunTokenizer:
+    search = [cfg.checkpoint_dir / "tokenizer", cfg.checkpoint_dir, cfg.checkpoint_dir.parent / "tokenizer",
+              cfg.checkpoint_dir.parent]
+    tok = find_tokenizer(merged.args, search, cfg.vocab_file, cfg.merge_file)
+    if tok is None:
+        where = ", ".join(str(p) for p in search)
+        raise CheckpointError(f"the run's tokenizer (vocab.json + merges.txt) was not found: not at the "
+                              f"paths in the checkpoint's args nor in {where}; pass --vocab-file and "
+                              "--merge-file")
+    stated = arg(merged.args, "vocab_size")
+    if stated is not None and int(stated) != tok.size:
+        raise CheckpointError(f"the checkpoint was trained with vocab_size={stated} but {tok.vocab_file} has "
+                              f"{tok.size} tokens: pass the run's own tokenizer files")
+    return tok
+
+
+def _prepare_output(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"output directory {out} is not empty; pass --overwrite to replace it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / INVALID).write_text("conversion did not finish\n")
+
+
+def _mark_invalid(out: Path, reason: str) -> None:
+    (out / "config.json").unlink(missing_ok=True)
+    (out / INVALID).write_text(reason.rstrip() + "\n")
+
+
+def _write_model(cfg: ToHFConfig, merged: MergedCheckpoint, spec: GPTSpec, tok: RunTokenizer) -> list[str]:
+    """Weights, configs and tokenizer into the output directory; returns the weight files written."""
+    dtype = next(iter(merged.state.values())).dtype
+    hf_state = names.megatron_to_hf(merged.state, spec.shapes)
+    files = hf_io.save_weights(hf_state, cfg.output_dir, cfg.max_shard_size)
+    if cfg.write_bin:
+        torch.save(hf_state, cfg.output_dir / hf_io.BIN_SINGLE)
+        files.append(hf_io.BIN_SINGLE)
+    del hf_state
+    dropout = {"hidden": arg(merged.args, "hidden_dropout", 0.1),
+               "attention": arg(merged.args, "attention_dropout", 0.1)}
+    config = hf_io.hf_config(spec, tok.eod_id, dropout)
+    hf_io.write_config(config, dtype, cfg.output_dir)
+    hf_io.write_generation_config(config, cfg.output_dir)
+    return files
+
+
+def convert_checkpoint(cfg: ToHFConfig) -> ConversionResult:
+    """Convert, verify and document one checkpoint; raises VerificationFailed if the check fails."""
+    iter_dir, iteration = iteration_path(cfg.checkpoint_dir, cfg.iteration)
+    log.info("reading %s", iter_dir)
+    merged = load_merged(iter_dir, iteration, cfg.trust_pickle)
+    tok = _tokenizer(cfg, merged)
+    spec = spec_from_checkpoint(merged.args, merged.state, merged.checkpoint_version, tok.size)
+    if cfg.dtype != "auto":
+        merged.state = {k: v.to(DTYPES[cfg.dtype]) for k, v in merged.state.items()}
+    log.info("merged tp=%d pp=%d: %d layers, hidden %d, vocab %d (padded %d)", merged.tp_size,
+             merged.pp_size, spec.num_layers, spec.hidden_size, spec.vocab_size, spec.padded_vocab_size)
+    out = cfg.output_dir
+    _prepare_output(out, cfg.overwrite)
+    try:
+        files = _write_model(cfg, merged, spec, tok)
+        hf_tok = save_tokenizer(tok, out, spec.max_position_embeddings)
+        report = verify(make_source(merged.state, spec), out, hf_tok, cfg.verify)
+    except BaseException as e:
+        _mark_invalid(out, f"conversion failed: {e.__class__.__name__}: {e}")
+        raise
+    if cfg.write_bin:
+        _check_bin(out)
+    prov = card.Provenance.from_args(merged.args, iteration=merged.iteration, source=str(cfg.checkpoint_dir),
+                                     tp_size=merged.tp_size, pp_size=merged.pp_size, **cfg.provenance)
+    dtype = str(next(iter(merged.state.values())).dtype).removeprefix("torch.")
+    card.write_card(out, card.render_card(spec, prov, report, {"dtype": dtype, "eos/bos/pad id": str(
+        tok.eod_id)}))
+    if not report.passed:
+        _mark_invalid(out, report.summary())
+        raise VerificationFailed(f"{out}: {report.summary()}; the directory is marked {INVALID}")
+    (out / INVALID).unlink()
+    log.info("wrote %s (%s)", out, ", ".join(files))
+    return ConversionResult(out, spec, report, prov, files)
+
+
+def _check_bin(out: Path) -> None:
+    """pytorch_model.bin must hold exactly the verified safetensors weights."""
+    safe = hf_io.load_weights(out)
+    binary = torch.load(out / hf_io.BIN_SINGLE, map_location="cpu", weights_only=True)
+    if safe.keys() != binary.keys() or any(not torch.equal(safe[k], binary[k]) for k in safe):
+        _mark_invalid(out, "pytorch_model.bin differs from the verified model.safetensors")
+        raise VerificationFailed(f"{out}: pytorch_model.bin differs from model.safetensors")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer.convert.to_hf", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint-dir", required=True, type=Path, help="folder with the tracker file")
+    p.add_argument("--output-dir", required=True, type=Path)
+    p.add_argument("--iteration", type=int, help="default: the tracker's latest")
+    p.add_argument("--format", choices=["safetensors", "bin"], default="safetensors",
+                   help="bin: also write pytorch_model.bin")
+    p.add_argument("--trust-pickle", action="store_true",
+                   help="load Megatron-LM checkpoints whose args are a pickled Namespace "
+                        "(runs code from the file)")
+    p.add_argument("--vocab-file", type=Path)
+    p.add_argument("--merge-file", type=Path)
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.add_argument("--prompt", action="append",
+                   help="verification prompt (repeatable; default: a built-in set)")
+    p.add_argument("--push-to-hub", metavar="REPO", help="upload the verified folder to this Hub repository")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    verify_cfg = VerifyConfig(prompts=tuple(a.prompt)) if a.prompt else VerifyConfig()
+    from trainer.convert.hook import HubUnavailable, check_hub, push
+
+    try:
+        token = check_hub(a.push_to_hub) if a.push_to_hub else None  # before any work
+        cfg = ToHFConfig(a.checkpoint_dir, a.output_dir, a.iteration, a.format == "bin", a.trust_pickle,
+                         a.vocab_file, a.merge_file, a.dtype, a.max_shard_size, a.overwrite, verify_cfg)
+        result = convert_checkpoint(cfg)
+        if token:
+            sys.stdout.write(f"pushed: {push(result.output_dir, a.push_to_hub, token, private=True)}\n")
+    except (CheckpointError, FileExistsError, HubUnavailable, ValueError) as e:
+        sys.stderr.write(f"to_hf: error: {e}\n")
+        return 2
+    except VerificationFailed as e:
+        sys.stderr.write(f"to_hf: {e}\n")
+        return 3
+    sys.stdout.write(f"{result.output_dir}: {result.report.summary()}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
