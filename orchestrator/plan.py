@@ -165,7 +165,6 @@ def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> di
     for name, drop in _PLANNING_ONLY.items():
         for k in drop:
             sec[name].pop(k, None)
-    sec["parallel"]["backend"] = cfg.cluster.backend or ("nccl" if cfg.cluster.gpus_per_node else "gloo")
     job: PreprocessJob = prep.job
     wandb = dataclasses.asdict(cfg.logging.wandb)
     wandb["group"] = wandb["group"] or (facts.sweep.sweep_id if facts.sweep else None)
@@ -174,7 +173,7 @@ def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> di
     return {
         **sec,
         "data": {
-            "paths": [f"{job.prefix}_{cfg.data.json_key}_document"],
+            "paths": [f"{p}_{cfg.data.json_key}_document" for p in job.prefixes],
             "json_key": cfg.data.json_key,
             "split": cfg.data.split,
         },

@@ -61,8 +61,11 @@ class PreprocessJob:
     workers: int = 2
 
     @property
-    def prefix(self) -> str:
-        return os.path.join(self.output_dir, "data")
+    def prefixes(self) -> list[str]:
+        """One output prefix per input (``data``, or ``data0``, ``data1``... for several inputs)."""
+        if len(self.inputs) == 1:
+            return [os.path.join(self.output_dir, "data")]
+        return [os.path.join(self.output_dir, f"data{i}") for i in range(len(self.inputs))]
 
 
 @dataclass
@@ -142,8 +145,8 @@ class Stage(submitit.helpers.Checkpointable):
         raise NotImplementedError
 
     def __call__(self) -> Any:
-        wait_for(self.upstream, self.upstream_timeout_s)
         try:
+            wait_for(self.upstream, self.upstream_timeout_s)
             result = self.run()
         except Exception as err:
             if _rank() == 0:
@@ -177,15 +180,17 @@ class CorpusStage(Stage):
 
 
 def _train_tokenizer(corpus: str, job: CorpusJob) -> dict[str, Any]:
-    from trainer.data import tokenizer as tok
+    from trainer.data.train_tokenizer import TokenizerTrainConfig, train_tokenizer
 
-    train = tok.train_tokenizer
-    result = train(corpus, job.output_dir, vocab_size=job.vocab_size, json_key=job.json_key)
-    return {
-        "vocab_file": os.path.join(job.output_dir, "vocab.json"),
-        "merge_file": os.path.join(job.output_dir, "merges.txt"),
-        "tokenizer": str(result),
-    }
+    vocab, merges = train_tokenizer(
+        TokenizerTrainConfig(
+            inputs=[corpus],
+            output_dir=job.output_dir,
+            vocab_size=int(job.vocab_size or 0),
+            json_key=job.json_key,
+        )
+    )
+    return {"vocab_file": str(vocab), "merge_file": str(merges)}
 
 
 class PreprocessStage(Stage):
@@ -193,23 +198,27 @@ class PreprocessStage(Stage):
         from trainer.data.preprocess import PreprocessConfig, preprocess
 
         job: PreprocessJob = self.job
-        cfg = PreprocessConfig(
-            input=list(job.inputs),
-            output_prefix=job.prefix,
-            json_keys=[job.json_key],
-            vocab_file=job.vocab_file,
-            merge_file=job.merge_file,
-            append_eod=job.append_eod,
-            workers=job.workers,
-        )
-        result = preprocess(cfg)
-        return {"prefix": job.prefix, "result": str(result)}
+        out = []
+        for inp, prefix in zip(job.inputs, job.prefixes, strict=True):
+            cfg = PreprocessConfig(
+                input=inp,
+                output_prefix=prefix,
+                json_keys=[job.json_key],
+                vocab_file=job.vocab_file,
+                merge_file=job.merge_file,
+                append_eod=job.append_eod,
+                workers=max(job.workers, 1),
+                progress="log",
+            )
+            out.append(str(preprocess(cfg)))
+        return {"prefixes": job.prefixes, "summaries": out}
 
 
 def _export_torch_env() -> None:
     """RANK/WORLD_SIZE/MASTER_* from the Slurm (or local) job; the sbatch script sets MASTER_ADDR/PORT."""
     env = submitit.helpers.TorchDistributedEnvironment()
-    os.environ.setdefault("MASTER_ADDR", env.master_addr)
+    local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if local else env.master_addr)
     os.environ.setdefault("MASTER_PORT", str(env.master_port))
     os.environ.update(
         RANK=str(env.rank),

@@ -1,0 +1,51 @@
+"""Real launches on submitit's local executor (processes on this machine): the data stages run, a failed
+training leaves conversion unrun (local afterok), and a relaunch reuses the complete data outputs."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from orchestrator.launcher import launch
+from orchestrator.status import collect
+from tests.orchestrator.conftest import compose_cfg
+
+TINY = [
+    "+experiment=codeparrot_smoke",
+    "data.corpus.max_files=12",
+    "data.corpus.max_bytes=200000",
+    "tokenizer.vocab_size=300",
+    "data.workers=1",
+]
+
+
+@pytest.mark.timeout(300)
+def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path):
+    cfg = compose_cfg(TINY + [f"runs_root={tmp_path}", "fail_train=start", "wait=true"])
+    with pytest.raises(RuntimeError, match="did not complete"):
+        launch(cfg, out=io.StringIO())
+    run_dir = next((tmp_path / "codeparrot_smoke").iterdir())
+    rows = {r.stage: r.state for r in collect(str(run_dir))}
+    assert rows == {"corpus": "COMPLETED", "preprocess": "COMPLETED", "train": "FAILED", "convert": "FAILED"}
+    assert not (run_dir / "hf").exists()
+    failed = json.loads((run_dir / "stages" / "convert" / "_FAILED").read_text())
+    assert "afterok" in failed["error"]
+    meta = json.loads((run_dir / "run.json").read_text())
+    assert set(meta["jobs"]) == {"corpus", "preprocess", "train", "convert"} and meta["git"]["sha"]
+    prep = Path(meta["stages"]["preprocess"]["dir"])
+    assert (prep / "data_content_document.bin").stat().st_size > 0 and (prep / "_COMPLETE").exists()
+    assert (Path(meta["stages"]["corpus"]["dir"]) / "vocab.json").exists()
+
+    # Same data again: corpus and preprocess are reused, not resubmitted.
+    again = launch(
+        compose_cfg(TINY + [f"runs_root={tmp_path}", "fail_train=start", "wait=false"]), out=io.StringIO()
+    )
+    actions = {s.stage: s.action for s in again.submitted}
+    assert actions["corpus"] == "reused" and actions["preprocess"] == "reused"
+    assert actions["train"] == "submitted"
+    for s in again.submitted:
+        if s.job is not None:
+            s.job.wait()  # do not leave processes behind

@@ -1,0 +1,125 @@
+"""Plan: memory table, ETA/GPU-hours, stage graph with content keys, reuse; the dry run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.estimate import GIB, estimate_memory, padded_vocab, stage_params
+from orchestrator.plan import PlanInputs, SweepInfo, make_plan, trainer_config
+from orchestrator.validate import layout_of
+from tests.orchestrator.conftest import REPO, compose_cfg
+
+CP = ["+experiment=codeparrot"]
+
+
+def _plan(overrides, facts=None):
+    cfg = compose_cfg(overrides)
+    return cfg, make_plan(cfg, facts or PlanInputs("r", "/runs/r"), exists=lambda p: True)
+
+
+def test_codeparrot_parameter_count_and_memory():
+    cfg, plan = _plan(CP)
+    # GPT-2 small shape with a 32,768 vocabulary: 12·(12h²+13h) + (V+1024)·h + 2h ≈ 111.0 M.
+    assert stage_params(cfg, 32768)[1] == 12 * (12 * 768**2 + 13 * 768) + (32768 + 1024) * 768 + 2 * 768
+    m = plan.memory
+    assert m.params == stage_params(cfg, 32768)[0]
+    assert (m.weights_bytes, m.grads_bytes, m.optimizer_bytes) == (2 * m.params, 4 * m.params, 12 * m.params)
+    # Korthikanti et al.: s·b·h·(34 + 5as/h) bytes per layer at tp=1, 12 layers.
+    s, b, h, a = 1024, 12, 768, 12
+    assert m.activations_bytes == int(s * b * h * (34 + 5 * a * s / h) * 12)
+    assert m.activations_recompute_bytes == 2 * s * b * h * 12
+    assert m.fits and m.total_bytes < 80 * GIB
+    assert plan.time.device_hours == pytest.approx(plan.time.eta_s / 3600 * 8)
+
+
+def test_tensor_parallel_shards_memory():
+    cfg1, p1 = _plan(CP)
+    cfg2, p2 = _plan(CP + ["parallel.tp_size=2"])
+    assert p2.memory.params < 0.55 * p1.memory.params
+    assert p2.memory.activations_bytes < p1.memory.activations_bytes
+    assert padded_vocab(50257, 1) == 50304 and padded_vocab(32768, 2) == 32768
+
+
+def test_pipeline_first_stage_holds_p_microbatches():
+    cfg = compose_cfg(CP + ["parallel.pp_size=4"])
+    lay = layout_of(cfg)
+    mem = estimate_memory(cfg, 32768, lay)
+    base = estimate_memory(compose_cfg(CP), 32768, layout_of(compose_cfg(CP)))
+    # 12/4 layers × 4 micro-batches in flight = the activations of 12 layers (as at pp=1)... but dp is 2
+    # here, so 8 micro-batches exist and 4 are in flight.
+    assert mem.activations_bytes == base.activations_bytes
+    assert lay.dp == 2 and lay.num_microbatches == 8
+
+
+def test_stage_graph_keys_and_sharing():
+    cfg, plan = _plan(CP)
+    assert [s.name for s in plan.stages] == ["preprocess", "train", "convert"]
+    assert plan.stage("train").depends_on == ("preprocess",) and plan.stage("convert").depends_on == (
+        "train",
+    )
+    # An LR change shares preprocessing and changes training.
+    _, other = _plan(CP + ["optim.lr=1e-4"])
+    assert other.stage("preprocess").key == plan.stage("preprocess").key
+    assert other.stage("preprocess").state_dir == plan.stage("preprocess").state_dir
+    assert other.stage("train").key != plan.stage("train").key
+    # What produces the data changes its key: the json key, the input file's fingerprint, the code.
+    _, k = _plan(CP + ["data.json_key=text"])
+    assert k.stage("preprocess").key != plan.stage("preprocess").key
+    f = PlanInputs("r", "/runs/r", fingerprints={cfg.data.paths[0]: "123:456"})
+    assert make_plan(cfg, f, exists=lambda p: True).stage("preprocess").key != plan.stage("preprocess").key
+    c = PlanInputs("r", "/runs/r", code_version={"trainer/data": "abc"})
+    assert make_plan(cfg, c, exists=lambda p: True).stage("preprocess").key != plan.stage("preprocess").key
+
+
+def test_smoke_graph_has_corpus_stage_feeding_tokenizer():
+    cfg, plan = _plan(["+experiment=codeparrot_smoke"])
+    assert [s.name for s in plan.stages] == ["corpus", "preprocess", "train", "convert"]
+    corpus, prep = plan.stage("corpus"), plan.stage("preprocess")
+    assert corpus.job.vocab_size == cfg.tokenizer.vocab_size
+    assert prep.job.vocab_file == os.path.join(corpus.state_dir, "vocab.json")
+    assert prep.job.inputs == [os.path.join(corpus.state_dir, "corpus.jsonl")]
+
+
+def test_trainer_config_is_accepted_by_the_trainer():
+    from trainer.config import RunConfig
+
+    cfg, plan = _plan(
+        ["+experiment=codeparrot_smoke"],
+        PlanInputs("r1", "/runs/r1", sweep=SweepInfo("sw1", "/runs/sw/sw1", 0, ("optim.lr=1e-4",))),
+    )
+    tc = trainer_config(cfg, PlanInputs("r1", "/runs/r1", sweep=plan.sweep), plan.stage("preprocess"))
+    rc = RunConfig.from_dict(tc)
+    assert rc.parallel.tp_size == 2 and rc.parallel.pp_size == 2
+    assert rc.logging.wandb.group == "sw1" and "optim.lr=1e-4" in rc.logging.wandb.name
+    assert rc.checkpoint.dir == "/runs/r1/checkpoints" and rc.run_id == "r1"
+    assert rc.data.paths[0].endswith("/data_content_document")
+
+
+def test_dry_run_prints_plan_and_scripts_and_submits_nothing(tmp_path: Path):
+    env = dict(
+        os.environ,
+        WANDB_API_KEY="wandbsecret0123456789",
+        HF_TOKEN="hf_secret_abcdefgh",
+        SLIPWAY_PARTITION="hf_secret_abcdefgh",
+    )  # a secret that leaks into a rendered value
+    out = subprocess.run(
+        [sys.executable, "launch.py", "+experiment=codeparrot", "dry_run=true", f"runs_root={tmp_path}/runs"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    text = out.stdout
+    assert "Memory per device" in text and "optimizer state" in text and "activations, recompute" in text
+    assert "ETA" in text and "GPU-hours" in text
+    assert "----- train job script -----" in text and "#SBATCH --signal=USR2@" in text
+    assert "apptainer exec --nv --cleanenv" in text
+    assert "hf_secret_abcdefgh" not in text and "<redacted:HF_TOKEN>" in text
+    assert "wandbsecret0123456789" not in text + out.stderr
+    assert not (tmp_path / "runs").exists()  # nothing recorded, nothing submitted

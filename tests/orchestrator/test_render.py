@@ -1,0 +1,122 @@
+"""Golden tests of the rendered job scripts (pure functions): local/devcluster/slurm × container none/apptainer.
+
+Regenerate after an intended change with ``SLIPWAY_UPDATE_GOLDEN=1 pytest tests/orchestrator/test_render.py``
+and review the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from orchestrator import render
+from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.runs import REPO_ROOT
+from orchestrator.schema import ContainerConfig
+from orchestrator.submit import container_wrapper, render_stage
+from tests.orchestrator.conftest import compose_cfg, group_options
+
+GOLDEN = Path(__file__).parent / "golden"
+CLUSTERS = [c for c in ("local", "devcluster", "slurm") if c in group_options("cluster")]
+FIXED = ["runs_root=/shared/runs", "cache_dir=/shared/cache", "container.image=/shared/images/slipway.sif"]
+
+
+def _scripts(cluster: str, container: str) -> str:
+    exp = "codeparrot" if cluster == "slurm" else "codeparrot_smoke"
+    cfg = compose_cfg([f"+experiment={exp}", f"cluster={cluster}", f"container={container}", *FIXED])
+    facts = PlanInputs("20250101-000000-abcdef", "/shared/runs/x/20250101-000000-abcdef")
+    plan = make_plan(cfg, facts, exists=lambda p: True)
+    ids = {"corpus": "1000", "preprocess": "1001", "train": "1002"}
+    python = None if container == "apptainer_ngc" else "/usr/bin/python3"
+    parts = []
+    for s in plan.stages:
+        deps = tuple(ids[d] for d in s.depends_on)
+        parts.append(f"===== {s.name} =====\n" + render_stage(cfg, plan, s, deps, python=python))
+    wrapper = container_wrapper(cfg, plan)
+    if wrapper:
+        parts.append("===== container_exec.sh =====\n" + wrapper)
+    return "".join(parts).replace(str(REPO_ROOT), "<repo>")
+
+
+@pytest.mark.parametrize("container", ["none", "apptainer_ngc"])
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_golden(cluster, container):
+    text = _scripts(cluster, container)
+    path = GOLDEN / f"{cluster}_{container}.txt"
+    if os.environ.get("SLIPWAY_UPDATE_GOLDEN") or not path.exists():
+        path.write_text(text)
+    assert text == path.read_text(), f"rendered scripts changed; diff against {path}"
+
+
+def test_slurm_training_script_semantics():
+    text = _scripts("slurm", "none")
+    train = text.split("===== train =====")[1].split("=====")[0]
+    assert "#SBATCH --signal=USR2@180" in train and "#SBATCH --requeue" in train
+    assert "#SBATCH --dependency=afterok:1001" in train and "#SBATCH --kill-on-invalid-dep=yes" in train
+    assert "#SBATCH --nodes=1" in train and "#SBATCH --ntasks-per-node=8" in train
+    assert "#SBATCH --gpus-per-node=8" in train and "#SBATCH --exclusive" in train
+    assert "srun --unbuffered --kill-on-bad-exit=1" in train
+    assert "_r${restart}_a${attempt}_%t.out" in train  # restart count in log names
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in train and "trap " in train
+    convert = text.split("===== convert =====")[1]
+    assert "#SBATCH --dependency=afterok:1002" in convert and "--signal" not in convert
+
+
+def test_container_command_and_allowlist():
+    c = ContainerConfig(kind="apptainer", image="/img/s.sif")
+    wrapper = render.render_container_wrapper(c, ["/data/cp", "/data/cp/tok", "/runs"], "/code", gpus=True)
+    exec_line = [line for line in wrapper.splitlines() if line.startswith("exec ")][0]
+    argv = shlex.split(exec_line)
+    assert argv[:5] == ["exec", "apptainer", "exec", "--nv", "--cleanenv"]
+    assert argv[5:7] == ["--bind", "/code,/data/cp,/runs"]  # a child of a bound dir is not bound twice
+    assert argv[7:] == ["/img/s.sif", "$@"]
+    for pattern in ("NCCL_*", "MASTER_*", "SLURM_*", "WANDB_*", "HF_*"):
+        assert pattern in wrapper
+    assert "APPTAINERENV_${name}" in wrapper
+    assert "--nv" not in render.render_container_wrapper(c, [], "/code", gpus=False)
+    assert (
+        render.python_command(c, "/r/container_exec.sh", "/usr/bin/python3")
+        == "bash /r/container_exec.sh python"
+    )
+    assert render.python_command(ContainerConfig(), "/x", "/usr/bin/python3") == "/usr/bin/python3"
+
+
+def test_container_wrapper_forwards_allowlist_only(tmp_path):
+    """Run the wrapper with a fake apptainer that prints its environment: only allowlisted variables
+    arrive as APPTAINERENV_*, secrets' files are dropped, values are never in the file."""
+    fake = tmp_path / "apptainer"
+    fake.write_text("#!/bin/bash\nenv | grep '^APPTAINERENV_' | sort\necho ARGS \"$@\"\n")
+    fake.chmod(0o755)
+    c = ContainerConfig(kind="apptainer", image="/img/s.sif", apptainer_bin=str(fake))
+    script = tmp_path / "wrap.sh"
+    script.write_text(render.render_container_wrapper(c, ["/runs"], "/code", gpus=True))
+    env = {
+        "PATH": os.environ["PATH"],
+        "SLURM_PROCID": "3",
+        "NCCL_DEBUG": "INFO",
+        "WANDB_API_KEY": "s3cr3tvalue",
+        "HF_TOKEN_PATH": "/home/me/.hf",
+        "HOME_SECRET": "nope",
+        "MASTER_ADDR": "n1",
+    }
+    import subprocess
+
+    out = subprocess.run(["bash", str(script), "python", "-c", "1"], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = dict(re.findall(r"^APPTAINERENV_(\w+)=(.*)$", out.stdout, re.M))
+    assert got["SLURM_PROCID"] == "3" and got["NCCL_DEBUG"] == "INFO" and got["MASTER_ADDR"] == "n1"
+    assert got["WANDB_API_KEY"] == "s3cr3tvalue"  # forwarded through the environment only
+    assert "HF_TOKEN_PATH" not in got and "HOME_SECRET" not in got
+    assert "ARGS exec --nv --cleanenv --bind /code,/runs /img/s.sif python -c 1" in out.stdout
+    assert "s3cr3tvalue" not in script.read_text()
+
+
+def test_redact():
+    text = "token abcd1234xyz here"
+    assert render.redact(text, {"WANDB_API_KEY": "abcd1234xyz", "HOME": "here"}) == (
+        "token <redacted:WANDB_API_KEY> here"
+    )
