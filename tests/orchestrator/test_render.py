@@ -1,4 +1,4 @@
-"""Golden tests of the rendered job scripts (pure functions): local/devcluster/slurm × container none/apptainer.
+"""Golden tests of the rendered job scripts (pure): local/devcluster/slurm × container none/apptainer.
 
 Regenerate after an intended change with ``SLIPWAY_UPDATE_GOLDEN=1 pytest tests/orchestrator/test_render.py``
 and review the diff.
