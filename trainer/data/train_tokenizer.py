@@ -1,0 +1,125 @@
+"""Train a GPT-2-style byte-level BPE tokenizer on a JSONL corpus (as CodeParrot retrained GPT-2's).
+
+Writes ``vocab.json`` and ``merges.txt`` with ``<|endoftext|>`` as the first special token (id 0), then
+the 256 byte tokens, then one token per merge in merge order — the layout :mod:`trainer.data.tokenizer`
+can prove tiktoken-equivalent. Deterministic: same corpus and settings give the same files byte for byte.
+
+CLI: ``python -m trainer.data.train_tokenizer --input corpus.jsonl --output-dir tok/ [--vocab-size 32768]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.data.tokenizer import EOD_TOKEN
+from trainer.log import get_logger
+
+log = get_logger("trainer.data.train_tokenizer")
+
+_MIN_VOCAB = 257  # <|endoftext|> + 256 byte tokens
+
+
+@dataclass
+class TokenizerTrainConfig:
+    """What to train on and what to produce."""
+
+    inputs: list[str]
+    """JSONL files (one JSON object per line), read in this order."""
+    output_dir: str
+    """Folder that receives vocab.json and merges.txt (created if missing; existing files replaced)."""
+    vocab_size: int = 32768
+    """Entries in vocab.json including <|endoftext|> (CodeParrot: 32768, which stays uint16 on disk)."""
+    json_key: str = "content"
+    """Field holding the text."""
+    min_frequency: int = 2
+    """A pair must occur this often to be merged."""
+    max_documents: int | None = None
+    """Train on the first N documents only (None: all)."""
+
+    def __post_init__(self) -> None:
+        if not self.inputs:
+            raise ValueError("TokenizerTrainConfig.inputs is empty: give at least one JSONL file")
+        for path in self.inputs:
+            if not Path(path).is_file():
+                raise ValueError(f"TokenizerTrainConfig.inputs: {path!r} does not exist")
+        if self.vocab_size < _MIN_VOCAB:
+            raise ValueError(f"TokenizerTrainConfig.vocab_size={self.vocab_size}: must be ≥ {_MIN_VOCAB} "
+                             "(<|endoftext|> plus the 256 byte tokens)")
+        if self.min_frequency < 1:
+            raise ValueError(f"TokenizerTrainConfig.min_frequency={self.min_frequency}: must be ≥ 1")
+        if self.max_documents is not None and self.max_documents <= 0:
+            raise ValueError(f"TokenizerTrainConfig.max_documents={self.max_documents}: positive or None")
+
+
+def iter_texts(config: TokenizerTrainConfig) -> Iterator[str]:
+    """The training texts, in file and line order; a bad line is an error naming file and line."""
+    count = 0
+    for path in config.inputs:
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if config.max_documents is not None and count >= config.max_documents:
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)[config.json_key]
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{number}: no usable {config.json_key!r} field ({e})") from e
+                if not isinstance(text, str):
+                    raise ValueError(f"{path}:{number}: {config.json_key!r} is {type(text).__name__}, "
+                                     "expected a string")
+                count += 1
+                yield text
+
+
+def train_tokenizer(config: TokenizerTrainConfig) -> tuple[Path, Path]:
+    """Train and write (vocab.json, merges.txt); both appear together, never half-written."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    tok = ByteLevelBPETokenizer(add_prefix_space=False)
+    # ByteLevelBPETokenizer.train_from_iterator seeds the alphabet with all 256 byte characters and puts
+    # the special tokens first, so <|endoftext|> is id 0 and ids follow merge order.
+    tok.train_from_iterator(iter_texts(config), vocab_size=config.vocab_size,
+                            min_frequency=config.min_frequency, special_tokens=[EOD_TOKEN],
+                            show_progress=False)
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".train-") as tmp:
+        tok.save_model(tmp)
+        # vocab.json last: a reader that finds it also finds the merges.txt written with it.
+        os.replace(Path(tmp) / "merges.txt", out / "merges.txt")
+        os.replace(Path(tmp) / "vocab.json", out / "vocab.json")
+    size = tok.get_vocab_size()
+    if size < config.vocab_size:
+        log.warning("tokenizer: corpus supports only %d tokens (asked for %d)", size, config.vocab_size)
+    log.info("tokenizer: wrote %s and %s (%d tokens)", out / "vocab.json", out / "merges.txt", size)
+    return out / "vocab.json", out / "merges.txt"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.data.train_tokenizer",
+                                     description="Train a GPT-2-style byte-level BPE on JSONL text.")
+    parser.add_argument("--input", nargs="+", required=True, help="JSONL file(s)")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--vocab-size", type=int, default=32768)
+    parser.add_argument("--json-key", default="content")
+    parser.add_argument("--min-frequency", type=int, default=2)
+    parser.add_argument("--max-documents", type=int, default=None)
+    args = parser.parse_args(argv)
+    config = TokenizerTrainConfig(inputs=args.input, output_dir=args.output_dir, vocab_size=args.vocab_size,
+                                  json_key=args.json_key, min_frequency=args.min_frequency,
+                                  max_documents=args.max_documents)
+    vocab, merges = train_tokenizer(config)
+    sys.stdout.write(f"{vocab}\n{merges}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
