@@ -89,10 +89,9 @@ def test_merge_accepts_global_layer_numbers(tmp_path):
     # Rewrite stage 1 with global indices 2, 3.
     path = local_dir / "mp_rank_00_001" / "model_optim_rng.pt"
     shard = torch.load(path, weights_only=True)
-    enc = shard["model"]["language_model"]["encoder"]
-    shard["model"]["language_model"]["encoder"] = {
-        k.replace("layers.0.", "layers.2.").replace("layers.1.", "layers.3.") if k.startswith("layers.") else k: v
-        for k, v in enc.items()}
+    lm = shard["model"]["language_model"]
+    renumber = {"layers.0.": "layers.2.", "layers.1.": "layers.3."}
+    lm["encoder"] = {renumber.get(k[:9], k[:9]) + k[9:]: v for k, v in lm["encoder"].items()}
     torch.save(shard, path)
     merged_global = load_merged(local_dir, 5)
     assert merged_global.state.keys() == merged_local.state.keys() == state.keys()

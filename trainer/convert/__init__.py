@@ -8,9 +8,19 @@ The name map (:mod:`trainer.convert.names`) is declarative and both directions d
 transformers is imported only when a conversion runs.
 """
 
-from trainer.convert.hook import ConvertRunConfig, HubUnavailable, convert_run
-from trainer.convert.layout import CheckpointError
-from trainer.convert.to_hf import ConversionResult, ToHFConfig, VerificationFailed, convert_checkpoint
+from __future__ import annotations
 
-__all__ = ["CheckpointError", "ConversionResult", "ConvertRunConfig", "HubUnavailable", "ToHFConfig",
-           "VerificationFailed", "convert_checkpoint", "convert_run"]
+import importlib
+from typing import Any
+
+# Resolved on first use so that ``python -m trainer.convert.to_hf`` does not import to_hf twice.
+_EXPORTS = {"ConvertRunConfig": "hook", "HubUnavailable": "hook", "convert_run": "hook",
+            "CheckpointError": "layout", "ConversionResult": "to_hf", "ToHFConfig": "to_hf",
+            "VerificationFailed": "to_hf", "convert_checkpoint": "to_hf"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'trainer.convert' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"trainer.convert.{_EXPORTS[name]}"), name)

@@ -1,0 +1,138 @@
+"""Bad checkpoints and bad requests give clear errors, before anything is written."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.convert.conftest import make_checkpoint
+from trainer.convert.layout import TRACKER, CheckpointError
+from trainer.convert.to_hf import INVALID, ToHFConfig, VerificationFailed, convert_checkpoint
+from trainer.convert.verify import VerifyConfig
+
+SHARD = "model_optim_rng.pt"
+
+
+@pytest.fixture
+def ckpt(tmp_path, tokenizer_dir):
+    return make_checkpoint(tmp_path, tokenizer_dir, 2, 2)[0]
+
+
+def _convert(ckpt, tmp_path, **kw):
+    return convert_checkpoint(ToHFConfig(ckpt, tmp_path / "out", **kw))
+
+
+def _edit_shard(path, fn):
+    shard = torch.load(path, weights_only=True)
+    fn(shard)
+    torch.save(shard, path)
+
+
+def test_missing_directory_and_tracker(tmp_path, ckpt):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        _convert(tmp_path / "nope", tmp_path)
+    (ckpt / TRACKER).unlink()
+    no_tracker = r"no latest_checkpointed_iteration.txt.*iter_0000150.*--iteration"
+    with pytest.raises(CheckpointError, match=no_tracker):
+        _convert(ckpt, tmp_path)
+    assert not (tmp_path / "out").exists()
+    (ckpt / TRACKER).write_text("15 0")
+    with pytest.raises(CheckpointError, match="interrupted"):
+        _convert(ckpt, tmp_path)
+
+
+def test_tracker_points_to_missing_iteration(tmp_path, ckpt):
+    (ckpt / TRACKER).write_text("200")
+    with pytest.raises(CheckpointError, match=r"says 200 but .*iter_0000200 does not exist.*iter_0000150"):
+        _convert(ckpt, tmp_path)
+    with pytest.raises(CheckpointError, match="--iteration 7 was asked"):
+        _convert(ckpt, tmp_path, iteration=7)
+    assert _convert(ckpt, tmp_path, iteration=150).report.passed  # the explicit iteration works
+
+
+def test_missing_rank_shards(tmp_path, ckpt):
+    (ckpt / "iter_0000150" / "mp_rank_01_001" / SHARD).unlink()
+    with pytest.raises(CheckpointError, match=r"incomplete for tp=2, pp=2: missing mp_rank_01_001/"):
+        _convert(ckpt, tmp_path)
+    for d in (ckpt / "iter_0000150").iterdir():
+        (d / SHARD).unlink(missing_ok=True)
+        d.rmdir()
+    with pytest.raises(CheckpointError, match="holds no mp_rank_"):
+        _convert(ckpt, tmp_path)
+
+
+def test_incomplete_or_truncated_shard(tmp_path, ckpt):
+    path = ckpt / "iter_0000150" / "mp_rank_00_001" / SHARD
+    for t in range(2):  # both TP ranks of the last stage lose the final LayerNorm
+        p = ckpt / "iter_0000150" / f"mp_rank_0{t}_001" / SHARD
+        _edit_shard(p, lambda s: s["model"]["language_model"]["encoder"].pop("final_layernorm.bias"))
+    with pytest.raises(CheckpointError, match="incomplete: no.*final_layernorm.bias"):
+        _convert(ckpt, tmp_path)
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        _convert(ckpt, tmp_path)
+
+
+def test_not_a_gpt(tmp_path, ckpt):
+    first = ckpt / "iter_0000150" / "mp_rank_00_000" / SHARD
+    _edit_shard(first, lambda s: s["model"].update({"binary_head": {"weight": torch.zeros(2, 64)}}))
+    with pytest.raises(CheckpointError, match=r"not a GPT checkpoint.*binary_head.weight"):
+        _convert(ckpt, tmp_path)
+    _edit_shard(first, lambda s: s.update(model=None) or s.pop("model"))
+    with pytest.raises(CheckpointError, match="no 'model' entry"):
+        _convert(ckpt, tmp_path)
+
+
+def test_not_gpt2_architecture(tmp_path, tokenizer_dir):
+    ckpt = make_checkpoint(tmp_path, tokenizer_dir, 1, 1, position_embedding_type="rope")[0]
+    with pytest.raises(CheckpointError, match="position_embedding_type='rope'"):
+        _convert(ckpt, tmp_path)
+
+
+def test_args_disagree_with_weights_or_tokenizer(tmp_path, tokenizer_dir):
+    ckpt = make_checkpoint(tmp_path, tokenizer_dir, 1, 1, hidden_size=128)[0]
+    with pytest.raises(CheckpointError, match="args say hidden_size=128 but the weights have 64"):
+        _convert(ckpt, tmp_path)
+    ckpt = make_checkpoint(tmp_path / "b", tokenizer_dir, 1, 1, vocab_size=999)[0]
+    with pytest.raises(CheckpointError, match="vocab_size=999 but .*vocab.json has 1000 tokens"):
+        _convert(ckpt, tmp_path)
+    ckpt = make_checkpoint(tmp_path / "c", tokenizer_dir, 1, 1, vocab_file="/gone/vocab.json")[0]
+    with pytest.raises(CheckpointError, match="tokenizer .* was not found.*--vocab-file"):
+        _convert(ckpt, tmp_path)
+
+
+def test_pickled_args_need_trust_pickle(tmp_path, tokenizer_dir):
+    ckpt = make_checkpoint(tmp_path, tokenizer_dir, 1, 1)[0]
+    path = ckpt / "iter_0000150" / "mp_rank_00" / SHARD
+    shard = torch.load(path, weights_only=True)
+    shard["args"] = argparse.Namespace(**shard["args"])
+    torch.save(shard, path)
+    with pytest.raises(CheckpointError, match=r"argparse.Namespace.*--trust-pickle"):
+        _convert(ckpt, tmp_path)
+    assert _convert(ckpt, tmp_path, trust_pickle=True).report.passed
+
+
+def test_output_dir_not_empty_and_failed_verification(tmp_path, ckpt):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("user data")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        _convert(ckpt, tmp_path)
+    assert (out / "keep.txt").read_text() == "user data"
+    with pytest.raises(VerificationFailed, match="FAILED"):
+        _convert(ckpt, tmp_path, overwrite=True, verify=VerifyConfig(tolerance=1e-12))
+    assert "FAILED" in (out / INVALID).read_text()
+    assert not (out / "config.json").exists()  # nothing loads an unverified model by mistake
+
+
+def test_cli_exit_code_and_message(tmp_path, ckpt):
+    (ckpt / TRACKER).write_text("999")
+    run = subprocess.run([sys.executable, "-m", "trainer.convert.to_hf", "--checkpoint-dir", str(ckpt),
+                          "--output-dir", str(tmp_path / "out")], capture_output=True, text=True)
+    assert run.returncode == 2
+    assert "to_hf: error:" in run.stderr and "iter_0000999 does not exist" in run.stderr
+    assert "Traceback" not in run.stderr
