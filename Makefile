@@ -8,7 +8,7 @@ CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/
 DEVCLUSTER := slurm/devcluster
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint bench cuda-check devcluster-up devcluster-down clean
+.PHONY: install demo test test-fast lint bench cuda-check devcluster-up devcluster-down devcluster-status clean
 
 install: $(STAMP)
 
@@ -41,9 +41,14 @@ devcluster-up:
 devcluster-down:
 	-$(DEVCLUSTER) down
 
+devcluster-status:
+	$(DEVCLUSTER) status
+
 # Brings the devcluster up around the suite and always down after it, keeping pytest's exit status.
+# A cluster that fails to come up fails the target at once (its error and log tail are on stderr).
 test: install lint cuda-check
-	@$(DEVCLUSTER) up | tail -n 5; \
+	@set -o pipefail; $(DEVCLUSTER) up | tail -n 5 || { $(DEVCLUSTER) down >/dev/null 2>&1; \
+	  echo "make test: slurm/devcluster up failed (see above)" >&2; exit 1; }; \
 	eval "$$($(DEVCLUSTER) env)"; \
 	$(PYTHON) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	$(DEVCLUSTER) down >/dev/null 2>&1; exit $$rc

@@ -28,7 +28,7 @@ def _cuda() -> bool:
 def devcluster_problem() -> str | None:
     """None when the devcluster answers, else why not."""
     if not os.environ.get("SLURM_CONF"):
-        return "SLURM_CONF is not set (run: eval \"$(slurm/devcluster up | tail -n 1)\")"
+        return "SLURM_CONF is not set (run: eval \"$(slurm/devcluster up)\")"
     if shutil.which("sinfo") is None:
         return "sinfo not found (slurm-wlm not installed; slurm/devcluster up installs it)"
     try:

@@ -1,0 +1,82 @@
+"""Command line of ``slurm/devcluster``.
+
+stdout carries only lines a shell can ``eval``: progress lines are ``# ...`` comments and ``up``/``env`` end
+with ``export SLURM_CONF=<path>``, so ``eval "$(slurm/devcluster up)"`` works. Errors go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from . import cluster
+from .install import SetupError
+from .layout import Layout, default_root
+from .procs import DaemonError
+
+USAGE = """Examples:
+  slurm/devcluster up                  # install if needed, start, wait for nodes n1,n2 idle
+  eval "$(slurm/devcluster env)"       # then sinfo / srun / sbatch / sacct / submitit work
+  slurm/devcluster status
+  slurm/devcluster down                # stop everything it started
+State folder: --dir, else $DEVCLUSTER_DIR, else .devcluster/ at the repository root."""
+
+
+def _say(msg: str) -> None:
+    for line in msg.splitlines():
+        sys.stdout.write(f"# devcluster: {line}\n")
+    sys.stdout.flush()
+
+
+def _out(msg: str) -> None:
+    sys.stdout.write(msg + "\n")
+
+
+def _export(layout: Layout) -> None:
+    sys.stdout.write(f"export SLURM_CONF={layout.slurm_conf}\n")
+    sys.stdout.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--dir", default=argparse.SUPPRESS, help="state folder (default .devcluster/)")
+    parser = argparse.ArgumentParser(prog="devcluster", parents=[common], epilog=USAGE,
+                                     description="A real Slurm cluster (2 nodes) on this machine.",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("up", parents=[common], help="install if needed, start, wait until nodes are idle")
+    sub.add_parser("down", parents=[common], help="stop every process this cluster started")
+    sub.add_parser("status", parents=[common], help="daemons, nodes and jobs; exit 0 when healthy")
+    sub.add_parser("env", parents=[common], help="print `export SLURM_CONF=...` for eval")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    raw = getattr(args, "dir", None) or os.environ.get("DEVCLUSTER_DIR") or str(default_root())
+    layout = Layout(Path(raw).expanduser().resolve())
+    try:
+        if args.command == "up":
+            cluster.up(layout, _say)
+            _export(layout)
+        elif args.command == "down":
+            cluster.down(layout, _say)
+        elif args.command == "status":
+            return cluster.status(layout, _out)
+        elif args.command == "env":
+            if not layout.slurm_conf.exists():
+                sys.stderr.write(f"devcluster: no cluster in {layout.root}; run: slurm/devcluster up\n")
+                return 1
+            _export(layout)
+    except (DaemonError, SetupError) as exc:
+        sys.stdout.flush()
+        sys.stderr.write(f"devcluster {args.command} failed: {exc}\n")
+        if args.command == "up":
+            sys.stderr.write("(daemons that started are still running; `slurm/devcluster down` stops them)\n")
+        return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("devcluster: interrupted (run `slurm/devcluster down` to stop what started)\n")
+        return 130
+    return 0

@@ -1,0 +1,177 @@
+"""``up``, ``down`` and ``status`` of one devcluster."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+
+from . import conf, daemons, install, procs
+from .layout import NODES, Layout, ensure_settings, load_settings
+from .procs import DaemonError
+
+Say = Callable[[str], None]
+# Node states in which a node is up and schedulable (sinfo %t short names; "*" = not responding).
+GOOD_STATES = ("idle", "mix", "alloc", "comp")
+BAD_STATES = ("down", "drain", "drng", "fail", "failg", "inval")
+
+
+def sinfo_states(layout: Layout) -> dict[str, str] | None:
+    """``{node: state}`` from sinfo, or None when slurmctld does not answer."""
+    try:
+        res = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, timeout=15,
+                             env=daemons.client_env(layout))
+    except subprocess.TimeoutExpired:
+        return None
+    if res.returncode != 0:
+        return None
+    return dict(line.split(None, 1) for line in res.stdout.splitlines() if line.strip())
+
+
+def _ready_nodes(states: dict[str, str] | None) -> bool:
+    return states is not None and all(states.get(n, "").rstrip("~#$@^-") in GOOD_STATES for n in NODES)
+
+
+def up(layout: Layout, say: Say) -> None:
+    """Install what is missing, start what is not running, and wait until both nodes are schedulable."""
+    started = time.monotonic()
+    install.ensure_packages(say)
+    install.ensure_hosts(say)
+    layout.make_dirs()
+    settings = ensure_settings(layout)
+    hostname = socket.gethostname().split(".")[0]
+    all_steps = daemons.steps(layout, settings)
+    if conf.write_all(layout, settings, hostname):
+        restarted = [s.daemon.name for s in reversed(all_steps)
+                     if s.slurm and procs.stop(layout, s.daemon.name)]
+        if restarted:
+            say(f"configuration changed: restarting {', '.join(restarted)}")
+    launched = []
+    for step in all_steps:
+        name = step.daemon.name
+        if procs.running_pid(layout, name) is not None:
+            continue
+        if step.port is not None and procs.listening_inodes(step.port):
+            raise DaemonError(f"{name} cannot start: port {step.port} is taken by another process (see "
+                              f"`ss -ltnp | grep :{step.port}`). Free it, or `down`, delete "
+                              f"{layout.state_json} and `up` again to pick other ports")
+        daemons.prepare(name, layout, settings)
+        proc = procs.start(step.daemon, layout, daemons.daemon_env(layout))
+        procs.wait_ready(step.daemon, proc, step.ready, step.timeout_s)
+        daemons.after_start(name, layout, settings)
+        launched.append(f"{name}({proc.pid})")
+    _wait_nodes(layout, say, all_steps)
+    if launched:
+        say(f"started {' '.join(launched)} in {time.monotonic() - started:.1f} s; state in {layout.root}")
+    else:
+        say(f"already up ({time.monotonic() - started:.1f} s); state in {layout.root}")
+
+
+def _wait_nodes(layout: Layout, say: Say, all_steps, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    resumed = False
+    while True:
+        states = sinfo_states(layout)
+        if _ready_nodes(states):
+            return
+        bad = [n for n in NODES if states and states.get(n, "").rstrip("*~#$@^-") in BAD_STATES]
+        if bad and not resumed:
+            # A node left down/drained by an earlier run (e.g. killed slurmd) is healthy again now.
+            say(f"resuming {','.join(bad)} (was {', '.join(states[n] for n in bad)})")
+            subprocess.run(["scontrol", "update", f"nodename={','.join(bad)}", "state=resume"],
+                           capture_output=True, timeout=15, env=daemons.client_env(layout))
+            resumed = True
+        if time.monotonic() > deadline:
+            raise DaemonError(_nodes_failure(layout, states, timeout))
+        time.sleep(0.3)
+
+
+def _nodes_failure(layout: Layout, states: dict[str, str] | None, timeout: float) -> str:
+    lines = [f"nodes not idle after {timeout:.0f} s: {states if states is not None else 'sinfo fails'}"]
+    reasons = subprocess.run(["sinfo", "-R"], capture_output=True, text=True, timeout=15,
+                             env=daemons.client_env(layout))
+    lines.append(reasons.stdout.strip() or reasons.stderr.strip())
+    for name in ["slurmctld", *(f"slurmd-{n}" for n in NODES)]:
+        path = layout.log / f"{name}.log"
+        lines.append(f"log {path} (last lines):\n{procs.tail(path, 12)}")
+    return "\n".join(lines)
+
+
+def _cancel_jobs(layout: Layout, say: Say) -> list[int]:
+    """Cancel every job so its slurmstepd and tasks end cleanly before slurmd stops; the stepd pids."""
+    if procs.running_pid(layout, "slurmctld") is None:
+        return []
+    res = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, timeout=15,
+                         env=daemons.client_env(layout))
+    jobs = res.stdout.split() if res.returncode == 0 else []
+    if not jobs:
+        return []
+    stepds = _stepd_pids(layout)
+    say(f"cancelling {len(jobs)} job(s)")
+    subprocess.run(["scancel", *jobs], capture_output=True, timeout=30, env=daemons.client_env(layout))
+    # KillWait is 5 s: give the steps that long plus margin to exit by themselves.
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and _stepd_pids(layout):
+        time.sleep(0.2)
+    return stepds
+
+
+def _stepd_pids(layout: Layout) -> list[int]:
+    pids = []
+    for pid in procs.marked_pids(layout):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().startswith(b"slurmstepd"):
+                    pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
+def down(layout: Layout, say: Say) -> None:
+    """Stop exactly what this cluster started (pid files, then any process carrying its marker)."""
+    settings = load_settings(layout)
+    if settings is None and not layout.pids.exists():
+        say(f"nothing to stop: no devcluster state in {layout.root}")
+        return
+    stopped, pids = [], _cancel_jobs(layout, say)
+    for step in reversed(daemons.steps(layout, settings)) if settings else []:
+        pid = procs.stop(layout, step.daemon.name, timeout=30)
+        if pid is not None:
+            stopped.append(step.daemon.name)
+            pids.append(pid)
+    leftovers = procs.marked_pids(layout)
+    if leftovers:
+        say(f"stopping {len(leftovers)} leftover process(es) of this cluster: {leftovers}")
+        procs.terminate(leftovers, layout, 10)
+    procs.wait_reaped(pids + leftovers, timeout=10)
+    if layout.short != layout.root:  # sockets and spools moved to /tmp for a long state path
+        shutil.rmtree(layout.short, ignore_errors=True)
+    say(f"stopped {' '.join(stopped) or 'nothing (was not running)'}")
+
+
+def status(layout: Layout, out: Say) -> int:
+    """Print daemon and node state; 0 when every daemon runs and both nodes are schedulable."""
+    settings = load_settings(layout)
+    if settings is None:
+        out(f"devcluster: no state in {layout.root} (run: slurm/devcluster up)")
+        return 1
+    ok = True
+    out(f"devcluster state {layout.root}  SLURM_CONF={layout.slurm_conf}  ports {settings.port_base}+")
+    for step in daemons.steps(layout, settings):
+        pid = procs.running_pid(layout, step.daemon.name)
+        ok &= pid is not None
+        state = f"running pid {pid}" if pid else "stopped"
+        out(f"  {step.daemon.name:<10} {state:<17} log {step.daemon.log}")
+    states = sinfo_states(layout) if procs.running_pid(layout, "slurmctld") else None
+    if states is None:
+        out("  nodes: slurmctld not answering")
+        return 1
+    out("  nodes: " + "  ".join(f"{n}={s}" for n, s in sorted(states.items())))
+    res = subprocess.run(["squeue", "-h", "-o", "%i %T %j"], capture_output=True, text=True, timeout=15,
+                         env=daemons.client_env(layout))
+    jobs = res.stdout.splitlines()
+    out(f"  jobs: {len(jobs)}" + "".join(f"\n    {j}" for j in jobs[:20]))
+    return 0 if ok and _ready_nodes(states) else 1

@@ -1,0 +1,94 @@
+"""Machine preparation for ``up``: Debian packages when missing, and /etc/hosts entries for the nodes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from .layout import NODES
+
+PACKAGES = ("slurm-wlm", "slurmdbd", "munge", "mariadb-server")
+# The programs up needs, and the package that provides each.
+PROGRAMS = {
+    "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "srun": "slurm-wlm", "sinfo": "slurm-wlm",
+    "sacct": "slurm-wlm", "sacctmgr": "slurm-wlm", "scontrol": "slurm-wlm", "slurmdbd": "slurmdbd",
+    "munged": "munge", "mariadbd": "mariadb-server", "mariadb-install-db": "mariadb-server",
+    "mariadb": "mariadb-server",
+}
+POLICY_RC = Path("/usr/sbin/policy-rc.d")
+HOSTS = Path("/etc/hosts")
+HOSTS_LINE = "127.0.0.1 " + " ".join(NODES) + "  # slipway devcluster nodes"
+
+
+class SetupError(RuntimeError):
+    """The machine cannot be prepared (not root, apt failure, ...); the message says what to do."""
+
+
+def missing_programs() -> list[str]:
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    return [p for p in PROGRAMS if shutil.which(p, path=path) is None]
+
+
+def ensure_packages(say) -> None:
+    """Install the Debian packages providing any missing program (root only; no service is started)."""
+    missing = missing_programs()
+    if not missing:
+        return
+    packages = sorted({PROGRAMS[p] for p in missing})
+    if os.geteuid() != 0:
+        raise SetupError(f"missing programs {', '.join(missing)}; installing them needs root. Run as root, "
+                         f"or first: sudo apt-get install -y {' '.join(PACKAGES)}")
+    if shutil.which("apt-get") is None:
+        raise SetupError(f"missing programs {', '.join(missing)} and no apt-get here: install "
+                         f"{' '.join(PACKAGES)} (Slurm, slurmdbd, MUNGE, MariaDB) with your package manager")
+    say(f"installing {' '.join(packages)} with apt-get (output on stderr)")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    # policy-rc.d answering 101 stops the packages from starting system-wide services: we run our own.
+    created_policy = not POLICY_RC.exists()
+    if created_policy:
+        POLICY_RC.write_text("#!/bin/sh\n# slurm/devcluster, for the duration of apt-get\nexit 101\n")
+        POLICY_RC.chmod(0o755)
+    try:
+        _apt(["apt-get", "update"], env)
+        _apt(["apt-get", "install", "-y", "--no-install-recommends", *PACKAGES], env)
+    finally:
+        if created_policy:
+            POLICY_RC.unlink(missing_ok=True)
+    still = missing_programs()
+    if still:
+        raise SetupError(f"apt-get finished but {', '.join(still)} still missing from PATH")
+
+
+def _apt(argv: list[str], env: dict[str, str]) -> None:
+    res = subprocess.run(argv, env=env, stdout=sys.stderr, stderr=sys.stderr, stdin=subprocess.DEVNULL)
+    if res.returncode != 0:
+        raise SetupError(f"`{' '.join(argv)}` failed with status {res.returncode} (its output is above)")
+
+
+def _resolves_to_loopback(name: str) -> bool:
+    try:
+        return socket.gethostbyname(name).startswith("127.")
+    except OSError:
+        return False
+
+
+def ensure_hosts(say) -> None:
+    """Make every node name resolve to 127.0.0.1 (idempotent: appends one line to /etc/hosts at most)."""
+    if all(_resolves_to_loopback(n) for n in NODES):
+        return
+    if os.geteuid() != 0:
+        raise SetupError(f"node names {', '.join(NODES)} do not resolve; as root, add to {HOSTS}:\n"
+                         f"  {HOSTS_LINE}")
+    text = HOSTS.read_text() if HOSTS.exists() else ""
+    # Append in place (not write-and-rename): in containers /etc/hosts is often a bind mount.
+    with open(HOSTS, "a") as f:
+        f.write(("" if text.endswith("\n") or not text else "\n") + HOSTS_LINE + "\n")
+    say(f"added to {HOSTS}: {HOSTS_LINE}")
+    bad = [n for n in NODES if not _resolves_to_loopback(n)]
+    if bad:
+        raise SetupError(f"{', '.join(bad)} still do not resolve to 127.0.0.1 after editing {HOSTS} "
+                         "(check /etc/nsswitch.conf has 'files' for hosts)")

@@ -1,0 +1,187 @@
+"""Where everything of one devcluster lives, and the few settings chosen once at first ``up``.
+
+Everything (configs, keys, databases, spools, logs, pid files) sits under one state folder so that
+``rm -rf`` of it after ``down`` forgets the cluster completely, and several clusters (one per checkout)
+can coexist on one machine: ports are derived from the folder's path and persisted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+NODES = ("n1", "n2")
+CLUSTER_NAME = "devcluster"
+# Ports live below 20000: submitit's TorchDistributedEnvironment picks MASTER_PORT in [20000, 60000] and the
+# kernel's ephemeral range starts at 32768, so neither can collide with a daemon of ours.
+PORT_RANGE = (17000, 19990)
+PORT_STEP = 10
+# Offsets from the port base: slurmctld, slurmdbd, MariaDB, then one slurmd per node.
+CTLD, DBD, MYSQL, SLURMD0 = 0, 1, 2, 3
+# AF_UNIX paths are limited to 108 bytes. slurmstepd puts sockets named <node>_<job>.<step> (up to ~25
+# bytes) in the spool folder, so state folders longer than this keep sockets and spools in /tmp instead.
+MAX_ROOT_FOR_SOCKETS = 60
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Chosen once at first ``up`` and persisted in ``state.json``."""
+
+    port_base: int  # first of PORT_STEP consecutive loopback ports owned by this cluster
+    db_password: str  # MariaDB password of the 'slurm' user (loopback only, file mode 0600)
+
+    def __post_init__(self) -> None:
+        lo, hi = PORT_RANGE
+        if not lo <= self.port_base <= hi:
+            raise ValueError(f"state.json: port_base={self.port_base} outside {PORT_RANGE}; "
+                             "delete the state folder after `devcluster down` to pick again")
+
+    def port(self, offset: int) -> int:
+        return self.port_base + offset
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Paths of one cluster's state folder (``root`` is absolute)."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        if not self.root.is_absolute():
+            raise ValueError(f"Layout.root must be absolute, got {self.root}")
+
+    # --- configuration -------------------------------------------------------------------------------
+    @property
+    def etc(self) -> Path:
+        return self.root / "etc"
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.etc / "slurm.conf"
+
+    @property
+    def slurmdbd_conf(self) -> Path:
+        # slurmdbd has no -f flag: it reads slurmdbd.conf beside $SLURM_CONF.
+        return self.etc / "slurmdbd.conf"
+
+    @property
+    def state_json(self) -> Path:
+        return self.root / "state.json"
+
+    # --- runtime ---------------------------------------------------------------------------------------
+    @property
+    def log(self) -> Path:
+        return self.root / "log"
+
+    @property
+    def pids(self) -> Path:
+        return self.root / "pids"
+
+    @property
+    def run(self) -> Path:
+        """Pid files the daemons write themselves (ours are in ``pids``)."""
+        return self.root / "run"
+
+    @property
+    def short(self) -> Path:
+        """Parent of everything holding unix sockets: the state folder, or /tmp/devcluster-<hash> if long."""
+        if len(str(self.root)) <= MAX_ROOT_FOR_SOCKETS:
+            return self.root
+        return Path("/tmp") / f"devcluster-{hashlib.sha256(str(self.root).encode()).hexdigest()[:12]}"
+
+    @property
+    def sock(self) -> Path:
+        return self.short / "sock"
+
+    @property
+    def munge_socket(self) -> Path:
+        return self.sock / "munge.socket"
+
+    @property
+    def munge_key(self) -> Path:
+        return self.root / "munge" / "munge.key"
+
+    @property
+    def mysql_socket(self) -> Path:
+        return self.sock / "mariadb.sock"
+
+    @property
+    def mysql_data(self) -> Path:
+        return self.root / "mariadb" / "data"
+
+    @property
+    def ctld_state(self) -> Path:
+        return self.root / "state" / "slurmctld"
+
+    @property
+    def spool_root(self) -> Path:
+        return self.short / "spool"
+
+    def spool(self, node: str) -> Path:
+        return self.spool_root / node
+
+    def log_file(self, name: str) -> Path:
+        return self.log / f"{name}.log"
+
+    def dirs(self) -> list[Path]:
+        return [self.etc, self.log, self.pids, self.run, self.sock, self.munge_key.parent,
+                self.mysql_data.parent, self.ctld_state, self.root / "tmp",
+                *(self.spool(n) for n in NODES)]
+
+    def make_dirs(self) -> None:
+        # 0700 everywhere: munged refuses sockets and keys in folders others can write to.
+        for top in {self.root, self.short}:
+            top.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chmod(top, 0o700)
+        for d in self.dirs():
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def default_root() -> Path:
+    """``.devcluster/`` at the repository root (this file is ``<repo>/slurm/devcluster_lib/layout.py``)."""
+    return Path(__file__).resolve().parents[2] / ".devcluster"
+
+
+def _port_free(port: int) -> bool:
+    # Daemons bind loopback, but a service on 0.0.0.0 would still clash, so test the wildcard address.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def _pick_port_base(root: Path) -> int:
+    lo, hi = PORT_RANGE
+    slots = (hi - lo) // PORT_STEP + 1
+    start = int(hashlib.sha256(str(root).encode()).hexdigest(), 16) % slots
+    for i in range(slots):
+        base = lo + ((start + i) % slots) * PORT_STEP
+        if all(_port_free(base + k) for k in range(SLURMD0 + len(NODES))):
+            return base
+    raise RuntimeError(f"no free block of {PORT_STEP} ports in {PORT_RANGE} on this machine")
+
+
+def load_settings(layout: Layout) -> Settings | None:
+    if not layout.state_json.exists():
+        return None
+    return Settings(**json.loads(layout.state_json.read_text()))
+
+
+def ensure_settings(layout: Layout) -> Settings:
+    """The persisted settings, choosing and saving them on first use."""
+    found = load_settings(layout)
+    if found is not None:
+        return found
+    settings = Settings(port_base=_pick_port_base(layout.root), db_password=secrets.token_hex(16))
+    fd = os.open(layout.state_json, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(settings.__dict__, f, indent=1)
+    return settings

@@ -1,0 +1,147 @@
+"""The devcluster is a real two-node Slurm cluster: srun, submitit + torch.distributed (gloo) and sacct work,
+and the `slurm/devcluster` CLI reports status, is idempotent, and `down` stops exactly its own processes.
+
+Needs a running devcluster (`eval "$(slurm/devcluster up)"`); `make test` brings one up around the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slurm
+
+REPO = Path(__file__).resolve().parents[2]
+DEVCLUSTER = REPO / "slurm" / "devcluster"
+DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2")
+TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+            "BOOT_FAIL", "DEADLINE"}
+
+
+@pytest.fixture(scope="module")
+def state_dir() -> Path:
+    """The state folder of the cluster SLURM_CONF points at (<dir>/etc/slurm.conf)."""
+    return Path(os.environ["SLURM_CONF"]).resolve().parents[1]
+
+
+def devcluster(state_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(DEVCLUSTER), "--dir", str(state_dir), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def daemon_pids(state_dir: Path) -> dict[str, int]:
+    return {p.stem: int(p.read_text().split()[0]) for p in (state_dir / "pids").glob("*.pid")}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def sacct_state(job_id: str, timeout: float = 60) -> str:
+    """The job's final accounting state; slurmctld reports to slurmdbd asynchronously, so poll."""
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], capture_output=True,
+                             text=True, timeout=30)
+        state = out.stdout.strip().split(" ")[0]
+        if state in TERMINAL:
+            return state
+        time.sleep(0.5)
+    return f"no terminal state after {timeout} s (last: {state!r})"
+
+
+def test_status_reports_every_daemon_and_idle_nodes(state_dir):
+    res = devcluster(state_dir, "status")
+    assert res.returncode == 0, res.stdout + res.stderr
+    for name in DAEMONS:
+        assert f"{name} " in res.stdout, res.stdout
+    assert "stopped" not in res.stdout, res.stdout
+    assert "n1=" in res.stdout and "n2=" in res.stdout
+
+
+def test_up_again_is_a_fast_no_op(state_dir):
+    before = daemon_pids(state_dir)
+    assert set(before) == set(DAEMONS)
+    res = devcluster(state_dir, "up", timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = res.stdout.splitlines()
+    # Every line but the last is a shell comment, so `eval "$(slurm/devcluster up)"` works.
+    assert lines[-1] == f"export SLURM_CONF={os.environ['SLURM_CONF']}"
+    assert all(line.startswith("#") for line in lines[:-1]), lines
+    assert "already up" in res.stdout
+    assert daemon_pids(state_dir) == before  # nothing was restarted
+
+
+def test_env_prints_the_export_line(state_dir):
+    res = devcluster(state_dir, "env")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == f"export SLURM_CONF={os.environ['SLURM_CONF']}\n"
+
+
+def test_srun_runs_one_task_on_each_node_and_sacct_records_it():
+    name = f"srun-{uuid.uuid4().hex[:8]}"
+    res = subprocess.run(["srun", "-N2", "-n2", f"--job-name={name}", "-t", "2", "bash", "-c",
+                          "echo $SLURM_JOB_ID $SLURMD_NODENAME $SLURM_PROCID"], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    rows = sorted(line.split() for line in res.stdout.splitlines())
+    assert [r[1:] for r in rows] == [["n1", "0"], ["n2", "1"]], res.stdout
+    job_ids = {r[0] for r in rows}
+    assert len(job_ids) == 1
+    assert sacct_state(job_ids.pop()) == "COMPLETED"
+
+
+def test_submitit_two_nodes_two_tasks_allreduce_with_gloo(tmp_path):
+    submitit = pytest.importorskip("submitit")
+    from tests.slurm._jobs import allreduce_rank
+
+    executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm",
+                                     slurm_python=sys.executable)
+    executor.update_parameters(
+        nodes=2, tasks_per_node=2, cpus_per_task=1, mem_gb=2, timeout_min=5, name="allreduce",
+        # The job imports tests.slurm._jobs; one thread per rank since the 4 ranks share this box's cores.
+        slurm_setup=[f"export PYTHONPATH={REPO}:${{PYTHONPATH:-}}", "export OMP_NUM_THREADS=1"],
+    )
+    job = executor.submit(allreduce_rank)
+    results = job.results()
+    assert sorted(r["rank"] for r in results) == [0, 1, 2, 3]
+    assert all(r["world_size"] == 4 and r["sum"] == 1 + 2 + 3 + 4 for r in results), results
+    placement = sorted((r["node"], r["local_rank"]) for r in results)
+    assert placement == [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]
+    assert {r["master_addr"] for r in results} == {"n1"}
+    assert sacct_state(job.job_id) == "COMPLETED"
+
+
+def test_second_cluster_starts_from_nothing_and_down_stops_only_its_own(tmp_path, state_dir):
+    """A fresh state folder (deep enough that its sockets must move to /tmp) beside the running cluster."""
+    other = tmp_path / ("deep" * 20) / "state"
+    main_pids = daemon_pids(state_dir)
+    try:
+        res = devcluster(other, "up", timeout=240)
+        assert res.returncode == 0, res.stdout + res.stderr
+        conf = other / "etc" / "slurm.conf"
+        assert res.stdout.splitlines()[-1] == f"export SLURM_CONF={conf}"
+        env = dict(os.environ, SLURM_CONF=str(conf))
+        out = subprocess.run(["srun", "-N2", "-n2", "-t", "1", "printenv", "SLURMD_NODENAME"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert sorted(out.stdout.split()) == ["n1", "n2"]
+        other_pids = daemon_pids(other)
+        assert set(other_pids) == set(DAEMONS) and not set(other_pids.values()) & set(main_pids.values())
+    finally:
+        down = devcluster(other, "down", timeout=120)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not any(alive(p) for p in other_pids.values())
+    assert not list((other / "pids").glob("*.pid"))
+    assert all(alive(p) for p in main_pids.values())  # the main cluster was not touched
+    assert devcluster(state_dir, "status").returncode == 0
