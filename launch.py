@@ -38,7 +38,7 @@ def _sweep_info() -> SweepInfo | None:
 
 @hydra.main(config_path="hydra_conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    typed = to_typed(cfg)
+    typed = to_typed(cfg, dict(HydraConfig.get().runtime.choices))
     try:
         result = launch(typed, _sweep_info())
     except PlanError as err:

@@ -251,11 +251,11 @@ def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimat
                 hint,
             )
         )
-    usable = cfg.cluster.time_limit_min * 60 - cfg.cluster.signal_lead_s
+    usable = cfg.cluster.time_limit_min * 60 - cfg.cluster.signal_delay_s
     if cfg.train.save_interval > 0 and est.first_checkpoint_s > usable:
         per_iter = est.step_s
         fit = max(int(usable / per_iter), 0) if per_iter > 0 else 0
-        need_min = int((est.first_checkpoint_s + cfg.cluster.signal_lead_s) / 60) + 1
+        need_min = int((est.first_checkpoint_s + cfg.cluster.signal_delay_s) / 60) + 1
         out.append(
             Problem(
                 "time_limit",

@@ -47,12 +47,12 @@ class JobResources:
     exclusive: bool = False
     constraint: str | None = None
     extra: tuple[tuple[str, str], ...] = ()
-    signal_lead_s: int | None = None  # training only: --signal=USR2@lead and the requeue logic
+    signal_delay_s: int | None = None  # training only: --signal=USR2@lead and the requeue logic
     max_retries: int = 0
     max_timeouts: int = 0
 
 
-def stage_resources(stage: str, cluster: ClusterConfig, experiment: str) -> JobResources:
+def stage_resources(stage: str, cluster: ClusterConfig, experiment: str, tasks_per_node: int) -> JobResources:
     """Training gets the GPU layout; corpus/preprocess/convert are single-task CPU jobs."""
     c = cluster
     common = {
@@ -63,18 +63,17 @@ def stage_resources(stage: str, cluster: ClusterConfig, experiment: str) -> JobR
     }
     name = f"slipway-{experiment}-{stage}"
     if stage == "train":
-        tpn = c.tasks_per_node if c.tasks_per_node is not None else max(c.gpus_per_node, 1)
         return JobResources(
             name,
             c.nodes,
-            tpn,
+            tasks_per_node,
             c.gpus_per_node,
             c.cpus_per_task,
             c.time_limit_min,
             c.partition,
-            mem=c.mem,
+            mem=_mem(c.mem_gb),
             exclusive=c.exclusive,
-            signal_lead_s=c.signal_lead_s,
+            signal_delay_s=c.signal_delay_s,
             max_retries=c.max_retries,
             max_timeouts=c.max_timeouts,
             **common,
@@ -82,6 +81,12 @@ def stage_resources(stage: str, cluster: ClusterConfig, experiment: str) -> JobR
     return JobResources(
         name, 1, 1, 0, c.stage_cpus, c.stage_time_limit_min, c.stage_partition or c.partition, **common
     )
+
+
+def _mem(mem_gb: float | None) -> str | None:
+    if mem_gb is None:
+        return None
+    return str(int(mem_gb)) + ("G" if mem_gb else "") if mem_gb == int(mem_gb) else f"{int(mem_gb * 1024)}M"
 
 
 @dataclass(frozen=True)
@@ -121,8 +126,8 @@ def sbatch_directives(spec: ScriptSpec) -> list[str]:
             d.append((key, value))
     if r.exclusive:
         d.append(("exclusive", True))
-    if r.signal_lead_s is not None:
-        d += [("signal", f"USR2@{r.signal_lead_s}"), ("requeue", True)]
+    if r.signal_delay_s is not None:
+        d += [("signal", f"USR2@{r.signal_delay_s}"), ("requeue", True)]
     else:
         d.append(("no-requeue", True))
     if spec.dependency:
@@ -199,7 +204,7 @@ def render_sbatch(spec: ScriptSpec) -> str:
     body = ["", *_env_lines(spec)]
     if spec.setup:
         body += ["", "# setup", *spec.setup]
-    if r.signal_lead_s is None:
+    if r.signal_delay_s is None:
         # CPU stage: one task, no requeue logic, plain srun (exit status is the job's).
         body += [
             "",
@@ -207,7 +212,7 @@ def render_sbatch(spec: ScriptSpec) -> str:
             f"--error {spec.log_dir}/{spec.stage}_%j_%t.err {spec.command}",
         ]
     else:
-        timeout_after = max(r.time_limit_min * 60 - r.signal_lead_s - 60, 0)
+        timeout_after = max(r.time_limit_min * 60 - r.signal_delay_s - 60, 0)
         body.append(
             _LOOP.format(
                 port_base=spec.master_port_base,
@@ -239,7 +244,7 @@ def local_parameters(spec: LocalSpec) -> dict[str, object]:
         "tasks_per_node": r.nodes * r.tasks_per_node,
         "timeout_min": r.time_limit_min,
         "gpus_per_node": r.gpus_per_node,
-        "signal_delay_s": r.signal_lead_s or 30,
+        "signal_delay_s": r.signal_delay_s or 30,
     }
 
 

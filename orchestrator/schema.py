@@ -133,7 +133,7 @@ class LoggingConfig:
 class ClusterConfig:
     """Where jobs run and what one device can do (for the plan)."""
 
-    name: str = "local"
+    name: str | None = None  # None: the Hydra choice (cluster=devcluster → "devcluster")
     executor: str = "local"  # local (submitit LocalExecutor) | slurm
     partition: str | None = None
     account: str | None = None
@@ -142,7 +142,7 @@ class ClusterConfig:
     gpus_per_node: int = 0  # 0: CPU-only cluster (gloo); training then runs tasks_per_node tasks per node
     tasks_per_node: int | None = None  # None: gpus_per_node (one task per GPU)
     cpus_per_task: int = 1
-    mem: str | None = None  # sbatch --mem (e.g. "0" for all, "64G")
+    mem_gb: float | None = None  # sbatch --mem per node; 0: all of the node's memory; None: site default
     time_limit_min: int = 60
     exclusive: bool = False
     constraint: str | None = None
@@ -151,7 +151,7 @@ class ClusterConfig:
     setup: list[str] = field(default_factory=list)  # shell lines before srun (module load ...)
     max_retries: int = 1  # crashed training attempts retried from the last checkpoint
     max_timeouts: int = 10  # requeues after hitting the time limit (preemptions are unlimited)
-    signal_lead_s: int = 120  # --signal=USR2@lead: seconds the trainer gets to save before the kill
+    signal_delay_s: int = 120  # --signal=USR2@lead: seconds the trainer gets to save before the kill
     backend: str | None = None  # torch.distributed backend; None: nccl with GPUs, gloo without
     # Stage jobs (corpus, preprocess, convert) are CPU jobs.
     stage_cpus: int = 2
@@ -230,11 +230,16 @@ def register() -> None:
     cs.store(name="slipway_schema", node=SlipwayConfig)
 
 
-def to_typed(cfg: Any) -> SlipwayConfig:
-    """OmegaConf DictConfig (composed) → plain, resolved SlipwayConfig dataclass tree."""
+def to_typed(cfg: Any, choices: dict[str, Any] | None = None) -> SlipwayConfig:
+    """OmegaConf DictConfig (composed) → plain, resolved SlipwayConfig dataclass tree.
+
+    ``choices``: Hydra's group choices (``hydra.runtime.choices``), used for names a group file omits.
+    """
     from omegaconf import OmegaConf
 
     obj = OmegaConf.to_object(cfg)
     if not isinstance(obj, SlipwayConfig):  # composed without the schema (e.g. a bare dict in a test)
         obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SlipwayConfig), cfg))
+    if obj.cluster.name is None:
+        obj.cluster.name = str((choices or {}).get("cluster") or obj.cluster.executor)
     return obj  # type: ignore[return-value]

@@ -22,6 +22,7 @@ from orchestrator import render
 from orchestrator.plan import Plan, StagePlan
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import COMPLETE, FAILED, STAGE_CALLABLES, Upstream
+from orchestrator.validate import tasks_per_node
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -86,7 +87,7 @@ def render_stage(
     cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None
 ) -> str:
     """The script (Slurm) or parameter record (local) for one stage, as it would be submitted."""
-    res = render.stage_resources(stage.name, cfg.cluster, cfg.experiment)
+    res = render.stage_resources(stage.name, cfg.cluster, cfg.experiment, tasks_per_node(cfg))
     py = python or render.python_command(
         cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable
     )
@@ -148,7 +149,7 @@ def _queued(stage: StagePlan) -> dict[str, Any] | None:
 
 
 def _executor(cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...]) -> Any:
-    res = render.stage_resources(stage.name, cfg.cluster, cfg.experiment)
+    res = render.stage_resources(stage.name, cfg.cluster, cfg.experiment, tasks_per_node(cfg))
     py = render.python_command(
         cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable
     )

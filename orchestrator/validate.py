@@ -57,9 +57,20 @@ class Layout:
     num_microbatches: int  # 0 when global batch is not a multiple of micro × dp
 
 
+def tasks_per_node(cfg: SlipwayConfig) -> int:
+    """Training tasks per node: as configured, else one per GPU; on the local executor without GPUs,
+    tp × pp processes (one model replica) so the smoke layout runs on any machine."""
+    c = cfg.cluster
+    if c.tasks_per_node is not None:
+        return c.tasks_per_node
+    if c.gpus_per_node:
+        return c.gpus_per_node
+    return max(cfg.parallel.tp_size * cfg.parallel.pp_size, 1) if c.executor == "local" else 1
+
+
 def layout_of(cfg: SlipwayConfig) -> Layout:
     c, p, t = cfg.cluster, cfg.parallel, cfg.train
-    tpn = c.tasks_per_node if c.tasks_per_node is not None else max(c.gpus_per_node, 1)
+    tpn = tasks_per_node(cfg)
     world = c.nodes * tpn
     mp = max(p.tp_size, 1) * max(p.pp_size, 1)
     dp = world // mp if world % mp == 0 else 0
@@ -261,14 +272,14 @@ def _cluster(cfg: SlipwayConfig) -> list[Problem]:
                 "set cluster.backend=gloo (or null)",
             )
         )
-    if c.signal_lead_s >= c.time_limit_min * 60:
+    if c.signal_delay_s >= c.time_limit_min * 60:
         out.append(
             Problem(
                 "signal_lead",
-                "cluster.signal_lead_s",
-                c.signal_lead_s,
+                "cluster.signal_delay_s",
+                c.signal_delay_s,
                 f"not shorter than the time limit ({c.time_limit_min} min)",
-                "lower cluster.signal_lead_s or raise cluster.time_limit_min",
+                "lower cluster.signal_delay_s or raise cluster.time_limit_min",
             )
         )
     for name in c.env:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import open_dict
 
 from orchestrator.schema import SlipwayConfig, register, to_typed
 
@@ -16,7 +17,11 @@ register()
 
 def compose_cfg(overrides: list[str]) -> SlipwayConfig:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return to_typed(compose("config", overrides=overrides))
+        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+        choices = dict(cfg.hydra.runtime.choices)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return to_typed(cfg, choices)
 
 
 def group_options(group: str) -> list[str]:

@@ -81,7 +81,7 @@ def test_memory_problem_suggests_recompute_when_it_fits():
 def test_launch_refuses_before_any_job_exists(tmp_path: Path):
     """Nothing is created or submitted: no run dir, no job folder, no marker (and on the devcluster,
     test_devcluster asserts squeue stays empty)."""
-    cfg = compose_cfg(SMOKE + ["parallel.tp_size=3", "train.global_batch_size=5", f"runs_root={tmp_path}"])
+    cfg = compose_cfg(SMOKE + ["parallel.tp_size=3", "cluster.tasks_per_node=3", f"runs_root={tmp_path}"])
     with pytest.raises(PlanError) as err:
         launch(cfg, out=io.StringIO())
     codes = {p.code for p in err.value.problems}
