@@ -24,19 +24,25 @@ USAGE = """Examples:
 State folder: --dir, else $DEVCLUSTER_DIR, else .devcluster/ at the repository root."""
 
 
+def _write(text: str) -> None:
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader left (`up | head -1`): finish the work anyway, writing nowhere.
+        sys.stdout = open(os.devnull, "w")
+
+
 def _say(msg: str) -> None:
-    for line in msg.splitlines():
-        sys.stdout.write(f"# devcluster: {line}\n")
-    sys.stdout.flush()
+    _write("".join(f"# devcluster: {line}\n" for line in msg.splitlines()))
 
 
 def _out(msg: str) -> None:
-    sys.stdout.write(msg + "\n")
+    _write(msg + "\n")
 
 
 def _export(layout: Layout) -> None:
-    sys.stdout.write(f"export SLURM_CONF={layout.slurm_conf}\n")
-    sys.stdout.flush()
+    _write(f"export SLURM_CONF={layout.slurm_conf}\n")
 
 
 def _parser() -> argparse.ArgumentParser:

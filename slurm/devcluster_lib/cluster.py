@@ -37,11 +37,11 @@ def _ready_nodes(states: dict[str, str] | None) -> bool:
 def up(layout: Layout, say: Say) -> None:
     """Install what is missing, start what is not running, and wait until both nodes are schedulable."""
     started = time.monotonic()
+    hostname = socket.gethostname().split(".")[0]
     install.ensure_packages(say)
-    install.ensure_hosts(say)
+    install.ensure_hosts(say, hostname)
     layout.make_dirs()
     settings = ensure_settings(layout)
-    hostname = socket.gethostname().split(".")[0]
     all_steps = daemons.steps(layout, settings)
     if conf.write_all(layout, settings, hostname):
         restarted = [s.daemon.name for s in reversed(all_steps)

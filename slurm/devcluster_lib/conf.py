@@ -23,7 +23,7 @@ from .layout import CLUSTER_NAME, CTLD, DBD, MYSQL, NODES, SLURMD0, Layout, Sett
 PARTITION = "debug"
 CPUS_PER_NODE = 4
 LOOPBACK = "127.0.0.1"
-CRED_EXPIRE_S = 15
+CRED_EXPIRE_S = 10
 
 
 def user() -> str:

@@ -21,7 +21,6 @@ PROGRAMS = {
 }
 POLICY_RC = Path("/usr/sbin/policy-rc.d")
 HOSTS = Path("/etc/hosts")
-HOSTS_LINE = "127.0.0.1 " + " ".join(NODES) + "  # slipway devcluster nodes"
 
 
 class SetupError(RuntimeError):
@@ -38,14 +37,13 @@ def ensure_packages(say) -> None:
     missing = missing_programs()
     if not missing:
         return
-    packages = sorted({PROGRAMS[p] for p in missing})
     if os.geteuid() != 0:
         raise SetupError(f"missing programs {', '.join(missing)}; installing them needs root. Run as root, "
                          f"or first: sudo apt-get install -y {' '.join(PACKAGES)}")
     if shutil.which("apt-get") is None:
         raise SetupError(f"missing programs {', '.join(missing)} and no apt-get here: install "
                          f"{' '.join(PACKAGES)} (Slurm, slurmdbd, MUNGE, MariaDB) with your package manager")
-    say(f"installing {' '.join(packages)} with apt-get (output on stderr)")
+    say(f"{', '.join(missing)} missing: installing {' '.join(PACKAGES)} with apt-get (output on stderr)")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     # policy-rc.d answering 101 stops the packages from starting system-wide services: we run our own.
     created_policy = not POLICY_RC.exists()
@@ -76,19 +74,33 @@ def _resolves_to_loopback(name: str) -> bool:
         return False
 
 
-def ensure_hosts(say) -> None:
-    """Make every node name resolve to 127.0.0.1 (idempotent: appends one line to /etc/hosts at most)."""
-    if all(_resolves_to_loopback(n) for n in NODES):
+def _resolves(name: str) -> bool:
+    try:
+        socket.gethostbyname(name)
+        return True
+    except OSError:
+        return False
+
+
+def ensure_hosts(say, hostname: str) -> None:
+    """Make the node names resolve to 127.0.0.1, and this host's name resolve at all (srun binds to it).
+
+    Idempotent: appends at most one line to /etc/hosts, only for names that do not resolve as needed.
+    """
+    names = [n for n in NODES if not _resolves_to_loopback(n)]
+    names += [] if _resolves(hostname) else [hostname]
+    if not names:
         return
+    line = f"127.0.0.1 {' '.join(names)}  # slipway devcluster"
     if os.geteuid() != 0:
-        raise SetupError(f"node names {', '.join(NODES)} do not resolve; as root, add to {HOSTS}:\n"
-                         f"  {HOSTS_LINE}")
+        raise SetupError(f"{', '.join(names)} do not resolve to 127.0.0.1; as root, add to {HOSTS}:\n"
+                         f"  {line}")
     text = HOSTS.read_text() if HOSTS.exists() else ""
     # Append in place (not write-and-rename): in containers /etc/hosts is often a bind mount.
     with open(HOSTS, "a") as f:
-        f.write(("" if text.endswith("\n") or not text else "\n") + HOSTS_LINE + "\n")
-    say(f"added to {HOSTS}: {HOSTS_LINE}")
-    bad = [n for n in NODES if not _resolves_to_loopback(n)]
+        f.write(("" if text.endswith("\n") or not text else "\n") + line + "\n")
+    say(f"added to {HOSTS}: {line}")
+    bad = [n for n in names if not _resolves_to_loopback(n)]
     if bad:
         raise SetupError(f"{', '.join(bad)} still do not resolve to 127.0.0.1 after editing {HOSTS} "
-                         "(check /etc/nsswitch.conf has 'files' for hosts)")
+                         "(an earlier line or DNS wins? check /etc/hosts and /etc/nsswitch.conf)")

@@ -145,3 +145,30 @@ def test_second_cluster_starts_from_nothing_and_down_stops_only_its_own(tmp_path
     assert not list((other / "pids").glob("*.pid"))
     assert all(alive(p) for p in main_pids.values())  # the main cluster was not touched
     assert devcluster(state_dir, "status").returncode == 0
+
+
+SIGNAL_THEN_REQUEUE = """
+n=${SLURM_RESTART_COUNT:-0}
+trap 'echo "signal USR2 restarts=$n" >> {log}; scontrol requeue $SLURM_JOB_ID; exit 0' USR2
+echo "start restarts=$n" >> {log}
+[ "$n" -ge 1 ] && exit 0
+sleep 300 & wait
+"""
+
+
+def test_signal_then_requeue_from_inside_the_job(tmp_path):
+    """The submitit/trainer pattern: --signal reaches the job, which requeues itself; the rerun completes."""
+    log = tmp_path / "events.log"
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n" + SIGNAL_THEN_REQUEUE.replace("{log}", str(log)))
+    # Time limit 1 min, signal 30 s before: slurmctld checks every 30 s, so it arrives within ~30 s.
+    res = subprocess.run(["sbatch", "--parsable", "-N1", "-t", "1", "--signal=B:USR2@30", "--requeue",
+                          "-o", str(tmp_path / "slurm-%j.out"), str(script)], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 0, res.stderr
+    job_id = res.stdout.strip().split(";")[0]
+    assert sacct_state(job_id, timeout=150) == "COMPLETED", (tmp_path / f"slurm-{job_id}.out").read_text()
+    assert log.read_text().splitlines() == ["start restarts=0", "signal USR2 restarts=0", "start restarts=1"]
+    requeued = subprocess.run(["sacct", "-j", job_id, "-X", "-D", "-n", "-P", "-o", "State"],
+                              capture_output=True, text=True, timeout=30).stdout.split()
+    assert requeued[0] == "REQUEUED" and requeued[-1] == "COMPLETED", requeued
