@@ -7,8 +7,11 @@ with ``export SLURM_CONF=<path>``, so ``eval "$(slurm/devcluster up)"`` works. E
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from . import cluster
@@ -59,16 +62,34 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def _exclusive(layout: Layout) -> Iterator[None]:
+    """One ``up``/``down`` at a time per state folder (two concurrent ``up`` would start everything twice)."""
+    if not layout.root.exists():
+        yield  # `down` of a folder that was never created: nothing to guard
+        return
+    with open(layout.root / "lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"waiting for another devcluster up/down on {layout.root}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     raw = getattr(args, "dir", None) or os.environ.get("DEVCLUSTER_DIR") or str(default_root())
     layout = Layout(Path(raw).expanduser().resolve())
     try:
         if args.command == "up":
-            cluster.up(layout, _say)
+            layout.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with _exclusive(layout):
+                cluster.up(layout, _say)
             _export(layout)
         elif args.command == "down":
-            cluster.down(layout, _say)
+            with _exclusive(layout):
+                cluster.down(layout, _say)
         elif args.command == "status":
             return cluster.status(layout, _out)
         elif args.command == "env":
