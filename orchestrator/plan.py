@@ -222,6 +222,8 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
             tcfg["tokenizer"]["vocab_file"],
             tcfg["tokenizer"]["merge_file"],
             cfg.convert.verify,
+            # The sample generated after conversion must fit the model's positions (prompt included).
+            sample_tokens=max(1, min(64, cfg.model.max_position_embeddings // 4)),
         )
         stages.append(StagePlan("convert", ckey, os.path.join(state, "convert"), False, ("train",), job))
     return stages

@@ -124,9 +124,9 @@ def run_dirs_of(path: str) -> list[Path]:
     p = Path(path)
     if (p / SWEEP_JSON).exists():
         points = sorted(read_json(p / SWEEP_JSON)["points"], key=lambda e: e.get("point", 0))
-        return [Path(e["run_dir"]) for e in points]
+        return [Path(e["run_dir"]).resolve() for e in points]
     if (p / RUN_JSON).exists():
-        return [p]
+        return [p.resolve()]
     raise FileNotFoundError(
         f"{path}: neither a run directory ({RUN_JSON}) nor a sweep directory ({SWEEP_JSON})"
     )

@@ -83,6 +83,7 @@ class ConvertJob:
     vocab_file: str
     merge_file: str
     verify: bool = True
+    sample_tokens: int = 64  # the sample text generated from the HF model (must fit max positions)
 
 
 def mark(output_dir: str, name: str, info: dict[str, Any]) -> None:
@@ -246,12 +247,11 @@ class TrainStage(Stage):
         (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()} {restart} {attempt}\n")
         if job.fail == "start":
             raise RuntimeError("fail_train=start: training failed on purpose (test hook)")
+        from trainer.config import RunConfig
         from trainer.main import run
 
-        from trainer.config import RunConfig
-
-        code = run(RunConfig.from_dict(job.trainer_config))
-        code = 0 if code is None else int(code)
+        result = run(RunConfig.from_dict(job.trainer_config))
+        code = int(getattr(result, "exit_code", result) or 0)
         if code == EXIT_REQUEUE:
             # Local controller requeues on its own code; the sbatch script requeues on the trainer's.
             local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
@@ -262,7 +262,8 @@ class TrainStage(Stage):
             sys.exit(LOCAL_REQUEUE if local else EXIT_REQUEUE)
         if code != 0:
             raise RuntimeError(f"trainer exited with code {code}")
-        return {"checkpoints": job.trainer_config.get("checkpoint", {}).get("dir"), "rank": rank}
+        return {"checkpoints": job.trainer_config.get("checkpoint", {}).get("dir"), "rank": rank,
+                "iteration": getattr(result, "iteration", None)}
 
     def __call__(self) -> Any:
         # Only rank 0 writes the markers; the others must not race it with a stale _FAILED.
@@ -281,6 +282,7 @@ class ConvertStage(Stage):
             vocab_file=job.vocab_file,
             merge_file=job.merge_file,
             verify=job.verify,
+            sample_tokens=job.sample_tokens,
         )
         return {"hf": job.output_dir, "result": str(result)}
 

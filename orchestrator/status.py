@@ -85,8 +85,32 @@ def query_slurm(job_ids: list[str]) -> tuple[dict[str, tuple[str, str]], dict[st
     return sq, sa
 
 
+def metrics_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
+    """(iteration, loss, tokens/s) from the trainer's ``train_metrics.jsonl`` (rank 0; replayed
+    iterations after a restart appear again, the last one wins)."""
+    import json
+
+    by_iter: dict[int, tuple[int, float | None, float | None]] = {}
+    path = run_dir / "train_metrics.jsonl"
+    if not path.exists():
+        return []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if "train/lm_loss" in row:
+            it = int(row["iteration"])
+            by_iter[it] = (it, float(row["train/lm_loss"]), row.get("perf/tokens_per_s"))
+    return [by_iter[k] for k in sorted(by_iter)]
+
+
 def log_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
-    """(iteration, loss, tokens/s) from every training log of the run, later restarts overriding."""
+    """(iteration, loss, tokens/s): the trainer's metrics file, else the Megatron log lines of every
+    training log of the run (later restarts overriding)."""
+    recs = metrics_records(run_dir)
+    if recs:
+        return recs
     by_iter: dict[int, tuple[int, float | None, float | None]] = {}
     files = sorted(
         list((run_dir / "logs").glob("train_*")) + list((run_dir / "jobs" / "train").glob("*_log.*")),
