@@ -9,8 +9,8 @@
 
 from trainer.model.config import GPTConfig, padded_vocab_size
 from trainer.model.gpt import GPT, StageSpec, build_gpt, masked_mean
-from trainer.model.init import init_weights
+from trainer.model.init import init_weights, materialize
 from trainer.model.names import load_megatron_state_dict, megatron_state_dict
 
 __all__ = ["GPT", "GPTConfig", "StageSpec", "build_gpt", "init_weights", "load_megatron_state_dict",
-           "masked_mean", "megatron_state_dict", "padded_vocab_size"]
+           "masked_mean", "materialize", "megatron_state_dict", "padded_vocab_size"]

@@ -69,6 +69,17 @@ class Linear(nn.Module):
         return F.linear(x, self.weight), self.bias
 
 
+class EmbeddingTable(nn.Module):
+    """A lookup table ``weight[ids]``: nn.Embedding minus its own init (slow on the meta device)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class LayerNorm(nn.Module):
     """LayerNorm through the kernel set (fp32 statistics)."""
 
@@ -119,8 +130,8 @@ class SelfAttention(nn.Module):
         self.dropout_rng = contextlib.nullcontext
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        s, b, _ = x.shape                                      # x: [s, b, h]
         qkv, qkv_bias = self.query_key_value(x)                # [s, b, 3·h_local] (h_local = h / tp)
+        s, b, _ = qkv.shape  # not x's: under sequence parallelism x holds s/tp positions
         qkv = (qkv + qkv_bias).view(s, b, -1, 3, self.head_dim)  # [s, b, heads_local, 3, d]
         q, k, v = qkv.permute(3, 1, 2, 0, 4).unbind(0)         # each [b, heads_local, s, d]
         p = self.dropout_p if self.training else 0.0
@@ -179,8 +190,8 @@ class Embedding(nn.Module):
 
     def __init__(self, cfg: GPTConfig, padded_vocab_size: int) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(padded_vocab_size, cfg.hidden_size)
-        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.word_embeddings = EmbeddingTable(padded_vocab_size, cfg.hidden_size)
+        self.position_embeddings = EmbeddingTable(cfg.max_position_embeddings, cfg.hidden_size)
         self.sequence_scatter = nn.Identity()  # sequence parallelism: keep this rank's sequence chunk
         self.dropout_p = cfg.hidden_dropout
         self.dropout_rng = contextlib.nullcontext
@@ -235,7 +246,7 @@ class GPT(nn.Module):
         self.encoder = Encoder(cfg, self.stage, kernels)
         if self.stage.post_process:
             if not self.stage.pre_process:  # the tied head's own copy; kept equal by a grad all-reduce
-                self.word_embeddings_for_head = nn.Embedding(self.padded_vocab_size, cfg.hidden_size)
+                self.word_embeddings_for_head = EmbeddingTable(self.padded_vocab_size, cfg.hidden_size)
             self.lm_head = LMHead(cfg.vocab_size)
 
     def head_weight(self) -> Tensor:
@@ -273,10 +284,10 @@ def masked_mean(losses: Tensor, loss_mask: Tensor | None = None) -> Tensor:
 
 def build_gpt(cfg: GPTConfig, seed: int, device: torch.device | str = "cpu") -> GPT:
     """A whole single-device GPT with the layout-independent initialisation for ``seed``."""
-    from trainer.model.init import init_weights
+    from trainer.model.init import init_weights, materialize
 
     with torch.device("meta"):
         model = GPT(cfg)
-    model.to_empty(device=device)
+    materialize(model, device)
     init_weights(model, seed)
     return model

@@ -49,12 +49,25 @@ def full_init(cfg: GPTConfig, global_name: str, full_shape: torch.Size, seed: in
     return torch.empty(full_shape).normal_(0.0, std, generator=gen)
 
 
+def materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Give every meta-device parameter real (uninitialised) storage on ``device``.
+
+    Like ``Module.to_empty``, but allocates with ``torch.empty`` directly: ``empty_like`` on a meta
+    tensor goes through Python decompositions that import sympy (seconds per process).
+    """
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                        requires_grad=p.requires_grad)
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, seed: int) -> None:
     """Fill every parameter of ``model`` (a GPT or one stage, possibly with TP layers) in place.
 
     ``model`` must have a ``global_name(local_name)`` method and a ``cfg`` (as :class:`GPT` does);
-    parameters must already live on their final device (e.g. after ``to_empty``).
+    parameters must already live on their final device (e.g. after :func:`materialize`).
     """
     for mod_name, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):

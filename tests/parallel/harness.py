@@ -1,0 +1,180 @@
+"""Multi-process harness for the parallel tests: real gloo process groups in forked workers.
+
+Each *round* forks N workers; in a round, disjoint subsets of the workers run jobs side by side (e.g. a
+tp=2 layout on ranks 0-1 and a pp=2 layout on ranks 2-3), each job building its own ParallelState over
+its ranks. Jobs write their results with torch.save; the test process compares.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainer.model import GPTConfig
+from trainer.parallel import ParallelConfig, ParallelState, build_model, clip_grad_norm, eval_step, train_step
+
+CFG = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+                hidden_dropout=0.0, attention_dropout=0.0, kernels="eager")
+SEED, STEPS, MICRO_BATCH, GLOBAL_BATCH = 1234, 20, 2, 8
+LR, MAX_NORM = 3e-3, 1.0
+
+Job = tuple[list[int], Callable[..., None], tuple]  # (ranks, fn(ranks, *args), args)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, jobs: list[Job], errdir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        for ranks, fn, args in jobs:
+            if rank in ranks:
+                fn(ranks, *args)
+    except BaseException:
+        Path(errdir, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_rounds(world: int, rounds: list[list[Job]], outdir: Path) -> None:
+    """Run each round's jobs in a fresh fork of ``world`` gloo workers; a worker's traceback fails us.
+
+    A fresh world per round: a process group's name (and rendezvous keys in the store) is its rank set,
+    so the same ranks cannot form a new group in the same world after the old one is destroyed.
+    """
+    for jobs in rounds:
+        try:
+            mp.start_processes(_worker, args=(world, free_port(), jobs, str(outdir)), nprocs=world,
+                               start_method="fork")
+        except Exception as exc:
+            errors = "\n".join(p.read_text() for p in sorted(outdir.glob("rank*.err")))
+            raise AssertionError(f"worker failed:\n{errors}") from exc
+
+
+def position(ranks: list[int]) -> int:
+    return ranks.index(dist.get_rank()) if dist.is_initialized() else 0
+
+
+# ---- the training run every layout performs -------------------------------------------------------
+
+def global_batch(step: int) -> dict[str, torch.Tensor]:
+    """The step's global batch: learnable sequences (x → 7x + 3 mod V from a random start, so the loss
+    falls within 20 steps) and a loss mask with some zeros."""
+    g = torch.Generator().manual_seed(1000 + step)
+    seq = [torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH,), generator=g)]
+    for _ in range(CFG.seq_length):
+        seq.append((7 * seq[-1] + 3) % CFG.vocab_size)
+    seq = torch.stack(seq, dim=1)
+    mask = (torch.rand(GLOBAL_BATCH, CFG.seq_length, generator=g) > 0.1).float()
+    return {"tokens": seq[:, :-1], "labels": seq[:, 1:], "loss_mask": mask}
+
+
+def microbatches(step: int, dp_rank: int, dp_size: int) -> list[dict[str, torch.Tensor]]:
+    """Megatron's sampler order: micro-step j takes micro_batch·dp samples, DP rank r its slice."""
+    batch, out = global_batch(step), []
+    for j in range(GLOBAL_BATCH // (MICRO_BATCH * dp_size)):
+        start = (j * dp_size + dp_rank) * MICRO_BATCH
+        out.append({k: v[start: start + MICRO_BATCH] for k, v in batch.items()})
+    return out
+
+
+def adamw_step(params: list[torch.nn.Parameter], state: dict, step: int, lr: float = LR) -> None:
+    """A plain AdamW update (β = 0.9, 0.95; eps 1e-8; weight decay 0.01)."""
+    b1, b2, eps, wd = 0.9, 0.95, 1e-8, 0.01
+    with torch.no_grad():
+        for p in params:
+            m, v = state.setdefault(id(p), (torch.zeros_like(p), torch.zeros_like(p)))
+            m.mul_(b1).add_(p.grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            m_hat, v_hat = m / (1 - b1 ** (step + 1)), v / (1 - b2 ** (step + 1))
+            p.mul_(1 - lr * wd).addcdiv_(m_hat, v_hat.sqrt().add_(eps), value=-lr)
+
+
+def snapshot(model, what: str) -> dict[str, torch.Tensor]:
+    """This rank's parameters or gradients by global name."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p if what == "params" else p.grad
+        out[model.module.global_name(name)] = t.detach().clone()
+    return out
+
+
+def train_and_record(model, steps: int = STEPS) -> dict:
+    ps = model.pstate
+    rec = {"coords": (ps.tp_rank, ps.pp_rank, ps.dp_rank), "losses": [], "norms": [], "overlap": [],
+           "dims": {model.module.global_name(n): d for n, d in model.partition_dims.items()},
+           "init": snapshot(model, "params"), "n_buckets": len(model.grads.buckets)}
+    state: dict = {}
+    for step in range(steps):
+        loss = train_step(model, microbatches(step, ps.dp_rank, ps.dp_size))
+        rec["overlap"].append(model.grads.launched_in_backward)
+        if step in (0, steps - 1):
+            rec[f"grads{step}"] = snapshot(model, "grads")
+        rec["losses"].append(loss.item())
+        rec["norms"].append(clip_grad_norm(model, MAX_NORM))
+        adamw_step(model.parameters(), state, step)
+    rec["eval"] = eval_step(model, microbatches(steps, ps.dp_rank, ps.dp_size)).item()
+    return rec
+
+
+def parity_job(ranks: list[int], tp: int, pp: int, sp: bool, schedule: str, outdir: str) -> None:
+    """Train one layout over ``ranks`` and save this rank's record."""
+    pstate = ParallelState.build(tp, pp, ranks)
+    pcfg = ParallelConfig(tp_size=tp, pp_size=pp, sequence_parallel=sp, schedule=schedule,
+                          bucket_size_mb=0.01)
+    rec = train_and_record(build_model(CFG, pcfg, pstate, SEED))
+    torch.save(rec, os.path.join(outdir, f"{layout_tag(tp, pp, len(ranks) // (tp * pp), sp)}"
+                                         f".{position(ranks)}.pt"))
+    pstate.destroy()
+
+
+def layout_tag(tp: int, pp: int, dp: int, sp: bool) -> str:
+    return f"tp{tp}_pp{pp}_dp{dp}" + ("_sp" if sp else "")
+
+
+def reference_record() -> dict:
+    """The single-process run, with no torch.distributed at all (one thread, like the workers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_and_record(build_model(CFG, ParallelConfig(), ParallelState.single(), SEED))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def assemble(records: list[dict], key: str) -> dict[str, torch.Tensor]:
+    """Full tensors from the shards of DP replica 0 (checking that replicas agree with it)."""
+    by_name: dict[str, dict[int, torch.Tensor]] = {}
+    for rec in records:
+        tp_rank, _, dp_rank = rec["coords"]
+        for name, t in rec[key].items():
+            if dp_rank == 0:
+                by_name.setdefault(name, {})[tp_rank] = t
+    for rec in records:  # replicas (other DP ranks; other TP ranks for replicated tensors) must agree
+        tp_rank, _, dp_rank = rec["coords"]
+        for name, t in rec[key].items():
+            ref = by_name[name][tp_rank if rec["dims"][name] is not None else 0]
+            torch.testing.assert_close(t, ref, rtol=1e-6, atol=1e-9, msg=f"{key} {name} replica differs")
+    dims = {n: d for rec in records for n, d in rec["dims"].items()}
+    return {name: shards[0] if dims[name] is None else \
+        torch.cat([shards[i] for i in sorted(shards)], dims[name])
+            for name, shards in by_name.items()}
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12) if math.isfinite(a) else math.inf

@@ -1,0 +1,180 @@
+"""The API the training loop uses: build this rank's model, run a step, sync gradients, evaluate.
+
+    pstate = init_distributed(pcfg)                        # trainer.parallel.launch (torchrun / Slurm / 1)
+    model = build_model(gpt_cfg, pcfg, pstate, seed)       # ParallelModel: this rank's stage and shard
+    opt = torch.optim.AdamW(model.parameters(), ...)       # ordinary optimizers work on the shard
+    m = num_microbatches(global_batch, micro_batch, pstate.dp_size)
+    for it in ...:
+        batches = [...]   # m dicts {tokens [b,s], labels [b,s], loss_mask [b,s] (optional)}: this DP
+                          # rank's micro-batches; every rank of the (tp, pp) column passes the same ones
+        loss = train_step(model, batches)                  # zero grads, forward+backward, grad sync
+        norm = clip_grad_norm(model, max_norm)             # global norm over tp/pp/dp, clips in place
+        opt.step()                                         # do not zero_grad(set_to_none=True) in between
+    val = eval_step(model, batches)
+
+``train_step`` returns the loss (fp32 scalar, mean over micro-batches and DP ranks) on every rank and
+leaves fully synchronised gradients in ``.grad``: averaged over DP, the sequence-parallel replicated
+parameters summed over TP, the tied embedding summed between first and last stage. For fp16 loss scaling
+set ``model.loss_scale``; the gradients are then scaled by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT, masked_mean
+from trainer.model.init import init_weights, materialize
+from trainer.model.names import load_megatron_state_dict, megatron_state_dict
+from trainer.parallel import comm
+from trainer.parallel.apply import (
+    apply_tensor_parallel,
+    check_compatible,
+    sequence_parallel_param_names,
+    stage_spec,
+    tp_partition_dims,
+)
+from trainer.parallel.config import ParallelConfig
+from trainer.parallel.data_parallel import GradBuffers
+from trainer.parallel.pipeline import P2P, SCHEDULES, forward_only
+from trainer.parallel.random import RNGTracker, seed_everything
+from trainer.parallel.state import ParallelState
+
+Tensor = torch.Tensor
+Batch = Mapping[str, Tensor]
+
+
+class ParallelModel:
+    """One rank's share of the GPT (``module``: its pipeline stage, TP-sharded) and what steps need."""
+
+    def __init__(self, module: GPT, pstate: ParallelState, pcfg: ParallelConfig, tracker: RNGTracker) -> None:
+        self.module, self.pstate, self.pcfg, self.tracker = module, pstate, pcfg, tracker
+        self.partition_dims = tp_partition_dims(module)
+        """Parameter name → dim split across TP (None: replicated); see formats.md §4."""
+        sp = pcfg.sequence_parallel and pstate.tp_size > 1
+        named = dict(module.named_parameters())
+        sp_names = sequence_parallel_param_names(module) if sp else []
+        self.sequence_parallel_params = [named[n] for n in sp_names]
+        self.grads = GradBuffers(list(module.parameters()), pstate.dp_group, pcfg.bucket_size_mb,
+                                 pcfg.overlap_grad_reduce)
+        self.loss_scale = 1.0
+        self.activation_dtype = next(module.parameters()).dtype
+        """dtype of the hidden states passed between pipeline stages (set it if you cast the model)."""
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.module.parameters())
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.module.named_parameters())
+
+    def megatron_state_dict(self) -> dict:
+        """This rank's shard in Megatron's nested ``model`` layout (trainer.model.names)."""
+        return megatron_state_dict(self.module)
+
+    def load_megatron_state_dict(self, nested: dict) -> None:
+        load_megatron_state_dict(self.module, nested)
+
+
+def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, seed: int) -> ParallelModel:
+    """This rank's stage and TP shard, initialised from the full weights for ``seed`` (the same in every
+    layout), on ``pstate.device``; also seeds the dropout RNGs (trainer.parallel.random)."""
+    check_compatible(cfg, pcfg)
+    if (pcfg.tp_size, pcfg.pp_size) != (pstate.tp_size, pstate.pp_size):
+        raise ValueError(f"ParallelConfig tp={pcfg.tp_size}, pp={pcfg.pp_size} != ParallelState "
+                         f"tp={pstate.tp_size}, pp={pstate.pp_size}")
+    tracker = seed_everything(seed, pstate)
+    with torch.device("meta"):  # no memory until this rank's shard is materialised
+        module = GPT(cfg, stage_spec(cfg.num_layers, pstate.pp_rank, pstate.pp_size),
+                     cfg.padded_vocab_size(pstate.tp_size))
+        apply_tensor_parallel(module, pstate, pcfg.sequence_parallel, tracker)
+    materialize(module, pstate.device)
+    init_weights(module, seed)
+    return ParallelModel(module, pstate, pcfg, tracker)
+
+
+class _Runner:
+    """Runs micro-batches through this stage for a schedule (trainer.parallel.pipeline.StageRunner)."""
+
+    def __init__(self, model: ParallelModel, batches: Sequence[Batch]) -> None:
+        self.model, self.batches, self.m = model, batches, len(batches)
+        self.losses: list[Tensor] = []
+        self._forwards = self._backwards = 0
+
+    def forward(self, x: Tensor | None) -> Tensor:
+        ps, device = self.model.pstate, self.model.pstate.device
+        batch = self.batches[self._forwards]
+        self._forwards += 1
+        tokens = batch["tokens"].to(device) if ps.is_first_stage else None
+        labels = batch["labels"].to(device) if ps.is_last_stage else None
+        y = self.model.module(tokens=tokens, hidden=x, labels=labels)
+        if not ps.is_last_stage:
+            return y
+        mask = batch.get("loss_mask")
+        loss = masked_mean(y, None if mask is None else mask.to(device))
+        self.losses.append(loss.detach())
+        return loss / self.m  # each micro-batch's mean loss counts 1/m of the step's loss
+
+    def backward(self, x: Tensor | None, y: Tensor, dy: Tensor | None) -> Tensor | None:
+        self._backwards += 1
+        self.model.grads.sync_enabled = self._backwards == self.m  # DP hooks fire on the last backward
+        if dy is None:
+            torch.autograd.backward(y * self.model.loss_scale)
+        else:
+            torch.autograd.backward(y, grad_tensors=dy.to(y.dtype))
+        return None if x is None else x.grad
+
+
+def _p2p(model: ParallelModel, batches: Sequence[Batch]) -> P2P:
+    b, s = batches[0]["tokens"].shape
+    if model.pcfg.sequence_parallel and model.pstate.tp_size > 1:
+        s //= model.pstate.tp_size
+    return P2P(model.pstate, (s, b, model.module.cfg.hidden_size), model.activation_dtype)
+
+
+def _mean_loss(model: ParallelModel, losses: list[Tensor]) -> Tensor:
+    """Mean over micro-batches (last stage), sent to every stage and averaged over DP ranks."""
+    ps = model.pstate
+    loss = torch.stack(losses).mean() if losses else torch.zeros((), device=ps.device)
+    loss = comm.all_reduce(loss.float(), ps.pp_group)  # only the last stage contributes
+    return comm.all_reduce(loss, ps.dp_group) / ps.dp_size
+
+
+def train_step(model: ParallelModel, batches: Sequence[Batch]) -> Tensor:
+    """Zero grads, forward+backward over ``batches`` with the configured schedule, sync grads; the loss."""
+    if not batches:
+        raise ValueError("train_step needs at least one micro-batch")
+    model.grads.zero()
+    model.module.train()
+    runner = _Runner(model, batches)
+    SCHEDULES[model.pcfg.schedule](runner, _p2p(model, batches), len(batches))
+    finish_grad_sync(model)
+    return _mean_loss(model, runner.losses)
+
+
+@torch.no_grad()
+def eval_step(model: ParallelModel, batches: Sequence[Batch]) -> Tensor:
+    """Mean loss over ``batches`` (and DP ranks) without dropout or gradients, on every rank."""
+    was_training = model.module.training
+    model.module.eval()
+    runner = _Runner(model, batches)
+    forward_only(runner, _p2p(model, batches), len(batches))
+    model.module.train(was_training)
+    return _mean_loss(model, runner.losses)
+
+
+@torch.no_grad()
+def finish_grad_sync(model: ParallelModel) -> None:
+    """Complete gradient synchronisation after the last backward (train_step calls it)."""
+    ps = model.pstate
+    model.grads.finish()  # DP average
+    if model.sequence_parallel_params:  # each TP rank saw only its positions: sum the partial grads
+        grads = [p.grad for p in model.sequence_parallel_params]
+        flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), ps.tp_group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(part.view_as(g))
+    if ps.pp_size > 1 and (ps.is_first_stage or ps.is_last_stage):  # tied embedding: first + last stage
+        comm.all_reduce(model.module.head_weight().grad if ps.is_last_stage
+                        else model.module.embedding.word_embeddings.weight.grad, ps.embedding_group)

@@ -1,0 +1,97 @@
+"""Initialise torch.distributed from the environment a launcher provides and build the ParallelState.
+
+Recognised, in this order: torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT); Slurm with
+one task per GPU under srun (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST: the first
+host is the master, the port is MASTER_PORT or derived from SLURM_JOB_ID); otherwise a single process,
+which needs no process group at all. Backend: NCCL when an accelerator is present, else gloo.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer.log import get_logger
+from trainer.parallel.config import ParallelConfig
+from trainer.parallel.state import ParallelState, check_layout
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process sits in the job, as the launcher says."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str
+    """'torchrun', 'slurm' or 'single'."""
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm hostlist: 'gpu[03-05,9],cpu1' → 'gpu03'; 'r[1-2]-n[7-8]' → 'r1-n7'."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    return re.sub(r"\[([^\]]+)\]", lambda m: m.group(1).split(",")[0].split("-")[0], nodelist[:end])
+
+
+def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
+    """Read rank, world size and rendezvous address from torchrun's or Slurm's variables."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return DistEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
+                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
+        port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else \
+            20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+        return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
+                       env.get("MASTER_ADDR") or first_host(nodelist), port, "slurm")
+    return DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
+
+
+def _accelerator() -> torch.device | None:
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None:
+        return acc.current_accelerator() if acc.is_available() else None
+    return torch.device("cuda") if torch.cuda.is_available() else None  # torch < 2.6
+
+
+def init_distributed(pcfg: ParallelConfig, backend: str | None = None, timeout_s: float = 1800.0,
+                     environ: Mapping[str, str] | None = None) -> ParallelState:
+    """Initialise the process group (if the world has more than one rank) and lay out the grid.
+
+    ``backend``: 'nccl' or 'gloo' to force one; by default NCCL on GPUs, gloo on CPUs.
+    """
+    env = dist_env(environ)
+    check_layout(env.world_size, pcfg.tp_size, pcfg.pp_size)
+    accel = _accelerator()
+    backend = backend or ("nccl" if accel is not None and accel.type == "cuda" else "gloo")
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device(accel.type, env.local_rank)
+        torch.get_device_module(accel.type).set_device(device)
+    if env.world_size == 1:
+        return ParallelState.single(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    pstate = ParallelState.build(pcfg.tp_size, pcfg.pp_size, device=device)
+    log.info("torch.distributed %s from %s: world %d = tp %d × pp %d × dp %d", backend, env.source,
+             env.world_size, pstate.tp_size, pstate.pp_size, pstate.dp_size)
+    return pstate
