@@ -62,14 +62,14 @@ def up(layout: Layout, say: Say) -> None:
         procs.wait_ready(step.daemon, proc, step.ready, step.timeout_s)
         daemons.after_start(name, layout, settings)
         launched.append(f"{name}({proc.pid})")
-    _wait_nodes(layout, say, all_steps)
+    _wait_nodes(layout, say)
     if launched:
         say(f"started {' '.join(launched)} in {time.monotonic() - started:.1f} s; state in {layout.root}")
     else:
         say(f"already up ({time.monotonic() - started:.1f} s); state in {layout.root}")
 
 
-def _wait_nodes(layout: Layout, say: Say, all_steps, timeout: float = 60.0) -> None:
+def _wait_nodes(layout: Layout, say: Say, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     resumed = False
     while True:
