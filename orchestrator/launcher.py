@@ -192,7 +192,9 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -
         )
     text = render.redact(_follow_text(plan, submitted), dict(os.environ))
     out.write(text)
-    do_wait = cfg.wait if cfg.wait is not None else cfg.cluster.executor == "local"
+    # Default: block for a single local run (its jobs are this machine's processes); never for sweeps,
+    # whose points must all be submitted before anything waits.
+    do_wait = cfg.wait if cfg.wait is not None else (cfg.cluster.executor == "local" and sweep is None)
     if do_wait:
         ok = wait(plan)
         write_json(Path(plan.run_dir) / "wait.json", {"ok": ok})

@@ -1,0 +1,146 @@
+"""Status parsing (squeue/sacct/log lines), the loss plot, and a real local sweep: one preprocess job for
+all points, a manifest, distinct W&B names in one group."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from orchestrator.runs import write_json
+from orchestrator.status import collect, format_rows, log_records, parse_sacct, parse_squeue, plot
+from tests.orchestrator.conftest import REPO
+
+
+def test_parse_squeue_and_sacct():
+    sq = parse_squeue("101|PENDING|Dependency\n102|RUNNING|None\n")
+    assert sq == {"101": ("PENDING", "Dependency"), "102": ("RUNNING", "")}
+    sa = parse_sacct(
+        "100|COMPLETED|0:0|n1|None\n103|CANCELLED by 0|0:0|None assigned|Dependency\n"
+        "104|REQUEUED|0:0|n[1-2]|\n104|COMPLETED|0:0|n[1-2]|\n"
+    )
+    assert sa["100"]["state"] == "COMPLETED" and sa["103"]["state"] == "CANCELLED"
+    assert sa["104"]["state"] == "COMPLETED" and sa["104"]["nodes"] == "n[1-2]"  # last record wins
+
+
+def _fake_run(root: Path, name: str, losses: list[float]) -> Path:
+    run = root / name
+    (run / "logs").mkdir(parents=True)
+    lines = [
+        f" iteration {10 * (i + 1):8d}/     100 | lm loss: {x:.6E} | tokens per second: 123.0 |"
+        for i, x in enumerate(losses)
+    ]
+    (run / "logs" / "train_7_r0_a0_0.err").write_text("\n".join(lines) + "\n")
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("20")
+    (run / "stages" / "train").mkdir(parents=True)
+    (run / "stages" / "train" / "requeues").write_text("1 requeue\n")
+    write_json(run / "wandb_run.json", {"id": "abc123"})
+    write_json(
+        run / "run.json",
+        {
+            "run_id": name,
+            "name": name,
+            "config": {"logging": {"wandb": {"project": "slipway", "entity": "me"}}},
+            "jobs": {
+                "train": [
+                    {
+                        "job_id": "999999",
+                        "executor": "local",
+                        "folder": str(run / "jobs" / "train"),
+                        "state_dir": str(run / "stages" / "train"),
+                    }
+                ]
+            },
+        },
+    )
+    return run
+
+
+def test_collect_table_and_plot(tmp_path):
+    a = _fake_run(tmp_path, "runA", [5.0, 4.0, 3.5])
+    b = _fake_run(tmp_path, "runB", [5.5, 4.5])
+    assert [r[1] for r in log_records(a)] == [5.0, 4.0, 3.5]
+    rows = collect(str(a))
+    assert len(rows) == 1
+    r = rows[0]
+    assert (r.stage, r.restarts, r.checkpoint_iter, r.loss, r.tokens_per_s) == ("train", 1, 20, 3.5, 123.0)
+    assert r.wandb == "me/slipway/abc123"
+    assert "runA" in format_rows(rows)
+    sweep = tmp_path / "sweep"
+    write_json(
+        sweep / "sweep.json",
+        {"sweep_id": "s", "points": [{"point": 1, "run_dir": str(b)}, {"point": 0, "run_dir": str(a)}]},
+    )
+    png = plot(str(sweep), str(tmp_path / "loss.png"))
+    assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "status", str(sweep), "--plot"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "runA" in out.stdout and "runB" in out.stdout and (sweep / "loss.png").exists()
+
+
+def _wait_ended(run_dirs, timeout_s=240):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [r.state for d in run_dirs for r in collect(str(d))]
+        if "RUNNING" not in states:
+            return states
+        time.sleep(2)
+    raise AssertionError("local sweep jobs did not end")
+
+
+@pytest.mark.timeout(400)
+def test_local_sweep_shares_preprocessing(tmp_path):
+    cmd = [
+        sys.executable,
+        "launch.py",
+        "-m",
+        "+experiment=codeparrot_smoke",
+        "optim.lr=1e-3,2e-3",
+        f"runs_root={tmp_path}",
+        "fail_train=start",
+        "data.corpus.max_files=12",
+        "tokenizer.vocab_size=300",
+        "data.workers=1",
+        "hydra.sweep.dir=" + str(tmp_path / "sweep"),
+    ]
+    out = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, WANDB_MODE="offline")
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    manifest = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    points = sorted(manifest["points"], key=lambda p: p["point"])
+    assert len(points) == 2 and manifest["sweep_id"] == "sweep"
+    runs = [Path(p["run_dir"]) for p in points]
+    metas = [json.loads((r / "run.json").read_text()) for r in runs]
+    # One preprocess job for both points: the second depends on (or reuses) the first one's.
+    assert "preprocess" in metas[0]["jobs"] and "preprocess" not in metas[1]["jobs"]
+    assert metas[0]["stages"]["preprocess"] == metas[1]["stages"]["preprocess"]
+    assert "optim.lr=0.001" in points[0]["overrides"] and "optim.lr=0.002" in points[1]["overrides"]
+    # Distinct W&B runs in one group named after the sweep.
+    w = [m["config"]["logging"]["wandb"] for m in metas]
+    tc = [json.loads((r / "run.json").read_text())["name"] for r in runs]
+    assert tc[0] != tc[1] and "optim.lr=0.001" in tc[0]
+    assert all(x["group"] is None for x in w)  # the group is filled at plan time (trainer config), below
+    from orchestrator.stages import TrainJob  # noqa: F401  (job pickles hold the trainer config)
+
+    _wait_ended(runs)
+    import pickle
+
+    groups = set()
+    for r in runs:
+        pkl = next((r / "jobs" / "train").glob("*_submitted.pkl"))
+        delayed = pickle.loads(pkl.read_bytes())
+        groups.add(delayed.function.job.trainer_config["logging"]["wandb"]["group"])
+    assert groups == {"sweep"}
