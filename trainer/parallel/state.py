@@ -45,6 +45,37 @@ def check_layout(world_size: int, tp_size: int, pp_size: int) -> int:
 
 
 @dataclass(frozen=True)
+class GridCell:
+    """One rank's coordinates in the grid and the global ranks of its groups (pure arithmetic)."""
+
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    tp_ranks: tuple[int, ...]
+    pp_ranks: tuple[int, ...]
+    dp_ranks: tuple[int, ...]
+    embedding_ranks: tuple[int, ...]
+    """(first, last) stage of the pipeline on the first and last stage; just this rank elsewhere."""
+
+
+def grid_cell(ranks: list[int], tp_size: int, pp_size: int, rank: int) -> GridCell:
+    """Where ``rank`` sits when ``ranks`` are laid out tp fastest, then dp, then pp."""
+    if rank not in ranks:
+        raise ValueError(f"rank {rank} is not in the layout's ranks {ranks}")
+    dp_size = check_layout(len(ranks), tp_size, pp_size)
+    pos = ranks.index(rank)
+    tp_rank, dp_rank, pp_rank = pos % tp_size, (pos // tp_size) % dp_size, pos // (tp_size * dp_size)
+
+    def at(t: int, d: int, p: int) -> int:
+        return ranks[p * tp_size * dp_size + d * tp_size + t]
+
+    pp_ranks = tuple(at(tp_rank, dp_rank, p) for p in range(pp_size))
+    ends = (pp_ranks[0], pp_ranks[-1]) if pp_size > 1 and pp_rank in (0, pp_size - 1) else (rank,)
+    return GridCell(tp_rank, pp_rank, dp_rank, tuple(at(t, dp_rank, pp_rank) for t in range(tp_size)),
+                    pp_ranks, tuple(at(tp_rank, d, pp_rank) for d in range(dp_size)), ends)
+
+
+@dataclass(frozen=True)
 class ParallelState:
     """This rank's place in the (pp, dp, tp) grid and the groups it communicates in."""
 
@@ -110,29 +141,20 @@ class ParallelState:
         if ranks is None:
             ranks = list(range(dist.get_world_size())) if dist.is_initialized() else [0]
         rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank not in ranks:
-            raise ValueError(f"rank {rank} is not in the layout's ranks {ranks}")
-        dp_size = check_layout(len(ranks), tp_size, pp_size)
-        pos = ranks.index(rank)
-        tp_rank, dp_rank, pp_rank = pos % tp_size, (pos // tp_size) % dp_size, pos // (tp_size * dp_size)
-
-        def at(t: int, d: int, p: int) -> int:
-            return ranks[p * tp_size * dp_size + d * tp_size + t]
-
+        cell = grid_cell(ranks, tp_size, pp_size, rank)
         # Fixed creation order (tp, dp, pp, embedding): the members of each group reach it in step.
-        tp = _group([at(t, dp_rank, pp_rank) for t in range(tp_size)])
-        dp = _group([at(tp_rank, d, pp_rank) for d in range(dp_size)])
-        pp = _group([at(tp_rank, dp_rank, p) for p in range(pp_size)])
-        ends = (pp.ranks[0], pp.ranks[-1]) if pp_size > 1 else (rank,)
-        if pp_size == 2:  # a process group's name is its rank set: reuse the identical pp group
-            emb = pp
-        else:
-            emb = _group(list(ends)) if pp_rank in (0, pp_size - 1) else Group((rank,))
-        return cls(tp_size, pp_size, dp_size, rank, tp_rank, pp_rank, dp_rank, tp, pp, dp, emb,
-                   torch.device(device))
+        tp, dp, pp = _group(cell.tp_ranks), _group(cell.dp_ranks), _group(cell.pp_ranks)
+        # A process group's name is its rank set, so the pp=2 embedding group reuses the pp group.
+        emb = pp if cell.embedding_ranks == cell.pp_ranks else _group(cell.embedding_ranks)
+        return cls(tp_size, pp_size, len(ranks) // (tp_size * pp_size), rank, cell.tp_rank, cell.pp_rank,
+                   cell.dp_rank, tp, pp, dp, emb, torch.device(device))
 
     def destroy(self) -> None:
-        """Destroy this state's process groups (before building another layout over the same ranks)."""
+        """Destroy this state's process groups.
+
+        A group's name is its rank set, and its rendezvous keys stay in the world's store, so a new
+        layout over the same ranks needs a new world (re-initialised torch.distributed), not just this.
+        """
         seen: set[int] = set()
         for group in (self.tp_group, self.dp_group, self.pp_group, self.embedding_group):
             if group.pg is not None and id(group.pg) not in seen:
@@ -140,8 +162,8 @@ class ParallelState:
                 dist.destroy_process_group(group.pg)
 
 
-def _group(ranks: list[int]) -> Group:
+def _group(ranks: tuple[int, ...]) -> Group:
     if len(ranks) == 1:
-        return Group(tuple(ranks))
+        return Group(ranks)
     index = ranks.index(dist.get_rank())
-    return Group(tuple(ranks), dist.new_group(ranks, use_local_synchronization=True), index)
+    return Group(ranks, dist.new_group(list(ranks), use_local_synchronization=True), index)
