@@ -129,6 +129,21 @@ def test_output_dir_not_empty_and_failed_verification(tmp_path, ckpt):
     assert not (out / "config.json").exists()  # nothing loads an unverified model by mistake
 
 
+def test_verification_detects_a_different_model(tmp_path, tokenizer_dir):
+    """Compared against another model, both the logit check and the greedy check fail."""
+    from tests.convert.conftest import random_megatron_state
+    from trainer.convert.reference import MegatronReference
+    from trainer.convert.tokenizer import RunTokenizer, build_hf_tokenizer
+    from trainer.convert.verify import verify
+
+    ckpt, _, spec = make_checkpoint(tmp_path, tokenizer_dir, 1, 1)
+    _convert(ckpt, tmp_path)
+    other = MegatronReference(random_megatron_state(spec, seed=99), spec)
+    tok = build_hf_tokenizer(RunTokenizer(tokenizer_dir / "vocab.json", tokenizer_dir / "merges.txt"), 96)
+    report = verify(other, tmp_path / "out", tok, VerifyConfig())
+    assert not report.passed and not report.greedy_identical and report.max_abs_logit_diff > 0.1
+
+
 def test_cli_exit_code_and_message(tmp_path, ckpt):
     (ckpt / TRACKER).write_text("999")
     run = subprocess.run([sys.executable, "-m", "trainer.convert.to_hf", "--checkpoint-dir", str(ckpt),

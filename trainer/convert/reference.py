@@ -21,7 +21,7 @@ _LM = "language_model."
 
 
 class MegatronReference:
-    """``logits(ids)`` and ``greedy(ids, n)`` for a merged Megatron GPT state."""
+    """``logits(ids)`` for a merged Megatron GPT state."""
 
     def __init__(self, state: dict[str, torch.Tensor], spec: GPTSpec) -> None:
         self.spec = spec
@@ -63,12 +63,6 @@ class MegatronReference:
         x = self._ln(x, names.ENCODER + "final_layernorm")
         return (x @ wte.t())[:, : self.spec.vocab_size]
 
-    def greedy(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        """Argmax continuation of ``new_tokens`` tokens (no stop at end-of-text)."""
-        for _ in range(new_tokens):
-            ids = torch.cat([ids, self.logits(ids)[-1].argmax().view(1)])
-        return ids
-
 
 class SlipwayGPTSource:
     """The merged state loaded into ``trainer.model.GPT`` (eager kernels, fp32) without copying it."""
@@ -93,11 +87,6 @@ class SlipwayGPTSource:
     @torch.no_grad()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         return self.model(tokens=ids[None])[0, :, : self.vocab_size].float()
-
-    def greedy(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        for _ in range(new_tokens):
-            ids = torch.cat([ids, self.logits(ids)[-1].argmax().view(1)])
-        return ids
 
 
 def make_source(state: dict[str, torch.Tensor], spec: GPTSpec) -> SlipwayGPTSource | MegatronReference:

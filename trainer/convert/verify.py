@@ -2,7 +2,13 @@
 
 Same fixed prompts through both: the largest absolute logit difference (fp32) over every position of
 prompt + continuation must be ≤ ``tolerance``, and greedy generation of ``new_tokens`` tokens by HF's
-own ``generate`` (KV cache and all) must equal the source model's argmax continuation token for token.
+own ``generate`` (KV cache and all) must equal the source model's greedy continuation token for token.
+
+The source side's greedy decode is checked teacher-forced: one forward over HF's generated sequence,
+whose argmax at every position must be the next generated token. For a causal model this is the same
+statement as "the source's step-by-step greedy decode produces this sequence" (the logits at position t
+depend only on tokens ≤ t), at 1 forward per prompt instead of 32 — what makes verifying a 110M model
+on a CPU take seconds, not minutes.
 """
 
 from __future__ import annotations
@@ -27,8 +33,6 @@ PROMPTS = (
 
 class SourceModel(Protocol):
     def logits(self, ids: torch.Tensor) -> torch.Tensor: ...  # [s] → [s, vocab] fp32
-
-    def greedy(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor: ...
 
 
 @dataclass
@@ -86,14 +90,16 @@ def verify(source: SourceModel, hf_dir: Path, tokenizer: Any | None, cfg: Verify
     worst, identical, samples = 0.0, True, []
     for text in cfg.prompts:
         ids = _prompt_ids(tokenizer, text, n_pos - new_tokens, hf.config.vocab_size)
-        expected = source.greedy(ids, new_tokens)
         got = hf.generate(ids[None], attention_mask=torch.ones_like(ids)[None], do_sample=False,
                           max_new_tokens=new_tokens, eos_token_id=None,
                           pad_token_id=hf.config.pad_token_id)[0]
-        same = torch.equal(got, expected)  # eos_token_id=None: HF must not stop early either
-        diff = (source.logits(expected) - hf(expected[None]).logits[0].float()).abs().max().item()
+        ref = source.logits(got)
+        # eos_token_id=None: HF must not stop early; the source's argmax must pick each generated token.
+        same = len(got) == len(ids) + new_tokens and torch.equal(ref[len(ids) - 1:-1].argmax(-1),
+                                                                  got[len(ids):])
+        diff = (ref - hf(got[None]).logits[0].float()).abs().max().item()
         worst, identical = max(worst, diff), identical and same
-        continuation = tokenizer.decode(expected[len(ids):].tolist()) if tokenizer else None
+        continuation = tokenizer.decode(got[len(ids):].tolist()) if tokenizer else None
         samples.append({"prompt": text, "max_abs_logit_diff": diff, "greedy_identical": same,
                         "continuation": continuation})
     del hf
