@@ -57,6 +57,7 @@ class TrainConfig:
     eval_interval: int = 50
     eval_iters: int = 2
     log_interval: int = 10
+    deterministic: bool = False  # bitwise-reproducible steps (resume tests; slower on GPU)
     # Planning only (memory table): whether activations are recomputed in the backward pass.
     recompute_activations: bool = False
 

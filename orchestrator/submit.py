@@ -184,6 +184,8 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan) -> list[Submitted]:
     local = cfg.cluster.executor == "local"
     for stage in plan.stages:
         Path(stage.state_dir).mkdir(parents=True, exist_ok=True)
+        # Slurm fails a job at once (no log anywhere) when its --output directory does not exist.
+        Path(stage_log_dir(plan, stage)).mkdir(parents=True, exist_ok=True)
         if stage.shared and (Path(stage.state_dir) / COMPLETE).exists():
             done[stage.name] = Submitted(stage.name, "reused", executor=cfg.cluster.executor)
             log.info("%s: reusing complete output %s", stage.name, stage.state_dir)
