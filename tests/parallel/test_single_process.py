@@ -132,3 +132,17 @@ def test_rank_grid_is_tp_fastest_then_dp_then_pp():
     assert grid_cell(list(range(16)), 2, 4, 13).pp_ranks == (1, 5, 9, 13)
     with pytest.raises(ValueError, match="not in the layout"):
         grid_cell([0, 1], 1, 1, 5)
+
+
+def test_mixed_precision_autocast_and_low_precision_params():
+    batches = H.microbatches(0, 0, 1)[:2]
+    fp32 = build_model(H.CFG, ParallelConfig(), ParallelState.single(), H.SEED)
+    ref = train_step(fp32, batches)
+    fp32.autocast = torch.bfloat16
+    mixed = train_step(fp32, batches)
+    assert mixed.dtype == torch.float32 and abs(mixed.item() - ref.item()) < 2e-2
+    assert all(p.grad.dtype == torch.float32 for p in fp32.parameters())
+    bf16 = build_model(H.CFG, ParallelConfig(), ParallelState.single(), H.SEED, dtype=torch.bfloat16)
+    low = train_step(bf16, batches)
+    assert abs(low.item() - ref.item()) < 5e-2
+    assert all(p.dtype == p.grad.dtype == torch.bfloat16 for p in bf16.parameters())

@@ -99,20 +99,22 @@ class LMHead(nn.Module):
 
     Padded vocabulary columns are excluded from the softmax (Megatron lets them in); their rows are zero
     and never trained, so the loss is independent of the TP-dependent padding and equals the loss of the
-    converted Hugging Face model, which has no padded rows.
+    converted Hugging Face model, which has no padded rows. The loss is the kernel set's cross_entropy.
     """
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, kernels: KernelSet) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        self.kernels = kernels
 
     def forward(self, x: Tensor, weight: Tensor, labels: Tensor | None = None) -> Tensor:
         """x [s, b, h] → logits [b, s, padded_vocab]; with labels [b, s] → per-token loss [b, s] (fp32)."""
-        logits = F.linear(x, weight).transpose(0, 1)  # [b, s, V_pad]
+        logits = F.linear(x, weight)                           # [s, b, V_pad]
         if labels is None:
-            return logits
-        true_logits = logits[..., : self.vocab_size].float()
-        return F.cross_entropy(true_logits.flatten(0, 1), labels.flatten(), reduction="none").view_as(labels)
+            return logits.transpose(0, 1)
+        # Loss in [s, b] order: the vocab slice keeps unit stride, so no copy of the logits is made.
+        losses = self.kernels.cross_entropy(logits[..., : self.vocab_size], labels.t().contiguous())
+        return losses.t()                                      # [b, s]
 
 
 class SelfAttention(nn.Module):
@@ -247,7 +249,7 @@ class GPT(nn.Module):
         if self.stage.post_process:
             if not self.stage.pre_process:  # the tied head's own copy; kept equal by a grad all-reduce
                 self.word_embeddings_for_head = EmbeddingTable(self.padded_vocab_size, cfg.hidden_size)
-            self.lm_head = LMHead(cfg.vocab_size)
+            self.lm_head = LMHead(cfg.vocab_size, kernels)
 
     def head_weight(self) -> Tensor:
         """The LM head's weight: the word embeddings (tied), or this last stage's copy of them."""

@@ -49,8 +49,8 @@ def full_init(cfg: GPTConfig, global_name: str, full_shape: torch.Size, seed: in
     return torch.empty(full_shape).normal_(0.0, std, generator=gen)
 
 
-def materialize(model: nn.Module, device: torch.device | str) -> None:
-    """Give every meta-device parameter real (uninitialised) storage on ``device``.
+def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype | None = None) -> None:
+    """Give every meta-device parameter real (uninitialised) storage on ``device`` (in ``dtype``).
 
     Like ``Module.to_empty``, but allocates with ``torch.empty`` directly: ``empty_like`` on a meta
     tensor goes through Python decompositions that import sympy (seconds per process).
@@ -58,8 +58,8 @@ def materialize(model: nn.Module, device: torch.device | str) -> None:
     for module in model.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                        requires_grad=p.requires_grad)
+                data = torch.empty(p.shape, dtype=dtype or p.dtype, device=device)
+                module._parameters[name] = nn.Parameter(data, requires_grad=p.requires_grad)
 
 
 @torch.no_grad()

@@ -15,11 +15,13 @@
 ``train_step`` returns the loss (fp32 scalar, mean over micro-batches and DP ranks) on every rank and
 leaves fully synchronised gradients in ``.grad``: averaged over DP, the sequence-parallel replicated
 parameters summed over TP, the tied embedding summed between first and last stage. For fp16 loss scaling
-set ``model.loss_scale``; the gradients are then scaled by it.
+set ``model.loss_scale``; the gradients are then scaled by it. For bf16 mixed precision set
+``model.autocast = torch.bfloat16`` (parameters, gradients and loss stay fp32).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -61,8 +63,13 @@ class ParallelModel:
         self.grads = GradBuffers(list(module.parameters()), pstate.dp_group, pcfg.bucket_size_mb,
                                  pcfg.overlap_grad_reduce)
         self.loss_scale = 1.0
+        """Multiplies the loss before backward (fp16 dynamic loss scaling); grads come out scaled."""
+        self.autocast: torch.dtype | None = None
+        """Run forwards under ``torch.autocast(device, autocast)`` (e.g. torch.bfloat16): mixed precision
+        with fp32 parameters, gradients and loss."""
         self.activation_dtype = next(module.parameters()).dtype
-        """dtype of the hidden states passed between pipeline stages (set it if you cast the model)."""
+        """dtype of the hidden states passed between pipeline stages: the parameters' dtype (under
+        autocast the residual stream stays in it too)."""
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.module.parameters())
@@ -78,9 +85,11 @@ class ParallelModel:
         load_megatron_state_dict(self.module, nested)
 
 
-def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, seed: int) -> ParallelModel:
+def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, seed: int,
+                dtype: torch.dtype = torch.float32) -> ParallelModel:
     """This rank's stage and TP shard, initialised from the full weights for ``seed`` (the same in every
-    layout), on ``pstate.device``; also seeds the dropout RNGs (trainer.parallel.random)."""
+    layout), on ``pstate.device`` with parameters (and gradients) in ``dtype``; also seeds the dropout
+    RNGs (trainer.parallel.random). For bf16 training prefer fp32 parameters and ``model.autocast``."""
     check_compatible(cfg, pcfg)
     if (pcfg.tp_size, pcfg.pp_size) != (pstate.tp_size, pstate.pp_size):
         raise ValueError(f"ParallelConfig tp={pcfg.tp_size}, pp={pcfg.pp_size} != ParallelState "
@@ -90,7 +99,7 @@ def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, see
         module = GPT(cfg, stage_spec(cfg.num_layers, pstate.pp_rank, pstate.pp_size),
                      cfg.padded_vocab_size(pstate.tp_size))
         apply_tensor_parallel(module, pstate, pcfg.sequence_parallel, tracker)
-    materialize(module, pstate.device)
+    materialize(module, pstate.device, dtype)
     init_weights(module, seed)
     return ParallelModel(module, pstate, pcfg, tracker)
 
@@ -109,7 +118,9 @@ class _Runner:
         self._forwards += 1
         tokens = batch["tokens"].to(device) if ps.is_first_stage else None
         labels = batch["labels"].to(device) if ps.is_last_stage else None
-        y = self.model.module(tokens=tokens, hidden=x, labels=labels)
+        precision = self.model.autocast
+        with torch.autocast(device.type, dtype=precision) if precision else contextlib.nullcontext():
+            y = self.model.module(tokens=tokens, hidden=x, labels=labels)
         if not ps.is_last_stage:
             return y
         mask = batch.get("loss_mask")
