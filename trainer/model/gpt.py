@@ -233,7 +233,7 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: GPTConfig, stage: StageSpec | None = None,
-                 padded_vocab_size: int | None = None) -> None:
+                 padded_vocab_size: int | None = None, kernels: KernelSet | None = None) -> None:
         super().__init__()
         self.cfg = cfg
         self.stage = stage or StageSpec(0, cfg.num_layers)
@@ -242,7 +242,7 @@ class GPT(nn.Module):
         self.padded_vocab_size = padded_vocab_size or cfg.padded_vocab_size(1)
         if self.padded_vocab_size < cfg.vocab_size:
             raise ValueError(f"padded_vocab_size={self.padded_vocab_size} < vocab_size={cfg.vocab_size}")
-        kernels = resolve(cfg.kernels)
+        kernels = kernels or resolve(cfg.kernels)
         if self.stage.pre_process:
             self.embedding = Embedding(cfg, self.padded_vocab_size)
         self.encoder = Encoder(cfg, self.stage, kernels)
@@ -288,8 +288,9 @@ def build_gpt(cfg: GPTConfig, seed: int, device: torch.device | str = "cpu") -> 
     """A whole single-device GPT with the layout-independent initialisation for ``seed``."""
     from trainer.model.init import init_weights, materialize
 
+    kernels = resolve(cfg.kernels, torch.device(device).type)  # outside the meta-device context
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = GPT(cfg, kernels=kernels)
     materialize(model, device)
     init_weights(model, seed)
     return model

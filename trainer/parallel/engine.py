@@ -31,6 +31,7 @@ from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT, masked_mean
 from trainer.model.init import init_weights, materialize
 from trainer.model.names import load_megatron_state_dict, megatron_state_dict
+from trainer.ops import resolve
 from trainer.parallel import comm
 from trainer.parallel.apply import (
     apply_tensor_parallel,
@@ -95,9 +96,10 @@ def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, see
         raise ValueError(f"ParallelConfig tp={pcfg.tp_size}, pp={pcfg.pp_size} != ParallelState "
                          f"tp={pstate.tp_size}, pp={pstate.pp_size}")
     tracker = seed_everything(seed, pstate)
+    kernels = resolve(cfg.kernels, pstate.device.type)  # outside the meta-device context
     with torch.device("meta"):  # no memory until this rank's shard is materialised
         module = GPT(cfg, stage_spec(cfg.num_layers, pstate.pp_rank, pstate.pp_size),
-                     cfg.padded_vocab_size(pstate.tp_size))
+                     cfg.padded_vocab_size(pstate.tp_size), kernels)
         apply_tensor_parallel(module, pstate, pcfg.sequence_parallel, tracker)
     materialize(module, pstate.device, dtype)
     init_weights(module, seed)
