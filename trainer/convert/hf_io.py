@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_SINGLE = "pytorch_model.bin"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
+Producer = Callable[[str], torch.Tensor]
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
@@ -58,38 +61,68 @@ def write_generation_config(config: Any, out_dir: Path) -> None:
                      pad_token_id=config.pad_token_id).save_pretrained(str(out_dir))
 
 
-def _shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+# safetensors dtype codes (https://github.com/huggingface/safetensors, format spec).
+_ST_DTYPE = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+             torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _shards(layout: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
     groups: list[list[str]] = [[]]
     size = 0
-    for name in state:
-        nbytes = state[name].numel() * state[name].element_size()
-        if groups[-1] and size + nbytes > max_bytes:
+    for name, t in layout.items():
+        if groups[-1] and size + _nbytes(t) > max_bytes:
             groups.append([])
             size = 0
         groups[-1].append(name)
-        size += nbytes
+        size += _nbytes(t)
     return groups
 
 
-def save_weights(state: dict[str, torch.Tensor], out_dir: Path, max_shard_size: str | int) -> list[str]:
+def _write_safetensors(path: Path, layout: dict[str, torch.Tensor], produce: Producer) -> None:
+    """Stream one safetensors file: the header from ``layout`` (meta tensors: shapes and dtypes), then
+    each tensor's bytes as ``produce(name)`` makes it — at most one converted tensor in memory at a time."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in layout.items():
+        header[name] = {"dtype": _ST_DTYPE[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + _nbytes(t)]}
+        offset += _nbytes(t)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for name, meta in layout.items():
+            t = produce(name).contiguous()
+            if t.shape != meta.shape or t.dtype != meta.dtype:
+                raise RuntimeError(f"{name}: produced {t.dtype}{tuple(t.shape)}, header says "
+                                   f"{meta.dtype}{tuple(meta.shape)}")
+            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # little-endian, no copy
+    tmp.replace(path)
+
+
+def save_weights(layout: dict[str, torch.Tensor], produce: Producer, out_dir: Path,
+                 max_shard_size: str | int) -> list[str]:
     """model.safetensors, or model-0000i-of-0000n.safetensors + index past ``max_shard_size``.
 
-    Shards are serialised one at a time, so the extra memory is one shard, not the model."""
-    from safetensors.torch import save_file
-
-    groups = _shards(state, parse_size(max_shard_size))
+    ``layout`` names every tensor with a meta tensor of its shape and dtype; ``produce(name)`` makes the
+    real one. Tensors are converted and written one by one, so writing needs no second copy of the model.
+    """
+    groups = _shards(layout, parse_size(max_shard_size))
     if len(groups) == 1:
-        save_file({k: state[k].contiguous() for k in groups[0]}, str(out_dir / SAFE_SINGLE),
-                  metadata={"format": "pt"})
+        _write_safetensors(out_dir / SAFE_SINGLE, layout, produce)
         return [SAFE_SINGLE]
     files, weight_map = [], {}
     for i, group in enumerate(groups, 1):
         fname = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        save_file({k: state[k].contiguous() for k in group}, str(out_dir / fname), metadata={"format": "pt"})
+        _write_safetensors(out_dir / fname, {k: layout[k] for k in group}, produce)
         weight_map.update(dict.fromkeys(group, fname))
         files.append(fname)
-    total = sum(t.numel() * t.element_size() for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    index = {"metadata": {"total_size": sum(_nbytes(t) for t in layout.values())}, "weight_map": weight_map}
     (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return files + [SAFE_INDEX]
 

@@ -162,6 +162,15 @@ def megatron_to_hf(state: dict[str, torch.Tensor], shapes: Shapes) -> dict[str, 
     return out
 
 
+def hf_tensor(hf_name: str, state: dict[str, torch.Tensor], shapes: Shapes) -> torch.Tensor:
+    """One HF tensor made from the full Megatron ``state`` (to convert and write one tensor at a time)."""
+    found = match(hf_name, hf=True)
+    if found is None:
+        raise KeyError(f"{hf_name!r} is not a GPT2LMHeadModel parameter Slipway knows")
+    rule, i = found
+    return TRANSFORMS[rule.op][0](state[rule.megatron.format(i=i)], shapes)
+
+
 def hf_to_megatron(state: dict[str, torch.Tensor], shapes: Shapes) -> dict[str, torch.Tensor]:
     """HF GPT2LMHeadModel state → full Megatron state; ``lm_head.weight`` must be tied to ``wte``."""
     out = {}

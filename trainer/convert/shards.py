@@ -88,7 +88,9 @@ def _merge_tp(parts: list[dict[str, torch.Tensor]], path: Path) -> dict[str, tor
         else:
             if any(not torch.equal(t, tensors[0]) for t in tensors[1:]):
                 log.warning("replicated %s differs across TP ranks under %s; using TP rank 0", name, path)
-            merged[name] = tensors[0]
+            # With TP > 1 everything else is a fresh concatenation: copying these few small tensors
+            # too lets the memory-mapped shard files be unmapped once the stage is merged.
+            merged[name] = tensors[0].clone() if len(tensors) > 1 else tensors[0]
     return merged
 
 

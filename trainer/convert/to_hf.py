@@ -108,12 +108,10 @@ def _mark_invalid(out: Path, reason: str) -> None:
 def _write_model(cfg: ToHFConfig, merged: MergedCheckpoint, spec: GPTSpec, tok: RunTokenizer) -> list[str]:
     """Weights, configs and tokenizer into the output directory; returns the weight files written."""
     dtype = next(iter(merged.state.values())).dtype
-    hf_state = names.megatron_to_hf(merged.state, spec.shapes)
-    files = hf_io.save_weights(hf_state, cfg.output_dir, cfg.max_shard_size)
-    if cfg.write_bin:
-        torch.save(hf_state, cfg.output_dir / hf_io.BIN_SINGLE)
-        files.append(hf_io.BIN_SINGLE)
-    del hf_state
+    # Shapes and dtypes from the map run on meta tensors; the real tensors are made while writing.
+    layout = names.megatron_to_hf({k: v.to("meta") for k, v in merged.state.items()}, spec.shapes)
+    files = hf_io.save_weights(layout, lambda n: names.hf_tensor(n, merged.state, spec.shapes),
+                               cfg.output_dir, cfg.max_shard_size)
     dropout = {"hidden": arg(merged.args, "hidden_dropout", 0.1),
                "attention": arg(merged.args, "attention_dropout", 0.1)}
     config = hf_io.hf_config(spec, tok.eod_id, dropout)
@@ -142,8 +140,9 @@ def convert_checkpoint(cfg: ToHFConfig) -> ConversionResult:
     except BaseException as e:
         _mark_invalid(out, f"conversion failed: {e.__class__.__name__}: {e}")
         raise
-    if cfg.write_bin:
-        _check_bin(out)
+    if cfg.write_bin and report.passed:  # written from the verified safetensors: the same weights
+        torch.save(hf_io.load_weights(out), out / hf_io.BIN_SINGLE)
+        files.append(hf_io.BIN_SINGLE)
     prov = card.Provenance.from_args(merged.args, iteration=merged.iteration, source=str(cfg.checkpoint_dir),
                                      tp_size=merged.tp_size, pp_size=merged.pp_size, **cfg.provenance)
     dtype = str(next(iter(merged.state.values())).dtype).removeprefix("torch.")
@@ -155,15 +154,6 @@ def convert_checkpoint(cfg: ToHFConfig) -> ConversionResult:
     (out / INVALID).unlink()
     log.info("wrote %s (%s)", out, ", ".join(files))
     return ConversionResult(out, spec, report, prov, files)
-
-
-def _check_bin(out: Path) -> None:
-    """pytorch_model.bin must hold exactly the verified safetensors weights."""
-    safe = hf_io.load_weights(out)
-    binary = torch.load(out / hf_io.BIN_SINGLE, map_location="cpu", weights_only=True)
-    if safe.keys() != binary.keys() or any(not torch.equal(safe[k], binary[k]) for k in safe):
-        _mark_invalid(out, "pytorch_model.bin differs from the verified model.safetensors")
-        raise VerificationFailed(f"{out}: pytorch_model.bin differs from model.safetensors")
 
 
 def build_parser() -> argparse.ArgumentParser:
