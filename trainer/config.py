@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,13 +86,6 @@ class TokenizerConfig:
     type: str = "GPT2BPETokenizer"
     # Used only without a vocab_file (pre-tokenized data without tokenizer files); model.vocab_size wins.
     vocab_size: int | None = None
-
-    def vocab(self) -> dict[str, int]:
-        """The vocab.json mapping (token -> id)."""
-        if not self.vocab_file:
-            _fail("tokenizer.vocab_file", "is not set", "Point it at the run's vocab.json.")
-        with open(self.vocab_file, encoding="utf-8") as f:
-            return json.load(f)
 
 
 @dataclass

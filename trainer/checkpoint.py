@@ -1,0 +1,300 @@
+"""Megatron legacy checkpoints (``formats.md`` §4), written atomically, loaded exactly.
+
+Layout::
+
+    {dir}/latest_checkpointed_iteration.txt            the bare iteration number, no newline
+    {dir}/iter_{N:07d}/mp_rank_{tp:02d}/model_optim_rng.pt          pp_size == 1
+    {dir}/iter_{N:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt pp_size > 1
+
+Each shard holds Megatron's top-level keys ``args`` (plain types only), ``checkpoint_version`` (3.0),
+``iteration``, ``model`` (legacy nested GPT names), ``optimizer`` (``{"optimizer": torch state,
+"grad_scaler": ..., "param_names": [...]}``), ``opt_param_scheduler``, ``rng_state`` (a list indexed by
+data-parallel rank, as Megatron), plus ``slipway`` (the full run config and counters). Everything loads
+with ``torch.load(weights_only=True)``.
+
+Atomicity (the protocol, in order):
+1. every writing rank (data-parallel rank 0 of each (tp, pp)) writes its file into a private temporary
+   directory next to its final one, flushes and fsyncs it and the directory, then renames the directory
+   into place (replacing only an *uncommitted* leftover of the same iteration) and fsyncs the parent;
+2. all ranks meet at a barrier: every shard is complete;
+3. global rank 0 writes the tracker to a temporary file, fsyncs it and ``os.replace``-s the tracker —
+   the commit point — then prunes old checkpoints (renamed aside before deletion).
+A kill at any moment leaves the tracker pointing at a complete checkpoint; stray temporary or uncommitted
+directories are ignored by loaders and cleaned by later saves.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shutil
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer.log import get_logger
+
+log = get_logger(__name__)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+SHARD_FILE = "model_optim_rng.pt"
+CHECKPOINT_VERSION = 3.0
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+_TMP_PREFIX = ".tmp-"
+_TRASH_PREFIX = ".trash-"
+FAILPOINT_ENV = "SLIPWAY_CKPT_FAILPOINT"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """This rank's place in the checkpoint: which shard it owns and whether it writes it."""
+
+    tp_rank: int = 0
+    pp_rank: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @property
+    def writes(self) -> bool:
+        """Data-parallel replicas hold identical shards: only dp rank 0 writes (as Megatron)."""
+        return self.dp_rank == 0
+
+
+def iter_dir_name(iteration: int | str) -> str:
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+def shard_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """Megatron's shard folder: the pp rank appears only when there is more than one stage."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+
+
+def shard_path(ckpt_dir: str, iteration: int | str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return os.path.join(ckpt_dir, iter_dir_name(iteration), shard_dir_name(tp_rank, pp_rank, pp_size),
+                        SHARD_FILE)
+
+
+def read_tracker(ckpt_dir: str) -> int | None:
+    """The committed iteration (0 for Megatron's ``release``), or None when there is no checkpoint."""
+    try:
+        with open(os.path.join(ckpt_dir, TRACKER), encoding="utf-8") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    if text == "release":
+        return 0
+    if not text.isdigit():
+        raise CheckpointError(f"{ckpt_dir}/{TRACKER} holds {text!r}, not an iteration number; fix or "
+                              "delete the file, or set checkpoint.load to an iteration that exists")
+    return int(text)
+
+
+def _iter_dir(ckpt_dir: str, iteration: int) -> str:
+    """``iter_N``, or ``release`` when only Megatron's release folder exists for iteration 0."""
+    path = os.path.join(ckpt_dir, iter_dir_name(iteration))
+    release = os.path.join(ckpt_dir, "release")
+    if iteration == 0 and not os.path.isdir(path) and os.path.isdir(release):
+        return release
+    return path
+
+
+def _failpoint(name: str) -> None:
+    """Test hook for crash-consistency tests: ``SLIPWAY_CKPT_FAILPOINT=name`` makes this process SIGKILL
+    itself at that point of the save protocol (a real kill: no cleanup runs)."""
+    if os.environ.get(FAILPOINT_ENV) == name:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _remove_aside(path: str) -> None:
+    """Rename ``path`` to a hidden trash name first, so a kill mid-delete never leaves a half-deleted
+    directory under a name that looks like a checkpoint, then delete it."""
+    parent, base = os.path.split(path)
+    trash = os.path.join(parent, f"{_TRASH_PREFIX}{base}-{os.getpid()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _write_shard(state: dict, final_dir: str) -> None:
+    """Step 1 of the protocol for this rank's shard."""
+    parent = os.path.dirname(final_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f"{_TMP_PREFIX}{os.path.basename(final_dir)}-{os.getpid()}")
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    os.makedirs(tmp)
+    _failpoint("before_write")
+    with open(os.path.join(tmp, SHARD_FILE), "wb") as f:
+        torch.save(state, f)
+        _failpoint("mid_write")
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    _failpoint("before_rename")
+    if os.path.exists(final_dir):  # an uncommitted leftover of this iteration (see save_checkpoint)
+        _remove_aside(final_dir)
+    os.rename(tmp, final_dir)
+    _fsync_dir(parent)
+    _failpoint("after_rename")
+
+
+def _write_tracker(ckpt_dir: str, iteration: int) -> None:
+    """Step 3: the commit point."""
+    tmp = os.path.join(ckpt_dir, f"{TRACKER}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    _failpoint("before_tracker")
+    os.replace(tmp, os.path.join(ckpt_dir, TRACKER))
+    _fsync_dir(ckpt_dir)
+    _failpoint("after_tracker")
+
+
+def list_iterations(ckpt_dir: str) -> list[int]:
+    """Iterations that have an ``iter_N`` folder (complete or not), ascending."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _ITER_DIR.match(n)))
+
+
+def _clean_temporaries(folder: str) -> None:
+    """Remove leftovers of killed saves: temporary shard folders, trash, temporary tracker files."""
+    for name in os.listdir(folder):
+        if name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) or name.startswith(f"{TRACKER}.tmp-"):
+            path = os.path.join(folder, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+
+
+def prune(ckpt_dir: str, committed: int, keep: int | None) -> None:
+    """Keep the newest ``keep`` checkpoints up to ``committed`` (always including it); remove older ones,
+    stale temporary/trash entries. Folders newer than ``committed`` are left alone: they may be a later
+    run's checkpoints that the user rewound from (``checkpoint.load: N``)."""
+    _clean_temporaries(ckpt_dir)
+    for iteration in list_iterations(ckpt_dir):
+        _clean_temporaries(os.path.join(ckpt_dir, iter_dir_name(iteration)))
+    if not keep:
+        return
+    older = [i for i in list_iterations(ckpt_dir) if i <= committed]
+    for iteration in older[:-keep]:
+        _remove_aside(os.path.join(ckpt_dir, iter_dir_name(iteration)))
+        log.info("removed checkpoint iteration %d (checkpoint.keep=%d)", iteration, keep)
+
+
+def save_checkpoint(ckpt_dir: str, iteration: int, state: dict, layout: ShardLayout,
+                    keep: int | None) -> bool:
+    """Collective over all ranks: write this rank's shard, commit, prune. Returns False when the
+    iteration was already committed (then nothing is rewritten: the state at an iteration is unique)."""
+    if read_tracker(ckpt_dir) == iteration and os.path.isdir(_iter_dir(ckpt_dir, iteration)):
+        log.info("checkpoint at iteration %d already committed in %s", iteration, ckpt_dir)
+        _barrier()
+        return False
+    if layout.writes:
+        final = os.path.join(ckpt_dir, iter_dir_name(iteration),
+                             shard_dir_name(layout.tp_rank, layout.pp_rank, layout.pp_size))
+        _write_shard(state, final)
+    _barrier()  # step 2: every shard of this iteration is complete on disk
+    if _global_rank() == 0:
+        missing = [p for t in range(layout.tp_size) for p in range(layout.pp_size)
+                   if not os.path.isfile(shard_path(ckpt_dir, iteration, t, p, layout.pp_size))]
+        if missing:
+            raise CheckpointError(f"shards {missing} of iteration {iteration} are missing after the barrier; "
+                                  f"is {ckpt_dir} on a filesystem shared by all nodes?")
+        _write_tracker(ckpt_dir, iteration)
+        prune(ckpt_dir, iteration, keep)
+    _barrier()
+    log.info("saved checkpoint at iteration %d to %s", iteration, ckpt_dir)
+    return True
+
+
+def load_file(path: str) -> dict:
+    """One shard, safely (``weights_only=True``: plain types and tensors only), onto the CPU."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path} does not exist: the checkpoint is incomplete or was saved with a "
+                              "different layout")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file and the fix
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); it is corrupt or holds "
+                              "pickled objects (a Megatron-LM checkpoint: convert it with "
+                              "trainer.convert first)") from e
+
+
+def saved_layout(ckpt_dir: str, iteration: int) -> tuple[int, int, dict]:
+    """(tp_size, pp_size, args) of a saved checkpoint, read from its first shard's ``args``."""
+    base = _iter_dir(ckpt_dir, iteration)
+    if not os.path.isdir(base):
+        raise CheckpointError(f"{base} does not exist; available iterations in {ckpt_dir}: "
+                              f"{list_iterations(ckpt_dir) or 'none'}")
+    first = [n for n in sorted(os.listdir(base)) if n.startswith("mp_rank_00")]
+    if not first:
+        raise CheckpointError(f"{base} holds no mp_rank_* shard: incomplete checkpoint")
+    args = load_file(os.path.join(base, first[0], SHARD_FILE))["args"]
+    return int(args["tensor_model_parallel_size"]), int(args["pipeline_model_parallel_size"]), args
+
+
+# ---------------------------------------------------------------------------------------- RNG states
+
+def rng_state(tracker_states: dict | None) -> dict:
+    """This process's RNG states (Megatron's keys), as weights-only-loadable values."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"random_rng_state": random.getstate(),
+             "np_rng_state": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+             "torch_rng_state": torch.get_rng_state(),
+             "rng_tracker_states": tracker_states or {}}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> dict:
+    """Restore everything but the tracker, whose states are returned for the model-parallel tracker."""
+    random.setstate(state["random_rng_state"])
+    kind, keys, pos, has_gauss, gauss = state["np_rng_state"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    return state.get("rng_tracker_states", {})
+
+
+def gather_rng_states(tracker_states: dict | None, dp_group: Any, dp_size: int) -> list[dict]:
+    """Megatron's ``rng_state``: the list of every data-parallel rank's states (collective on dp)."""
+    mine = rng_state(tracker_states)
+    if dp_size == 1:
+        return [mine]
+    out: list[Any] = [None] * dp_size
+    dist.all_gather_object(out, mine, group=dp_group)
+    return out

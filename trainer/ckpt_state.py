@@ -1,0 +1,169 @@
+"""What a training checkpoint holds and how it is put back: the bridge between the loop and
+``trainer.checkpoint`` (file layout, atomic protocol) and ``trainer.reshard`` (layout changes).
+
+``args`` (plain types; read by the converters and the orchestrator) uses Megatron's names:
+
+    num_layers, hidden_size, ffn_hidden_size, num_attention_heads, kv_channels, seq_length,
+    max_position_embeddings, vocab_size (the tokenizer's), padded_vocab_size, make_vocab_size_divisible_by,
+    layernorm_epsilon, hidden_dropout, attention_dropout, init_method_std, position_embedding_type,
+    normalization, untie_embeddings_and_output_weights, tensor_model_parallel_size,
+    pipeline_model_parallel_size, data_parallel_size, world_size, sequence_parallel, micro_batch_size,
+    global_batch_size, train_iters, iteration, consumed_train_samples, consumed_valid_samples, fp16, bf16,
+    params_dtype, seed, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters, weight_decay,
+    adam_beta1, adam_beta2, adam_eps, clip_grad, tokenizer_type, vocab_file, merge_file, eod_token_id,
+    data_path, split, kernels, attention_backend, run_id, run_dir, slipway_version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import trainer
+from trainer import checkpoint as ckpt
+from trainer import reshard
+from trainer.log import get_logger
+from trainer.lr import OptimizerParamScheduler
+from trainer.model.config import GPTConfig
+from trainer.model.names import nest
+from trainer.parallel import ParallelModel
+from trainer.training import TrainState
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """The run-level values ``args`` records besides the model shape and the loop position."""
+
+    config: dict  # RunConfig.to_dict()
+    global_batch_size: int
+    eod_token_id: int | None
+    run_id: str | None
+
+
+def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts, state: TrainState) -> dict:
+    """Megatron-named ``args`` (plain types only)."""
+    c, ps = facts.config, model.pstate
+    t, o, tok = c["train"], c["optim"], c["tokenizer"]
+    return {
+        "num_layers": gpt.num_layers, "hidden_size": gpt.hidden_size, "ffn_hidden_size": gpt.ffn_hidden_size,
+        "num_attention_heads": gpt.num_attention_heads, "kv_channels": gpt.head_dim,
+        "seq_length": gpt.seq_length, "max_position_embeddings": gpt.max_position_embeddings,
+        "vocab_size": gpt.vocab_size, "padded_vocab_size": gpt.padded_vocab_size(ps.tp_size),
+        "make_vocab_size_divisible_by": gpt.make_vocab_size_divisible_by,
+        "layernorm_epsilon": gpt.layernorm_epsilon, "hidden_dropout": gpt.hidden_dropout,
+        "attention_dropout": gpt.attention_dropout, "init_method_std": gpt.init_std,
+        "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
+        "untie_embeddings_and_output_weights": False,
+        "tensor_model_parallel_size": ps.tp_size, "pipeline_model_parallel_size": ps.pp_size,
+        "data_parallel_size": ps.dp_size, "world_size": ps.world_size,
+        "sequence_parallel": bool(c["parallel"]["sequence_parallel"]),
+        "micro_batch_size": t["micro_batch_size"], "global_batch_size": facts.global_batch_size,
+        "train_iters": t["iters"], "iteration": state.iteration,
+        "consumed_train_samples": state.consumed_train_samples,
+        "consumed_valid_samples": state.consumed_valid_samples,
+        "fp16": t["precision"] == "fp16", "bf16": t["precision"] == "bf16", "params_dtype": "float32",
+        "seed": t["seed"], "lr": o["lr"], "min_lr": o["min_lr"], "lr_decay_style": o["decay_style"],
+        "lr_warmup_iters": o["warmup_iters"], "lr_decay_iters": o["decay_iters"] or t["iters"],
+        "weight_decay": o["weight_decay"], "adam_beta1": o["adam_beta1"], "adam_beta2": o["adam_beta2"],
+        "adam_eps": o["adam_eps"], "clip_grad": o["clip_grad"], "tokenizer_type": tok["type"],
+        "vocab_file": tok["vocab_file"], "merge_file": tok["merge_file"], "eod_token_id": facts.eod_token_id,
+        "data_path": list(c["data"]["paths"]), "split": c["data"]["split"], "kernels": c["kernels"],
+        "attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
+        "slipway_version": trainer.__version__,
+    }
+
+
+def param_names(model: ParallelModel, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter names in the optimizer's index order (so moments can be resharded by name)."""
+    by_id = {id(p): n for n, p in model.named_parameters()}
+    return [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+@dataclass
+class Restorable:
+    """What a full resume restores besides the model."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: OptimizerParamScheduler
+    scaler: object
+
+
+def build_state(model: ParallelModel, parts: Restorable, args: dict, state: TrainState, config: dict) -> dict:
+    """This rank's ``model_optim_rng.pt`` contents (RNG states gathered over data-parallel ranks)."""
+    ps = model.pstate
+    return {
+        "args": args, "checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": state.iteration,
+        "model": model.megatron_state_dict(),
+        "optimizer": {"optimizer": parts.optimizer.state_dict(), "grad_scaler": parts.scaler.state_dict(),
+                      "param_names": param_names(model, parts.optimizer)},
+        "opt_param_scheduler": parts.scheduler.state_dict(),
+        "rng_state": ckpt.gather_rng_states(model.tracker.state_dict(), ps.dp_group.pg, ps.dp_size),
+        "slipway": {"skipped_iters": state.skipped_iters, "nan_iters": state.nan_iters, "config": config},
+    }
+
+
+def train_state_from(shard: dict) -> TrainState:
+    args, extra = shard["args"], shard.get("slipway", {})
+    return TrainState(iteration=int(shard["iteration"]),
+                      consumed_train_samples=int(args.get("consumed_train_samples", 0)),
+                      consumed_valid_samples=int(args.get("consumed_valid_samples", 0)),
+                      skipped_iters=int(extra.get("skipped_iters", 0)),
+                      nan_iters=int(extra.get("nan_iters", 0)))
+
+
+def restore_same_layout(shard: dict, model: ParallelModel, parts: Restorable | None) -> TrainState:
+    """Load this rank's own shard: exact resume (``parts`` None: weights only)."""
+    model.load_megatron_state_dict(shard["model"])
+    if parts is None:
+        return TrainState()
+    saved = shard["optimizer"]
+    names = param_names(model, parts.optimizer)
+    if saved.get("param_names") not in (None, names):
+        raise ckpt.CheckpointError("the checkpoint's optimizer covers different parameters than this "
+                                   "model (changed model or optimizer grouping?); load with "
+                                   "checkpoint.load=model-only")
+    parts.optimizer.load_state_dict(saved["optimizer"])
+    _restore_common(shard, parts)
+    rng = shard.get("rng_state") or []
+    ps = model.pstate
+    if len(rng) == ps.dp_size:
+        model.tracker.load_state_dict(ckpt.set_rng_state(rng[ps.dp_rank]))
+    else:
+        log.warning("checkpoint has RNG states for %d data-parallel ranks, this run has %d: dropout "
+                    "masks will differ from an uninterrupted run", len(rng), ps.dp_size)
+    return train_state_from(shard)
+
+
+def _restore_common(shard: dict, parts: Restorable) -> None:
+    parts.scheduler.load_state_dict(shard["opt_param_scheduler"])
+    scaler_state = shard["optimizer"].get("grad_scaler")
+    if parts.scaler.dynamic and scaler_state and "growth_tracker" in scaler_state:
+        parts.scaler.load_state_dict(scaler_state)
+
+
+def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, dict], model: ParallelModel,
+                      parts: Restorable | None) -> TrainState:
+    """Load from a checkpoint saved with another (tp, pp) layout: merge, re-slice (weights and Adam
+    moments); RNG states are not carried over (they belong to the old layout's ranks)."""
+    src_tp, src_pp, args = saved
+    ps, module = model.pstate, model.module
+    src = reshard.SourceCheckpoint(ckpt_dir, iteration, src_tp, src_pp, int(args["num_layers"]))
+    target = reshard.Target(ps.tp_rank, ps.tp_size, module.stage.layer_start, module.stage.layer_end,
+                            module.stage.pre_process, module.stage.post_process, module.padded_vocab_size)
+    local = [n for n, _ in model.named_parameters()]
+    model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)))
+    log.warning("resharded checkpoint iteration %d from tp=%d pp=%d to tp=%d pp=%d", iteration, src_tp,
+                src_pp, ps.tp_size, ps.pp_size)
+    if parts is None:
+        return TrainState()
+    moments = reshard.reshard_moments(src, local, target)
+    names = param_names(model, parts.optimizer)
+    sd = parts.optimizer.state_dict()
+    sd["state"] = {i: moments[n] for i, n in enumerate(names) if moments.get(n)}
+    parts.optimizer.load_state_dict(sd)
+    first = src.stage(0)[0]["raw"]
+    _restore_common(first, parts)
+    return train_state_from(first)

@@ -1,0 +1,292 @@
+"""``trainer.main.run(cfg)``: data + model + parallelism + optimizer → a training run that survives restarts.
+
+Standalone::
+
+    python -m trainer.main --config resolved.yaml [section.key=value ...]
+    torchrun --nproc-per-node N -m trainer.main --config resolved.yaml
+    srun --ntasks-per-node=GPUS python -m trainer.main --config resolved.yaml   # one task per GPU
+
+Exit codes (``trainer.signals``): 0 finished; 75 stopped cleanly on SIGUSR2/SIGTERM after a checkpoint,
+requeue to resume; 65 NaN/inf loss in fp32/bf16 (nothing saved; the last good checkpoint is intact).
+Everything a run needs to resume exactly lives in its checkpoints; the W&B run id and last logged step
+live in ``{run_dir}/wandb_run.json``; log-line values are appended to ``{run_dir}/train_metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from trainer import checkpoint as ckpt
+from trainer import metrics
+from trainer.ckpt_state import (
+    Restorable,
+    RunFacts,
+    build_state,
+    checkpoint_args,
+    restore_resharded,
+    restore_same_layout,
+)
+from trainer.config import CheckpointConfig, ModelConfig, RunConfig, TokenizerConfig
+from trainer.log import get_logger
+from trainer.lr import LRSchedule, OptimizerParamScheduler
+from trainer.main_data import DataShape, build_data
+from trainer.model.config import GPTConfig
+from trainer.optim import build_optimizer
+from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed, num_microbatches
+from trainer.precision import ScalerSettings, make_scaler
+from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopRequest
+from trainer.training import Loop, NonFiniteError, TrainState, metrics_path, train
+
+log = get_logger(__name__)
+
+_MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+               "max_position_embeddings", "vocab_size")
+
+
+@dataclass
+class RunHooks:
+    """Optional callbacks (profiling, tests): after the model is built and loaded, after each iteration."""
+
+    on_build: Callable[[ParallelModel], None] | None = None
+    on_step: Callable[[int, float], None] | None = None
+
+
+@dataclass
+class RunResult:
+    """What ``run`` reports (on every rank)."""
+
+    exit_code: int
+    iteration: int
+    losses: dict[int, float] = field(default_factory=dict)  # lm loss per iteration run in this process
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    skipped_iters: int = 0
+    wandb_run_id: str | None = None
+
+
+def resolve_vocab(model: ModelConfig, tokenizer: TokenizerConfig) -> tuple[int, int | None]:
+    """(vocab_size, end-of-document id) from model.vocab_size, else the tokenizer's vocab.json."""
+    eod = None
+    if tokenizer.vocab_file:
+        from trainer.data.tokenizer import read_vocab
+
+        vocab = read_vocab(tokenizer.vocab_file)
+        eod = vocab.get("<|endoftext|>")
+        size = model.vocab_size or len(vocab)
+    else:
+        size = model.vocab_size or tokenizer.vocab_size
+    if not size:
+        raise ValueError("the vocabulary size is unknown: set tokenizer.vocab_file (vocab.json) or "
+                         "model.vocab_size")
+    return size, eod
+
+
+def gpt_config(model: ModelConfig, vocab_size: int, kernels: str) -> GPTConfig:
+    return GPTConfig(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                     num_attention_heads=model.num_attention_heads, seq_length=model.seq_length,
+                     vocab_size=vocab_size, max_position_embeddings=model.max_position_embeddings,
+                     hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
+                     init_std=model.init_std, ffn_hidden_size=model.ffn_hidden_size,
+                     layernorm_epsilon=model.layernorm_epsilon,
+                     make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, kernels=kernels,
+                     attention_backend=model.attention_backend)
+
+
+def _apply_autocast(model: ParallelModel, precision: str) -> None:
+    """bf16/fp16: run the forward under autocast (weights, grads and optimizer stay fp32; see
+    trainer.precision for why); backward is outside it, as PyTorch recommends."""
+    if precision == "fp32":
+        return
+    from trainer.precision import DTYPES
+
+    device_type = model.pstate.device.type
+    model.module.forward = torch.autocast(device_type, dtype=DTYPES[precision])(model.module.forward)
+
+
+def _configure_determinism(deterministic: bool) -> None:
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def resolve_load(cfg: CheckpointConfig) -> tuple[str, int, bool] | None:
+    """(directory, iteration, model_only) to load at start, or None to start fresh."""
+    own = ckpt.read_tracker(cfg.dir)
+    load_dir = cfg.load_dir or cfg.dir
+    if cfg.load == "none":
+        if own is not None:
+            log.warning("checkpoint.load=none: starting fresh although %s holds iteration %d", cfg.dir, own)
+        return None
+    if own is not None and os.path.abspath(load_dir) != os.path.abspath(cfg.dir):
+        return cfg.dir, own, False  # a restarted run continues from its own checkpoints
+    if cfg.load == "model-only":
+        if os.path.abspath(load_dir) == os.path.abspath(cfg.dir):
+            raise ValueError("checkpoint.load=model-only reads checkpoint.load_dir (another run's "
+                             "checkpoints); set load_dir to a directory other than checkpoint.dir")
+        it = ckpt.read_tracker(load_dir)
+        if it is None:
+            raise ckpt.CheckpointError(f"checkpoint.load=model-only but {load_dir} has no "
+                                       f"{ckpt.TRACKER}")
+        return load_dir, it, True
+    if cfg.load == "latest":
+        it = ckpt.read_tracker(load_dir)
+        return None if it is None else (load_dir, it, False)
+    return load_dir, int(cfg.load), False
+
+
+def load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: ParallelModel,
+                    parts: Restorable) -> TrainState:
+    """Restore from ``plan`` (see resolve_load), resharding when the saved (tp, pp) differ."""
+    ckpt_dir, iteration, model_only = plan
+    tp, pp, args = ckpt.saved_layout(ckpt_dir, iteration)
+    wrong = {k: (args.get(k), getattr(gpt, k)) for k in _MODEL_KEYS if args.get(k) != getattr(gpt, k)}
+    if wrong:
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} iteration {iteration} is a different model "
+                                   f"(saved, configured): {wrong}; fix the model section or load another")
+    ps = model.pstate
+    restore = None if model_only else parts
+    if (tp, pp) == (ps.tp_size, ps.pp_size):
+        shard = ckpt.load_file(ckpt.shard_path(ckpt_dir, iteration, ps.tp_rank, ps.pp_rank, pp))
+        state = restore_same_layout(shard, model, restore)
+    else:
+        state = restore_resharded(ckpt_dir, iteration, (tp, pp, args), model, restore)
+    log.info("loaded %s from %s iteration %d (consumed samples %d)", "weights" if model_only else
+             "checkpoint", ckpt_dir, iteration, state.consumed_train_samples)
+    return state
+
+
+def _saver(cfg: RunConfig, gpt: GPTConfig, model: ParallelModel, parts: Restorable,
+           facts: RunFacts) -> Callable[[TrainState], None]:
+    ps = model.pstate
+    layout = ckpt.ShardLayout(ps.tp_rank, ps.pp_rank, ps.tp_size, ps.pp_size, ps.dp_rank, ps.dp_size)
+
+    def save(state: TrainState) -> None:
+        args = checkpoint_args(gpt, model, facts, state)
+        shard = build_state(model, parts, args, state, facts.config)
+        ckpt.save_checkpoint(cfg.checkpoint.dir, state.iteration, shard, layout, cfg.checkpoint.keep)
+
+    return save
+
+
+@dataclass
+class _Built:
+    gpt: GPTConfig
+    model: ParallelModel
+    parts: Restorable
+    global_batch_size: int
+    eod: int | None
+
+
+def _build(cfg: RunConfig, pstate: ParallelState) -> _Built:
+    """Model, optimizer, scheduler and loss scaler for this rank."""
+    t = cfg.train
+    gbs = t.global_batch_size or t.micro_batch_size * pstate.dp_size
+    vocab_size, eod = resolve_vocab(cfg.model, cfg.tokenizer)
+    gpt = gpt_config(cfg.model, vocab_size, cfg.kernels)
+    model = build_model(gpt, cfg.parallel, pstate, t.seed)
+    _apply_autocast(model, t.precision)
+    optimizer, _ = build_optimizer(model.named_parameters(), cfg.optim, pstate.device.type)
+    scheduler = OptimizerParamScheduler(optimizer, LRSchedule.from_iters(cfg.optim, t.iters, gbs))
+    scaler = make_scaler(t.precision, ScalerSettings(t.initial_loss_scale, t.loss_scale_window,
+                                                     t.hysteresis, t.min_loss_scale))
+    return _Built(gpt, model, Restorable(optimizer, scheduler, scaler), gbs, eod)
+
+
+def _loop(cfg: RunConfig, b: _Built, state: TrainState, hooks: RunHooks, facts: RunFacts) -> Loop:
+    ps, t = b.model.pstate, cfg.train
+    m = num_microbatches(b.global_batch_size, t.micro_batch_size, ps.dp_size)
+    shape = DataShape(b.gpt.seq_length, b.global_batch_size, cfg.run_dir)
+    train_data, valid_data = build_data(cfg.data, cfg.train, shape, ps, state)
+    wandb_config = {**cfg.to_dict(), "derived": {"world_size": ps.world_size, "dp_size": ps.dp_size,
+                                                 "global_batch_size": b.global_batch_size,
+                                                 "num_microbatches": m}}
+    logger = metrics.WandbLogger(cfg.logging.wandb, cfg.run_dir, cfg.run_id, wandb_config, ps.rank == 0)
+    flops = metrics.flops_per_iteration(b.global_batch_size, b.gpt.seq_length, b.gpt.num_layers,
+                                        b.gpt.hidden_size, b.gpt.padded_vocab_size(ps.tp_size))
+    peak = metrics.detect_peak_tflops(ps.device, cfg.logging.peak_tflops)
+    return Loop(
+        model=b.model, optimizer=b.parts.optimizer, scheduler=b.parts.scheduler, scaler=b.parts.scaler,
+        precision=t.precision, clip_grad=cfg.optim.clip_grad, global_batch_size=b.global_batch_size,
+        num_microbatches=m, train_iters=t.iters, train_data=train_data, valid_data=valid_data,
+        save=_saver(cfg, b.gpt, b.model, b.parts, facts), wandb=logger,
+        cadence={"log_interval": t.log_interval, "eval_interval": t.eval_interval,
+                 "eval_iters": t.eval_iters, "save_interval": t.save_interval},
+        throughput={"flops_per_iter": flops, "tokens_per_iter": b.global_batch_size * b.gpt.seq_length,
+                    "world_size": ps.world_size, "peak_tflops": peak},
+        metrics_file=metrics_path(cfg.run_dir), on_step=hooks.on_step)
+
+
+def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | None = None) -> RunResult:
+    """Train per ``cfg``; resumes from ``cfg.checkpoint`` when there is something to resume.
+
+    ``pstate``: an existing layout to train on (the caller keeps ownership of its groups); by default
+    torch.distributed is initialised from the environment (torchrun, Slurm, or a world of one). Process
+    groups are left alive for the caller (the CLI destroys them at exit): destroying and re-creating a
+    group over the same ranks within one process would reuse its store keys.
+    """
+    hooks = hooks or RunHooks()
+    metrics.check_wandb_credentials(cfg.logging.wandb.mode)  # before anything slow or collective
+    _configure_determinism(cfg.train.deterministic)
+    if pstate is None:
+        pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    b = _build(cfg, pstate)
+    plan = resolve_load(cfg.checkpoint)
+    state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
+    if hooks.on_build is not None:
+        hooks.on_build(b.model)
+    facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id)
+    loop = _loop(cfg, b, state, hooks, facts)
+    with StopRequest() as stop:
+        try:
+            code = train(loop, state, stop)
+        except NonFiniteError as e:
+            log.error("%s. Stopping without saving: the last good checkpoint in %s is intact. Lower "
+                      "optim.lr, check the data, or resume from an earlier iteration.", e, cfg.checkpoint.dir)
+            code = EXIT_NONFINITE
+    loop.wandb.finish(0 if code in (EXIT_OK, EXIT_REQUEUE) else code)
+    return RunResult(code, state.iteration, loop.losses, loop.eval_losses, state.skipped_iters,
+                     loop.wandb.run_id)
+
+
+def _override(d: dict, item: str) -> None:
+    """Apply ``section.key=value`` (value parsed as YAML) to a nested dict."""
+    import yaml
+
+    key, sep, value = item.partition("=")
+    if not sep:
+        raise SystemExit(f"override {item!r} is not of the form section.key=value")
+    node = d
+    *parents, leaf = key.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = yaml.safe_load(value)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.main", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="resolved YAML config (orchestrator output)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.iters=10")
+    args = parser.parse_args(argv)
+    import yaml
+
+    with open(args.config, encoding="utf-8") as f:
+        d = yaml.safe_load(f) or {}
+    for item in args.overrides:
+        _override(d, item)
+    cfg = RunConfig.from_dict(d)
+    result = run(cfg)
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""Training metrics: Megatron-format log lines, throughput (tokens/s, TFLOP/s per GPU, MFU), peak memory,
+and Weights & Biases.
+
+W&B rules: only global rank 0 creates a run. Its id is persisted in ``{run_dir}/wandb_run.json`` (created
+from ``run_id`` when the orchestrator minted one) so a resumed or requeued run continues the same W&B run
+(``resume="allow"``); the file also records the last logged step, and after a restart steps up to it are
+not logged again (a crash after logging step 35 and checkpointing 30 replays 31..35 identically; W&B
+would otherwise receive them twice). The API key comes only from the environment or netrc, is checked
+before training starts in online mode, and is never written by Slipway.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import netrc
+import os
+import resource
+from dataclasses import dataclass
+
+import torch
+
+from trainer.log import get_logger
+
+log = get_logger(__name__)
+
+# Dense bf16 peak TFLOP/s by GPU name fragment (first match wins; specific names first).
+PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("GH200", 989.0), ("A100", 312.0), ("A800", 312.0),
+               ("L40S", 362.0), ("A10G", 70.0), ("V100", 125.0), ("B200", 2250.0))
+
+
+def flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """Megatron's model FLOPs for one iteration of ``batch`` sequences (no activation recomputation):
+    72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))."""
+    return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def detect_peak_tflops(device: torch.device, configured: float | None) -> float | None:
+    """The configured peak, else the GPU's dense bf16 peak by name, else None (CPU: no MFU)."""
+    if configured:
+        return float(configured)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, peak in PEAK_TFLOPS:
+        if fragment in name:
+            return peak
+    log.warning("unknown GPU %r: MFU not reported (set logging.peak_tflops)", name)
+    return None
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated CUDA memory, or the process's peak resident set size on CPU, in GB."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+
+
+@dataclass
+class IntervalStats:
+    """Accumulated between two log lines (Megatron's ``total_loss_dict``)."""
+
+    loss_sum: float = 0.0
+    advanced: int = 0  # iterations whose update was applied
+    skipped: int = 0  # fp16 overflow iterations
+    nan: int = 0
+    grad_norm: float | None = None  # of the last applied iteration
+    iters: int = 0
+    elapsed_s: float = 0.0
+
+    def add(self, loss: float, applied: bool, grad_norm: float | None, seconds: float) -> None:
+        self.iters += 1
+        self.elapsed_s += seconds
+        if applied:
+            self.advanced += 1
+            self.loss_sum += loss
+            self.grad_norm = grad_norm
+        else:
+            self.skipped += 1
+            if not math.isfinite(loss):
+                self.nan += 1
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What a log line reports about speed, computed from an interval."""
+
+    ms_per_iter: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float | None
+    peak_mem_gb: float
+
+
+def throughput(stats: IntervalStats, flops_per_iter: float, tokens_per_iter: int, world_size: int,
+               peak_tflops: float | None, peak_mem_gb: float) -> Throughput:
+    per_iter = stats.elapsed_s / max(stats.iters, 1)
+    tflops = flops_per_iter / max(per_iter, 1e-12) / world_size / 1e12
+    return Throughput(ms_per_iter=per_iter * 1e3, tokens_per_s=tokens_per_iter / max(per_iter, 1e-12),
+                      tflops_per_gpu=tflops, mfu=tflops / peak_tflops if peak_tflops else None,
+                      peak_mem_gb=peak_mem_gb)
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One log line's values besides throughput."""
+
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    lr: float
+    global_batch_size: int
+    loss_scale: float
+
+
+def interval_metrics(r: StepReport, s: IntervalStats, t: Throughput) -> dict:
+    """The log line's values as W&B metrics (same numbers the line prints)."""
+    m = {"train/lr": r.lr, "train/consumed_samples": r.consumed_samples,
+         "train/global_batch_size": r.global_batch_size, "train/loss_scale": r.loss_scale,
+         "train/skipped_iters": s.skipped, "train/nan_iters": s.nan, "perf/ms_per_iter": t.ms_per_iter,
+         "perf/tokens_per_s": t.tokens_per_s, "perf/tflops_per_gpu": t.tflops_per_gpu,
+         "perf/peak_mem_gb": t.peak_mem_gb}
+    if s.advanced:
+        m["train/lm_loss"] = s.loss_sum / s.advanced
+    if s.grad_norm is not None:
+        m["train/grad_norm"] = s.grad_norm
+    if t.mfu is not None:
+        m["perf/mfu"] = t.mfu
+    return m
+
+
+def format_log_line(r: StepReport, s: IntervalStats, t: Throughput) -> str:
+    """Megatron's ``training_log`` line, plus tokens/s, TFLOP/s per GPU, MFU and peak memory."""
+    line = f" iteration {r.iteration:8d}/{r.train_iters:8d} |"
+    line += f" consumed samples: {r.consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {t.ms_per_iter:.1f} |"
+    line += f" learning rate: {r.lr:.3E} |"
+    line += f" global batch size: {r.global_batch_size:5d} |"
+    if s.advanced:
+        line += f" lm loss: {s.loss_sum / s.advanced:.6E} |"
+    line += f" loss scale: {r.loss_scale:.1f} |"
+    if s.grad_norm is not None:
+        line += f" grad norm: {s.grad_norm:.3f} |"
+    line += f" number of skipped iterations: {s.skipped:3d} |"
+    line += f" number of nan iterations: {s.nan:3d} |"
+    line += f" tokens per second: {t.tokens_per_s:.1f} |"
+    line += f" throughput per GPU (TFLOP/s/GPU): {t.tflops_per_gpu:.1f} |"
+    if t.mfu is not None:
+        line += f" MFU: {100 * t.mfu:.1f}% |"
+    line += f" peak memory (GB): {t.peak_mem_gb:.2f} |"
+    return line
+
+
+def format_eval_line(iteration: int, loss: float) -> str:
+    """Megatron's validation line (PPL from the loss clamped at 20, as Megatron does)."""
+    ppl = math.exp(min(20.0, loss))
+    return (f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} |"
+            f" lm loss PPL: {ppl:.6E} | ")
+
+
+def check_wandb_credentials(mode: str) -> None:
+    """Fail fast (before any training) when online mode has no API key; never reads the key's value
+    into anything but this check."""
+    if mode != "online":
+        return
+    if os.environ.get("WANDB_API_KEY"):
+        return
+    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    try:
+        if netrc.netrc().authenticators(host):
+            return
+    except (FileNotFoundError, netrc.NetrcParseError):
+        pass
+    raise RuntimeError(
+        "logging.wandb.mode=online but no W&B API key was found (WANDB_API_KEY is unset and ~/.netrc has "
+        f"no entry for {host}). Export WANDB_API_KEY in the job's environment, or set "
+        "logging.wandb.mode=offline (sync later with `wandb sync`) or disabled.")
+
+
+class WandbLogger:
+    """The W&B face of the trainer (a no-op on ranks other than 0 or when disabled)."""
+
+    def __init__(self, wandb_cfg, run_dir: str, run_id: str | None, config: dict, enabled: bool) -> None:
+        self.run = None
+        self.state_path = os.path.join(run_dir, "wandb_run.json")
+        self.resume_after = -1
+        if not enabled or wandb_cfg.mode == "disabled":
+            return
+        import wandb
+
+        state = _read_json(self.state_path)
+        wid = state.get("id") or run_id or wandb.util.generate_id()
+        self.resume_after = int(state.get("last_step", -1))
+        os.makedirs(run_dir, exist_ok=True)
+        self.run = wandb.init(
+            mode=wandb_cfg.mode, project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
+            name=wandb_cfg.name, tags=wandb_cfg.tags or None, id=wid, resume="allow", dir=run_dir,
+            config=config, settings=wandb.Settings(silent=True, console="off"))
+        self.last_step = self.resume_after
+        _write_json(self.state_path, {"id": wid, "last_step": self.last_step})
+        log.info("W&B run %s (%s, %s)%s", wid, wandb_cfg.mode, self.run.dir,
+                 f"; steps <= {self.resume_after} already logged" if self.resume_after >= 0 else "")
+
+    @property
+    def run_id(self) -> str | None:
+        return self.run.id if self.run is not None else None
+
+    def log(self, metrics: dict, step: int) -> None:
+        """Log at ``step`` unless a previous process already logged it (see module docstring)."""
+        if self.run is None or step <= self.resume_after:
+            return
+        self.run.log(metrics, step=step)
+        if step > self.last_step:
+            self.last_step = step
+            _write_json(self.state_path, {"id": self.run.id, "last_step": step})
+
+    def finish(self, exit_code: int = 0) -> None:
+        if self.run is not None:
+            self.run.finish(exit_code=exit_code)
+            self.run = None
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def _write_json(path: str, value: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)

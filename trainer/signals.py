@@ -1,0 +1,76 @@
+"""Graceful stop: SIGUSR2/SIGTERM set a flag; the training loop acts on it at a step boundary.
+
+Why a flag and not work in the handler: the signal can arrive in the middle of a collective, a backward
+pass or a checkpoint write. The handler only records it; at the next step boundary all ranks all-reduce
+their flags (a signal delivered to one rank stops them all, in the same iteration), save a checkpoint and
+exit with ``EXIT_REQUEUE``. Further signals during the save only set the flag again, so they cannot
+interrupt (and corrupt) the save. SIGUSR2 is what Slipway's sbatch scripts ask Slurm to send before the
+time limit (``--signal=USR2@lead``; USR1 may be taken by NCCL); SIGTERM is what preemption and
+``scancel`` send.
+
+Exit codes (the contract with the orchestrator and with ``python -m trainer.main``):
+- ``EXIT_OK`` (0): the run reached ``train.iters`` (final checkpoint saved).
+- ``EXIT_REQUEUE`` (75, sysexits' EX_TEMPFAIL): stopped cleanly on a signal after saving a complete
+  checkpoint; requeue the job and it resumes exactly.
+- ``EXIT_NONFINITE`` (65, EX_DATAERR): the loss or gradient norm became NaN/inf in bf16/fp32; the step was
+  not applied, nothing was saved, the last good checkpoint is intact. Retrying would repeat it: do not
+  requeue blindly.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterable
+
+from trainer.log import get_logger
+
+log = get_logger(__name__)
+
+EXIT_OK = 0
+EXIT_REQUEUE = 75
+EXIT_NONFINITE = 65
+STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+class StopRequest:
+    """Installs handlers for ``signals`` (main thread only) and remembers which arrived.
+
+    Use as a context manager: the previous handlers are restored on exit.
+    """
+
+    def __init__(self, signals: Iterable[int] = STOP_SIGNALS) -> None:
+        self.signals = tuple(signals)
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    @property
+    def requested(self) -> bool:
+        return bool(self.received)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        # Only record: logging or I/O here could interleave with whatever the signal interrupted.
+        self.received.append(signum)
+
+    def install(self) -> StopRequest:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("not in the main thread: stop signals are not handled by the trainer")
+            return self
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def describe(self) -> str:
+        names = [signal.Signals(s).name for s in self.received]
+        return ", ".join(names) if names else "none"
+
+    def __enter__(self) -> StopRequest:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
