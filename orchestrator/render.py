@@ -174,8 +174,10 @@ while true; do
   step=""
   echo "slipway: {stage} step attempt $attempt (restart $restart) exited with $rc" >&2
   [ "$rc" -eq 0 ] && exit 0
-  if [ "$rc" -eq 75 ]; then
-    # Stopped cleanly after a checkpoint. Near the time limit it is a timeout, else a preemption.
+  # Stopped cleanly after a checkpoint: exit 75, or (when srun killed the slower ranks after the first
+  # one exited, turning rc into 143) the marker every stopping rank leaves before exiting.
+  if [ "$rc" -eq 75 ] || [ -e "$state/stopped_r${{restart}}_a${{attempt}}" ]; then
+    # Near the time limit it is a timeout, else a preemption.
     if [ "$SECONDS" -ge {timeout_after_s} ]; then
       n=$(( $(cat "$state/timeouts" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$state/timeouts"
       if [ "$n" -gt {max_timeouts} ]; then
