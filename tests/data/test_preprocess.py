@@ -103,7 +103,8 @@ def tok_files(tmp_path_factory, stdlib_docs):
 
 def config(tmp_path, tok_files, **kw) -> PreprocessConfig:
     kw.setdefault("output_prefix", str(tmp_path / "out" / "ds"))
-    return PreprocessConfig(vocab_file=str(tok_files[0]), merge_file=str(tok_files[1]), progress="none", **kw)
+    kw.setdefault("progress", "none")
+    return PreprocessConfig(vocab_file=str(tok_files[0]), merge_file=str(tok_files[1]), **kw)
 
 
 def tricky_docs(stdlib_docs):
@@ -114,18 +115,20 @@ def tricky_docs(stdlib_docs):
     return docs
 
 
-@pytest.mark.parametrize("workers, append_eod", [(1, True), (2, True), (2, False)])
-def test_byte_identical_to_megatron(tmp_path, tok_files, stdlib_docs, workers, append_eod):
+@pytest.mark.parametrize("workers, append_eod, backend", [(1, True, "auto"), (2, True, "auto"),
+                                                         (2, False, "auto"), (2, True, "hf")])
+def test_byte_identical_to_megatron(tmp_path, tok_files, stdlib_docs, workers, append_eod, backend):
     jsonl = tmp_path / "in.jsonl"
     jsonl.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in tricky_docs(stdlib_docs)),
                      encoding="utf-8")
     keys = ["content", "path"]
     summary = preprocess(config(tmp_path, tok_files, input=str(jsonl), json_keys=keys, append_eod=append_eod,
-                                workers=workers, chunk_bytes=4096))
+                                workers=workers, chunk_bytes=4096, backend=backend))
     oracle = GPT2Oracle(*tok_files)
     megatron_preprocess(jsonl, tmp_path / "ref", keys, append_eod, oracle.encode, 0, 4000)
     same_bytes(tmp_path / "out" / "ds", tmp_path / "ref", keys)
-    assert summary.backend == "tiktoken" and summary.dtype == "uint16" and summary.skipped == {}
+    assert summary.backend == ("hf" if backend == "hf" else "tiktoken")
+    assert summary.dtype == "uint16" and summary.skipped == {}
     ds = IndexedDataset(summary.outputs["content"])
     assert ds.num_documents == summary.documents == len(tricky_docs(stdlib_docs))
     assert ds.num_documents > len(ds)  # the empty documents are zero-sequence documents
@@ -235,7 +238,7 @@ def test_line_edge_cases(tmp_path, tok_files):
     raw = (b'{"text": "a"}\r\n\n   \n' + json.dumps({"text": long}).encode() + b"\n" + b'{"text": "end"}')
     (tmp_path / "in.jsonl").write_bytes(raw)
     summary = preprocess(config(tmp_path, tok_files, input=str(tmp_path / "in.jsonl"), chunk_bytes=256,
-                                workers=1))
+                                workers=1, progress="bar"))  # the tqdm bar, here into captured stderr
     assert summary.blank_lines == 2 and summary.documents == 3
     tok = load_gpt2_bpe(*tok_files)
     assert [tok.decode(d) for d in IndexedDataset(summary.outputs["text"]).documents()] == ["a", long, "end"]
@@ -286,7 +289,7 @@ def big_jsonl(tmp_path_factory):
     return path
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_run_leaves_no_pair(tmp_path, tok_files, big_jsonl, sig):
     prefix = tmp_path / "big"
     cmd = [sys.executable, "-m", "trainer.data.preprocess", "--input", str(big_jsonl), "--output-prefix",
@@ -310,5 +313,5 @@ def test_interrupted_run_leaves_no_pair(tmp_path, tok_files, big_jsonl, sig):
     assert proc.returncode != 0
     finals = [p.name for p in tmp_path.iterdir() if not p.name.endswith(".partial")]
     assert finals == [], finals  # neither .bin nor .idx under its final name
-    if sig == signal.SIGINT:  # a handled interrupt also removes its temporary files
+    if sig != signal.SIGKILL:  # a handled interrupt (Ctrl-C, Slurm's SIGTERM) also removes its temp files
         assert list(tmp_path.iterdir()) == []

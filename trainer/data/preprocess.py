@@ -19,6 +19,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 from collections import Counter, deque
@@ -216,6 +217,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     log.info("preprocess: %d input file(s), keys %s, tokenizer %s backend (vocab %d, %s on disk), %d workers",
              len(files), config.json_keys, tok.backend, tok.vocab_size, dtype.name, config.workers)
     outputs = {key: config.output_prefix_for(key) for key in config.json_keys}
+    _warn_leftovers(outputs.values())
     temps = {key: temp_pair(prefix) for key, prefix in outputs.items()}
     builders = {key: IndexedDatasetBuilder(temps[key][0], dtype) for key in config.json_keys}
     run = _Run(config.json_keys)
@@ -253,6 +255,17 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     _write_summary(summary)
     _report(summary)
     return summary
+
+
+def _warn_leftovers(prefixes) -> None:
+    """Temporary files of killed runs (SIGKILL leaves no chance to clean up) are reported, never deleted:
+    on a shared filesystem they may belong to a job still running on another node."""
+    for prefix in prefixes:
+        folder, name = os.path.split(os.path.abspath(prefix))
+        stale = sorted(Path(folder).glob(f".{name}.*.partial")) if os.path.isdir(folder) else []
+        if stale:
+            log.warning("preprocess: %d temporary file(s) from an interrupted run next to %s (e.g. %s); "
+                        "delete them once no other job writes this prefix", len(stale), prefix, stale[0].name)
 
 
 def _write_summary(summary: PreprocessSummary) -> None:
@@ -299,8 +312,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _terminate(signum, _frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")  # clean up temporary files as for Ctrl-C
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Slurm's time limit sends SIGTERM first: treat it like Ctrl-C so temporary files are removed.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         config = PreprocessConfig(
             input=args.input, output_prefix=args.output_prefix, vocab_file=args.vocab_file,

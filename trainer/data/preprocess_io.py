@@ -100,7 +100,6 @@ class ChunkResult:
     doc_lengths: dict[str, np.ndarray]
     documents: int
     input_bytes: int
-    text_chars: int
     blank_lines: int = 0
     bad: list[BadLine] = field(default_factory=list)
     """Lines dropped (skip mode), or the one line that stops the run (fail mode)."""
@@ -213,7 +212,7 @@ def encode_chunk(chunk: Chunk, settings: EncodeSettings) -> ChunkResult:
     eod = np.array([tok.eod_id], dtype=np.uint32)
     # Lone surrogates can only come from \uD8xx..\uDFxx escapes; look for them only where those occur.
     check_surrogates = b"\\ud" in chunk.data or b"\\uD" in chunk.data
-    result = ChunkResult({}, {}, 0, len(chunk.data), 0)
+    result = ChunkResult({}, {}, 0, len(chunk.data))
     for number, line in _lines(chunk):
         if isinstance(line, str):
             if not line.strip():
@@ -227,7 +226,6 @@ def encode_chunk(chunk: Chunk, settings: EncodeSettings) -> ChunkResult:
             continue
         for key, text in zip(keys, line, strict=True):
             ids = tok.encode_to_numpy(text)
-            result.text_chars += len(text)
             # Megatron appends EOD only to non-empty documents: an empty one stays zero-sequence.
             if settings.append_eod and len(ids):
                 parts[key] += [ids, eod]

@@ -18,6 +18,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -96,7 +97,7 @@ class GPT2BPETokenizer:
                                      "GPT2BPETokenizer needs it as the end-of-document id")
         self.vocab_size: int = len(vocab)
         self.eod_id: int = vocab[EOD_TOKEN]
-        self._id_to_bytes = {i: token_bytes(t) or t.encode("utf-8") for t, i in vocab.items()}
+        self._vocab = vocab
         self.fallback_reasons: list[str] = []
         self._tiktoken = self._hf = None
         if spec.backend != "hf":
@@ -138,6 +139,11 @@ class GPT2BPETokenizer:
         if self._tiktoken is not None:
             return [self._tiktoken.encode_ordinary(t) for t in texts]
         return [e.ids for e in self._hf.encode_batch(list(texts), add_special_tokens=False)]
+
+    @cached_property
+    def _id_to_bytes(self) -> dict[int, bytes]:
+        # Built on first decode only: preprocess workers never decode.
+        return {i: token_bytes(t) or t.encode("utf-8") for t, i in self._vocab.items()}
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Text of ``ids`` (invalid UTF-8 across token boundaries becomes U+FFFD, as in Megatron)."""
