@@ -3,9 +3,10 @@
 With p stages and m micro-batches, 1F1B's step takes (1 + (p−1)/m) × t_stage, where t_stage is the
 compute time of one stage's share of the step without any pipelining (performance.md, "Pipeline bubble").
 Baseline, measured in the same run: the whole model's train_step over the same m micro-batches in one
-process (T1); t_stage = T1 / p. Each pipeline stage is one process with one thread, as is the baseline.
-Printed per (p, m): T1, t_stage, the measured pipeline step, measured / t_stage next to 1 + (p−1)/m.
-Results go to bench/results/pipeline.json.
+process (T1); t_stage = T1 / p. Each pipeline stage is one process with one thread, as is the baseline,
+which rank 0 times right after the pipelined steps (the other ranks wait), so that both see the same
+machine load. Times are the best of ``--iters`` steps. Printed per (p, m): T1, t_stage, the measured
+pipeline step, and measured / t_stage next to 1 + (p−1)/m. Results go to bench/results/pipeline.json.
 
     python bench/pipeline.py                          # p = 2, 4; m = p, 2p, 4p
     python bench/pipeline.py --stages 2 --microbatches 4 8 --iters 3
@@ -21,7 +22,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -46,7 +46,7 @@ def batches(cfg: GPTConfig, m: int, micro_batch: int) -> list[dict[str, torch.Te
 
 
 def time_steps(model, data, warmup: int, iters: int, pstate: ParallelState | None = None) -> float:
-    """Median step time; in a world of several ranks, the slowest rank's time of each step."""
+    """Best step time; in a world of several ranks, the slowest rank's time of each step."""
     times = []
     for i in range(warmup + iters):
         if pstate is not None:
@@ -58,7 +58,7 @@ def time_steps(model, data, warmup: int, iters: int, pstate: ParallelState | Non
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i >= warmup:
             times.append(elapsed.item())
-    return statistics.median(times)
+    return min(times)
 
 
 def _stage_worker(rank: int, p: int, port: int, args: argparse.Namespace, cfg: GPTConfig, out: str) -> None:
@@ -66,8 +66,14 @@ def _stage_worker(rank: int, p: int, port: int, args: argparse.Namespace, cfg: G
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     pstate = ParallelState.build(1, p)
     model = build_model(cfg, ParallelConfig(pp_size=p, schedule="1f1b"), pstate, seed=0)
-    result = {m: time_steps(model, batches(cfg, m, args.micro_batch), args.warmup, args.iters, pstate)
-              for m in microbatch_counts(args, p)}
+    single = build_model(cfg, ParallelConfig(), ParallelState.single(), seed=0) if rank == 0 else None
+    result = {}
+    for m in microbatch_counts(args, p):
+        data = batches(cfg, m, args.micro_batch)
+        piped = time_steps(model, data, args.warmup, args.iters, pstate)
+        if rank == 0:  # the baseline under the same load; the other stages wait at the barrier
+            result[m] = (piped, time_steps(single, data, args.warmup, args.iters))
+        dist.barrier()
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -88,19 +94,16 @@ def free_port() -> int:
 def run(args: argparse.Namespace) -> dict:
     cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                     seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=0.0, attention_dropout=0.0)
-    torch.set_num_threads(1)
-    single = build_model(cfg, ParallelConfig(), ParallelState.single(), seed=0)
     rows = []
     for p in args.stages:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             mp.start_processes(_stage_worker, args=(p, free_port(), args, cfg, tmp.name), nprocs=p,
                                start_method="fork")
-            piped = {int(k): v for k, v in json.loads(Path(tmp.name).read_text()).items()}
-        for m in microbatch_counts(args, p):
-            t1 = time_steps(single, batches(cfg, m, args.micro_batch), args.warmup, args.iters)
+            times = {int(k): v for k, v in json.loads(Path(tmp.name).read_text()).items()}
+        for m, (piped, t1) in times.items():
             t_stage = t1 / p
             rows.append({"stages": p, "microbatches": m, "single_process_s": t1, "stage_compute_s": t_stage,
-                         "pipeline_s": piped[m], "measured_ratio": piped[m] / t_stage,
+                         "pipeline_s": piped, "measured_ratio": piped / t_stage,
                          "predicted_ratio": 1 + (p - 1) / m})
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.machine(),
             "cores": os.cpu_count(), "loadavg": os.getloadavg(), "torch": torch.__version__,
@@ -113,13 +116,13 @@ def main() -> None:
     ap.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--microbatches", type=int, nargs="*", default=None, help="default: p, 2p, 4p")
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=192)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=4)
     args = ap.parse_args()
     result = run(args)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -5,15 +5,19 @@
     opt = torch.optim.AdamW(model.parameters(), ...)       # ordinary optimizers work on the shard
     m = num_microbatches(global_batch, micro_batch, pstate.dp_size)
     for it in ...:
-        batches = [...]   # m dicts {tokens [b,s], labels [b,s], loss_mask [b,s] (optional)}: this DP
-                          # rank's micro-batches; every rank of the (tp, pp) column passes the same ones
+        batches = [...]   # m dicts {tokens [b,s], labels [b,s], loss_mask [b,s] (optional)}, all of one
+                          # shape: this DP rank's micro-batches (DP rank r of micro-step j gets samples
+                          # [(j·dp + r)·b, +b) of the global batch, Megatron's order); every TP and PP
+                          # rank of one DP replica passes the same ones (first stage reads tokens, last
+                          # stage labels and loss_mask)
         loss = train_step(model, batches)                  # zero grads, forward+backward, grad sync
         norm = clip_grad_norm(model, max_norm)             # global norm over tp/pp/dp, clips in place
         opt.step()                                         # do not zero_grad(set_to_none=True) in between
     val = eval_step(model, batches)
 
-``train_step`` returns the loss (fp32 scalar, mean over micro-batches and DP ranks) on every rank and
-leaves fully synchronised gradients in ``.grad``: averaged over DP, the sequence-parallel replicated
+``train_step`` returns the loss (fp32 scalar: each micro-batch's masked mean, averaged over micro-batches
+and DP ranks, as Megatron) on every rank and leaves fully synchronised gradients in ``.grad``
+(``finish_grad_sync`` has run): averaged over DP, the sequence-parallel replicated
 parameters summed over TP, the tied embedding summed between first and last stage. For fp16 loss scaling
 set ``model.loss_scale``; the gradients are then scaled by it. For bf16 mixed precision set
 ``model.autocast = torch.bfloat16`` (parameters, gradients and loss stay fp32).
