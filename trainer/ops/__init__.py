@@ -1,40 +1,128 @@
-"""Python faces of the fused kernels (``csrc/``) and the dispatch between implementations.
+"""Python faces of the fused kernels (``csrc/``) and the one dispatch between implementations.
 
-``resolve(mode)`` returns a :class:`KernelSet` whose functions the model calls. Modes:
-``eager`` (reference compositions), ``csrc`` (Slipway's compiled ops), ``apex``, ``compile``, ``auto``.
-This module starts with the eager set; the compiled ops plug in here.
+``resolve(mode, device_type)`` returns a :class:`KernelSet` whose functions the model calls. Modes
+(config key ``kernels``):
+
+- ``eager``: the reference compositions in :mod:`trainer.ops.reference`.
+- ``csrc``: Slipway's compiled ops (``torch.ops.slipway.*``; CPU and, in CUDA builds, CUDA kernels).
+- ``apex``: apex's kernel where apex has one for the op (LayerNorm, masked softmax), else csrc.
+- ``compile``: ``torch.compile`` of each reference composition.
+- ``auto``: per op, apex when importable on CUDA, else csrc, else eager.
+
+A missing extension (or one built without CUDA kernels, used on CUDA) falls back to eager with one
+clear warning; ``tests/ops/test_dispatch.py`` asserts the extension is built and chosen so the fallback
+cannot hide a broken build. Attention itself goes through SDPA in the model; ``scaled_causal_softmax``
+serves only the explicit-softmax attention path. The choice per op is logged once per (mode, device).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from trainer.ops import reference
+import torch
+
+from trainer.log import get_logger
+from trainer.ops import _ext, reference
+
+log = get_logger(__name__)
 
 KERNEL_MODES = ("auto", "csrc", "apex", "eager", "compile")
+OPS = ("bias_gelu", "bias_dropout_add", "scaled_causal_softmax", "layer_norm", "cross_entropy", "adamw_step")
+_LOGGED: set[tuple[str, str]] = set()
+_WARNED: set[str] = set()
 
 
 @dataclass(frozen=True)
 class KernelSet:
-    """The ops the GPT uses, one callable each, plus the name of the implementation chosen for each."""
+    """The ops the GPT uses, one callable each, plus the implementation chosen for each (``names``).
+
+    Signatures are those of :mod:`trainer.ops.reference`: ``bias_gelu(x, bias)``,
+    ``bias_dropout_add(x, bias, residual, p, training)``, ``scaled_causal_softmax(scores, scale)``,
+    ``layer_norm(x, weight, bias, eps)``, ``cross_entropy(logits, target)`` (per-token fp32 loss of
+    unsharded logits; the vocab-parallel primitives are in :mod:`trainer.ops.cross_entropy`) and
+    ``adamw_step(tensors, hyper, step)`` (:mod:`trainer.ops.adamw`).
+    """
 
     bias_gelu: Callable
     bias_dropout_add: Callable
     scaled_causal_softmax: Callable
     layer_norm: Callable
-    names: dict
+    cross_entropy: Callable = reference.cross_entropy
+    adamw_step: Callable = reference.adamw_step
+    names: dict = field(default_factory=dict)
 
 
-def resolve(mode: str = "auto") -> KernelSet:
-    """The kernel set for ``mode`` (one of KERNEL_MODES)."""
+def csrc_available(device_type: str) -> bool:
+    """True when trainer._C loaded and has kernels for ``device_type`` ("cpu" or "cuda")."""
+    if not _ext.load():
+        return False
+    key = "CUDA" if device_type == "cuda" else "CPU"
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"slipway::{op}", key)
+               for op in ("bias_gelu", "layer_norm", "ce_local_stats", "adamw_step_"))
+
+
+def _csrc_table() -> dict[str, Callable]:
+    from trainer.ops import adamw, cross_entropy, fused
+
+    return {"bias_gelu": fused.bias_gelu, "bias_dropout_add": fused.bias_dropout_add,
+            "scaled_causal_softmax": fused.scaled_causal_softmax, "layer_norm": fused.layer_norm,
+            "cross_entropy": cross_entropy.cross_entropy, "adamw_step": adamw.adamw_step}
+
+
+def _apex_table(fallbacks: dict[str, Callable]) -> dict[str, Callable]:
+    from trainer.ops import apex_impl
+
+    found = {"layer_norm": apex_impl.layer_norm(fallbacks["layer_norm"]),
+             "scaled_causal_softmax": apex_impl.scaled_causal_softmax(fallbacks["scaled_causal_softmax"])}
+    return {op: fn for op, fn in found.items() if fn is not None}
+
+
+def _compile_table() -> dict[str, Callable]:
+    # The optimizer step stays eager: compiling a per-parameter loop recompiles for every shape.
+    return {op: torch.compile(getattr(reference, op), dynamic=True) for op in OPS if op != "adamw_step"}
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning(message)
+
+
+def _choose(mode: str, device_type: str) -> tuple[dict[str, Callable], dict[str, str]]:
+    eager = {op: getattr(reference, op) for op in OPS}
+    table, names = dict(eager), dict.fromkeys(OPS, "eager")
+    if mode == "eager":
+        return table, names
+    if mode == "compile":
+        for op, fn in _compile_table().items():
+            table[op], names[op] = fn, "compile"
+        return table, names
+    if csrc_available(device_type):
+        for op, fn in _csrc_table().items():
+            table[op], names[op] = fn, "csrc"
+    elif _ext.load():
+        _warn_once(f"nocuda-{device_type}",
+                   f"trainer._C has no {device_type.upper()} kernels (built without a CUDA toolkit/torch); "
+                   "kernels fall back to eager. Fix: `make install` where nvcc and a CUDA build of torch "
+                   "are present.")
+    if mode == "apex" or (mode == "auto" and device_type == "cuda"):
+        for op, fn in _apex_table(dict(table)).items():
+            table[op], names[op] = fn, "apex"
+    return table, names
+
+
+def resolve(mode: str = "auto", device_type: str | None = None) -> KernelSet:
+    """The kernel set for ``mode`` (one of KERNEL_MODES) on ``device_type`` (default: cuda if available)."""
     if mode not in KERNEL_MODES:
         raise ValueError(f"kernels={mode!r} is not one of {KERNEL_MODES}; set `kernels` to one of them")
-    return KernelSet(
-        bias_gelu=reference.bias_gelu,
-        bias_dropout_add=reference.bias_dropout_add,
-        scaled_causal_softmax=reference.scaled_causal_softmax,
-        layer_norm=reference.layer_norm,
-        names={"bias_gelu": "eager", "bias_dropout_add": "eager", "scaled_causal_softmax": "eager",
-               "layer_norm": "eager"},
-    )
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(f"resolve: device_type must be 'cpu' or 'cuda', got {device_type!r}")
+    table, names = _choose(mode, device_type)
+    if (mode, device_type) not in _LOGGED:
+        _LOGGED.add((mode, device_type))
+        log.info("kernels=%s on %s: %s; attention uses SDPA (scaled_causal_softmax only on the explicit-"
+                 "softmax path)", mode, device_type, ", ".join(f"{op}={names[op]}" for op in OPS))
+    return KernelSet(names=names, **table)

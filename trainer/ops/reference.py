@@ -41,3 +41,29 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 def attention_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy in fp32 (fp64 stays fp64), unreduced: what the fused loss replaces."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    flat = flat.to(torch.promote_types(flat.dtype, torch.float32))  # fp32 math; fp64 stays fp64
+    return F.cross_entropy(flat, target.reshape(-1), reduction="none").view(target.shape)
+
+
+def adamw_step(t, hp, step: int) -> None:
+    """``torch.optim.AdamW``'s single-tensor update, op for op, on fp32 masters (``trainer.ops.adamw``).
+
+    ``t``: AdamWTensors, ``hp``: AdamWHyper. Low-precision model copies, when given, receive the result.
+    """
+    bc1 = 1 - hp.beta1 ** step
+    bc2_sqrt = math.sqrt(1 - hp.beta2 ** step)
+    with torch.no_grad():
+        for i, p in enumerate(t.params):
+            g = t.grads[i].float() * hp.grad_scale if hp.grad_scale != 1.0 else t.grads[i].float()
+            p.mul_(1 - hp.lr * hp.weight_decay)
+            t.exp_avgs[i].lerp_(g, 1 - hp.beta1)
+            t.exp_avg_sqs[i].mul_(hp.beta2).addcmul_(g, g, value=1 - hp.beta2)
+            denom = (t.exp_avg_sqs[i].sqrt() / bc2_sqrt).add_(hp.eps)
+            p.addcdiv_(t.exp_avgs[i], denom, value=-(hp.lr / bc1))
+            if t.model_params:
+                t.model_params[i].copy_(p)

@@ -1,0 +1,169 @@
+"""Each fused csrc op against the eager composition it replaces, timed in the same process.
+
+    python bench/kernels.py                 # CPU (and CUDA when present), prints a table
+    python bench/kernels.py --device cuda --scale 1.0
+
+Ratio = eager time / fused time (> 1: the fused op is faster), for forward and forward+backward, median
+of --reps runs after warm-up. Shapes are CodeParrot-small's (h=768, 12 heads, V=32768) with the token
+count scaled by --scale (CPU default 0.125 of one 2×1024-token micro-batch). Results also go to
+bench/results/kernels_<device>.txt with date, machine and versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from trainer.ops import _ext, reference  # noqa: E402
+
+
+@dataclass
+class Case:
+    name: str
+    fused: Callable[[], torch.Tensor | None]
+    eager: Callable[[], torch.Tensor | None]
+    backward: bool = True
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], object], device: str, reps: int) -> float:
+    for _ in range(2):
+        fn()
+    _sync(device)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _fwd_bwd(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    def run() -> None:
+        out = fn()
+        out.backward(torch.ones_like(out))
+    return run
+
+
+def cases(device: str, dtype: torch.dtype, tokens: int) -> list[Case]:
+    from trainer.ops import adamw, cross_entropy, fused
+
+    h, heads, vocab = 768, 12, 32768
+    seq = min(1024, tokens)
+    kw = dict(device=device, dtype=dtype)
+    x4 = torch.randn(tokens, 4 * h, **kw).requires_grad_()
+    b4 = torch.randn(4 * h, device=device, requires_grad=True)  # fp32 bias, as under autocast
+    x = torch.randn(tokens, h, **kw).requires_grad_()
+    b = torch.randn(h, device=device, requires_grad=True)
+    res = torch.randn(tokens, h, device=device, requires_grad=True)  # fp32 residual stream
+    w = torch.randn(h, device=device, requires_grad=True)
+    lb = torch.randn(h, device=device, requires_grad=True)
+    xr = torch.randn(tokens, h, device=device, requires_grad=True)
+    scores = torch.randn(max(1, tokens // seq), heads, seq, seq, **kw).requires_grad_()
+    logits = torch.randn(tokens, vocab, **kw).requires_grad_()
+    target = torch.randint(0, vocab, (tokens,), device=device)
+    n_params = 4 * tokens * h
+    return [
+        Case("bias_gelu", lambda: fused.bias_gelu(x4, b4), lambda: reference.bias_gelu(x4, b4)),
+        Case("bias_dropout_add", lambda: fused.bias_dropout_add(x, b, res, 0.1, True),
+             lambda: reference.bias_dropout_add(x, b, res, 0.1, True)),
+        Case("scaled_causal_softmax", lambda: fused.scaled_causal_softmax(scores, 0.125),
+             lambda: reference.scaled_causal_softmax(scores, 0.125)),
+        Case("layer_norm", lambda: fused.layer_norm(xr, w, lb, 1e-5),
+             lambda: reference.layer_norm(xr, w, lb, 1e-5)),
+        Case("cross_entropy", lambda: cross_entropy.cross_entropy(logits, target),
+             lambda: reference.cross_entropy(logits, target)),
+        _adamw_case(device, n_params, adamw),
+    ]
+
+
+def _adamw_case(device: str, n_params: int, adamw) -> Case:
+    shapes = [(n_params // 8,), (n_params // 4,), (n_params // 2,), (768,), (768,)] + [(64,)] * 20
+    def state():
+        return adamw.AdamWTensors([torch.randn(s, device=device) for s in shapes],
+                                  [torch.randn(s, device=device) for s in shapes],
+                                  [torch.zeros(s, device=device) for s in shapes],
+                                  [torch.zeros(s, device=device) for s in shapes])
+    hp = adamw.AdamWHyper(lr=1e-4, weight_decay=0.1)
+    mine, ref = state(), state()
+    return Case("adamw_step (25 tensors)", lambda: adamw.adamw_step(mine, hp, 3),
+                lambda: reference.adamw_step(ref, hp, 3), backward=False)
+
+
+def run(device: str, dtype: torch.dtype, tokens: int, reps: int) -> list[tuple]:
+    """(name, fused fwd, eager fwd, fused fwd+bwd, eager fwd+bwd) seconds per case."""
+    rows = []
+    for c in cases(device, dtype, tokens):
+        tf, te = timed(c.fused, device, reps), timed(c.eager, device, reps)
+        if c.backward:
+            bf, be = timed(_fwd_bwd(c.fused), device, reps), timed(_fwd_bwd(c.eager), device, reps)
+        else:
+            bf = be = float("nan")
+        rows.append((c.name, tf, te, bf, be))
+    return rows
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
+
+
+def render(device: str, dtype: torch.dtype, tokens: int, rows) -> str:
+    head = (f"# bench/kernels.py  {datetime.datetime.now().isoformat(timespec='seconds')}\n"
+            f"# device={device} ({_device_name(device)}) "
+            f"threads={torch.get_num_threads()} torch={torch.__version__} dtype={dtype} tokens={tokens}\n"
+            f"# ratio = eager / fused (>1: fused faster); times are medians in ms\n")
+    lines = [f"{'op':<26}{'fused fwd':>11}{'eager fwd':>11}{'ratio':>8}{'fused f+b':>11}{'eager f+b':>11}"
+             f"{'ratio':>8}"]
+    for name, tf, te, bf, be in rows:
+        lines.append(f"{name:<26}{tf * 1e3:>11.3f}{te * 1e3:>11.3f}{te / tf:>8.2f}{bf * 1e3:>11.3f}"
+                     f"{be * 1e3:>11.3f}{be / bf:>8.2f}")
+    return head + "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--scale", type=float, default=None,
+                    help="tokens = scale × 2048 (default cpu 0.125, cuda 8)")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+    if not _ext.load():
+        sys.stderr.write("trainer._C is not built: run `make install`\n")
+        return 1
+    devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
+    devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
+    for device in devices:
+        scale = args.scale if args.scale is not None else (0.125 if device == "cpu" else 8.0)
+        reps = args.reps if args.reps is not None else (5 if device == "cpu" else 20)
+        tokens = max(16, int(2048 * scale))
+        text = ""
+        for name in args.dtypes.split(","):
+            dtype = getattr(torch, name)
+            text += render(device, dtype, tokens, run(device, dtype, tokens, reps)) + "\n"
+        sys.stdout.write(text)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"kernels_{device}.txt"), "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
