@@ -51,12 +51,32 @@ def slipway_run(corpus: Path, vocab: Path, merges: Path, out: Path, workers: int
     return time.perf_counter() - start, summary.__dict__
 
 
+def peak_rss_mb(corpus: Path, n: int, vocab: Path, merges: Path, work: Path, workers: int) -> float:
+    """Peak RSS (largest of the CLI process and its workers) preprocessing ``n`` copies of the corpus."""
+    import subprocess
+
+    big = work / f"x{n}.jsonl"
+    if not big.exists():
+        with big.open("wb") as f:
+            for _ in range(n):
+                f.write(corpus.read_bytes())
+    script = ("import resource, sys; from trainer.data.preprocess import main; rc = main(); "
+              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
+              "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+    cmd = [sys.executable, "-c", script, "--input", str(big), "--output-prefix", str(work / "mem" / f"x{n}"),
+           "--vocab-file", str(vocab), "--merge-file", str(merges), "--json-keys", "content",
+           "--workers", str(workers), "--progress", "none"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
+    return max(int(out[-1]), int(out[-2])) / 1024
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--vocab-size", type=int, default=32768)
     parser.add_argument("--work-dir", default=None, help="keep corpus/tokenizer/outputs here")
+    parser.add_argument("--no-memory-check", action="store_true", help="skip the 1x vs 3x corpus RSS check")
     args = parser.parse_args()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="slipway-bench-"))
     corpus = work / "stdlib.jsonl"
@@ -76,6 +96,8 @@ def main() -> None:
         seconds, summary = slipway_run(corpus, vocab, merges, work / "out" / "stdlib", args.workers)
         ours_times.append(seconds)
     load_after = os.getloadavg()
+    rss = {} if args.no_memory_check else {
+        f"x{n}": round(peak_rss_mb(corpus, n, vocab, merges, work, args.workers), 1) for n in (1, 3)}
     eod = summary["eod_id"]
     want = np.concatenate([np.asarray(ids + [eod], dtype=np.uint16) for ids in hf_ids if ids])
     got = np.fromfile(str(work / "out" / "stdlib_content_document.bin"), dtype=np.uint16)
@@ -94,7 +116,8 @@ def main() -> None:
         "slipway_jsonl_mb_per_s": round(jsonl_mb / ours_best, 2),
         "hf_text_mb_per_s": round(text_mb / hf_best, 2),
         "ratio_vs_hf": round(hf_best / ours_best, 2),
-        "ids_identical": identical, "loadavg_before": load_before, "loadavg_after": load_after,
+        "peak_rss_mb_by_input_copies": rss, "ids_identical": identical,
+        "loadavg_before": load_before, "loadavg_after": load_after,
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
@@ -103,6 +126,8 @@ def main() -> None:
     print(f"slipway preprocess (end to end): {result['slipway_text_mb_per_s']:.2f} MB/s of source "
           f"({result['slipway_jsonl_mb_per_s']:.2f} MB/s JSONL), best of {ours_times}")
     print(f"HF tokenizers encode_batch     : {result['hf_text_mb_per_s']:.2f} MB/s, best of {hf_times}")
+    if rss:
+        print(f"peak RSS (largest process), 1x vs 3x corpus: {rss['x1']} MB vs {rss['x3']} MB")
     print(f"ratio: {result['ratio_vs_hf']:.2f}x   ids identical: {identical}   -> {RESULTS}")
     sys.exit(0 if identical else 1)
 

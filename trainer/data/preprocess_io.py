@@ -60,22 +60,22 @@ def iter_chunks(files: list[str], chunk_bytes: int) -> Iterator[Chunk]:
         with open(path, "rb") as raw:
             stream = gzip.GzipFile(fileobj=raw, mode="rb") if path.endswith(".gz") else raw
             line = 1
-            rest = b""
+            pending: list[bytes] = []  # the start of a line not yet ended (a list: long lines stay linear)
             while True:
                 try:
                     block = stream.read(chunk_bytes)
                 except (OSError, EOFError) as e:  # BadGzipFile is an OSError
                     raise InputError(f"{path}: cannot read past line {line}: {e}") from e
                 if not block:
-                    if rest:
-                        yield Chunk(path, line, rest, done + raw.tell())
+                    if pending:
+                        yield Chunk(path, line, b"".join(pending), done + raw.tell())
                     break
-                block = rest + block
                 cut = block.rfind(b"\n") + 1
-                if cut == 0:  # one line longer than chunk_bytes: keep reading until it ends
-                    rest = block
+                if cut == 0:
+                    pending.append(block)
                     continue
-                data, rest = block[:cut], block[cut:]
+                data = b"".join([*pending, block[:cut]])
+                pending = [block[cut:]] if cut < len(block) else []
                 yield Chunk(path, line, data, done + raw.tell())
                 line += data.count(b"\n")
         done += os.path.getsize(path)
