@@ -146,8 +146,15 @@ class ParallelState:
         tp, dp, pp = _group(cell.tp_ranks), _group(cell.dp_ranks), _group(cell.pp_ranks)
         # A process group's name is its rank set, so the pp=2 embedding group reuses the pp group.
         emb = pp if cell.embedding_ranks == cell.pp_ranks else _group(cell.embedding_ranks)
+        device = torch.device(device)
+        if device.type != "cpu":
+            # NCCL creates communicators lazily, at a group's first operation, which all its members must
+            # join; the pipeline's first p2p ops are not collective, so initialise every group here.
+            for group in (tp, dp, pp, emb):
+                if group.pg is not None:
+                    dist.all_reduce(torch.zeros(1, device=device), group=group.pg)
         return cls(tp_size, pp_size, len(ranks) // (tp_size * pp_size), rank, cell.tp_rank, cell.pp_rank,
-                   cell.dp_rank, tp, pp, dp, emb, torch.device(device))
+                   cell.dp_rank, tp, pp, dp, emb, device)
 
     def destroy(self) -> None:
         """Destroy this state's process groups.
