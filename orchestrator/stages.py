@@ -119,10 +119,12 @@ def wait_for(upstream: list[Upstream], timeout_s: float) -> None:
     for up in upstream:
         done = Path(up.output_dir) / COMPLETE
         while not done.exists():
+            alive = _job_alive(up)  # read before the markers: a job that just ended has written them
             if (Path(up.output_dir) / FAILED).exists():
                 raise RuntimeError(f"upstream stage {up.output_dir} failed; not running (afterok)")
-            if not _job_alive(up) and not done.exists():
-                raise RuntimeError(f"upstream job {up.job_id} ended without completing {up.output_dir}")
+            if not alive and not done.exists():
+                raise RuntimeError(f"upstream job {up.job_id} ended without completing {up.output_dir}; "
+                                   "not running (afterok)")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"upstream {up.output_dir} not complete after {timeout_s:.0f} s")
             time.sleep(1.0)
