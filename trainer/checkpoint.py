@@ -109,10 +109,10 @@ def _iter_dir(ckpt_dir: str, iteration: int) -> str:
     return path
 
 
-def _failpoint(name: str) -> None:
-    """Test hook for crash-consistency tests: ``SLIPWAY_CKPT_FAILPOINT=name`` makes this process SIGKILL
-    itself at that point of the save protocol (a real kill: no cleanup runs)."""
-    if os.environ.get(FAILPOINT_ENV) == name:
+def _failpoint(name: str, iteration: int) -> None:
+    """Test hook for crash-consistency tests: ``SLIPWAY_CKPT_FAILPOINT=name@N`` makes this process SIGKILL
+    itself at that point of the save of iteration N (a real kill: no cleanup runs)."""
+    if os.environ.get(FAILPOINT_ENV) == f"{name}@{iteration}":
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -142,7 +142,7 @@ def _remove_aside(path: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def _write_shard(state: dict, final_dir: str) -> None:
+def _write_shard(state: dict, final_dir: str, iteration: int) -> None:
     """Step 1 of the protocol for this rank's shard."""
     parent = os.path.dirname(final_dir)
     os.makedirs(parent, exist_ok=True)
@@ -150,19 +150,19 @@ def _write_shard(state: dict, final_dir: str) -> None:
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    _failpoint("before_write")
+    _failpoint("before_write", iteration)
     with open(os.path.join(tmp, SHARD_FILE), "wb") as f:
         torch.save(state, f)
-        _failpoint("mid_write")
+        _failpoint("mid_write", iteration)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    _failpoint("before_rename")
+    _failpoint("before_rename", iteration)
     if os.path.exists(final_dir):  # an uncommitted leftover of this iteration (see save_checkpoint)
         _remove_aside(final_dir)
     os.rename(tmp, final_dir)
     _fsync_dir(parent)
-    _failpoint("after_rename")
+    _failpoint("after_rename", iteration)
 
 
 def _write_tracker(ckpt_dir: str, iteration: int) -> None:
@@ -172,10 +172,10 @@ def _write_tracker(ckpt_dir: str, iteration: int) -> None:
         f.write(str(iteration))
         f.flush()
         os.fsync(f.fileno())
-    _failpoint("before_tracker")
+    _failpoint("before_tracker", iteration)
     os.replace(tmp, os.path.join(ckpt_dir, TRACKER))
     _fsync_dir(ckpt_dir)
-    _failpoint("after_tracker")
+    _failpoint("after_tracker", iteration)
 
 
 def list_iterations(ckpt_dir: str) -> list[int]:
@@ -224,7 +224,7 @@ def save_checkpoint(ckpt_dir: str, iteration: int, state: dict, layout: ShardLay
     if layout.writes:
         final = os.path.join(ckpt_dir, iter_dir_name(iteration),
                              shard_dir_name(layout.tp_rank, layout.pp_rank, layout.pp_size))
-        _write_shard(state, final)
+        _write_shard(state, final, iteration)
     _barrier()  # step 2: every shard of this iteration is complete on disk
     if _global_rank() == 0:
         missing = [p for t in range(layout.tp_size) for p in range(layout.pp_size)

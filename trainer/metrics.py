@@ -16,6 +16,8 @@ import math
 import netrc
 import os
 import resource
+import secrets
+import string
 from dataclasses import dataclass
 
 import torch
@@ -182,6 +184,7 @@ class WandbLogger:
 
     def __init__(self, wandb_cfg, run_dir: str, run_id: str | None, config: dict, enabled: bool) -> None:
         self.run = None
+        self.id: str | None = None
         self.state_path = os.path.join(run_dir, "wandb_run.json")
         self.resume_after = -1
         if not enabled or wandb_cfg.mode == "disabled":
@@ -189,13 +192,14 @@ class WandbLogger:
         import wandb
 
         state = _read_json(self.state_path)
-        wid = state.get("id") or run_id or wandb.util.generate_id()
+        wid = state.get("id") or run_id or _new_run_id()
         self.resume_after = int(state.get("last_step", -1))
         os.makedirs(run_dir, exist_ok=True)
         self.run = wandb.init(
             mode=wandb_cfg.mode, project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
             name=wandb_cfg.name, tags=wandb_cfg.tags or None, id=wid, resume="allow", dir=run_dir,
             config=config, settings=wandb.Settings(silent=True, console="off"))
+        self.id = wid
         self.last_step = self.resume_after
         _write_json(self.state_path, {"id": wid, "last_step": self.last_step})
         log.info("W&B run %s (%s, %s)%s", wid, wandb_cfg.mode, self.run.dir,
@@ -203,7 +207,8 @@ class WandbLogger:
 
     @property
     def run_id(self) -> str | None:
-        return self.run.id if self.run is not None else None
+        """The W&B run id (kept after ``finish``); None when W&B is off on this rank."""
+        return self.id
 
     def log(self, metrics: dict, step: int) -> None:
         """Log at ``step`` unless a previous process already logged it (see module docstring)."""
@@ -218,6 +223,12 @@ class WandbLogger:
         if self.run is not None:
             self.run.finish(exit_code=exit_code)
             self.run = None
+
+
+def _new_run_id() -> str:
+    """Eight lowercase alphanumerics, W&B's run-id style."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(8))
 
 
 def _read_json(path: str) -> dict:

@@ -5,14 +5,10 @@ delivered to rank 0 only, so the ranks' all-reduced agreement is exercised too; 
 processes, so everything (data position, LR, Adam, RNG of every rank, tracker) must come from the files.
 """
 
-import json
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
-import yaml
 
 from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
 from trainer.signals import EXIT_OK, EXIT_REQUEUE
@@ -73,21 +69,18 @@ def test_exact_resume_distributed(tmp_path, tp, pp, dp):
                                     for t in range(tp) for p in range(pp))
 
 
-def test_exact_resume_single_process_cli(tmp_path):
-    """(1,1,1): straight and stopped runs in this process, the resume through the CLI in a fresh one."""
+def test_exact_resume_single_process(tmp_path):
+    """(1,1,1) in this process; fresh-process resumes are covered by the distributed cases and by the
+    CLI test (test_cli.py)."""
     data = write_dataset(str(tmp_path / "data"))
-    straight = tiny_config(str(tmp_path / "straight"), data, train={"log_interval": 1})
-    stopped = tiny_config(str(tmp_path / "stopped"), data, train={"log_interval": 1})
-    a = run_cfg(straight)
+    a = run_cfg(tiny_config(str(tmp_path / "straight"), data))
+    stopped = tiny_config(str(tmp_path / "stopped"), data)
     b = run_cfg(stopped, _stop_rank0_at(0, STOP_AT))
-    assert (b.exit_code, b.iteration) == (EXIT_REQUEUE, STOP_AT)
-    cfg_file = tmp_path / "resolved.yaml"
-    cfg_file.write_text(yaml.safe_dump({**stopped, "cluster": {"nodes": 1}, "dry_run": False}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "trainer.main", "--config", str(cfg_file)], env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == EXIT_OK, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in open(tmp_path / "stopped" / "train_metrics.jsonl")]
-    logged = {r["iteration"]: r["train/lm_loss"] for r in rows if "train/lm_loss" in r}
-    assert sorted(logged) == list(range(1, 41))
-    assert {i: a.losses[i] for i in range(1, 41)} == logged
+    c = run_cfg(stopped)
+    _check({"a": _keys(a.losses), "a_eval": a.eval_losses, "b": _keys(b.losses), "b_eval": b.eval_losses,
+            "b_code": b.exit_code, "b_iter": b.iteration},
+           {"c": _keys(c.losses), "c_eval": c.eval_losses, "c_code": c.exit_code})
+
+
+def _keys(losses: dict) -> dict:
+    return {str(k): v for k, v in losses.items()}

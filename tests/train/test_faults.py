@@ -1,0 +1,158 @@
+"""What a cluster does to a run: SIGKILL in the middle of a checkpoint save, signals during a save,
+fp16 overflow, NaN in fp32 — and that the run, or its restart, comes out right."""
+
+import json
+import math
+import os
+import signal
+import threading
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
+from trainer import checkpoint as ckpt
+from trainer.main import RunHooks
+from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE
+
+FAILPOINTS = ["before_write", "mid_write", "before_rename", "after_rename", "before_tracker", "after_tracker"]
+
+
+def _run_with_failpoint(rank: int, d: dict, failpoint: str) -> None:
+    os.environ[ckpt.FAILPOINT_ENV] = failpoint
+    run_cfg(d)
+
+
+def _resume(rank: int, d: dict, out: str) -> None:
+    r = run_cfg(d)
+    save_json(out, {"code": r.exit_code, "losses": r.losses})
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 20-iteration run's losses (one thread, like every other run here)."""
+    torch.set_num_threads(1)
+    tmp = tmp_path_factory.mktemp("ref")
+    data = write_dataset(str(tmp / "data"))
+    r = run_cfg(tiny_config(str(tmp / "run"), data, train={"iters": 20, "save_interval": 5}))
+    return data, r.losses
+
+
+@pytest.mark.parametrize("failpoint", FAILPOINTS)
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, reference, failpoint):
+    data, straight = reference
+    d = tiny_config(str(tmp_path / "run"), data, train={"iters": 20, "save_interval": 5})
+    with pytest.raises(mp.ProcessExitedException) as e:  # SIGKILLed at the failpoint of the save at 10
+        spawn(1, str(tmp_path), _run_with_failpoint, d, f"{failpoint}@10")
+    assert e.value.signal_name == "SIGKILL"
+    ckpt_dir = str(tmp_path / "run" / "checkpoints")
+    committed = ckpt.read_tracker(ckpt_dir)
+    assert committed == (10 if failpoint == "after_tracker" else 5)
+    shard = ckpt.load_file(ckpt.shard_path(ckpt_dir, committed, 0, 0, 1))  # loadable, weights-only
+    assert shard["iteration"] == committed and shard["args"]["consumed_train_samples"] == committed * 4
+    spawn(1, str(tmp_path), _resume, d, str(tmp_path / "resumed.json"))
+    resumed = load_json(str(tmp_path / "resumed.json"))
+    assert resumed["code"] == EXIT_OK
+    assert sorted(map(int, resumed["losses"])) == list(range(committed + 1, 21))
+    assert all(resumed["losses"][str(i)] == straight[i] for i in range(committed + 1, 21))
+    leftovers = [n for _, dirs, files in os.walk(ckpt_dir) for n in dirs + files
+                 if ".tmp-" in n or ".trash-" in n]
+    assert not leftovers  # the next successful save cleaned up after the killed one
+    assert sorted(os.listdir(ckpt_dir)) == ["iter_0000015", "iter_0000020", ckpt.TRACKER]  # keep=2
+
+
+def _signal_storm(rank: int, d: dict, out: str) -> None:
+    """From iteration 10 on, SIGTERM and SIGUSR2 arrive every millisecond, including during the save."""
+    done = threading.Event()
+
+    def storm() -> None:
+        while not done.is_set():
+            os.kill(os.getpid(), signal.SIGTERM if os.getpid() % 2 else signal.SIGUSR2)
+            done.wait(0.001)
+
+    def on_step(it: int, loss: float) -> None:
+        if it == 10:
+            threading.Thread(target=storm, daemon=True).start()
+
+    r = run_cfg(d, RunHooks(on_step=on_step))
+    done.set()
+    save_json(out, {"code": r.exit_code, "iteration": r.iteration})
+
+
+def test_signals_during_save_do_not_corrupt_it(tmp_path, reference):
+    data, straight = reference
+    d = tiny_config(str(tmp_path / "run"), data, train={"iters": 20, "save_interval": 5})
+    spawn(1, str(tmp_path), _signal_storm, d, str(tmp_path / "stopped.json"))
+    stopped = load_json(str(tmp_path / "stopped.json"))
+    assert stopped == {"code": EXIT_REQUEUE, "iteration": 10}
+    spawn(1, str(tmp_path), _resume, d, str(tmp_path / "resumed.json"))
+    resumed = load_json(str(tmp_path / "resumed.json"))
+    assert resumed["code"] == EXIT_OK
+    assert all(resumed["losses"][str(i)] == straight[i] for i in range(11, 21))
+
+
+class _Inject:
+    """Multiplies one parameter's gradient by ``value`` during the chosen iterations (a real autograd
+    hook, the way an overflow or a NaN reaches the gradients)."""
+
+    def __init__(self, iterations: set[int], value: float) -> None:
+        self.iterations, self.value, self.current = iterations, value, 1
+        self.snapshots: dict[int, torch.Tensor] = {}
+        self.model = None
+
+    def on_build(self, model) -> None:
+        self.model = model
+        p = dict(model.named_parameters())["encoder.layers.0.mlp.dense_h_to_4h.weight"]
+        p.register_hook(lambda g: g * self.value if self.current in self.iterations else g)
+
+    def on_step(self, it: int, loss: float) -> None:
+        self.snapshots[it] = torch.cat([p.detach().flatten() for p in self.model.parameters()]).clone()
+        self.current = it + 1
+
+    def hooks(self) -> RunHooks:
+        return RunHooks(on_build=self.on_build, on_step=self.on_step)
+
+
+def test_fp16_overflow_skips_step_and_lowers_scale(tmp_path, reference):
+    data, _ = reference
+    d = tiny_config(str(tmp_path / "run"), data, train={"iters": 20, "precision": "fp16", "log_interval": 1,
+                                                        "initial_loss_scale": 1024.0})
+    inject = _Inject({6, 7}, math.inf)
+    r = run_cfg(d, inject.hooks())
+    assert r.exit_code == EXIT_OK and r.iteration == 20 and r.skipped_iters == 2
+    snaps = inject.snapshots
+    assert torch.equal(snaps[5], snaps[6]) and torch.equal(snaps[6], snaps[7])  # both steps skipped
+    assert not torch.equal(snaps[7], snaps[8])  # and training continued
+    rows = {row["iteration"]: row for row in map(json.loads, open(tmp_path / "run" / "train_metrics.jsonl"))
+            if "train/lr" in row}
+    scale = {i: rows[i]["train/loss_scale"] for i in rows}
+    # Hysteresis 2: the first overflow keeps the scale, the second halves it; no growth in 1000 steps.
+    assert scale[5] == scale[6] == 1024.0 and scale[7] == scale[20] == 512.0
+    assert rows[6]["train/skipped_iters"] == rows[7]["train/skipped_iters"] == 1
+    assert "train/lm_loss" not in rows[6]
+    assert all(math.isfinite(rows[i]["train/lm_loss"]) for i in range(8, 21))
+    # The LR schedule advanced through the skipped steps (Megatron: in samples, every iteration).
+    assert rows[20]["train/lr"] == pytest.approx(1e-3)
+
+
+def test_fp16_starts_at_2_pow_32_and_backs_off(tmp_path, reference):
+    data, _ = reference
+    d = tiny_config(str(tmp_path / "run"), data, train={"iters": 30, "precision": "fp16", "log_interval": 1})
+    r = run_cfg(d)
+    lines = open(tmp_path / "run" / "train_metrics.jsonl")
+    rows = [row for row in map(json.loads, lines) if "train/lr" in row]
+    assert rows[0]["train/loss_scale"] == 2.0**32 and r.skipped_iters > 0
+    assert rows[-1]["train/loss_scale"] < 2.0**32 and "train/lm_loss" in rows[-1]
+
+
+def test_nan_in_fp32_stops_and_keeps_last_good_checkpoint(tmp_path, reference):
+    data, _ = reference
+    d = tiny_config(str(tmp_path / "run"), data, train={"iters": 20, "save_interval": 5})
+    inject = _Inject({8}, math.nan)
+    r = run_cfg(d, inject.hooks())
+    assert r.exit_code == EXIT_NONFINITE and r.iteration == 7
+    ckpt_dir = str(tmp_path / "run" / "checkpoints")
+    assert ckpt.read_tracker(ckpt_dir) == 5 and ckpt.list_iterations(ckpt_dir) == [5]
+    shard = ckpt.load_file(ckpt.shard_path(ckpt_dir, 5, 0, 0, 1))
+    assert all(torch.isfinite(t).all() for t in shard["model"]["language_model"]["encoder"].values())

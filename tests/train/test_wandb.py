@@ -1,0 +1,124 @@
+"""W&B offline: the logged metrics (read back from the run files) equal the log lines; a crashed and
+resumed run continues the same W&B run without logging a step twice; only rank 0 logs; online mode
+without a key fails before training; the key is never written."""
+
+import logging
+import os
+import re
+
+import pytest
+
+from tests.train import wandb_reader
+from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
+from trainer.main import RunHooks
+from trainer.signals import EXIT_OK
+
+SECRET = "slipway-test-secret-0123456789abcdef0123456789"
+LINE = re.compile(r"iteration\s+(\d+)/")
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _field(line: str, name: str) -> str | None:
+    m = re.search(re.escape(name) + r": ([^|]+) \|", line)
+    return m.group(1).strip() if m else None
+
+
+def _crash_at(iteration: int) -> RunHooks:
+    def on_step(it: int, loss: float) -> None:
+        if it == iteration:
+            raise RuntimeError("simulated crash")
+
+    return RunHooks(on_step=on_step)
+
+
+def test_offline_metrics_match_log_lines_and_resume_never_duplicates(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    data = write_dataset(str(tmp_path / "data"))
+    d = tiny_config(str(tmp_path / "run"), data, run_id="slipway-run-1",
+                    train={"iters": 30, "save_interval": 10, "eval_interval": 10},
+                    logging={"wandb": {"mode": "offline", "project": "p", "group": "g", "name": "n",
+                                       "tags": ["a", "b"]}})
+    capture = _Lines()
+    logging.getLogger("slipway.trainer.training").addHandler(capture)
+    try:
+        with pytest.raises(RuntimeError, match="simulated crash"):  # after logging 25, last checkpoint 20
+            run_cfg(d, _crash_at(25))
+        wandb.finish(exit_code=1)  # what W&B's atexit hook does when a Python process dies of an error
+        first_lines = list(capture.lines)
+        r = run_cfg(d)  # restart: resumes from iteration 20, replays 21..25 identically
+    finally:
+        logging.getLogger("slipway.trainer.training").removeHandler(capture)
+    assert r.exit_code == EXIT_OK and r.wandb_run_id == "slipway-run-1"
+
+    files = wandb_reader.run_files(str(tmp_path / "run"))
+    assert len(files) == 2 and all(wandb_reader.run_ids(f) == {"slipway-run-1"} for f in files)
+    rows = [row for f in files for row in wandb_reader.history(f)]
+    steps = [row["_step"] for row in rows if "train/lm_loss" in row]
+    assert steps == [5, 10, 15, 20, 25, 30]  # 25 logged once although iterations 21..25 ran twice
+    logged = {row["_step"]: row for row in rows if "train/lm_loss" in row}
+    lines = {int(LINE.search(x).group(1)): x for x in first_lines + capture.lines[len(first_lines):]
+             if LINE.search(x)}
+    for step, row in logged.items():
+        line = lines[step]
+        assert float(_field(line, "lm loss")) == pytest.approx(row["train/lm_loss"], rel=1e-6)
+        assert float(_field(line, "learning rate")) == pytest.approx(row["train/lr"], rel=1e-3)
+        assert float(_field(line, "grad norm")) == pytest.approx(row["train/grad_norm"], abs=6e-4)
+        assert float(_field(line, "loss scale")) == row["train/loss_scale"] == 1.0
+        assert int(_field(line, "consumed samples")) == row["train/consumed_samples"] == step * 4
+        assert int(_field(line, "number of skipped iterations")) == row["train/skipped_iters"] == 0
+        assert float(_field(line, "tokens per second")) == pytest.approx(row["perf/tokens_per_s"], abs=0.06)
+    evals = [row["_step"] for row in rows if "valid/lm_loss" in row]
+    assert evals == [10, 20, 30]
+    config = _config(files[0])
+    assert config["model"]["hidden_size"] == 32 and config["train"]["iters"] == 30
+    for root, _, names in os.walk(tmp_path / "run"):  # the key is never written anywhere
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                assert SECRET.encode() not in f.read(), os.path.join(root, name)
+
+
+def _config(path: str) -> dict:
+    import json
+
+    out = {}
+    for rec in wandb_reader.read_records(path):
+        if rec.WhichOneof("record_type") == "config":
+            for item in rec.config.update:
+                out[item.key] = json.loads(item.value_json)
+        if rec.WhichOneof("record_type") == "run":
+            for item in rec.run.config.update:
+                out[item.key] = json.loads(item.value_json)
+    return {k: v.get("value", v) if isinstance(v, dict) else v for k, v in out.items()}
+
+
+def _dp2(rank: int, d: dict) -> None:
+    run_cfg(d)
+
+
+def test_only_rank0_logs(tmp_path):
+    data = write_dataset(str(tmp_path / "data"))
+    d = tiny_config(str(tmp_path / "run"), data, train={"iters": 4, "log_interval": 2},
+                    logging={"wandb": {"mode": "offline"}})
+    spawn(2, str(tmp_path), _dp2, d)
+    files = wandb_reader.run_files(str(tmp_path / "run"))
+    assert len(files) == 1
+    assert [row["_step"] for row in wandb_reader.history(files[0])] == [2, 4]
+
+
+def test_online_without_key_fails_fast(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    d = tiny_config(str(tmp_path / "run"), str(tmp_path / "nodata"), logging={"wandb": {"mode": "online"}})
+    with pytest.raises(RuntimeError, match="WANDB_API_KEY"):
+        run_cfg(d)
+    assert not os.path.exists(tmp_path / "run")  # nothing started
