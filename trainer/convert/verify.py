@@ -13,6 +13,8 @@ on a CPU take seconds, not minutes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,6 +44,7 @@ class VerifyConfig:
     prompts: tuple[str, ...] = PROMPTS
     new_tokens: int = 32  # greedy continuation length
     tolerance: float = 1e-4  # max |logit difference| in fp32
+    decode_threads: int | None = 1  # intra-op threads for HF's token-by-token generate (None: torch's)
 
     def __post_init__(self) -> None:
         if not self.prompts or self.new_tokens < 1 or self.tolerance <= 0:
@@ -79,6 +82,20 @@ def _prompt_ids(tokenizer: Any, text: str, max_len: int, vocab: int) -> torch.Te
     return torch.tensor(ids, dtype=torch.long)
 
 
+@contextmanager
+def _intra_op_threads(n: int | None) -> Iterator[None]:
+    """Decoding is many tiny ops per token; on a shared or oversubscribed CPU the OpenMP hand-off costs
+    more than the parallel work (32 tokens of a 110M model on a loaded 2-core box: 27 s with 2 threads,
+    1 s with 1), so generation runs with ``n`` threads and the setting is restored afterwards."""
+    before = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @torch.no_grad()
 def verify(source: SourceModel, hf_dir: Path, tokenizer: Any | None, cfg: VerifyConfig) -> VerifyReport:
     """Load ``hf_dir`` with ``AutoModelForCausalLM`` in fp32 and compare it with ``source``."""
@@ -90,9 +107,10 @@ def verify(source: SourceModel, hf_dir: Path, tokenizer: Any | None, cfg: Verify
     worst, identical, samples = 0.0, True, []
     for text in cfg.prompts:
         ids = _prompt_ids(tokenizer, text, n_pos - new_tokens, hf.config.vocab_size)
-        got = hf.generate(ids[None], attention_mask=torch.ones_like(ids)[None], do_sample=False,
-                          max_new_tokens=new_tokens, eos_token_id=None,
-                          pad_token_id=hf.config.pad_token_id)[0]
+        with _intra_op_threads(cfg.decode_threads):
+            got = hf.generate(ids[None], attention_mask=torch.ones_like(ids)[None], do_sample=False,
+                              max_new_tokens=new_tokens, eos_token_id=None,
+                              pad_token_id=hf.config.pad_token_id)[0]
         ref = source.logits(got)
         # eos_token_id=None: HF must not stop early; the source's argmax must pick each generated token.
         same = len(got) == len(ids) + new_tokens and torch.equal(ref[len(ids) - 1:-1].argmax(-1),
