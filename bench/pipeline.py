@@ -5,14 +5,18 @@ compute time of one stage's share of the step without any pipelining (performanc
 Baseline, measured in the same run: the whole model's train_step over the same m micro-batches in one
 process (T1); t_stage = T1 / p. Each pipeline stage is one process with one thread, as is the baseline,
 which rank 0 times right after the pipelined steps (the other ranks wait), so that both see the same
-machine load. Times are the best of ``--iters`` steps. Printed per (p, m): T1, t_stage, the measured
-pipeline step, and measured / t_stage next to 1 + (p−1)/m. Results go to bench/results/pipeline.json.
+machine load. Times are the best of ``--iters`` steps. Results go to bench/results/pipeline.json.
+
+Two clocks, each with its own T1:
+- wall: ``perf_counter``; the real step time. On a machine with fewer free cores than stages, or with
+  other load, it measures the machine's contention as much as the schedule.
+- cpu: each stage's CPU time (``thread_time``) carried with every activation/gradient message as a
+  Lamport clock (a receiver's clock jumps to the sender's if it is ahead). The step's length on it is
+  the schedule's critical path in compute time: the step with one dedicated core per stage and free
+  communication. Immune to other load, it checks that the schedule has no stalls beyond 1F1B's bubble.
 
     python bench/pipeline.py                          # p = 2, 4; m = p, 2p, 4p
     python bench/pipeline.py --stages 2 --microbatches 4 8 --iters 3
-
-On a machine with fewer cores than stages the stages time-share the CPU and the ratio grows accordingly
-(reported as ``cores``); other load on the machine inflates every figure (``loadavg`` is recorded).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.model import GPTConfig  # noqa: E402
 from trainer.parallel import ParallelConfig, ParallelState, build_model, train_step  # noqa: E402
+from trainer.parallel.pipeline import P2P  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
 
@@ -45,20 +50,54 @@ def batches(cfg: GPTConfig, m: int, micro_batch: int) -> list[dict[str, torch.Te
     return [{"tokens": s[:, :-1], "labels": s[:, 1:]} for s in seq]
 
 
-def time_steps(model, data, warmup: int, iters: int, pstate: ParallelState | None = None) -> float:
-    """Best step time; in a world of several ranks, the slowest rank's time of each step."""
+class ClockedP2P(P2P):
+    """P2P that also sends this stage's CPU-time clock to the peers it sends to (see module doc)."""
+
+    offset = 0.0  # one pipeline stage per process: the clock is thread_time() + offset
+
+    @classmethod
+    def now(cls) -> float:
+        return time.thread_time() + cls.offset
+
+    @classmethod
+    def advance_to(cls, t: float) -> None:
+        cls.offset += max(0.0, t - cls.now())
+
+    def _exchange(self, to_next=None, to_prev=None, from_next=False, from_prev=False):
+        sent_at = torch.tensor([self.now()], dtype=torch.float64)
+        got = super()._exchange(to_next, to_prev, from_next, from_prev)
+        ps, group, works, clocks = self.pstate, self.pstate.pp_group.pg, [], []
+        for send, peer in ((to_prev is not None, "prev_rank"), (to_next is not None, "next_rank")):
+            if send:
+                works.append(dist.isend(sent_at.clone(), getattr(ps, peer), group=group))
+        for recv, peer in ((from_prev, "prev_rank"), (from_next, "next_rank")):
+            if recv:
+                clocks.append(torch.zeros(1, dtype=torch.float64))
+                works.append(dist.irecv(clocks[-1], getattr(ps, peer), group=group))
+        for work in works:
+            work.wait()
+        self.advance_to(max((c.item() for c in clocks), default=0.0))
+        return got
+
+
+def time_steps(model, data, warmup: int, iters: int,
+               pstate: ParallelState | None = None) -> tuple[float, float]:
+    """Best (wall, cpu-clock) step times; with several ranks, the slowest rank's time of each step."""
     times = []
     for i in range(warmup + iters):
-        if pstate is not None:
+        if pstate is not None:  # start together, on both clocks
             dist.barrier()
-        start = time.perf_counter()
+            start_clock = torch.tensor([ClockedP2P.now()], dtype=torch.float64)
+            dist.all_reduce(start_clock, op=dist.ReduceOp.MAX)
+            ClockedP2P.advance_to(start_clock.item())
+        c0, w0 = ClockedP2P.now(), time.perf_counter()
         train_step(model, data)
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        elapsed = torch.tensor([time.perf_counter() - w0, ClockedP2P.now() - c0], dtype=torch.float64)
         if pstate is not None:
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if i >= warmup:
-            times.append(elapsed.item())
-    return min(times)
+            times.append(elapsed.tolist())
+    return min(t[0] for t in times), min(t[1] for t in times)
 
 
 def _stage_worker(rank: int, p: int, port: int, args: argparse.Namespace, cfg: GPTConfig, out: str) -> None:
@@ -66,6 +105,7 @@ def _stage_worker(rank: int, p: int, port: int, args: argparse.Namespace, cfg: G
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     pstate = ParallelState.build(1, p)
     model = build_model(cfg, ParallelConfig(pp_size=p, schedule="1f1b"), pstate, seed=0)
+    model.p2p_class = ClockedP2P
     single = build_model(cfg, ParallelConfig(), ParallelState.single(), seed=0) if rank == 0 else None
     result = {}
     for m in microbatch_counts(args, p):
@@ -101,10 +141,11 @@ def run(args: argparse.Namespace) -> dict:
                                start_method="fork")
             times = {int(k): v for k, v in json.loads(Path(tmp.name).read_text()).items()}
         for m, (piped, t1) in times.items():
-            t_stage = t1 / p
-            rows.append({"stages": p, "microbatches": m, "single_process_s": t1, "stage_compute_s": t_stage,
-                         "pipeline_s": piped, "measured_ratio": piped / t_stage,
-                         "predicted_ratio": 1 + (p - 1) / m})
+            row = {"stages": p, "microbatches": m, "predicted_ratio": 1 + (p - 1) / m}
+            for i, clock in enumerate(("wall", "cpu")):
+                row[clock] = {"single_process_s": t1[i], "stage_compute_s": t1[i] / p, "pipeline_s": piped[i],
+                              "measured_ratio": piped[i] / (t1[i] / p)}
+            rows.append(row)
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.machine(),
             "cores": os.cpu_count(), "loadavg": os.getloadavg(), "torch": torch.__version__,
             "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq,
@@ -128,12 +169,14 @@ def main() -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
     print(f"model {result['model']}; {result['cores']} cores; load avg {result['loadavg'][0]:.1f}")
-    print(f"{'p':>2} {'m':>3} {'T1 (1 proc)':>12} {'T1/p':>8} {'pipeline':>9} {'measured/(T1/p)':>16} "
-          f"{'1+(p-1)/m':>10} {'meas/pred':>9}")
-    for r in result["rows"]:
-        print(f"{r['stages']:>2} {r['microbatches']:>3} {r['single_process_s']:>11.3f}s "
-              f"{r['stage_compute_s']:>7.3f}s {r['pipeline_s']:>8.3f}s {r['measured_ratio']:>16.2f} "
-              f"{r['predicted_ratio']:>10.2f} {r['measured_ratio'] / r['predicted_ratio']:>9.2f}")
+    print(f"{'clock':>5} {'p':>2} {'m':>3} {'T1 (1 proc)':>12} {'T1/p':>8} {'pipeline':>9} "
+          f"{'measured/(T1/p)':>16} {'1+(p-1)/m':>10} {'meas/pred':>9}")
+    for clock in ("wall", "cpu"):
+        for r in result["rows"]:
+            c = r[clock]
+            print(f"{clock:>5} {r['stages']:>2} {r['microbatches']:>3} {c['single_process_s']:>11.3f}s "
+                  f"{c['stage_compute_s']:>7.3f}s {c['pipeline_s']:>8.3f}s {c['measured_ratio']:>16.2f} "
+                  f"{r['predicted_ratio']:>10.2f} {c['measured_ratio'] / r['predicted_ratio']:>9.2f}")
     print(f"-> {RESULTS}")
 
 

@@ -72,6 +72,8 @@ class ParallelModel:
         self.autocast: torch.dtype | None = None
         """Run forwards under ``torch.autocast(device, autocast)`` (e.g. torch.bfloat16): mixed precision
         with fp32 parameters, gradients and loss."""
+        self.p2p_class: type[P2P] = P2P
+        """The pipeline's point-to-point exchange (a subclass can instrument it, as bench/pipeline.py)."""
         self.activation_dtype = next(module.parameters()).dtype
         """dtype of the hidden states passed between pipeline stages: the parameters' dtype (under
         autocast the residual stream stays in it too)."""
@@ -148,7 +150,7 @@ def _p2p(model: ParallelModel, batches: Sequence[Batch]) -> P2P:
     b, s = batches[0]["tokens"].shape
     if model.pcfg.sequence_parallel and model.pstate.tp_size > 1:
         s //= model.pstate.tp_size
-    return P2P(model.pstate, (s, b, model.module.cfg.hidden_size), model.activation_dtype)
+    return model.p2p_class(model.pstate, (s, b, model.module.cfg.hidden_size), model.activation_dtype)
 
 
 def _mean_loss(model: ParallelModel, losses: list[Tensor]) -> Tensor:
