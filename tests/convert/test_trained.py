@@ -1,0 +1,41 @@
+"""A checkpoint written by Slipway's own training loop at (tp, pp) = (2, 2), then converted and verified.
+
+The other parity tests write random checkpoints with the converter's own writer at every layout; this one
+closes the loop with the real trainer (gloo, 4 processes): its shard layout, args, tied-head copy on the
+last stage and the run's tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
+from trainer.convert.to_hf import ToHFConfig, convert_checkpoint
+
+
+def _train(rank: int, cfg: dict) -> None:
+    result = run_cfg(cfg)
+    assert result.exit_code == 0
+
+
+def test_trained_tp2_pp2_checkpoint_converts(tmp_path, tokenizer_dir):
+    data = write_dataset(str(tmp_path / "data"))
+    cfg = tiny_config(str(tmp_path / "run"), data, parallel={"tp_size": 2, "pp_size": 2},
+                      train={"micro_batch_size": 1, "global_batch_size": 2, "iters": 6, "eval_interval": None,
+                             "log_interval": 3},
+                      tokenizer={"vocab_file": str(tokenizer_dir / "vocab.json"),
+                                 "merge_file": str(tokenizer_dir / "merges.txt")},
+                      run_id="trained-2x2")
+    cfg["model"].pop("vocab_size")  # from the tokenizer: 1000, padded to 1024 at tp 2
+    spawn(4, str(tmp_path), _train, cfg)
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in (ckpt / "iter_0000006").iterdir()) == [
+        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    result = convert_checkpoint(ToHFConfig(ckpt, tmp_path / "hf"))
+    assert result.report.passed and result.report.max_abs_logit_diff <= 1e-4
+    assert result.spec.padded_vocab_size == 1024 and result.spec.vocab_size == 1000
+    assert result.provenance.run_id == "trained-2x2" and result.provenance.iteration == 6
+    assert result.provenance.tokens_seen == 6 * 2 * 16
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    eod = json.loads((tokenizer_dir / "vocab.json").read_text())["<|endoftext|>"]
+    assert config["eos_token_id"] == eod and config["vocab_size"] == 1000
