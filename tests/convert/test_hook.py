@@ -21,13 +21,17 @@ def _run_dir(tmp_path, tokenizer_dir):
 
 def test_convert_run_writes_verified_hf_and_sample(tmp_path, tokenizer_dir):
     run = _run_dir(tmp_path, tokenizer_dir)
-    result = convert_run(run, ConvertRunConfig(prompt="import os\n", sample_tokens=12, val_loss=2.5))
+    rows = [{"iteration": 100, "lm loss": 3.0}, {"iteration": 100, "valid/lm_loss": 2.75},
+            {"iteration": 150, "valid/lm_loss": 2.5}, {"iteration": 200, "valid/lm_loss": 2.0}]
+    (run / "train_metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"iter')
+    result = convert_run(run, ConvertRunConfig(prompt="import os\n", sample_tokens=12))
     assert result.report.passed and result.output_dir == run / "hf"
     assert (run / "hf" / "config.json").is_file() and not (run / "hf" / "INVALID").exists()
     sample = (run / "sample.txt").read_text()
     assert "import os\n" in sample and len(sample.splitlines()) >= 2
     card = (run / "hf" / "README.md").read_text()
-    assert "20260101-abc" in card and "2.5000" in card
+    assert "20260101-abc" in card and "| final validation loss | 2.5000 |" in card  # at iteration 150
+    assert result.provenance.val_loss == 2.5
     # The orchestrator's call (keyword fields, verify flag), rerun over an existing hf/.
     again = convert_run(str(run), checkpoint_dir=str(run / "checkpoints"), output_dir=str(run / "hf"),
                         vocab_file=str(tokenizer_dir / "vocab.json"),

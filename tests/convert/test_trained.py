@@ -2,7 +2,7 @@
 
 The other parity tests write random checkpoints with the converter's own writer at every layout; this one
 closes the loop with the real trainer (gloo, 4 processes): its shard layout, args, tied-head copy on the
-last stage and the run's tokenizer.
+last stage, the run's tokenizer and metrics file — through the post-job hook, as the orchestrator runs it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
-from trainer.convert.to_hf import ToHFConfig, convert_checkpoint
+from trainer.convert import convert_run
 
 
 def _train(rank: int, cfg: dict) -> None:
@@ -21,8 +21,8 @@ def _train(rank: int, cfg: dict) -> None:
 def test_trained_tp2_pp2_checkpoint_converts(tmp_path, tokenizer_dir):
     data = write_dataset(str(tmp_path / "data"))
     cfg = tiny_config(str(tmp_path / "run"), data, parallel={"tp_size": 2, "pp_size": 2},
-                      train={"micro_batch_size": 1, "global_batch_size": 2, "iters": 6, "eval_interval": None,
-                             "log_interval": 3},
+                      train={"micro_batch_size": 1, "global_batch_size": 2, "iters": 6, "eval_interval": 6,
+                             "eval_iters": 1, "log_interval": 3},
                       tokenizer={"vocab_file": str(tokenizer_dir / "vocab.json"),
                                  "merge_file": str(tokenizer_dir / "merges.txt")},
                       run_id="trained-2x2")
@@ -31,11 +31,13 @@ def test_trained_tp2_pp2_checkpoint_converts(tmp_path, tokenizer_dir):
     ckpt = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in (ckpt / "iter_0000006").iterdir()) == [
         "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
-    result = convert_checkpoint(ToHFConfig(ckpt, tmp_path / "hf"))
+    result = convert_run(tmp_path / "run", sample_tokens=8)  # the post-job hook on the real run dir
+    assert (tmp_path / "run" / "sample.txt").is_file()
+    assert result.provenance.val_loss is not None  # from the trainer's train_metrics.jsonl
     assert result.report.passed and result.report.max_abs_logit_diff <= 1e-4
     assert result.spec.padded_vocab_size == 1024 and result.spec.vocab_size == 1000
     assert result.provenance.run_id == "trained-2x2" and result.provenance.iteration == 6
     assert result.provenance.tokens_seen == 6 * 2 * 16
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config = json.loads((tmp_path / "run" / "hf" / "config.json").read_text())
     eod = json.loads((tokenizer_dir / "vocab.json").read_text())["<|endoftext|>"]
     assert config["eos_token_id"] == eod and config["vocab_size"] == 1000

@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from trainer.convert.layout import iteration_path
 from trainer.convert.to_hf import ConversionResult, ToHFConfig, convert_checkpoint
 from trainer.log import get_logger
 
 log = get_logger(__name__)
 SAMPLE_FILE = "sample.txt"
+METRICS_FILE = "train_metrics.jsonl"  # written by trainer.training
 
 
 class HubUnavailable(RuntimeError):
@@ -39,7 +41,7 @@ class ConvertRunConfig:
     verify: bool = True  # verification always runs (it is part of conversion); False only logs a warning
     prompt: str = "def print_hello_world():"  # the sample written to <run_dir>/sample.txt
     sample_tokens: int = 64
-    val_loss: float | None = None  # the final validation loss for the model card, when the caller knows it
+    val_loss: float | None = None  # for the model card; default: the last one in train_metrics.jsonl
     write_bin: bool = False
     push_to_hub: bool = False
     hub_repo: str | None = None  # "user/name" on the Hub
@@ -89,14 +91,23 @@ def push(folder: Path, repo: str, token: str, private: bool) -> str:
 
 
 def write_sample(hf_dir: Path, out: Path, prompt: str, new_tokens: int) -> str:
-    """Greedy continuation of ``prompt`` by the converted model through ``transformers.pipeline``."""
-    from transformers import pipeline
+    """Greedy continuation of ``prompt`` by the converted model, loaded as users load it; the prompt is
+    cut from the left (and the continuation capped) to fit the model's positions."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    generate = pipeline("text-generation", model=str(hf_dir), device="cpu")
-    text = generate(prompt, max_new_tokens=new_tokens, do_sample=False, return_full_text=True)[0]
-    out.write_text(f"# greedy sample from {hf_dir} ({new_tokens} new tokens)\n{text['generated_text']}\n",
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    n_pos = model.config.n_positions
+    new_tokens = min(new_tokens, n_pos - 1)
+    ids = tok(prompt, return_tensors="pt")["input_ids"][:, -(n_pos - new_tokens):]
+    with torch.no_grad():
+        got = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
+    text = tok.decode(got[0])
+    out.write_text(f"# greedy sample from {hf_dir} ({got.shape[1] - ids.shape[1]} new tokens)\n{text}\n",
                    encoding="utf-8")
-    return text["generated_text"]
+    return text
 
 
 def _run_info(run_dir: Path) -> dict[str, Any]:
@@ -106,6 +117,22 @@ def _run_info(run_dir: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         log.warning("%s is unreadable; the model card will lack the run's identity", path)
         return {}
+
+
+def final_val_loss(run_dir: Path, iteration: int | str) -> float | None:
+    """The last validation loss at or before ``iteration`` in the trainer's ``train_metrics.jsonl``."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file() or not isinstance(iteration, int):
+        return None
+    found = {}
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line cut by a crash
+            continue
+        if "valid/lm_loss" in row and int(row.get("iteration", -1)) <= iteration:
+            found[int(row["iteration"])] = float(row["valid/lm_loss"])  # replayed iterations: last wins
+    return found[max(found)] if found else None
 
 
 def convert_run(run_dir: str | os.PathLike, cfg: ConvertRunConfig | None = None, **fields: Any
@@ -123,12 +150,15 @@ def convert_run(run_dir: str | os.PathLike, cfg: ConvertRunConfig | None = None,
         log.warning("convert.verify=false is ignored: verification is part of conversion and always runs")
     info = _run_info(run)
     out = Path(cfg.output_dir or run / "hf")
+    checkpoint_dir = Path(cfg.checkpoint_dir or run / "checkpoints")
+    _, iteration = iteration_path(checkpoint_dir, cfg.iteration)
+    val_loss = cfg.val_loss if cfg.val_loss is not None else final_val_loss(run, iteration)
     to_hf = ToHFConfig(
-        checkpoint_dir=Path(cfg.checkpoint_dir or run / "checkpoints"), output_dir=out,
-        iteration=cfg.iteration,
+        checkpoint_dir=checkpoint_dir, output_dir=out,
+        iteration=iteration if isinstance(iteration, int) else None,  # "release": the tracker's again
         write_bin=cfg.write_bin, vocab_file=Path(cfg.vocab_file) if cfg.vocab_file else None,
         merge_file=Path(cfg.merge_file) if cfg.merge_file else None, overwrite=True,
-        provenance={"run_id": info.get("run_id"), "val_loss": cfg.val_loss})
+        provenance={"run_id": info.get("run_id"), "val_loss": val_loss})
     result = convert_checkpoint(to_hf)
     write_sample(out, run / SAMPLE_FILE, cfg.prompt, cfg.sample_tokens)
     if token:
