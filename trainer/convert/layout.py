@@ -22,23 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
-TRACKER = "latest_checkpointed_iteration.txt"
-SHARD_FILE = "model_optim_rng.pt"
+# The names and the error type are the trainer's (one definition of the layout); reading is our own:
+# memory-mapped, refusing pickles by default, and with errors that point at the converter's flags.
+from trainer.checkpoint import SHARD_FILE, TRACKER, CheckpointError, iter_dir_name, shard_dir_name
+
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be converted; the message says why and how to fix it."""
-
-
-def iteration_dir_name(iteration: int | str) -> str:
-    """``iter_0000150`` for an iteration number, ``release`` for Megatron's release checkpoints."""
-    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-
-
-def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """Megatron's shard folder: the PP rank appears only when the pipeline has more than one stage."""
-    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
 
 
 def read_tracker(checkpoint_dir: Path) -> int | str:
@@ -66,7 +54,7 @@ def iteration_path(checkpoint_dir: Path, iteration: int | str | None) -> tuple[P
     from_tracker = iteration is None
     if from_tracker:
         iteration = read_tracker(checkpoint_dir)
-    path = checkpoint_dir / iteration_dir_name(iteration)
+    path = checkpoint_dir / iter_dir_name(iteration)
     if not path.is_dir():
         found = sorted(p.name for p in checkpoint_dir.glob("iter_*"))
         source = f"{TRACKER} says {iteration}" if from_tracker else f"--iteration {iteration} was asked"
@@ -86,8 +74,8 @@ def discover_layout(iter_dir: Path) -> tuple[int, int]:
         raise CheckpointError(f"{iter_dir} holds no mp_rank_* shard folders: incomplete checkpoint")
     tp_size = max(t for t, _ in ranks) + 1
     pp_size = max(p for _, p in ranks) + 1
-    missing = [rank_dir_name(t, p, pp_size) + "/" + SHARD_FILE for t in range(tp_size) for p in range(pp_size)
-               if not (iter_dir / rank_dir_name(t, p, pp_size) / SHARD_FILE).is_file()]
+    expected = [shard_dir_name(t, p, pp_size) for t in range(tp_size) for p in range(pp_size)]
+    missing = [f"{d}/{SHARD_FILE}" for d in expected if not (iter_dir / d / SHARD_FILE).is_file()]
     if missing:
         raise CheckpointError(f"{iter_dir} is incomplete for tp={tp_size}, pp={pp_size}: missing "
                               f"{', '.join(missing)} (a rank failed to save, or the copy is partial)")

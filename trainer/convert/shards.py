@@ -16,23 +16,23 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint import CHECKPOINT_VERSION
 from trainer.convert import names
 from trainer.convert.layout import (
     SHARD_FILE,
     CheckpointError,
     discover_layout,
     flatten,
-    iteration_dir_name,
+    iter_dir_name,
     load_shard,
     nest,
-    rank_dir_name,
     save_shard,
+    shard_dir_name,
     write_tracker,
 )
 from trainer.log import get_logger
 
 log = get_logger(__name__)
-CHECKPOINT_VERSION = 3.0
 
 
 @dataclass
@@ -130,13 +130,13 @@ def load_merged(iter_dir: Path, iteration: int | str, trust_pickle: bool = False
     for pp in range(pp_size):
         parts = []
         for tp in range(tp_size):
-            path = iter_dir / rank_dir_name(tp, pp, pp_size) / SHARD_FILE
+            path = iter_dir / shard_dir_name(tp, pp, pp_size) / SHARD_FILE
             shard = load_shard(path, trust_pickle)
             if meta is None:  # keep only what is needed: the rest (optimizer state) stays unread on disk
                 meta = {k: shard.get(k) for k in ("args", "checkpoint_version", "iteration")}
             parts.append(_stage_model(shard, path))
             del shard
-        stages.append(_merge_tp(parts, iter_dir / rank_dir_name(0, pp, pp_size)))
+        stages.append(_merge_tp(parts, iter_dir / shard_dir_name(0, pp, pp_size)))
     layers = [sorted({i for n in s if (i := _layer_of(n)) is not None}) for s in stages]
     state: dict[str, torch.Tensor] = {}
     head = None
@@ -206,10 +206,10 @@ def write_checkpoint(checkpoint_dir: Path, state: dict[str, torch.Tensor], args:
                      iteration: int, layout: tuple[int, int]) -> Path:
     """Write ``state`` as a Megatron legacy checkpoint at ``layout`` = (tp, pp); returns its iteration dir."""
     tp_size, pp_size = layout
-    iter_dir = checkpoint_dir / iteration_dir_name(iteration)
+    iter_dir = checkpoint_dir / iter_dir_name(iteration)
     for (tp, pp), stage in split(state, tp_size, pp_size).items():
         payload = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                    "model": nest(stage)}
-        save_shard(iter_dir / rank_dir_name(tp, pp, pp_size) / SHARD_FILE, payload)
+        save_shard(iter_dir / shard_dir_name(tp, pp, pp_size) / SHARD_FILE, payload)
     write_tracker(checkpoint_dir, iteration)
     return iter_dir
