@@ -95,3 +95,15 @@ def test_cli_and_refusals(tmp_path, tokenizer_dir):
     _, erf = _random_gpt2(tmp_path / "erf", tokenizer_dir, activation_function="gelu")
     with pytest.raises(CheckpointError, match="activation_function='gelu'"):
         convert_hf_model(FromHFConfig(erf, tmp_path / "ck2"))
+
+
+def test_unprefixed_bin_only_directory(tmp_path, tokenizer_dir):
+    """openai-community/gpt2 stores names without ``transformer.``; older dirs hold only pytorch_model.bin."""
+    model, src = _random_gpt2(tmp_path, tokenizer_dir)
+    (src / "model.safetensors").unlink()
+    state = {k.removeprefix("transformer."): v for k, v in model.state_dict().items()
+             if k != "lm_head.weight"}
+    torch.save(state, src / "pytorch_model.bin")
+    assert convert_hf_model(FromHFConfig(src, tmp_path / "ck", tp_size=2)).passed
+    merged = load_merged(tmp_path / "ck" / "iter_0000000", 0).state
+    assert torch.equal(merged[names.WORD_EMBEDDINGS][:VOCAB], model.transformer.wte.weight)
