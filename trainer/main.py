@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from trainer.model.config import GPTConfig
 from trainer.optim import build_optimizer
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed, num_microbatches
 from trainer.precision import ScalerSettings, make_scaler
-from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, StopRequest
+from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, STOP_SIGNALS, StopRequest
 from trainer.training import Loop, NonFiniteError, TrainState, metrics_path, train
 
 log = get_logger(__name__)
@@ -192,7 +193,7 @@ def _build(cfg: RunConfig, pstate: ParallelState) -> _Built:
     gpt = gpt_config(cfg.model, vocab_size, cfg.kernels)
     model = build_model(gpt, cfg.parallel, pstate, t.seed)
     _apply_autocast(model, t.precision)
-    optimizer, _ = build_optimizer(model.named_parameters(), cfg.optim, pstate.device.type)
+    optimizer, _ = build_optimizer(model.named_parameters(), cfg.optim, pstate.device.type, cfg.kernels)
     scheduler = OptimizerParamScheduler(optimizer, LRSchedule.from_iters(cfg.optim, t.iters, gbs))
     scaler = make_scaler(t.precision, ScalerSettings(t.initial_loss_scale, t.loss_scale_window,
                                                      t.hysteresis, t.min_loss_scale))
@@ -234,17 +235,17 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
     hooks = hooks or RunHooks()
     metrics.check_wandb_credentials(cfg.logging.wandb.mode)  # before anything slow or collective
     _configure_determinism(cfg.train.deterministic)
-    if pstate is None:
-        pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None)
-    os.makedirs(cfg.run_dir, exist_ok=True)
-    b = _build(cfg, pstate)
-    plan = resolve_load(cfg.checkpoint)
-    state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
-    if hooks.on_build is not None:
-        hooks.on_build(b.model)
-    facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id)
-    loop = _loop(cfg, b, state, hooks, facts)
-    with StopRequest() as stop:
+    with StopRequest() as stop:  # from the start: a signal during set-up stops at the first step boundary
+        if pstate is None:
+            pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None)
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        b = _build(cfg, pstate)
+        plan = resolve_load(cfg.checkpoint)
+        state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
+        if hooks.on_build is not None:
+            hooks.on_build(b.model)
+        facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id)
+        loop = _loop(cfg, b, state, hooks, facts)
         try:
             code = train(loop, state, stop)
         except NonFiniteError as e:
@@ -283,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         _override(d, item)
     cfg = RunConfig.from_dict(d)
     result = run(cfg)
+    for sig in STOP_SIGNALS:  # the run has saved what it had to: late signals must not turn exit 75 into -15
+        signal.signal(sig, signal.SIG_IGN)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     return result.exit_code

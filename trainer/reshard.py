@@ -105,7 +105,7 @@ class SourceCheckpoint:
                                       f"{pp_rank}: the checkpoint does not match this model")
             parts.append(table[wanted])
         dim = tp_dim(local)
-        if dim is None or self.tp_size == 1 or parts[0].dim() == 0:
+        if dim is None or self.tp_size == 1 or not torch.is_tensor(parts[0]) or parts[0].dim() == 0:
             return parts[0]
         return torch.cat(parts, dim=dim)
 
@@ -159,6 +159,6 @@ def reshard_moments(src: SourceCheckpoint, local_names: list[str], target: Targe
         g = global_name(n, target.layer_start)
         pp_rank, local = src.locate(g)
         keys = src.stage(pp_rank)[0]["moments"].get(local, {})
-        out[n] = {k: (v.clone() if v.dim() == 0 else target_slice(src.full(g, k), n, target))
-                  for k, v in keys.items()}
+        out[n] = {k: (v if not torch.is_tensor(v) else v.clone() if v.dim() == 0
+                      else target_slice(src.full(g, k), n, target)) for k, v in keys.items()}
     return out

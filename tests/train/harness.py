@@ -51,7 +51,7 @@ def tiny_config(run_dir: str, data_prefix: str, **sections) -> dict:
                   "eval_interval": 20, "eval_iters": 1, "deterministic": True, "device": "cpu"},
         "checkpoint": {"keep": 2},
         "logging": {"wandb": {"mode": "disabled"}},
-        "kernels": "eager",
+        "kernels": "auto",
     }
     for section, values in sections.items():
         if isinstance(values, dict) and isinstance(d.get(section), dict):

@@ -72,9 +72,12 @@ def _signal_storm(rank: int, d: dict, out: str) -> None:
             done.wait(0.001)
 
     def on_step(it: int, loss: float) -> None:
-        if it == 10:
+        if it == 10:  # the first one synchronously (the stop is then certain at 10), the rest keep coming
+            os.kill(os.getpid(), signal.SIGUSR2)
             threading.Thread(target=storm, daemon=True).start()
 
+    for sig in (signal.SIGTERM, signal.SIGUSR2):  # after run() restores this, late signals are harmless
+        signal.signal(sig, lambda *_: None)
     r = run_cfg(d, RunHooks(on_step=on_step))
     done.set()
     save_json(out, {"code": r.exit_code, "iteration": r.iteration})

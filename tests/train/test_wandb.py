@@ -52,22 +52,27 @@ def test_offline_metrics_match_log_lines_and_resume_never_duplicates(tmp_path, m
     logging.getLogger("slipway.trainer.training").addHandler(capture)
     try:
         with pytest.raises(RuntimeError, match="simulated crash"):  # after logging 25, last checkpoint 20
-            run_cfg(d, _crash_at(25))
+            run_cfg(d, _crash_at(27))
         wandb.finish(exit_code=1)  # what W&B's atexit hook does when a Python process dies of an error
         first_lines = list(capture.lines)
-        r = run_cfg(d)  # restart: resumes from iteration 20, replays 21..25 identically
+        r = run_cfg(d)  # restart: resumes from iteration 20, replays 21..27 identically
     finally:
         logging.getLogger("slipway.trainer.training").removeHandler(capture)
+    wandb.teardown()  # wait until W&B's service has written everything (as at process exit)
     assert r.exit_code == EXIT_OK and r.wandb_run_id == "slipway-run-1"
 
     files = wandb_reader.run_files(str(tmp_path / "run"))
     assert len(files) == 2 and all(wandb_reader.run_ids(f) == {"slipway-run-1"} for f in files)
     rows = [row for f in files for row in wandb_reader.history(f)]
     steps = [row["_step"] for row in rows if "train/lm_loss" in row]
-    assert steps == [5, 10, 15, 20, 25, 30]  # 25 logged once although iterations 21..25 ran twice
+    assert steps == [5, 10, 15, 20, 25, 30]  # 25 logged once although iterations 21..27 ran twice
+    assert [row["_step"] for row in wandb_reader.history(files[1])] == [30]  # the restart logged only 30
     logged = {row["_step"]: row for row in rows if "train/lm_loss" in row}
-    lines = {int(LINE.search(x).group(1)): x for x in first_lines + capture.lines[len(first_lines):]
-             if LINE.search(x)}
+    # The line printed when W&B logged the step: the first run's up to its crash, then the restart's.
+    lines: dict[int, str] = {}
+    for x in first_lines + capture.lines[len(first_lines):]:
+        if LINE.search(x):
+            lines.setdefault(int(LINE.search(x).group(1)), x)
     for step, row in logged.items():
         line = lines[step]
         assert float(_field(line, "lm loss")) == pytest.approx(row["train/lm_loss"], rel=1e-6)
