@@ -59,8 +59,19 @@ def slipway_run(corpus: Path, vocab: Path, merges: Path, out: Path,
     return time.perf_counter() - start, _cpu() - cpu, summary.__dict__
 
 
-def peak_rss_mb(corpus: Path, n: int, vocab: Path, merges: Path, work: Path, workers: int) -> float:
-    """Peak RSS (largest of the CLI process and its workers) preprocessing ``n`` copies of the corpus."""
+_RSS_SCRIPT = """
+import resource, sys
+from trainer.data.preprocess import main
+rc = main()
+# VmHWM, not ru_maxrss: Linux keeps ru_maxrss across exec, so it would report the launcher's peak.
+hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM")][0].split()[1]
+print(hwm, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+sys.exit(rc)
+"""
+
+
+def peak_rss_mb(corpus: Path, n: int, vocab: Path, merges: Path, work: Path, workers: int) -> dict:
+    """Peak RSS of the CLI's main process and of its largest worker on ``n`` copies of the corpus."""
     import subprocess
 
     big = work / f"x{n}.jsonl"
@@ -68,14 +79,12 @@ def peak_rss_mb(corpus: Path, n: int, vocab: Path, merges: Path, work: Path, wor
         with big.open("wb") as f:
             for _ in range(n):
                 f.write(corpus.read_bytes())
-    script = ("import resource, sys; from trainer.data.preprocess import main; rc = main(); "
-              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "
-              "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
-    cmd = [sys.executable, "-c", script, "--input", str(big), "--output-prefix", str(work / "mem" / f"x{n}"),
-           "--vocab-file", str(vocab), "--merge-file", str(merges), "--json-keys", "content",
-           "--workers", str(workers), "--progress", "none"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()
-    return max(int(out[-1]), int(out[-2])) / 1024
+    cmd = [sys.executable, "-c", _RSS_SCRIPT, "--input", str(big), "--output-prefix",
+           str(work / "mem" / f"x{n}"), "--vocab-file", str(vocab), "--merge-file", str(merges),
+           "--json-keys", "content", "--workers", str(workers), "--progress", "none"]
+    main_kb, worker_kb = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-2:]
+    return {"input_mb": round(big.stat().st_size / 1e6, 1), "main_mb": round(int(main_kb) / 1024, 1),
+            "largest_worker_mb": round(int(worker_kb) / 1024, 1)}
 
 
 def prepare(work: Path, vocab_size: int) -> tuple[Path, Path, Path]:
@@ -105,7 +114,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     documents = IndexedDataset(work / "out" / "stdlib_content_document").num_documents
     identical = documents == len(docs) and bool(np.array_equal(got, want))
     rss = {} if args.no_memory_check else {
-        f"x{n}": round(peak_rss_mb(corpus, n, vocab, merges, work, args.workers), 1) for n in (1, 3)}
+        f"x{n}": peak_rss_mb(corpus, n, vocab, merges, work, args.workers) for n in (1, 3)}
     (hf_wall, hf_cpu), (our_wall, our_cpu) = min(hf), min(ours)
     cores = min(args.workers, len(os.sched_getaffinity(0)))
     return {
@@ -123,7 +132,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         f"slipway_mb_per_s_cpu_bound_{cores}_cores": round(text_mb / (our_cpu / cores), 2),
         f"hf_mb_per_s_cpu_bound_{cores}_cores": round(text_mb / (hf_cpu / cores), 2),
         "ratio_cpu": round(hf_cpu / our_cpu, 2),
-        "peak_rss_mb_by_input_copies": rss, "ids_identical": identical,
+        "peak_rss_by_input_copies": rss, "ids_identical": identical,
         "loadavg_before": load_before, "loadavg_after": load_after,
     }
 
