@@ -177,7 +177,9 @@ def _saver(cfg: RunConfig, gpt: GPTConfig, model: ParallelModel, parts: Restorab
 
 
 @dataclass
-class _Built:
+class Components:
+    """This rank's model and what updates it (``build_components``)."""
+
     gpt: GPTConfig
     model: ParallelModel
     parts: Restorable
@@ -185,7 +187,7 @@ class _Built:
     eod: int | None
 
 
-def _build(cfg: RunConfig, pstate: ParallelState) -> _Built:
+def build_components(cfg: RunConfig, pstate: ParallelState) -> Components:
     """Model, optimizer, scheduler and loss scaler for this rank."""
     t = cfg.train
     gbs = t.global_batch_size or t.micro_batch_size * pstate.dp_size
@@ -197,10 +199,10 @@ def _build(cfg: RunConfig, pstate: ParallelState) -> _Built:
     scheduler = OptimizerParamScheduler(optimizer, LRSchedule.from_iters(cfg.optim, t.iters, gbs))
     scaler = make_scaler(t.precision, ScalerSettings(t.initial_loss_scale, t.loss_scale_window,
                                                      t.hysteresis, t.min_loss_scale))
-    return _Built(gpt, model, Restorable(optimizer, scheduler, scaler), gbs, eod)
+    return Components(gpt, model, Restorable(optimizer, scheduler, scaler), gbs, eod)
 
 
-def _loop(cfg: RunConfig, b: _Built, state: TrainState, hooks: RunHooks, facts: RunFacts) -> Loop:
+def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, facts: RunFacts) -> Loop:
     ps, t = b.model.pstate, cfg.train
     m = num_microbatches(b.global_batch_size, t.micro_batch_size, ps.dp_size)
     shape = DataShape(b.gpt.seq_length, b.global_batch_size, cfg.run_dir)
@@ -239,7 +241,7 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
         if pstate is None:
             pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None)
         os.makedirs(cfg.run_dir, exist_ok=True)
-        b = _build(cfg, pstate)
+        b = build_components(cfg, pstate)
         plan = resolve_load(cfg.checkpoint)
         state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
         if hooks.on_build is not None:

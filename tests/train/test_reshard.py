@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
 from trainer.config import RunConfig
-from trainer.main import _build, load_checkpoint, resolve_load
+from trainer.main import build_components, load_checkpoint, resolve_load
 from trainer.parallel import ParallelState, eval_step, init_distributed
 
 
@@ -20,7 +20,7 @@ def _probe_batch() -> list[dict]:
 
 def _load(d: dict, pstate: ParallelState):
     cfg = RunConfig.from_dict(d)
-    b = _build(cfg, pstate)
+    b = build_components(cfg, pstate)
     load_checkpoint(resolve_load(cfg.checkpoint), b.gpt, b.model, b.parts)
     return b.model
 
