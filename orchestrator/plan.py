@@ -182,6 +182,8 @@ def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> di
             "dir": ck.dir or os.path.join(facts.run_dir, "checkpoints"),
             "keep": ck.keep,
             "load": ck.load or "latest",
+            # Only when set, so the train key (a hash of this dict) of existing runs stays the same.
+            **({"load_dir": ck.load_dir} if ck.load_dir else {}),
         },
         "logging": {
             "wandb": wandb,
