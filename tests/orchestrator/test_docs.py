@@ -1,0 +1,99 @@
+"""docs/config.md is generated from the schema and must be current (CI runs this with every test run)."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from orchestrator import docs, schema
+from tests.orchestrator.conftest import REPO
+
+
+def cells(line: str) -> list[str]:
+    """The cells of a Markdown table row (escaped pipes stay inside their cell)."""
+    return [c.strip() for c in line.strip().strip("|").split(" | ")]
+
+
+@pytest.fixture(scope="module")
+def generated() -> str:
+    return docs.render()
+
+
+def test_config_md_is_current(generated):
+    problem = docs.check(docs.OUTPUT, generated)
+    assert problem is None, problem
+
+
+def test_every_schema_key_is_documented_with_its_default(generated):
+    """Every leaf field of every section appears as a row with its schema default and a meaning."""
+    rows = {cells(ln)[0].strip("`"): ln for ln in generated.splitlines() if ln.startswith("| `")}
+    expected = []
+
+    def walk(cls: type, prefix: str) -> None:
+        for f in dataclasses.fields(cls):
+            sub = docs._nested(cls, f.name)
+            key = f"{prefix}{f.name}"
+            walk(sub, f"{key}.") if sub else expected.append((key, docs._default(f)))
+
+    walk(schema.SlipwayConfig, "")
+    assert sorted(rows) == sorted(k for k, _ in expected)
+    for key, default in expected:
+        row = cells(rows[key])
+        assert row[2] == docs.fmt(default).replace("|", "\\|"), key
+        assert len(row[-1]) > 5 and row[-1].endswith("."), f"{key}: meaning {row[-1]!r}"
+    assert "| `checkpoint.load_dir` | `str \\| None` | `null` |" in generated
+
+
+def test_experiment_columns_are_the_composed_values(generated, compose_config):
+    """The codeparrot column holds what launch.py composes (unresolved interpolations kept as written)."""
+    head = cells(next(ln for ln in generated.splitlines() if ln.startswith("| key |")))
+    col = head.index("codeparrot")
+
+    def row(key: str) -> list[str]:
+        return cells(next(ln for ln in generated.splitlines() if ln.startswith(f"| `{key}` |")))
+
+    composed = compose_config(["+experiment=codeparrot"])
+    assert row("train.global_batch_size")[col] == f"`{composed.train.global_batch_size}`"
+    assert row("cluster.partition")[col] == "`${oc.env:SLIPWAY_PARTITION,gpu}`"
+    assert row("data.corpus.max_files")[col] == "—"  # data.corpus is null in codeparrot
+
+
+def test_undocumented_field_is_named_with_the_fix():
+    source = '''
+from dataclasses import dataclass
+
+@dataclass
+class Tiny:
+    """A section."""
+
+    good: int = 1
+    """Documented."""
+    bad: int = 2  # a comment is not documentation
+'''
+    docs_of = docs.attribute_docs(source)
+    assert docs_of["Tiny"].fields["good"].doc == "Documented."
+    assert docs_of["Tiny"].fields["bad"].doc is None
+    ns: dict = {}
+    exec(compile(source, "<tiny>", "exec"), ns)
+    assert docs.missing_docs(ns["Tiny"], docs_of) == ["Tiny.bad"]
+
+
+def test_check_names_the_fix_command(tmp_path, generated):
+    stale = tmp_path / "config.md"
+    assert "does not exist" in docs.check(stale, generated) and docs.FIX in docs.check(stale, generated)
+    stale.write_text(generated.replace("Peak learning rate", "Top learning rate"))
+    problem = docs.check(stale, generated)
+    assert problem is not None and "python -m orchestrator.docs" in problem
+    assert "-| `optim.lr`" in problem and "+| `optim.lr`" in problem
+
+
+def test_cli_check_exits_1_on_a_stale_file(tmp_path):
+    stale = tmp_path / "config.md"
+    stale.write_text("old\n")
+    out = subprocess.run([sys.executable, "-m", "orchestrator.docs", "--check", "--output", str(stale)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr
+    assert "regenerate it with: python -m orchestrator.docs" in out.stderr
