@@ -114,11 +114,21 @@ def train_state_from(shard: dict) -> TrainState:
                       nan_iters=int(extra.get("nan_iters", 0)))
 
 
+def _require_training_state(shard: dict) -> None:
+    missing = [k for k in ("optimizer", "opt_param_scheduler") if not shard.get(k)]
+    if missing:
+        raise ckpt.CheckpointError(f"the checkpoint has no {' or '.join(missing)} (a converted or "
+                                   "weights-only checkpoint?): it cannot resume training; start from its "
+                                   "weights with "
+                                   "checkpoint.load=model-only and checkpoint.load_dir=<its directory>")
+
+
 def restore_same_layout(shard: dict, model: ParallelModel, parts: Restorable | None) -> TrainState:
     """Load this rank's own shard: exact resume (``parts`` None: weights only)."""
     model.load_megatron_state_dict(shard["model"])
     if parts is None:
         return TrainState()
+    _require_training_state(shard)
     saved = shard["optimizer"]
     names = param_names(model, parts.optimizer)
     if saved.get("param_names") not in (None, names):
@@ -159,11 +169,12 @@ def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, dict
                 src_pp, ps.tp_size, ps.pp_size)
     if parts is None:
         return TrainState()
+    first = src.stage(0)[0]["raw"]
+    _require_training_state(first)
     moments = reshard.reshard_moments(src, local, target)
     names = param_names(model, parts.optimizer)
     sd = parts.optimizer.state_dict()
     sd["state"] = {i: moments[n] for i, n in enumerate(names) if moments.get(n)}
     parts.optimizer.load_state_dict(sd)
-    first = src.stage(0)[0]["raw"]
     _restore_common(first, parts)
     return train_state_from(first)

@@ -84,3 +84,41 @@ def test_exact_resume_single_process(tmp_path):
 
 def _keys(losses: dict) -> dict:
     return {str(k): v for k, v in losses.items()}
+
+
+def test_load_given_iteration_and_model_only(tmp_path):
+    """checkpoint.load: an iteration of another run's checkpoints resumes exactly from it; model-only
+    takes the weights and starts a fresh schedule at iteration 0."""
+    import torch
+
+    from trainer.checkpoint import load_file, shard_path
+
+    data = write_dataset(str(tmp_path / "data"))
+    src = tiny_config(str(tmp_path / "src"), data, train={"iters": 20, "save_interval": 5},
+                      checkpoint={"keep": None})
+    a = run_cfg(src)
+    src_ckpt = str(tmp_path / "src" / "checkpoints")
+    given = tiny_config(str(tmp_path / "given"), data, train={"iters": 20},
+                        checkpoint={"load": 10, "load_dir": src_ckpt})
+    g = run_cfg(given)
+    assert sorted(g.losses) == list(range(11, 21)) and all(g.losses[i] == a.losses[i] for i in g.losses)
+    fine = tiny_config(str(tmp_path / "fine"), data, train={"iters": 3},
+                       checkpoint={"load": "model-only", "load_dir": src_ckpt})
+    seen = {}
+    f = run_cfg(fine, _record_weights(seen))
+    assert sorted(f.losses) == [1, 2, 3]  # a fresh run: iteration 0, fresh optimizer and schedule
+    saved = load_file(shard_path(src_ckpt, 20, 0, 0, 1))["model"]["language_model"]["encoder"]
+    assert torch.equal(seen["w"], saved["layers.0.mlp.dense_h_to_4h.weight"])
+    # A requeued fine-tuning run continues from its own checkpoints, not from load_dir again.
+    f2 = run_cfg({**fine, "train": {**fine["train"], "iters": 5}})
+    assert sorted(f2.losses) == [4, 5]
+
+
+def _record_weights(seen: dict):
+    from trainer.main import RunHooks
+
+    def on_build(model) -> None:
+        weight = dict(model.named_parameters())["encoder.layers.0.mlp.dense_h_to_4h.weight"]
+        seen["w"] = weight.detach().clone()
+
+    return RunHooks(on_build=on_build)
