@@ -19,7 +19,7 @@ from trainer.parallel import (
     train_step,
 )
 from trainer.parallel.apply import check_compatible
-from trainer.parallel.launch import first_host
+from trainer.parallel.launch import cpu_threads_per_rank, first_host
 from trainer.parallel.random import RNGTracker
 from trainer.parallel.state import grid_cell
 
@@ -62,6 +62,16 @@ def test_dist_env_from_torchrun_slurm_or_nothing():
     assert first_host("node1") == "node1"
     assert first_host("a[3-4],b[1-2]") == "a3"
     assert first_host("rack[2-3]-n[05,9]") == "rack2-n05"
+
+
+def test_cpu_threads_shared_by_the_ranks_of_a_node():
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert cpu_threads_per_rank(4, {}) == max(1, cores // 4)  # 4 ranks on this machine's cores
+    assert cpu_threads_per_rank(1, {}) is None  # one rank: torch's default
+    assert cpu_threads_per_rank(4, {"OMP_NUM_THREADS": "3"}) is None  # the user's choice wins
+    assert cpu_threads_per_rank(8, {"SLURM_CPUS_PER_TASK": "6"}) == 6  # Slurm bound the task already
 
 
 def test_world_of_one_step_equals_plain_model_math():
