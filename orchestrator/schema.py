@@ -93,6 +93,23 @@ class TrainConfig:
     slower on GPU)."""
     recompute_activations: bool = False
     """Planning only (the memory table): count activations as recomputed in the backward pass."""
+    heartbeat_interval_s: float = 10.0
+    """Seconds between heartbeat files (iteration, time, host, pid) that every rank writes to
+    <run_dir>/heartbeats/; `python -m orchestrator status` marks ranks whose heartbeat is old as stale."""
+    hang_timeout_s: float | None = 1800.0
+    """Seconds without training progress (a step or evaluation batch) after which every waiting rank
+    ends itself with exit code 70, so the retry policy resumes from the last checkpoint instead of a hung
+    collective holding the allocation. Start-up and checkpoint saves are not counted. 0 or null: off."""
+    preflight: bool = True
+    """At job start (multi-rank only): check in every rank, time data exchanges between every node pair
+    and an all-reduce across all ranks; the figures go to <run_dir>/preflight.json."""
+    preflight_timeout_s: float = 60.0
+    """A rank or node pair not answering the preflight within this fails the job naming the node."""
+    preflight_mb: float = 4.0
+    """Megabytes moved in each timed preflight exchange."""
+    preflight_slow_factor: float = 4.0
+    """A node whose best link is this many times slower than the median node's fails the preflight
+    (judged with three or more nodes)."""
 
 
 @dataclass

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.health import HealthConfig
 from trainer.log import get_logger
 from trainer.parallel.config import ParallelConfig  # the parallel layer's own section, re-exported
 
@@ -184,6 +185,13 @@ class TrainConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
+    # Heartbeats, hang watchdog and start-up preflight (trainer.health, trainer.preflight).
+    heartbeat_interval_s: float = 10.0  # seconds between each rank's heartbeat file writes
+    hang_timeout_s: float | None = 1800.0  # no training progress this long ends the job; 0/None: off
+    preflight: bool = True  # all-reduce + node-pair bandwidth check at start (multi-rank only)
+    preflight_timeout_s: float = 60.0  # a rank or node not answering within this fails the start
+    preflight_mb: float = 4.0  # payload of each timed preflight exchange
+    preflight_slow_factor: float = 4.0  # a node this many times slower than the median node fails it
 
     def __post_init__(self) -> None:
         _positive("train.micro_batch_size", self.micro_batch_size)
@@ -204,6 +212,11 @@ class TrainConfig:
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
             _fail("train.min_loss_scale", f"{self.min_loss_scale} vs initial {self.initial_loss_scale}",
                   "Need 0 < min_loss_scale <= initial_loss_scale.")
+        self.health()  # validates the health fields
+
+    def health(self) -> HealthConfig:
+        """The heartbeat/watchdog/preflight slice."""
+        return HealthConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HealthConfig)})
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt
-from trainer import metrics
+from trainer import health, metrics
 from trainer.ckpt_state import (
     Restorable,
     RunFacts,
@@ -237,10 +237,12 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
     hooks = hooks or RunHooks()
     metrics.check_wandb_credentials(cfg.logging.wandb.mode)  # before anything slow or collective
     _configure_determinism(cfg.train.deterministic)
-    with StopRequest() as stop:  # from the start: a signal during set-up stops at the first step boundary
+    # StopRequest from the start: a signal during set-up stops at the first step boundary.
+    with StopRequest() as stop, health.Monitor(cfg.train.health(), cfg.run_dir) as hb:
         if pstate is None:
             pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None)
         os.makedirs(cfg.run_dir, exist_ok=True)
+        hb.begin(pstate.device)  # heartbeats, then the preflight (multi-rank worlds)
         b = build_components(cfg, pstate)
         plan = resolve_load(cfg.checkpoint)
         state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
@@ -248,6 +250,7 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
             hooks.on_build(b.model)
         facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id)
         loop = _loop(cfg, b, state, hooks, facts)
+        hb.watch(loop, state)  # progress ticks arm the hang watchdog
         try:
             code = train(loop, state, stop)
         except NonFiniteError as e:

@@ -1,0 +1,341 @@
+"""Heartbeats and the hang watchdog: a run that stops making progress ends itself instead of burning the
+allocation.
+
+Every rank runs one daemon thread (``Monitor``) that
+
+- writes ``{run_dir}/heartbeats/rank_{rank:05d}.json`` every ``heartbeat_interval_s`` (atomic rename of a
+  few hundred bytes): iteration, phase, host, pid, rank, wall time of the write and of the last progress.
+  The training loop itself does no I/O for this: it only "ticks" (stores a monotonic time and the
+  iteration, a few hundred nanoseconds), so heartbeats cost nothing that shows in step time;
+- ends the process with ``EXIT_HANG`` (70) when no tick came for ``hang_timeout_s`` once training
+  started, logging the rank, host, last iteration and the idle time, and dumping every thread's stack.
+  A collective that never returns (a rank died, was stopped, its node fell off the network) blocks the
+  others silently for the backend's own timeout (30 min or more, per collective); the job's retry policy
+  (``orchestrator/render.py``: any exit other than 0/65/75 is retried from the last checkpoint) can only
+  act once the step exits.
+
+Progress ("ticks") comes from the loop's data iterators (every micro-batch, train and validation) and
+the end of every step (``Monitor.watch``): one step, or one evaluation batch, must fit in
+``hang_timeout_s``. Start-up (preflight, dataset index builds, checkpoint loading) and checkpoint saves
+are not counted: the watchdog arms with the first training batch and pauses during each save. They block
+on the filesystem or wait at a barrier for the slowest rank, legitimately for long; a collective that
+never returns there still ends at the process group's own timeout (``init_distributed``: 30 min).
+
+A backstop covers hangs that hold the GIL (the Python thread could not run): while progress is fresh the
+watchdog re-arms ``faulthandler.dump_traceback_later`` at ``hang_timeout_s`` + 60 s, whose C thread dumps
+the stacks and exits with code 1 if the Python watchdog never got to act.
+
+``status`` (``python -m orchestrator status``) reads the heartbeats back with ``read_heartbeats``:
+a rank whose file stopped changing while its phase is not final is *stale* (process stopped, killed or
+its node gone); a fresh file whose progress is old is *stalled* (alive, waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.log import get_logger
+
+log = get_logger(__name__)
+
+EXIT_HANG = 70  # sysexits' EX_SOFTWARE: not 0/65/75, so the sbatch script retries from the last checkpoint
+HEARTBEAT_DIR = "heartbeats"
+FINAL_PHASES = ("exited", "failed", "hung")
+_BACKSTOP_MARGIN_S = 60.0
+
+
+def node_name() -> str:
+    """This process's node: ``SLIPWAY_NODE_NAME``, else Slurm's node name, else the host name (Slurm node
+    names are what an admin drains; several emulated nodes may share one host)."""
+    return os.environ.get("SLIPWAY_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+@dataclass
+class HealthConfig:
+    """Heartbeat, watchdog and preflight settings (flat ``train.*`` keys; see TrainConfig.health)."""
+
+    heartbeat_interval_s: float = 10.0  # seconds between heartbeat files (never more often)
+    hang_timeout_s: float | None = 1800.0  # no progress for this long ends the process; None/0: off
+    preflight: bool = True  # all-reduce and node-pair bandwidth check at start (multi-rank only)
+    preflight_timeout_s: float = 60.0  # a rank or node pair not answering within this fails the start
+    preflight_mb: float = 4.0  # payload of each timed exchange
+    preflight_slow_factor: float = 4.0  # a node this many times slower than the median node fails it
+
+    def __post_init__(self) -> None:
+        checks = (("heartbeat_interval_s", self.heartbeat_interval_s, 0.0),
+                  ("preflight_timeout_s", self.preflight_timeout_s, 0.0),
+                  ("preflight_mb", self.preflight_mb, 0.0),
+                  ("preflight_slow_factor", self.preflight_slow_factor, 1.0))
+        for name, value, low in checks:
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= low:
+                raise ValueError(f"train.{name}: is {value!r}. Use a number > {low:g}.")
+        if self.hang_timeout_s is not None and (isinstance(self.hang_timeout_s, bool) or
+                                                self.hang_timeout_s < 0):
+            raise ValueError(f"train.hang_timeout_s: is {self.hang_timeout_s!r}. Use seconds > 0, or "
+                             f"0/null to turn the watchdog off.")
+
+
+def heartbeat_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, HEARTBEAT_DIR, f"rank_{rank:05d}.json")
+
+
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class _Ticking:
+    """An iterator that ticks the monitor on every item (the data loaders' micro-batches)."""
+
+    def __init__(self, inner: Iterator, monitor: Monitor, phase: str) -> None:
+        self.inner, self.monitor, self.phase = inner, monitor, phase
+
+    def __iter__(self) -> _Ticking:
+        return self
+
+    def __next__(self) -> Any:
+        self.monitor.tick(phase=self.phase, arm=self.phase == "train")
+        item = next(self.inner)
+        self.monitor.tick()
+        return item
+
+
+class Monitor:
+    """One rank's heartbeat writer and hang watchdog. A context manager: ``begin`` after the process group
+    exists, ``watch(loop, state)`` before training; leaving the block writes a final heartbeat."""
+
+    def __init__(self, cfg: HealthConfig, run_dir: str) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+        self.rank, self.world_size, self.host, self.pid = 0, 1, node_name(), os.getpid()
+        self.iteration: int | None = None
+        self.phase = "startup"
+        self._last = time.monotonic()  # monotonic time of the last tick
+        self._started = time.time()
+        self._armed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._backstop = False
+
+    # -- the loop's side: cheap, no I/O --------------------------------------------------------------
+    def tick(self, iteration: int | None = None, phase: str | None = None, arm: bool = False) -> None:
+        """Record progress (called from the training thread)."""
+        self._last = time.monotonic()
+        if iteration is not None:
+            self.iteration = iteration
+        if phase is not None:
+            self.phase = phase
+        if arm:
+            self._armed = True
+
+    def watch(self, loop: Any, state: Any) -> None:
+        """Tick from ``loop``'s data iterators, step callback and saver (a ``trainer.training.Loop``)."""
+        self.iteration = state.iteration
+        if loop.train_data is not None:
+            loop.train_data = _Ticking(loop.train_data, self, "train")
+        if loop.valid_data is not None:
+            loop.valid_data = _Ticking(loop.valid_data, self, "eval")
+        loop.on_step = self._on_step(loop.on_step)
+        loop.save = self._saving(loop.save)
+
+    def _on_step(self, inner: Callable[[int, float], None] | None) -> Callable[[int, float], None]:
+        def on_step(iteration: int, loss: float) -> None:
+            self.tick(iteration)
+            if inner is not None:
+                inner(iteration, loss)
+
+        return on_step
+
+    def _saving(self, save: Callable[[Any], None]) -> Callable[[Any], None]:
+        def saving(state: Any) -> None:
+            previous, armed = self.phase, self._armed
+            self.tick(phase="save")
+            self._armed = False  # a save waits on the filesystem and the slowest writer: not a hang
+            save(state)
+            self.tick(phase=previous, arm=armed)
+
+        return saving
+
+    # -- the thread's side ----------------------------------------------------------------------------
+    def begin(self, device: Any = None) -> None:
+        """Start heartbeats (the watchdog arms with the first training batch), then run the preflight
+        (``trainer.preflight``; multi-rank worlds, unless ``preflight`` is off) with tensors on
+        ``device``. Call once the process group (if any) exists. Rank 0 removes heartbeats of ranks
+        beyond this world (an earlier, larger attempt of the run)."""
+        self.rank, self.world_size = _world()
+        os.makedirs(os.path.join(self.run_dir, HEARTBEAT_DIR), exist_ok=True)
+        if self.rank == 0:
+            self._remove_extra_ranks()
+        self.write()
+        self._thread = threading.Thread(target=self._run, name="slipway-watchdog", daemon=True)
+        self._thread.start()
+        if self.cfg.preflight and self.world_size > 1:
+            import torch
+
+            from trainer.preflight import run_preflight
+
+            self.tick(phase="preflight")
+            run_preflight(self.cfg, self.run_dir, device if device is not None else torch.device("cpu"))
+            self.tick(phase="startup")
+
+    def _remove_extra_ranks(self) -> None:
+        folder = os.path.join(self.run_dir, HEARTBEAT_DIR)
+        for name in os.listdir(folder):
+            stem = name.removeprefix("rank_").removesuffix(".json")
+            if stem.isdigit() and int(stem) >= self.world_size:
+                try:
+                    os.remove(os.path.join(folder, name))
+                except OSError:
+                    pass
+
+    def record(self, **extra: Any) -> dict:
+        """The heartbeat as written now."""
+        now_wall, now = time.time(), time.monotonic()
+        return {"rank": self.rank, "world_size": self.world_size, "host": self.host, "pid": self.pid,
+                "iteration": self.iteration, "phase": self.phase, "time": now_wall,
+                "progress_time": now_wall - (now - self._last), "started": self._started,
+                "interval_s": self.cfg.heartbeat_interval_s, "hang_timeout_s": self.cfg.hang_timeout_s,
+                "job": os.environ.get("SLURM_JOB_ID"), **extra}
+
+    def write(self, **extra: Any) -> None:
+        """Atomically replace this rank's heartbeat file (errors are logged, never raised: a full or slow
+        filesystem must not stop training)."""
+        path = heartbeat_path(self.run_dir, self.rank)
+        tmp = f"{path}.tmp-{self.pid}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.record(**extra), f)
+            os.replace(tmp, path)
+        except OSError as e:
+            log.warning("could not write heartbeat %s: %s", path, e)
+
+    def _run(self) -> None:
+        timeout = self.cfg.hang_timeout_s or 0.0
+        period = self.cfg.heartbeat_interval_s
+        if timeout:
+            period = min(period, max(timeout / 20, 0.05))  # notice a hang within ~5% of the timeout
+        next_write = time.monotonic() + self.cfg.heartbeat_interval_s
+        while not self._stop.wait(period):
+            now = time.monotonic()
+            if timeout and self._armed:
+                if now - self._last > timeout:
+                    self._fire(now - self._last)
+                    return
+                self._rearm_backstop(timeout)
+            if now >= next_write:
+                self.write()
+                next_write = now + self.cfg.heartbeat_interval_s
+
+    def _rearm_backstop(self, timeout: float) -> None:
+        # While this thread runs it re-arms the C-level timer; a GIL-holding hang stops it from doing so.
+        faulthandler.dump_traceback_later(timeout + _BACKSTOP_MARGIN_S, exit=True)
+        self._backstop = True
+
+    def _fire(self, idle: float) -> None:
+        faulthandler.dump_traceback_later(30, exit=True)  # if logging itself blocks, still exit
+        it = "none yet" if self.iteration is None else str(self.iteration)
+        msg = (f"watchdog: no training progress for {idle:.1f} s (train.hang_timeout_s="
+               f"{self.cfg.hang_timeout_s:g}) on rank {self.rank} of {self.world_size} (host {self.host}, "
+               f"pid {self.pid}); last iteration {it}, phase {self.phase}. A collective probably never "
+               f"returned (a rank died or was stopped, or its node is unreachable). Ending the process "
+               f"with exit code {EXIT_HANG} so the job's retry policy resumes from the last checkpoint; "
+               f"the stacks of all threads follow.")
+        self.phase = "hung"
+        self.write(message=msg)
+        log.critical(msg)
+        for handler in logging.getLogger().handlers + log.handlers:
+            handler.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(EXIT_HANG)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            if self._backstop:
+                faulthandler.cancel_dump_traceback_later()
+            self.phase = "failed" if exc_type is not None else "exited"
+            self.write(**({"message": f"{exc_type.__name__}: {exc}"} if exc_type is not None else {}))
+
+
+# -- reading heartbeats back (status) -------------------------------------------------------------------
+@dataclass
+class RankHealth:
+    """One rank's last heartbeat, judged at ``now``."""
+
+    rank: int
+    host: str
+    pid: int
+    iteration: int | None
+    phase: str
+    age_s: float  # since the heartbeat was written
+    idle_s: float  # since the rank last made progress
+    state: str  # ok | stale | stalled | exited | failed | hung
+    message: str = ""
+
+
+def judge(beat: dict, now: float, stale_after_s: float | None = None) -> RankHealth:
+    """Classify one heartbeat. ``stale_after_s`` None: five heartbeat intervals, at least 30 s."""
+    limit = stale_after_s if stale_after_s is not None else max(5 * float(beat.get("interval_s") or 10), 30.0)
+    age = now - float(beat["time"])
+    idle = now - float(beat.get("progress_time") or beat["time"])
+    phase = str(beat.get("phase", "?"))
+    if phase in FINAL_PHASES:
+        state = phase
+    elif age > limit:
+        state = "stale"
+    elif idle > limit and phase != "startup":
+        state = "stalled"
+    else:
+        state = "ok"
+    return RankHealth(int(beat["rank"]), str(beat.get("host", "?")), int(beat.get("pid", 0)),
+                      beat.get("iteration"), phase, age, idle, state, str(beat.get("message", "")))
+
+
+def read_heartbeats(run_dir: str, now: float | None = None, stale_after_s: float | None = None
+                    ) -> list[RankHealth]:
+    """Every rank's judged heartbeat under ``run_dir`` (sorted by rank; unreadable files skipped)."""
+    folder = os.path.join(run_dir, HEARTBEAT_DIR)
+    if not os.path.isdir(folder):
+        return []
+    now = time.time() if now is None else now
+    out = []
+    for name in sorted(os.listdir(folder)):
+        if not (name.startswith("rank_") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                out.append(judge(json.load(f), now, stale_after_s))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return sorted(out, key=lambda r: r.rank)
+
+
+def summarize(ranks: list[RankHealth]) -> str:
+    """One status cell: 'ok 4/4' or the problems, e.g. 'stale: rank 1@n2 (95 s)'."""
+    if not ranks:
+        return ""
+    bad = [r for r in ranks if r.state not in ("ok", "exited")]
+    if not bad:
+        return f"{ranks[0].state if all(r.state == ranks[0].state for r in ranks) else 'ok'} {len(ranks)}"
+    by_state: dict[str, list[str]] = {}
+    for r in bad:
+        secs = r.age_s if r.state == "stale" else r.idle_s
+        by_state.setdefault(r.state, []).append(f"rank {r.rank}@{r.host} ({secs:.0f} s)")
+    return "; ".join(f"{state}: {', '.join(items)}" for state, items in by_state.items())
