@@ -31,9 +31,10 @@ WANDB_MODES = ("online", "offline", "disabled")
 # Top-level keys of a resolved orchestrator config that the trainer has no use for.
 ORCHESTRATOR_ONLY = ("cluster", "container", "dry_run", "wait", "hydra", "experiment", "sweep", "stages",
                      "preprocess", "convert", "corpus", "name", "defaults", "runs_root", "cache_dir",
-                     "fail_train")
+                     "fail_train", "stall_train")
 # Keys inside trainer sections that only the orchestrator uses (planning, preprocessing): ignored quietly.
-ORCHESTRATOR_KEYS = {"train": ("recompute_activations",), "data": ("append_eod", "workers", "corpus")}
+ORCHESTRATOR_KEYS = {"train": ("recompute_activations",),
+                     "data": ("append_eod", "workers", "corpus", "on_error")}
 
 
 def _fail(where: str, what: str, fix: str) -> None:
