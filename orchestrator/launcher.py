@@ -11,6 +11,7 @@ from pathlib import Path
 
 from orchestrator import render
 from orchestrator.estimate import fmt_duration, memory_table
+from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.plan import Plan, PlanInputs, SweepInfo, make_plan, run_name
 from orchestrator.runs import (
     add_to_sweep,
@@ -24,7 +25,8 @@ from orchestrator.runs import (
     write_json,
 )
 from orchestrator.schema import SlipwayConfig
-from orchestrator.submit import Submitted, container_wrapper, render_stage, submit_plan
+from orchestrator.submit import Submitted, container_wrapper, render_stage, stage_folder, submit_plan
+from orchestrator.summary import write_summary
 from orchestrator.validate import PlanError
 from trainer.log import get_logger
 
@@ -135,24 +137,31 @@ def _follow_text(plan: Plan, submitted: list[Submitted]) -> str:
     lines = [f"run dir: {plan.run_dir}"]
     for s in submitted:
         lines.append(f"  {s.stage:<11} {s.action:<18} {s.job_id or ''}")
-    lines += [
-        f"follow: python -m orchestrator status {plan.run_dir}",
-        f"logs:   tail -f {plan.run_dir}/logs/*",
-    ]
+    train = next((s for s in submitted if s.stage == "train" and s.job_id), None)
+    logs = f"{plan.run_dir}/logs/*"
+    if train is not None and train.executor == "local":  # local jobs log into their submitit folder
+        logs = str(log_path(stage_folder(plan, plan.stage("train")), train.job_id))
+    lines += [f"follow: python -m orchestrator status {plan.run_dir}", f"logs:   tail -f {logs}"]
     if plan.sweep:
         lines.append(f"sweep:  python -m orchestrator status {plan.sweep.sweep_dir} --plot")
     return "\n".join(lines) + "\n"
 
 
-def wait(plan: Plan, poll_s: float = 5.0, out=sys.stderr) -> bool:
-    """Block until every stage of the run ended; stream state changes and the last loss. True if all ok."""
+def wait(plan: Plan, poll_s: float = 5.0, out=sys.stderr, follow: LogFollower | None = None) -> bool:
+    """Block until every stage of the run ended; stream state changes and the last loss. True if all ok.
+
+    ``follow``: also stream each local stage's log as it is written (its log lines carry the losses)."""
     from orchestrator.status import collect
 
     seen: dict[str, str] = {}
     while True:
+        if follow is not None:
+            follow.poll()
         rows = collect(plan.run_dir)
         for r in rows:
-            extra = f" iter ckpt {r.checkpoint_iter} loss {r.loss}" if r.stage == "train" and r.loss else ""
+            extra = ""
+            if follow is None and r.stage == "train" and r.loss:
+                extra = f" checkpoint {r.checkpoint_iter}, last loss {r.loss:.4f}"
             line = f"{r.state}{extra}"
             if seen.get(r.stage) != line:
                 seen[r.stage] = line
@@ -162,12 +171,53 @@ def wait(plan: Plan, poll_s: float = 5.0, out=sys.stderr) -> bool:
             for r in rows
         )
         if ended:
+            if follow is not None:
+                follow.poll()  # the last lines written before the job ended
             return all(r.state == "COMPLETED" for r in rows)
         time.sleep(poll_s)
 
 
+def _reap(submitted: list[Submitted], timeout_s: float = 30.0) -> None:
+    """Collect the ended local job controllers (no zombies; their CPU time counts in this process's)."""
+    deadline = time.monotonic() + timeout_s
+    for s in submitted:
+        while s.job is not None and s.executor == "local" and not s.job.done():
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+
+
+def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out) -> None:
+    """Follow a blocking run to its end; print the summary, or the failed stages' log tails and raise."""
+    local = all(s.executor == "local" for s in submitted)
+    follow = LogFollower(plan.run_dir, sys.stderr) if local else None
+    try:
+        ok = wait(plan, 1.0 if local else 5.0, follow=follow)
+    except KeyboardInterrupt:
+        # Local jobs are this machine's processes: Ctrl-C ends them too (Slurm jobs keep running). A
+        # terminal's Ctrl-C reached them already; cancel those that were not (a signal to this pid only).
+        time.sleep(2.0)
+        for s in submitted:
+            if s.job is not None and s.executor == "local" and not s.job.done():
+                s.job.cancel()
+        sys.stderr.write(f"interrupted: local jobs of run {plan.run_id} cancelled\n")
+        raise
+    _reap(submitted)
+    write_json(Path(plan.run_dir) / "wait.json", {"ok": ok})
+    if not ok:
+        from orchestrator.status import collect
+
+        failed = [r.stage for r in collect(plan.run_dir) if r.state != "COMPLETED"]
+        sys.stderr.write(failure_tails(plan.run_dir, failed))
+        raise RuntimeError(
+            f"run {plan.run_id} did not complete; see python -m orchestrator status {plan.run_dir}"
+        )
+    out.write("\n" + write_summary(plan.run_dir, time.monotonic() - started))
+
+
 def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -> LaunchResult:
     """Plan, then print (dry run), refuse (problems), or record and submit."""
+    started = time.monotonic()
     facts = gather_facts(cfg, sweep)
     plan = make_plan(cfg, facts)
     scripts = scripts_of(cfg, plan)
@@ -196,10 +246,5 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -
     # whose points must all be submitted before anything waits.
     do_wait = cfg.wait if cfg.wait is not None else (cfg.cluster.executor == "local" and sweep is None)
     if do_wait:
-        ok = wait(plan)
-        write_json(Path(plan.run_dir) / "wait.json", {"ok": ok})
-        if not ok:
-            raise RuntimeError(
-                f"run {plan.run_id} did not complete; see python -m orchestrator status {plan.run_dir}"
-            )
+        _wait_local(plan, submitted, started, out)
     return LaunchResult(plan, text, submitted)

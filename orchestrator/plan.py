@@ -146,7 +146,9 @@ def _preprocess_stage(cfg: SlipwayConfig, facts: PlanInputs, corpus: StagePlan |
         }
     )
     out = os.path.join(_cache_dir(cfg), "preprocess", key)
-    job = PreprocessJob(out, inputs, vocab, merges, d.json_key, d.append_eod, d.workers)
+    # A local run streams the job's log to the terminal (launcher), where a tqdm bar redraws in place.
+    progress = "bar" if cfg.cluster.executor == "local" else "log"
+    job = PreprocessJob(out, inputs, vocab, merges, d.json_key, d.append_eod, d.workers, progress)
     deps = ("corpus",) if corpus is not None else ()
     return StagePlan("preprocess", key, out, True, deps, job)
 

@@ -59,6 +59,7 @@ class PreprocessJob:
     json_key: str = "content"
     append_eod: bool = True
     workers: int = 2
+    progress: str = "log"  # "bar": a tqdm bar in the job's log (a local run streams it to the terminal)
 
     @property
     def prefixes(self) -> list[str]:
@@ -84,6 +85,8 @@ class ConvertJob:
     merge_file: str
     verify: bool = True
     sample_tokens: int = 64  # the sample text generated from the HF model (must fit max positions)
+    prompt: str = "def fibonacci("  # what the sample continues (greedy), written to <run_dir>/sample.txt
+    repetition_penalty: float = 1.3  # keeps a tiny model's greedy sample from looping on one token
 
 
 def mark(output_dir: str, name: str, info: dict[str, Any]) -> None:
@@ -211,7 +214,7 @@ class PreprocessStage(Stage):
                 merge_file=job.merge_file,
                 append_eod=job.append_eod,
                 workers=max(job.workers, 1),
-                progress="log",
+                progress=job.progress,
             )
             out.append(str(preprocess(cfg)))
         return {"prefixes": job.prefixes, "summaries": out}
@@ -287,6 +290,8 @@ class ConvertStage(Stage):
             merge_file=job.merge_file,
             verify=job.verify,
             sample_tokens=job.sample_tokens,
+            prompt=job.prompt,
+            repetition_penalty=job.repetition_penalty,
         )
         return {"hf": job.output_dir, "result": str(result)}
 

@@ -81,7 +81,7 @@ def test_validation_errors_never_reach_squeue(tmp_path):
     for bad in (
         ["parallel.tp_size=3"],
         ["train.global_batch_size=5"],
-        ["model.seq_length=128"],
+        ["model.seq_length=256"],
         ["cluster.nodes=3"],
         ["train.precision=fp16"],
         ["data.split='x'"],

@@ -23,10 +23,14 @@ TINY = [
 
 
 @pytest.mark.timeout(300)
-def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path):
+def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path, capsys):
     cfg = compose_cfg(TINY + [f"runs_root={tmp_path}", "fail_train=start", "wait=true"])
     with pytest.raises(RuntimeError, match="did not complete"):
         launch(cfg, out=io.StringIO())
+    # The stages' logs were streamed while they ran, and the failed training's error is shown at the end.
+    err = capsys.readouterr().err
+    assert "──── corpus (job" in err and "tokenizer: wrote" in err and "preprocess: 100%" in err
+    assert "──── train: last lines of" in err and "training failed on purpose" in err
     run_dir = next((tmp_path / "codeparrot_smoke").iterdir())
     rows = {r.stage: r.state for r in collect(str(run_dir))}
     assert rows == {"corpus": "COMPLETED", "preprocess": "COMPLETED", "train": "FAILED", "convert": "FAILED"}

@@ -22,7 +22,7 @@ CASES = [
     (SMOKE, ["model.hidden_size=66"], "hidden_heads", "model.hidden_size"),
     (SMOKE, ["cluster.tasks_per_node=3"], "world", "cluster.nodes"),
     (SMOKE, ["train.global_batch_size=5"], "batch", "train.global_batch_size"),
-    (SMOKE, ["model.seq_length=128"], "seq_positions", "model.seq_length"),
+    (SMOKE, ["model.seq_length=256"], "seq_positions", "model.seq_length"),
     (SMOKE, ["train.precision=fp16"], "precision", "train.precision"),
     (SMOKE, ["train.precision=fp8"], "choice", "train.precision"),
     (

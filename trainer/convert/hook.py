@@ -41,6 +41,7 @@ class ConvertRunConfig:
     verify: bool = True  # verification always runs (it is part of conversion); False only logs a warning
     prompt: str = "def print_hello_world():"  # the sample written to <run_dir>/sample.txt
     sample_tokens: int = 64
+    repetition_penalty: float = 1.0  # >1 keeps a small model's greedy sample out of loops (1.0: plain greedy)
     val_loss: float | None = None  # for the model card; default: the last one in train_metrics.jsonl
     write_bin: bool = False
     push_to_hub: bool = False
@@ -90,9 +91,11 @@ def push(folder: Path, repo: str, token: str, private: bool) -> str:
     return str(api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="Slipway conversion"))
 
 
-def write_sample(hf_dir: Path, out: Path, prompt: str, new_tokens: int) -> str:
+def write_sample(hf_dir: Path, out: Path, prompt: str, new_tokens: int, repetition_penalty: float = 1.0
+                 ) -> str:
     """Greedy continuation of ``prompt`` by the converted model, loaded as users load it; the prompt is
-    cut from the left (and the continuation capped) to fit the model's positions."""
+    cut from the left (and the continuation capped) to fit the model's positions. ``repetition_penalty``
+    is transformers' (CTRL's): a tiny model's plain greedy output tends to repeat one token forever."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -103,9 +106,11 @@ def write_sample(hf_dir: Path, out: Path, prompt: str, new_tokens: int) -> str:
     ids = tok(prompt, return_tensors="pt")["input_ids"][:, -(n_pos - new_tokens):]
     with torch.no_grad():
         got = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id)
+                             max_new_tokens=new_tokens, pad_token_id=tok.pad_token_id,
+                             repetition_penalty=repetition_penalty)
     text = tok.decode(got[0])
-    out.write_text(f"# greedy sample from {hf_dir} ({got.shape[1] - ids.shape[1]} new tokens)\n{text}\n",
+    how = f"greedy, repetition penalty {repetition_penalty:g}" if repetition_penalty != 1.0 else "greedy"
+    out.write_text(f"# sample ({how}) from {hf_dir} ({got.shape[1] - ids.shape[1]} new tokens)\n{text}\n",
                    encoding="utf-8")
     return text
 
@@ -160,7 +165,7 @@ def convert_run(run_dir: str | os.PathLike, cfg: ConvertRunConfig | None = None,
         merge_file=Path(cfg.merge_file) if cfg.merge_file else None, overwrite=True,
         provenance={"run_id": info.get("run_id"), "val_loss": val_loss})
     result = convert_checkpoint(to_hf)
-    write_sample(out, run / SAMPLE_FILE, cfg.prompt, cfg.sample_tokens)
+    write_sample(out, run / SAMPLE_FILE, cfg.prompt, cfg.sample_tokens, cfg.repetition_penalty)
     if token:
         log.info("pushed %s to %s", out, push(out, cfg.hub_repo, token, cfg.hub_private))
     return result

@@ -1,0 +1,151 @@
+"""The closing summary of a completed run: where everything is, the final losses, a loss-curve PNG, the
+converted model's sample and how to upload the offline W&B run. Read from the run directory only."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from orchestrator.estimate import fmt_duration
+from orchestrator.runs import RUN_JSON, read_json
+
+LOSS_PNG = "loss.png"
+SUMMARY_TXT = "summary.txt"
+
+
+@dataclass
+class RunOutcome:
+    """What a finished run left behind (None/empty where a stage did not produce it)."""
+
+    run_dir: str
+    train: list[tuple[int, float]] = field(default_factory=list)  # (iteration, train lm loss)
+    valid: list[tuple[int, float]] = field(default_factory=list)  # (iteration, validation lm loss)
+    hf_dir: str | None = None
+    verification: str | None = None
+    sample: str | None = None
+    sample_how: str = "greedy"  # how the sample was decoded
+    wandb_dir: str | None = None
+
+
+def _losses(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    """Train and validation losses from ``train_metrics.jsonl`` (replayed iterations: the last wins)."""
+    train: dict[int, float] = {}
+    valid: dict[int, float] = {}
+    path = run_dir / "train_metrics.jsonl"
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    for line in lines:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        for key, into in (("train/lm_loss", train), ("valid/lm_loss", valid)):
+            if key in row:
+                into[int(row["iteration"])] = float(row[key])
+    return sorted(train.items()), sorted(valid.items())
+
+
+def _convert_result(run_dir: Path, meta: dict) -> tuple[str | None, str | None]:
+    state = meta.get("stages", {}).get("convert", {}).get("dir")
+    if not state or not (Path(state) / "_COMPLETE").exists():
+        return None, None
+    result = read_json(Path(state) / "_COMPLETE").get("result") or {}
+    verdict = str(result.get("result", ""))
+    return result.get("hf"), verdict.split(": ", 1)[-1] or None
+
+
+def _sample(run_dir: Path) -> tuple[str | None, str]:
+    """(text, how it was decoded) from ``sample.txt``, whose first line is a ``# sample (how) ...`` header."""
+    path = run_dir / "sample.txt"
+    if not path.exists():
+        return None, ""
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    header = lines.pop(0) if lines and lines[0].startswith("#") else ""
+    how = re.match(r"# sample \(([^)]*)\)", header)
+    return "\n".join(lines).rstrip() or None, how.group(1) if how else "greedy"
+
+
+def _wandb_dir(run_dir: Path) -> str | None:
+    state = run_dir / "wandb_run.json"
+    run_id = read_json(state).get("id") if state.exists() else None
+    if not run_id:
+        return None
+    found = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+    return str(found[-1]) if found else None
+
+
+def outcome(run_dir: str) -> RunOutcome:
+    run = Path(run_dir)
+    train, valid = _losses(run)
+    hf, verdict = _convert_result(run, read_json(run / RUN_JSON))
+    sample, how = _sample(run)
+    return RunOutcome(run_dir, train, valid, hf, verdict, sample, how, _wandb_dir(run))
+
+
+def plot_losses(o: RunOutcome, out: Path) -> Path | None:
+    """Train loss as a line, validation loss as points; None when nothing was logged."""
+    if not o.train and not o.valid:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if o.train:
+        ax.plot(*zip(*o.train, strict=True), label="train")
+    if o.valid:
+        ax.plot(*zip(*o.valid, strict=True), "o-", label="validation")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("lm loss")
+    ax.set_title(f"Slipway run {Path(o.run_dir).name}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _last(points: list[tuple[int, float]]) -> str:
+    return f"{points[-1][1]:.3f} (iteration {points[-1][0]})" if points else "n/a"
+
+
+def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = None) -> str:
+    took = f" in {fmt_duration(elapsed_s)}" if elapsed_s is not None else ""
+    first = f", from {o.train[0][1]:.3f} at iteration {o.train[0][0]}" if len(o.train) > 1 else ""
+    lines = [
+        f"Slipway run finished{took}",
+        f"  run directory    {o.run_dir}",
+        f"  train loss       {_last(o.train)}{first}",
+        f"  validation loss  {_last(o.valid)}",
+        f"  loss curve       {png or 'n/a (no losses logged)'}",
+        f"  HF model         {o.hf_dir or 'n/a (no conversion)'}",
+    ]
+    if o.verification:
+        lines.append(f"                   {o.verification}")
+    if o.sample:
+        sample = o.sample.splitlines() or [""]
+        lines.append(f"  sample           {sample[0]}")
+        lines += [f"                   {s}" for s in sample[1:]]
+        lines.append(f"                   ({o.sample_how}; the model's text continues the prompt)")
+    if o.wandb_dir:
+        lines += [f"  W&B (offline)    {o.wandb_dir}", f"  upload to W&B    wandb sync {o.wandb_dir}"]
+    if o.hf_dir:
+        # max_new_tokens: the pipeline's default (256) runs past a small model's positions.
+        lines.append(
+            "  try it           python -c \"from transformers import pipeline; "
+            f"g = pipeline('text-generation', '{o.hf_dir}'); "
+            "print(g('def fibonacci(', max_new_tokens=32)[0]['generated_text'])\""
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_summary(run_dir: str, elapsed_s: float | None = None) -> str:
+    """Write ``loss.png`` and ``summary.txt`` into the run directory; return the summary text."""
+    o = outcome(run_dir)
+    png = plot_losses(o, Path(run_dir) / LOSS_PNG)
+    text = format_summary(o, png, elapsed_s)
+    (Path(run_dir) / SUMMARY_TXT).write_text(text, encoding="utf-8")
+    return text
