@@ -19,11 +19,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="also write the loss curves to this PNG (default: PATH/loss.png)",
     )
+    st.add_argument(
+        "--stale-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="a rank whose heartbeat is older is stale (default: 5 heartbeat intervals, at least 30 s)",
+    )
     args = parser.parse_args(argv)
     from orchestrator.status import collect, format_rows, plot
 
     try:
-        rows = collect(args.path)
+        rows = collect(args.path, args.stale_after)
     except FileNotFoundError as err:
         sys.stderr.write(f"{err}\n")
         return 2

@@ -97,9 +97,10 @@ class TrainConfig:
     """Seconds between heartbeat files (iteration, time, host, pid) that every rank writes to
     <run_dir>/heartbeats/; `python -m orchestrator status` marks ranks whose heartbeat is old as stale."""
     hang_timeout_s: float | None = 1800.0
-    """Seconds without training progress (a step or evaluation batch) after which every waiting rank
+    """Seconds without training progress (a step, evaluation batch or save) after which every waiting rank
     ends itself with exit code 70, so the retry policy resumes from the last checkpoint instead of a hung
-    collective holding the allocation. Start-up and checkpoint saves are not counted. 0 or null: off."""
+    collective holding the allocation. One step, evaluation batch or checkpoint save must fit in it;
+    start-up is not counted. 0 or null: off."""
     preflight: bool = True
     """At job start (multi-rank only): check in every rank, time data exchanges between every node pair
     and an all-reduce across all ranks; the figures go to <run_dir>/preflight.json."""

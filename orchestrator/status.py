@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
+from trainer.health import RankHealth, read_heartbeats, summarize
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
 _LOSS = re.compile(r"lm loss: ([0-9.Ee+-]+)")
@@ -33,6 +34,8 @@ class JobRow:
     tokens_per_s: float | None = None
     wandb: str = ""
     log: str = ""
+    health: str = ""  # heartbeats: "ok 4", or the stale/stalled/hung ranks with their hosts
+    ranks: list[RankHealth] = field(default_factory=list)
 
 
 def parse_squeue(text: str) -> dict[str, tuple[str, str]]:
@@ -183,8 +186,9 @@ def _local_state(entry: dict) -> str:
         return "COMPLETED" if (state_dir / "_COMPLETE").exists() else "ENDED"
 
 
-def collect(path: str) -> list[JobRow]:
-    """Rows for every stage of every run under ``path`` (a run dir or a sweep dir)."""
+def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
+    """Rows for every stage of every run under ``path`` (a run dir or a sweep dir). A training rank whose
+    heartbeat is older than ``stale_after_s`` (default: five heartbeat intervals, at least 30 s) is stale."""
     runs = run_dirs_of(path)
     metas = [(r, read_json(r / RUN_JSON)) for r in runs]
     ids = [
@@ -215,12 +219,15 @@ def collect(path: str) -> list[JobRow]:
                     row.loss, row.tokens_per_s = recs[-1][1], recs[-1][2]
                 row.wandb = _wandb_path(run_dir, data)
                 row.log = str(run_dir / "logs")
+                row.ranks = read_heartbeats(str(run_dir), stale_after_s=stale_after_s)
+                row.health = summarize(row.ranks)
             rows.append(row)
     return rows
 
 
 def format_rows(rows: list[JobRow]) -> str:
-    head = ("run", "stage", "job", "state", "reason", "restarts", "ckpt", "loss", "tok/s", "wandb", "log")
+    head = ("run", "stage", "job", "state", "reason", "restarts", "ckpt", "loss", "tok/s", "health", "wandb",
+            "log")
     table = [head] + [
         (
             r.run,
@@ -232,14 +239,32 @@ def format_rows(rows: list[JobRow]) -> str:
             "" if r.checkpoint_iter is None else str(r.checkpoint_iter),
             "" if r.loss is None else f"{r.loss:.4f}",
             "" if r.tokens_per_s is None else f"{r.tokens_per_s:.0f}",
+            r.health,
             r.wandb,
             r.log,
         )
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    lines = ("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table)
-    return "\n".join(lines)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
+    return "\n".join(lines + rank_problems(rows))
+
+
+def rank_problems(rows: list[JobRow]) -> list[str]:
+    """One line per training rank that is stale, stalled or hung, naming its host."""
+    out = []
+    for r in rows:
+        for h in r.ranks:
+            if h.state in ("ok", "exited"):
+                continue
+            where = f"{h.state.upper()}: run {r.run} rank {h.rank} on {h.host} (pid {h.pid}), iteration " + (
+                "-" if h.iteration is None else str(h.iteration))
+            what = {"stale": f"phase {h.phase}: no heartbeat for {h.age_s:.0f} s (process stopped, killed or "
+                             f"its node lost)",
+                    "stalled": f"phase {h.phase}: alive, no progress for {h.idle_s:.0f} s (waiting in a "
+                               f"collective?)"}
+            out.append(f"{where}, {what.get(h.state, h.message or h.state)}")
+    return ([""] if out else []) + out
 
 
 def plot(path: str, out: str) -> str:

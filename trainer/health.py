@@ -14,12 +14,13 @@ Every rank runs one daemon thread (``Monitor``) that
   (``orchestrator/render.py``: any exit other than 0/65/75 is retried from the last checkpoint) can only
   act once the step exits.
 
-Progress ("ticks") comes from the loop's data iterators (every micro-batch, train and validation) and
-the end of every step (``Monitor.watch``): one step, or one evaluation batch, must fit in
-``hang_timeout_s``. Start-up (preflight, dataset index builds, checkpoint loading) and checkpoint saves
-are not counted: the watchdog arms with the first training batch and pauses during each save. They block
-on the filesystem or wait at a barrier for the slowest rank, legitimately for long; a collective that
-never returns there still ends at the process group's own timeout (``init_distributed``: 30 min).
+Progress ("ticks") comes from the loop's data iterators (every micro-batch, train and validation), the
+end of every step and both ends of every checkpoint save (``Monitor.watch``): each of one step, one
+evaluation batch and one save must fit in ``hang_timeout_s``, however long the evaluation or the time
+between saves. Saves stay watched because a node whose filesystem client hangs mid-save is a classic
+sick node (the others wait at the save's barrier). Start-up (preflight, dataset index builds, checkpoint
+loading) is not counted: the watchdog arms with the first training batch; ranks waiting there for a slow
+rank are bounded by the process group's own timeout (``init_distributed``: 30 min).
 
 A backstop covers hangs that hold the GIL (the Python thread could not run): while progress is fresh the
 watchdog re-arms ``faulthandler.dump_traceback_later`` at ``hang_timeout_s`` + 60 s, whose C thread dumps
@@ -160,11 +161,10 @@ class Monitor:
 
     def _saving(self, save: Callable[[Any], None]) -> Callable[[Any], None]:
         def saving(state: Any) -> None:
-            previous, armed = self.phase, self._armed
+            previous = self.phase
             self.tick(phase="save")
-            self._armed = False  # a save waits on the filesystem and the slowest writer: not a hang
             save(state)
-            self.tick(phase=previous, arm=armed)
+            self.tick(phase=previous)
 
         return saving
 

@@ -1,0 +1,102 @@
+"""THE hang test: two real ``python -m trainer.main`` ranks (gloo over TCP, as torchrun would start them);
+rank 1 is SIGSTOPped mid-training. Rank 0 blocks in a collective that never returns; its watchdog ends it
+with exit code 70 and a line naming the last iteration and the idle time, and ``python -m orchestrator
+status`` marks the stopped rank stale, naming its host."""
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import yaml
+
+from orchestrator.runs import write_json
+from orchestrator.status import collect, format_rows
+from tests.train.harness import tiny_config, write_dataset
+from trainer.health import EXIT_HANG
+
+HANG_TIMEOUT_S = 4.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _last_iteration(metrics) -> int:
+    if not os.path.exists(metrics):
+        return 0
+    rows = [json.loads(line) for line in open(metrics) if line.strip()]
+    return max((r["iteration"] for r in rows if "train/lm_loss" in r), default=0)
+
+
+def _status(run_dir) -> str:
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(run_dir), "--stale-after", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_sigstopped_rank_ends_the_run(tmp_path):
+    data = write_dataset(str(tmp_path / "data"))
+    run_dir = tmp_path / "run"
+    d = tiny_config(str(run_dir), data, train={"iters": 100000, "log_interval": 1, "save_interval": 5,
+                                               "eval_interval": 7, "heartbeat_interval_s": 0.25,
+                                               "hang_timeout_s": HANG_TIMEOUT_S, "preflight_timeout_s": 30})
+    cfg_file = tmp_path / "resolved.yaml"
+    cfg_file.write_text(yaml.safe_dump(d))
+    port = _free_port()
+    procs = []
+    for rank, node in enumerate(("nodeA", "nodeB")):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "SLIPWAY_NODE_NAME": node}
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainer.main", "--config", str(cfg_file)],
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    rank0, rank1 = procs
+    # run.json as the orchestrator writes it, so status finds the run (its job: rank 0's process).
+    write_json(run_dir / "run.json", {"run_id": "hang", "jobs": {"train": [
+        {"job_id": str(rank0.pid), "executor": "local", "folder": str(tmp_path / "jobs"),
+         "state_dir": str(run_dir / "stages" / "train")}]}})
+    try:
+        deadline = time.time() + 150
+        while _last_iteration(run_dir / "train_metrics.jsonl") < 12:  # past two saves and an evaluation
+            assert rank0.poll() is None and time.time() < deadline, rank0.communicate()[1][-3000:]
+            time.sleep(0.05)
+        [row] = collect(str(run_dir), stale_after_s=2)
+        assert row.health == "ok 2", format_rows([row])
+        rank1.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        err = rank0.communicate(timeout=HANG_TIMEOUT_S + 60)[1]
+        took = time.monotonic() - stopped_at
+        assert rank0.returncode == EXIT_HANG, err[-3000:]
+        assert HANG_TIMEOUT_S <= took, took
+        line = next(ln for ln in err.splitlines() if "watchdog: no training progress" in ln)
+        m = re.search(r"no training progress for (\d+\.\d) s \(train.hang_timeout_s=4\) on rank 0 of 2 "
+                      r"\(host nodeA, pid \d+\); last iteration (\d+), phase (train|eval|save)\.", line)
+        assert m and float(m.group(1)) >= HANG_TIMEOUT_S, line
+        hung_at = int(m.group(2))
+        assert hung_at >= _last_iteration(run_dir / "train_metrics.jsonl") >= 12
+        assert "exit code 70" in line and "Thread" in err  # followed by the stacks of every thread
+        beats = [json.loads((run_dir / "heartbeats" / f"rank_0000{r}.json").read_text()) for r in (0, 1)]
+        assert beats[0]["phase"] == "hung" and beats[0]["iteration"] == hung_at
+        status = _status(run_dir)
+        sys.stderr.write(status)  # shown with -s / on failure
+        it1, phase1 = beats[1]["iteration"], beats[1]["phase"]
+        stale = f"rank 1 on nodeB (pid {rank1.pid}), iteration {it1}, phase {phase1}"
+        assert f"STALE: run run {stale}: no heartbeat for" in status, status
+        hung = f"rank 0 on nodeA (pid {rank0.pid}), iteration {hung_at}, watchdog: no training progress for"
+        assert f"HUNG: run run {hung}" in status, status
+        assert "hung: rank 0@nodeA" in status and "stale: rank 1@nodeB" in status, status
+        preflight = json.loads((run_dir / "preflight.json").read_text())
+        assert preflight["nodes"] == {"nodeA": [0], "nodeB": [1]} and preflight["problems"] == []
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

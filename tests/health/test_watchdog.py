@@ -1,0 +1,149 @@
+"""Heartbeats and the watchdog on real training runs (one rank per process): a stalled step ends the
+process with exit 70 and a line naming the iteration; slow start-up, checkpoint saves and evaluation do
+not; heartbeats are throttled and atomic; status's judgement of them (stale, stalled, hung, exited)."""
+
+import json
+import os
+import re
+import threading
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+from tests.health.helpers import launch
+from tests.train.harness import run_cfg, tiny_config, write_dataset
+from trainer import checkpoint as ckpt
+from trainer.health import EXIT_HANG, HealthConfig, Monitor, heartbeat_path, judge, read_heartbeats, summarize
+from trainer.main import RunHooks
+
+FAST = {"heartbeat_interval_s": 0.1, "hang_timeout_s": 3.0}
+
+
+def _stalls_at_step(rank: int, d: dict, log_file: str) -> None:
+    # This process's stderr (fd 2: log lines and the stack dump) into a file: the fork server that
+    # started it holds whatever stderr pytest had when it was first used.
+    os.dup2(os.open(log_file, os.O_WRONLY | os.O_CREAT, 0o644), 2)
+
+    def on_step(it: int, loss: float) -> None:
+        if it == 6:
+            time.sleep(30)  # a step that never ends, as far as the watchdog can tell
+
+    run_cfg(d, RunHooks(on_step=on_step))
+
+
+def test_stalled_step_ends_the_process(tmp_path):
+    data = write_dataset(str(tmp_path / "data"))
+    d = tiny_config(str(tmp_path / "run"), data, train={"iters": 20, **FAST})
+    with pytest.raises(mp.ProcessExitedException) as e:
+        launch(1, str(tmp_path), _stalls_at_step, d, str(tmp_path / "stderr.txt"))
+    assert e.value.exit_code == EXIT_HANG
+    err = (tmp_path / "stderr.txt").read_text()
+    m = re.search(r"watchdog: no training progress for (\d+\.\d) s \(train.hang_timeout_s=3\) on rank 0 of 1 "
+                  r"\(host \S+, pid \d+\); last iteration 6, phase train\.", err)
+    assert m and float(m.group(1)) >= 3.0, err
+    assert "in on_step" in err  # the stacks follow: the stuck thread's shows where it is
+    beat = json.loads(open(heartbeat_path(str(tmp_path / "run"), 0)).read())
+    assert beat["phase"] == "hung" and beat["iteration"] == 6 and "exit code 70" in beat["message"]
+
+
+def _slow_phases(rank: int, d: dict, out: str) -> None:
+    """Start-up takes longer than hang_timeout_s, and so does every evaluation (of 2 batches) and every
+    save with the step before it; each save and evaluation batch alone fits."""
+    real_save, real_eval = ckpt.save_checkpoint, None
+
+    def slow_save(*args, **kwargs):
+        time.sleep(2.0)
+        return real_save(*args, **kwargs)
+
+    import trainer.training as training
+
+    real_eval = training.eval_step
+
+    def slow_eval(*args, **kwargs):
+        time.sleep(2.0)
+        return real_eval(*args, **kwargs)
+
+    ckpt.save_checkpoint, training.eval_step = slow_save, slow_eval
+    r = run_cfg(d, RunHooks(on_build=lambda model: time.sleep(4.0)))
+    with open(out, "w") as f:
+        json.dump({"code": r.exit_code, "iteration": r.iteration}, f)
+
+
+def test_slow_startup_saves_and_evaluation_are_not_hangs(tmp_path):
+    data = write_dataset(str(tmp_path / "data"))
+    d = tiny_config(str(tmp_path / "run"), data, train={"iters": 8, "save_interval": 4, "eval_interval": 4,
+                                                       "eval_iters": 2, **FAST})
+    launch(1, str(tmp_path), _slow_phases, d, str(tmp_path / "out.json"))
+    assert json.loads((tmp_path / "out.json").read_text()) == {"code": 0, "iteration": 8}
+    assert ckpt.read_tracker(str(tmp_path / "run" / "checkpoints")) == 8
+    [rank0] = read_heartbeats(str(tmp_path / "run"))
+    assert (rank0.state, rank0.iteration, rank0.host) == ("exited", 8, os.uname().nodename)
+
+
+class _Counting(Monitor):
+    writes = 0
+
+    def write(self, **extra):
+        type(self).writes += 1
+        super().write(**extra)
+
+
+def test_heartbeats_throttled_and_atomic(tmp_path):
+    """Hundreds of thousands of ticks in a second: about one write per interval; never a torn file."""
+    torn = []
+    stop = threading.Event()
+
+    def reader():
+        while not stop.is_set():
+            try:
+                json.loads(open(heartbeat_path(str(tmp_path), 0)).read())
+            except FileNotFoundError:
+                pass
+            except ValueError as e:
+                torn.append(e)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    with _Counting(HealthConfig(heartbeat_interval_s=0.2, hang_timeout_s=0), str(tmp_path)) as m:
+        m.begin()
+        end, i = time.monotonic() + 1.0, 0
+        while time.monotonic() < end:
+            i += 1
+            m.tick(i)
+        beat = json.loads(open(heartbeat_path(str(tmp_path), 0)).read())
+    stop.set()
+    t.join()
+    assert not torn
+    assert 3 <= _Counting.writes <= 8  # begin + ~5 periodic + the final one; not one per tick
+    assert beat["iteration"] > 1000 and beat["phase"] == "startup"
+    final = json.loads(open(heartbeat_path(str(tmp_path), 0)).read())
+    assert final["phase"] == "exited" and final["iteration"] == i
+    assert not [n for n in os.listdir(tmp_path / "heartbeats") if ".tmp" in n]
+
+
+def test_failure_recorded_and_extra_ranks_removed(tmp_path):
+    os.makedirs(tmp_path / "heartbeats")
+    (tmp_path / "heartbeats" / "rank_00005.json").write_text("{}")  # from an earlier 8-rank attempt
+    with pytest.raises(RuntimeError):
+        with Monitor(HealthConfig(), str(tmp_path)) as m:
+            m.begin()
+            raise RuntimeError("data file vanished")
+    assert os.listdir(tmp_path / "heartbeats") == ["rank_00000.json"]
+    [h] = read_heartbeats(str(tmp_path))
+    assert h.state == "failed" and h.message == "RuntimeError: data file vanished"
+
+
+def test_judgement():
+    now = 1000.0
+    beat = {"rank": 3, "host": "n2", "pid": 7, "iteration": 40, "phase": "train", "interval_s": 10.0}
+    ok = judge({**beat, "time": now - 5, "progress_time": now - 6}, now)
+    stale = judge({**beat, "time": now - 51, "progress_time": now - 51}, now)  # default: 5 intervals
+    stalled = judge({**beat, "time": now - 1, "progress_time": now - 400}, now)
+    assert (ok.state, stale.state, stalled.state) == ("ok", "stale", "stalled")
+    assert judge({**beat, "time": now - 5, "progress_time": now - 5}, now, stale_after_s=2).state == "stale"
+    assert judge({**beat, "time": now - 999, "phase": "exited"}, now).state == "exited"
+    starting = judge({**beat, "time": now - 1, "progress_time": now - 999, "phase": "startup"}, now)
+    assert starting.state == "ok"  # an index build is not a stall
+    assert summarize([ok, ok]) == "ok 2"
+    assert summarize([ok, stale, stalled]) == "stale: rank 3@n2 (51 s); stalled: rank 3@n2 (400 s)"
