@@ -45,9 +45,10 @@ Tensor scaled_causal_softmax_backward_cpu(const Tensor& grad, const Tensor& prob
     const scalar_t *gp = gc.data_ptr<scalar_t>(), *yp = yc.data_ptr<scalar_t>();
     scalar_t* dp = dx.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain_rows(sk), [&](int64_t r0, int64_t r1) {
+      std::vector<A> buf(sk);
       for (int64_t r = r0; r < r1; ++r)
         cpu::causal_softmax_bwd_row<scalar_t, A>(gp + r * sk, yp + r * sk, dp + r * sk, causal_len(r, sq, sk),
-                                                 sk, static_cast<A>(scale));
+                                                 sk, static_cast<A>(scale), buf.data());
     });
   });
   return dx;
@@ -79,8 +80,7 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_cpu(const Tensor& x, const Tensor&
   return {y, mean, rstd};
 }
 
-// Each of `parts` tasks owns a contiguous block of rows and its own dγ/dβ partial rows; the partials are
-// summed in a fixed order afterwards, so the result is deterministic for a given thread count.
+// Each of `parts` tasks owns a contiguous block of rows and its own dγ/dβ partial rows.
 std::tuple<Tensor, Tensor, Tensor> layer_norm_backward_cpu(const Tensor& grad, const Tensor& x, const Tensor& weight,
                                                          const Tensor& mean, const Tensor& rstd) {
   check_vec(x, weight, "layer_norm_backward", "weight");
@@ -93,23 +93,26 @@ std::tuple<Tensor, Tensor, Tensor> layer_norm_backward_cpu(const Tensor& grad, c
               "value per row (", rows, "), got ", mc.numel(), " and ", rc.numel(), ".");
   Tensor dx = at::empty_like(xc);
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), rows));
-  Tensor partial = at::zeros({2, parts, h}, x.options().dtype(acc));
+  Tensor gw_part = at::zeros({parts, h}, x.options().dtype(acc)), gb_part = at::zeros_like(gw_part);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "layer_norm_backward", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t *xp = xc.data_ptr<scalar_t>(), *gp = gc.data_ptr<scalar_t>();
     scalar_t* dp = dx.data_ptr<scalar_t>();
     const A *wp = w.data_ptr<A>(), *mp = mc.data_ptr<A>(), *rp = rc.data_ptr<A>();
-    A* pp = partial.data_ptr<A>();
+    A *gwp = gw_part.data_ptr<A>(), *gbp = gb_part.data_ptr<A>();
     at::parallel_for(0, parts, 1, [&](int64_t t0, int64_t t1) {
       std::vector<A> buf(2 * h);
       for (int64_t t = t0; t < t1; ++t)
         for (int64_t r = t * rows / parts; r < (t + 1) * rows / parts; ++r)
           cpu::layer_norm_bwd_row<scalar_t, A>(gp + r * h, xp + r * h, wp, mp[r], rp[r], dp + r * h, h,
-                                               pp + t * h, pp + (parts + t) * h, buf.data());
+                                               gwp + t * h, gbp + t * h, buf.data());
     });
   });
-  // Two separate reductions: views of one result tensor would alias, which the schema does not declare.
-  return {dx, partial[0].sum(0).to(weight.scalar_type()), partial[1].sum(0).to(weight.scalar_type())};
+  // One partial row per task, summed in task order (deterministic for a given thread count).
+  auto total = [&](const Tensor& part) {
+    return (parts == 1 ? part[0] : part.sum(0)).to(weight.scalar_type());
+  };
+  return {dx, total(gw_part), total(gb_part)};
 }
 
 // Logits as [rows, v] with unit stride along the vocab, but any row stride: a vocab slice of padded logits
@@ -133,8 +136,9 @@ std::tuple<Tensor, Tensor, Tensor> ce_local_stats_cpu(const Tensor& logits, cons
     const int64_t* tp = tc.data_ptr<int64_t>();
     A *mp = mx.data_ptr<A>(), *sp = se.data_ptr<A>(), *tlp = tl.data_ptr<A>();
     at::parallel_for(0, rows, grain_rows(v), [&](int64_t r0, int64_t r1) {
+      std::vector<A> buf(v);
       for (int64_t r = r0; r < r1; ++r)
-        cpu::ce_stats_row<scalar_t, A>(lp + r * ld, v, tp[r] - vocab_start, mp + r, sp + r, tlp + r);
+        cpu::ce_stats_row<scalar_t, A>(lp + r * ld, v, tp[r] - vocab_start, buf.data(), mp + r, sp + r, tlp + r);
     });
   });
   return {mx, se, tl};

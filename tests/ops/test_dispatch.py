@@ -29,6 +29,12 @@ def test_eager_mode_and_errors():
     assert set(KERNEL_MODES) == {"auto", "csrc", "apex", "eager", "compile"}
 
 
+def test_compile_mode_wraps_the_references():
+    ks = resolve("compile", "cpu")
+    assert ks.names == {**dict.fromkeys(OPS, "compile"), "adamw_step": "eager"}
+    assert ks.bias_gelu is not reference.bias_gelu and ks.adamw_step is reference.adamw_step
+
+
 def test_apex_mode_without_apex_falls_back_to_csrc():
     ks = resolve("apex", "cpu")
     assert ks.names["layer_norm"] in ("csrc", "apex") and ks.names["bias_gelu"] == "csrc"
