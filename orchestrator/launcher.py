@@ -12,6 +12,7 @@ from pathlib import Path
 from orchestrator import render
 from orchestrator.estimate import fmt_duration, memory_table
 from orchestrator.follow import LogFollower, failure_tails, log_path
+from orchestrator.launch_checks import record_writer, reused_data_problems, single_writer
 from orchestrator.plan import Plan, PlanInputs, SweepInfo, make_plan, run_name
 from orchestrator.runs import (
     add_to_sweep,
@@ -220,6 +221,7 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -
     started = time.monotonic()
     facts = gather_facts(cfg, sweep)
     plan = make_plan(cfg, facts)
+    plan.problems.extend(reused_data_problems(plan))
     scripts = scripts_of(cfg, plan)
     if cfg.dry_run:
         text = render.redact(format_plan(cfg, plan, scripts), dict(os.environ))
@@ -227,8 +229,11 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -
         return LaunchResult(plan, text)
     if plan.problems:
         raise PlanError(plan.problems)
-    _record(cfg, plan, scripts)
-    submitted = submit_plan(cfg, plan)
+    with single_writer(plan):  # refuses while a job of this run (or of its checkpoint dir) is active
+        _record(cfg, plan, scripts)
+        submitted = submit_plan(cfg, plan)
+        train = next((s for s in submitted if s.stage == "train"), None)
+        record_writer(plan, train.job_id if train else None, cfg.cluster.executor)
     if sweep:
         add_to_sweep(
             sweep.sweep_dir,

@@ -143,12 +143,15 @@ def _preprocess_stage(cfg: SlipwayConfig, facts: PlanInputs, corpus: StagePlan |
             "json_key": d.json_key,
             "append_eod": d.append_eod,
             "code": facts.code_version.get("trainer/data"),
+            # Only skip changes the output (fail either writes what skip would, or nothing); keys of data
+            # preprocessed before on_error existed stay valid.
+            **({"on_error": "skip"} if d.on_error == "skip" else {}),
         }
     )
     out = os.path.join(_cache_dir(cfg), "preprocess", key)
     # A local run streams the job's log to the terminal (launcher), where a tqdm bar redraws in place.
     progress = "bar" if cfg.cluster.executor == "local" else "log"
-    job = PreprocessJob(out, inputs, vocab, merges, d.json_key, d.append_eod, d.workers, progress)
+    job = PreprocessJob(out, inputs, vocab, merges, d.json_key, d.append_eod, d.workers, progress, d.on_error)
     deps = ("corpus",) if corpus is not None else ()
     return StagePlan("preprocess", key, out, True, deps, job)
 
@@ -197,6 +200,11 @@ def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> di
     }
 
 
+def _summaries(prep: StagePlan) -> list[str]:
+    """The preprocessing summaries (with the skipped lines) the training job copies into the run dir."""
+    return [f"{p}_summary.json" for p in prep.job.prefixes]
+
+
 def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[StagePlan]:
     tcfg = trainer_config(cfg, facts, prep)
     code = facts.code_version.get("trainer")
@@ -214,7 +222,7 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
             os.path.join(state, "train"),
             False,
             ("preprocess",),
-            TrainJob(facts.run_dir, tcfg, cfg.fail_train),
+            TrainJob(facts.run_dir, tcfg, cfg.fail_train, cfg.stall_train, _summaries(prep)),
         )
     ]
     if cfg.convert.enabled:

@@ -169,6 +169,10 @@ class DataConfig:
     """Append <|endoftext|> to every document."""
     workers: int = 2
     """Tokenizer worker processes of the preprocessing job."""
+    on_error: str = "fail"
+    """Bad JSONL lines (invalid JSON or UTF-8, missing or non-string key): fail stops the preprocessing
+    job at the first one, naming file:line (training never starts); skip drops them, counts them by reason
+    and copies the report (file:line of each) to <run_dir>/data_report.json."""
     corpus: CorpusConfig | None = None
     """Build the corpus on the cluster (see data.corpus); null: read paths."""
 
@@ -386,6 +390,10 @@ class SlipwayConfig:
     fail_train: str | None = None
     """Test hook: start makes training fail on purpose (exercises afterok and retries). Never set it in
     shipped configs."""
+    stall_train: int | None = None
+    """Test hook: after this iteration (once per run) every rank pauses until a signal arrives (at most
+    10 min), so fault tests can preempt, time out or kill a job at a known point. Never set it in shipped
+    configs."""
 
 
 def register() -> None:

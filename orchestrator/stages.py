@@ -18,6 +18,7 @@ from typing import Any
 
 import submitit
 
+from orchestrator.job_extras import stall_hook, write_data_report
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -60,6 +61,7 @@ class PreprocessJob:
     append_eod: bool = True
     workers: int = 2
     progress: str = "log"  # "bar": a tqdm bar in the job's log (a local run streams it to the terminal)
+    on_error: str = "fail"  # bad JSONL lines: fail (name file:line) or skip (count them in the summary)
 
     @property
     def prefixes(self) -> list[str]:
@@ -74,6 +76,8 @@ class TrainJob:
     run_dir: str
     trainer_config: dict[str, Any]
     fail: str | None = None  # test hook: "start" raises before training
+    stall_at: int | None = None  # test hook: pause after this iteration until a signal (job_extras)
+    data_summaries: list[str] = field(default_factory=list)  # preprocessing summaries → data_report.json
 
 
 @dataclass
@@ -214,6 +218,7 @@ class PreprocessStage(Stage):
                 merge_file=job.merge_file,
                 append_eod=job.append_eod,
                 workers=max(job.workers, 1),
+                on_error=job.on_error,
                 progress=job.progress,
             )
             out.append(str(preprocess(cfg)))
@@ -252,10 +257,13 @@ class TrainStage(Stage):
         (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()} {restart} {attempt}\n")
         if job.fail == "start":
             raise RuntimeError("fail_train=start: training failed on purpose (test hook)")
+        if rank == 0:
+            write_data_report(job.data_summaries, job.run_dir)
         from trainer.config import RunConfig
-        from trainer.main import run
+        from trainer.main import RunHooks, run
 
-        result = run(RunConfig.from_dict(job.trainer_config))
+        hooks = RunHooks(on_step=stall_hook(job.stall_at, self.output_dir, rank)) if job.stall_at else None
+        result = run(RunConfig.from_dict(job.trainer_config), hooks)
         code = int(getattr(result, "exit_code", result) or 0)
         if code == EXIT_REQUEUE:
             # Local controller requeues on its own code; the sbatch script requeues on the trainer's, or

@@ -111,6 +111,7 @@ def _choices(cfg: SlipwayConfig) -> list[Problem]:
         ("cluster.executor", cfg.cluster.executor, EXECUTORS),
         ("container.kind", cfg.container.kind, CONTAINER_KINDS),
         ("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES),
+        ("data.on_error", cfg.data.on_error, ("fail", "skip")),
     ):
         if value not in allowed:
             out.append(

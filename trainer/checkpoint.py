@@ -21,6 +21,12 @@ Atomicity (the protocol, in order):
    the commit point — then prunes old checkpoints (renamed aside before deletion).
 A kill at any moment leaves the tracker pointing at a complete checkpoint; stray temporary or uncommitted
 directories are ignored by loaders and cleaned by later saves.
+
+Disk space: before writing, the ranks add up the bytes of every shard and compare them with the free space
+of the checkpoint filesystem (rank 0's view, so all ranks decide alike); a shortfall raises
+:class:`CheckpointSpaceError` on every rank before anything is written. A write that still runs out of
+space (another writer filled the disk) removes its temporary directory and raises the same error. Either
+way the tracker keeps pointing at the previous complete checkpoint.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer.ckpt_space import mib as _mib
+from trainer.ckpt_space import out_of_space, state_bytes, sum_over_ranks
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -52,6 +60,10 @@ FAILPOINT_ENV = "SLIPWAY_CKPT_FAILPOINT"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded; the message says what is wrong and how to fix it."""
+
+
+class CheckpointSpaceError(CheckpointError):
+    """Not enough free space to write a checkpoint; nothing was committed (the previous one is intact)."""
 
 
 @dataclass(frozen=True)
@@ -111,8 +123,16 @@ def _iter_dir(ckpt_dir: str, iteration: int) -> str:
 
 def _failpoint(name: str, iteration: int) -> None:
     """Test hook for crash-consistency tests: ``SLIPWAY_CKPT_FAILPOINT=name@N`` makes this process SIGKILL
-    itself at that point of the save of iteration N (a real kill: no cleanup runs)."""
+    itself at that point of the save of iteration N (a real kill: no cleanup runs). With
+    ``SLIPWAY_CKPT_FAILPOINT_ONCE=<path>`` only the first process to create that file dies, so the retry
+    of a killed job (same environment) gets past the point."""
     if os.environ.get(FAILPOINT_ENV) == f"{name}@{iteration}":
+        once = os.environ.get(f"{FAILPOINT_ENV}_ONCE")
+        if once:
+            try:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -142,6 +162,25 @@ def _remove_aside(path: str) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+def _discard(tmp: str, parent: str) -> None:
+    """Remove a failed write's temporary folder (gives the space back) and its iteration folder when no
+    other rank's shard is in it yet."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        os.rmdir(parent)
+    except OSError:
+        pass
+
+
+def _enospc_message(final_dir: str, iteration: int, state: dict) -> str:
+    parent = os.path.dirname(final_dir)
+    free = shutil.disk_usage(os.path.dirname(parent)).free
+    return (f"no space left on the device of {parent} while writing {os.path.basename(final_dir)} of "
+            f"iteration {iteration}: this shard needs ~{_mib(state_bytes(state))} MiB ({_mib(free)} MiB free "
+            "now). Nothing was committed: the latest checkpoint is unchanged. Free space, lower "
+            "checkpoint.keep, or set checkpoint.dir elsewhere")
+
+
 def _write_shard(state: dict, final_dir: str, iteration: int) -> None:
     """Step 1 of the protocol for this rank's shard."""
     parent = os.path.dirname(final_dir)
@@ -151,11 +190,17 @@ def _write_shard(state: dict, final_dir: str, iteration: int) -> None:
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     _failpoint("before_write", iteration)
-    with open(os.path.join(tmp, SHARD_FILE), "wb") as f:
-        torch.save(state, f)
-        _failpoint("mid_write", iteration)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(os.path.join(tmp, SHARD_FILE), "wb") as f:
+            torch.save(state, f)
+            _failpoint("mid_write", iteration)
+            f.flush()
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch.save wraps the OSError in a RuntimeError
+        if not out_of_space(e):
+            raise
+        _discard(tmp, parent)
+        raise CheckpointSpaceError(_enospc_message(final_dir, iteration, state)) from e
     _fsync_dir(tmp)
     _failpoint("before_rename", iteration)
     if os.path.exists(final_dir):  # an uncommitted leftover of this iteration (see save_checkpoint)
@@ -213,14 +258,34 @@ def prune(ckpt_dir: str, committed: int, keep: int | None) -> None:
         log.info("removed checkpoint iteration %d (checkpoint.keep=%d)", iteration, keep)
 
 
+def check_space(ckpt_dir: str, iteration: int, state: dict, layout: ShardLayout) -> None:
+    """Collective: raise :class:`CheckpointSpaceError` on every rank when the shards of ``iteration``
+    (all ranks together) would not fit in the free space of ``ckpt_dir``'s filesystem."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    mine = state_bytes(state) if layout.writes else 0
+    # Rank 0's view of the free space, so every rank takes the same decision.
+    free = shutil.disk_usage(ckpt_dir).free if _global_rank() == 0 else 0
+    need, free = sum_over_ranks([mine, free])
+    if need > free:
+        latest = read_tracker(ckpt_dir)
+        kept = "there is no earlier checkpoint" if latest is None else \
+            f"the latest checkpoint (iteration {latest}) is unchanged"
+        raise CheckpointSpaceError(
+            f"not enough space in {ckpt_dir} for the checkpoint of iteration {iteration}: it needs "
+            f"~{_mib(need)} MiB, {_mib(free)} MiB are free. Nothing was written: {kept}. Free space, lower "
+            "checkpoint.keep, or set checkpoint.dir to a larger filesystem")
+
+
 def save_checkpoint(ckpt_dir: str, iteration: int, state: dict, layout: ShardLayout,
                     keep: int | None) -> bool:
-    """Collective over all ranks: write this rank's shard, commit, prune. Returns False when the
-    iteration was already committed (then nothing is rewritten: the state at an iteration is unique)."""
+    """Collective over all ranks: check the space, write this rank's shard, commit, prune. Returns False
+    when the iteration was already committed (then nothing is rewritten: the state at an iteration is
+    unique)."""
     if read_tracker(ckpt_dir) == iteration and os.path.isdir(_iter_dir(ckpt_dir, iteration)):
         log.info("checkpoint at iteration %d already committed in %s", iteration, ckpt_dir)
         _barrier()
         return False
+    check_space(ckpt_dir, iteration, state, layout)
     if layout.writes:
         final = os.path.join(ckpt_dir, iter_dir_name(iteration),
                              shard_dir_name(layout.tp_rank, layout.pp_rank, layout.pp_size))

@@ -72,6 +72,7 @@ def test_cpu_threads_shared_by_the_ranks_of_a_node():
     assert cpu_threads_per_rank(1, {}) is None  # one rank: torch's default
     assert cpu_threads_per_rank(4, {"OMP_NUM_THREADS": "3"}) is None  # the user's choice wins
     assert cpu_threads_per_rank(8, {"SLURM_CPUS_PER_TASK": "6"}) == 6  # Slurm bound the task already
+    assert cpu_threads_per_rank(1, {"SLURM_CPUS_PER_TASK": "1"}) == 1  # alone on a node others share
 
 
 def test_world_of_one_step_equals_plain_model_math():

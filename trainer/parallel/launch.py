@@ -74,10 +74,14 @@ def cpu_threads_per_rank(local_world_size: int, environ: Mapping[str, str] | Non
     0.3 s per iteration). torchrun sets OMP_NUM_THREADS=1 for the same reason; Slurm and submitit do not.
     """
     env = os.environ if environ is None else environ
-    if env.get("OMP_NUM_THREADS") or local_world_size <= 1:
+    if env.get("OMP_NUM_THREADS"):
         return None
-    if env.get("SLURM_CPUS_PER_TASK", "").isdigit():  # Slurm already bound this task to its own cores
+    # Slurm gave this task its CPUs: that is its share even as the only task of its node, since other
+    # jobs may share the node (and the devcluster's two nodes share one machine's cores).
+    if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
         return max(1, int(env["SLURM_CPUS_PER_TASK"]))
+    if local_world_size <= 1:
+        return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // local_world_size)
 

@@ -1,0 +1,137 @@
+"""Checks between the plan and the submission that read the outside world (files, the queue).
+
+- Reused data: a preprocessing output found complete in the cache is opened and validated like the
+  trainer would (``.idx`` header and offsets, ``.bin`` length), so a truncated or corrupt file is refused
+  here, naming the file and the problem, instead of failing a job on the cluster.
+- One writer per run: a launch holds a lock on the run directory and on the checkpoint directory while it
+  records and submits, and refuses when a job of the same run is still queued or running, or when another
+  run's active job writes the same checkpoint directory (``.slipway-writer.json`` there). Two launches of
+  one run therefore never write one checkpoint directory at the same time; relaunching a run whose jobs
+  have all ended resumes it from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+from orchestrator.plan import Plan
+from orchestrator.runs import RUN_JSON, write_json
+from orchestrator.stages import COMPLETE, PreprocessJob
+from orchestrator.validate import PlanError, Problem
+
+LOCK = ".slipway-launch.lock"
+WRITER = ".slipway-writer.json"
+_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
+           "SUSPENDED", "COMPLETING", "STAGE_OUT", "SIGNALING"}
+
+
+def reused_data_problems(plan: Plan) -> list[Problem]:
+    """Problems with a preprocessing output the launch would reuse (none when it will be built)."""
+    prep = plan.stage("preprocess")
+    if not (Path(prep.state_dir) / COMPLETE).exists():
+        return []
+    from trainer.data.indexed_dataset import IndexedDataset, IndexedDatasetError
+
+    job: PreprocessJob = prep.job
+    out = []
+    for prefix in job.prefixes:
+        try:
+            IndexedDataset(f"{prefix}_{job.json_key}_document").close()
+        except IndexedDatasetError as err:
+            out.append(Problem(
+                "data_corrupt", "cache_dir", prep.state_dir,
+                f"the cached preprocessed data this run would train on is unusable: {err}",
+                f"delete the cache entry (rm -r {prep.state_dir}) and launch again; the preprocess stage "
+                "rebuilds it from the inputs"))
+    return out
+
+
+def checkpoint_dir(plan: Plan) -> str:
+    return plan.stage("train").job.trainer_config["checkpoint"]["dir"]
+
+
+def job_state(job_id: str, executor: str) -> str | None:
+    """The job's state when it is queued or running (None when it ended or is unknown)."""
+    if executor == "local":
+        try:
+            os.kill(int(job_id), 0)
+            return "RUNNING"
+        except (OSError, ValueError):
+            return None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return "UNKNOWN"  # cannot tell: assume it may still write
+    state = out.stdout.strip()
+    return state if out.returncode == 0 and state in _ACTIVE else None
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def active_jobs(plan: Plan) -> list[str]:
+    """Descriptions of the queued/running jobs of this run and of the checkpoint directory's writer."""
+    found: list[str] = []
+    seen: set[str] = set()
+    for stage, entries in _read(Path(plan.run_dir) / RUN_JSON).get("jobs", {}).items():
+        e = entries[-1]
+        state = job_state(str(e["job_id"]), e.get("executor", "slurm"))
+        seen.add(str(e["job_id"]))
+        if state:
+            found.append(f"{stage} job {e['job_id']} ({state})")
+    writer = _read(Path(checkpoint_dir(plan)) / WRITER)
+    if writer and str(writer.get("job_id")) not in seen:
+        state = job_state(str(writer["job_id"]), writer.get("executor", "slurm"))
+        if state:
+            found.append(f"train job {writer['job_id']} of run {writer.get('run_dir')} ({state}), which "
+                         f"writes {checkpoint_dir(plan)}")
+    return found
+
+
+@contextmanager
+def single_writer(plan: Plan) -> Iterator[None]:
+    """Hold the launch locks of the run and checkpoint directories; refuse while another writer is active."""
+    created = [d for d in (checkpoint_dir(plan), plan.run_dir) if not os.path.isdir(d)]
+    with ExitStack() as stack:
+        for d in sorted({plan.run_dir, checkpoint_dir(plan)}):  # one order everywhere: no deadlock
+            os.makedirs(d, exist_ok=True)
+            f = stack.enter_context(open(os.path.join(d, LOCK), "a"))
+            fcntl.flock(f, fcntl.LOCK_EX)
+        active = active_jobs(plan)
+        if active:
+            for d in created:  # a refused launch leaves nothing behind
+                Path(d, LOCK).unlink(missing_ok=True)
+                _rmdir(d)
+            raise PlanError([Problem(
+                "run_active", "run_id", plan.run_id,
+                f"this run is already launched: {'; '.join(active)}. A second launch would write "
+                f"{checkpoint_dir(plan)} at the same time",
+                f"follow it with python -m orchestrator status {plan.run_dir}; to relaunch, wait until it "
+                "ends or cancel it first (scancel)")])
+        yield
+
+
+def _rmdir(path: str) -> None:
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def record_writer(plan: Plan, job_id: str | None, executor: str) -> None:
+    """Name the training job as the checkpoint directory's writer (read by later launches)."""
+    if job_id:
+        write_json(Path(checkpoint_dir(plan)) / WRITER,
+                   {"run_id": plan.run_id, "run_dir": plan.run_dir, "job_id": job_id, "executor": executor})

@@ -1,0 +1,106 @@
+"""Helpers of the devcluster tests (test_devcluster.py, test_fault_matrix.py): job states, run records,
+losses, and the sizes that keep real jobs small on a 2-core machine."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from orchestrator.status import collect
+
+ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "UNKNOWN")
+
+# The smallest model and batch that still exercise every code path (pinned here, not taken from the
+# smoke experiment, whose sizes follow `make demo`).
+TINY_MODEL = [
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.seq_length=64",
+    "model.max_position_embeddings=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.eval_iters=1",
+    "train.log_interval=1",
+    "optim.warmup_iters=1",
+    "data.workers=1",
+    "data.split='80,20,0'",
+    "cluster.stage_cpus=1",
+]
+
+
+def my_jobs() -> dict[str, str]:
+    """{job id: state} of every Slipway job in the queue."""
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%j|%T"], capture_output=True, text=True, timeout=60)
+    jobs = {}
+    for line in out.stdout.splitlines():
+        jid, name, state = line.split("|")
+        if name.startswith("slipway-"):
+            jobs[jid] = state
+    return jobs
+
+
+def newest_job_id() -> int:
+    """The highest job id Slurm has handed out so far (sacct knows ended jobs too)."""
+    out = subprocess.run(["sacct", "-n", "-X", "-a", "-P", "-o", "JobIDRaw", "-S", "now-1day"],
+                         capture_output=True, text=True, timeout=60)
+    ids = [int(x) for x in out.stdout.split() if x.isdigit()] + [int(j) for j in my_jobs()]
+    return max(ids, default=0)
+
+
+def states(run_dir: Path) -> dict[str, str]:
+    return {r.stage: r.state for r in collect(str(run_dir))}
+
+
+def wait_states(run_dir: Path, timeout_s: float = 600) -> dict[str, str]:
+    """Block until no stage of the run is queued or running; its final states."""
+    deadline = time.monotonic() + timeout_s
+    now: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        now = states(run_dir)
+        if now and all(s not in ACTIVE for s in now.values()):
+            return now
+        time.sleep(2)
+    raise AssertionError(f"jobs of {run_dir} still running after {timeout_s:.0f} s: {now}")
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float = 400, what: str = "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def job_ids(run_dir: Path) -> dict[str, str]:
+    meta = json.loads((run_dir / "run.json").read_text())
+    return {stage: entries[-1]["job_id"] for stage, entries in meta["jobs"].items()}
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """lm loss per iteration from the trainer's metrics file (a replayed iteration: the last one wins)."""
+    out = {}
+    path = run_dir / "train_metrics.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        row = json.loads(line)
+        if "train/lm_loss" in row:
+            out[int(row["iteration"])] = row["train/lm_loss"]
+    return out
+
+
+def cancel_runs(run_dirs: list[Path]) -> None:
+    """scancel whatever jobs of these runs are still queued or running (test teardown)."""
+    ids = []
+    for run in run_dirs:
+        if (run / "run.json").exists():
+            ids += [j for s, j in job_ids(run).items() if states(run).get(s) in ACTIVE]
+    if ids:
+        subprocess.run(["scancel", *ids], timeout=60, check=False)
+
+
+def log_text(run_dir: Path, pattern: str) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in sorted((run_dir / "logs").glob(pattern)))

@@ -1,0 +1,70 @@
+"""A full checkpoint filesystem (a real tmpfs, mounted by the test; needs root): the save fails with the path
+and the space needed, the previous checkpoint stays the latest and loads, and nothing partial is left.
+
+The devcluster version (a training job whose checkpoint directory is a small tmpfs) is in
+tests/orchestrator/test_fault_matrix.py; here one process calls the checkpoint module directly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer import checkpoint as ckpt
+
+LAYOUT = ckpt.ShardLayout()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A 1 MiB tmpfs; unmounted afterwards."""
+    mnt = tmp_path / "ckpt"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True,
+                         text=True, timeout=30)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], timeout=30, check=False)
+
+
+def _state(mib: float) -> dict:
+    return {"iteration": 1, "model": {"w": torch.arange(int(mib * 2**20 / 4), dtype=torch.float32)}}
+
+
+def _leftovers(d: Path) -> list[str]:
+    return [str(p.relative_to(d)) for p in d.rglob("*") if p.name.startswith((".tmp-", ".trash-"))]
+
+
+def test_precheck_refuses_before_writing(small_fs: Path):
+    assert ckpt.save_checkpoint(str(small_fs), 4, _state(0.55), LAYOUT, keep=1)
+    with pytest.raises(ckpt.CheckpointSpaceError) as err:
+        ckpt.save_checkpoint(str(small_fs), 8, _state(0.55), LAYOUT, keep=1)
+    msg = str(err.value)
+    assert str(small_fs) in msg and "iteration 8" in msg and "needs ~0.6 MiB" in msg, msg
+    assert "latest checkpoint (iteration 4) is unchanged" in msg, msg
+    assert ckpt.read_tracker(str(small_fs)) == 4
+    assert ckpt.list_iterations(str(small_fs)) == [4] and not _leftovers(small_fs)
+    loaded = ckpt.load_file(ckpt.shard_path(str(small_fs), 4, 0, 0, 1))
+    assert torch.equal(loaded["model"]["w"], _state(0.55)["model"]["w"])
+
+
+def test_enospc_during_the_write_cleans_up(small_fs: Path):
+    """A state whose size the estimate cannot see (a long Python list) passes the pre-check and then fills
+    the disk mid-write: the temporary shard is removed and the error names the path."""
+    assert ckpt.save_checkpoint(str(small_fs), 4, _state(0.3), LAYOUT, keep=1)
+    big = {"iteration": 8, "blob": list(range(400_000))}  # ~2 MB pickled, estimated at ~70 KB
+    with pytest.raises(ckpt.CheckpointSpaceError) as err:
+        ckpt.save_checkpoint(str(small_fs), 8, big, LAYOUT, keep=1)
+    msg = str(err.value)
+    assert "no space left" in msg and str(small_fs / "iter_0000008") in msg, msg
+    assert isinstance(err.value.__cause__, RuntimeError | OSError)
+    assert ckpt.read_tracker(str(small_fs)) == 4
+    assert ckpt.list_iterations(str(small_fs)) == [4] and not _leftovers(small_fs)
+    assert os.statvfs(small_fs).f_bfree * os.statvfs(small_fs).f_frsize > 600_000  # the space came back
