@@ -21,7 +21,7 @@ git rev-parse --short HEAD 2>/dev/null | sed 's/^/commit /'
 
 stage "build trainer._C with CUDA kernels (sm_80, sm_90)"
 export TORCH_CUDA_ARCH_LIST="8.0;9.0" MAX_JOBS=${MAX_JOBS:-16}
-timeout 210 $PY setup.py build_ext --inplace -f >/tmp/slipway_build.log 2>&1 || { tail -40 /tmp/slipway_build.log; status=1; }
+timeout 270 $PY setup.py build_ext --inplace -f >/tmp/slipway_build.log 2>&1 || { tail -40 /tmp/slipway_build.log; status=1; }
 $PY - <<'PYEOF' || status=1
 import torch
 import trainer.ops as ops
@@ -30,13 +30,13 @@ print("csrc CUDA kernels registered:", ops.resolve("auto", "cuda").names)
 PYEOF
 
 stage "gpu tests (tests/ops, -m gpu)"
-timeout 75 $PY -m pytest tests/ops -m gpu -q -p no:cacheprovider || status=1
+timeout 60 $PY -m pytest tests/ops -m gpu -q -p no:cacheprovider || status=1
 
 stage "fused ops vs eager compositions (bench/kernels.py --device cuda)"
-timeout 45 $PY bench/kernels.py --device cuda --dtypes bfloat16 --scale 8 || status=1
+timeout 40 $PY bench/kernels.py --device cuda --dtypes bfloat16 --scale 8 || status=1
 
 stage "training step: CodeParrot-small, bf16, seq 1024 (bench/train_gpu.py)"
-timeout 140 $PY bench/train_gpu.py --modes eager,csrc,apex,hf --budget-s 90 || status=1
+timeout 100 $PY bench/train_gpu.py --modes eager,csrc,apex,hf --budget-s 60 || status=1
 
 stage "done: status $status, ${SECONDS}s; output in $OUT"
 exit $status

@@ -4,7 +4,8 @@ and transformers' GPT-2 of the same shape as the baseline, all measured in this 
     python bench/train_gpu.py [--modes eager,csrc,apex,hf] [--micro-batches 64,32,16,8] [--budget-s 240]
 
 bf16 autocast with fp32 parameters (trainer/precision.py's design), seq 1024, random tokens. The best
-micro-batch that fits is found once (largest first) and used for every mode. Reports tokens/s, model
+micro-batch that fits is found once (largest first, with the first mode) and used for every mode (a mode
+that runs out of memory retries at half). Reports tokens/s, model
 TFLOP/s (Megatron's formula, performance.md) and MFU against --peak-tflops (H100/H200 bf16 dense: 989).
 Optimizer per mode: eager → torch.optim.AdamW(foreach), csrc → trainer.ops.adamw.FusedAdamW,
 apex → apex FusedAdam, hf → torch.optim.AdamW(fused).
@@ -36,7 +37,7 @@ def build(mode: str):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg = GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=SEQ,
-                         attn_implementation="sdpa")
+                         bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
         model = GPT2LMHeadModel(cfg).cuda().train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         return model, opt, lambda tokens: model(input_ids=tokens, labels=tokens).loss
@@ -81,6 +82,17 @@ def fits(mode: str, batch: int) -> bool:
 
 
 def measure(mode: str, batch: int, steps: int, warmup: int) -> dict:
+    """Time `steps` training steps; a mode that runs out of memory at `batch` retries at half of it."""
+    try:
+        return _measure(mode, batch, steps, warmup)
+    except torch.cuda.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        if batch == 1:
+            raise
+        return measure(mode, batch // 2, steps, warmup)
+
+
+def _measure(mode: str, batch: int, steps: int, warmup: int) -> dict:
     model, opt, step_fn = build(mode)
     tokens = torch.randint(0, VOCAB, (batch, SEQ), device="cuda")
     for _ in range(warmup):
@@ -95,8 +107,9 @@ def measure(mode: str, batch: int, steps: int, warmup: int) -> dict:
     kernels = getattr(names, "kernels", None)
     del model, opt
     torch.cuda.empty_cache()
-    return dict(mode=mode, step_s=dt, tokens_s=batch * SEQ / dt, tflops=flops_per_step(batch) / dt / 1e12,
-                loss=float(loss), kernels=getattr(kernels, "names", {}))
+    return dict(mode=mode, batch=batch, step_s=dt, tokens_s=batch * SEQ / dt,
+                tflops=flops_per_step(batch) / dt / 1e12, loss=float(loss.detach()),
+                kernels=getattr(kernels, "names", {}))
 
 
 def main() -> int:
@@ -119,7 +132,7 @@ def main() -> int:
         except Exception:  # noqa: BLE001
             sys.stdout.write("apex not importable: skipping mode apex\n")
             modes.remove("apex")
-    probe = "csrc" if "csrc" in modes else modes[0]
+    probe = modes[0]  # eager first by default: its fp32 copy of the logits makes it the hungriest
     batch = next((b for b in map(int, args.micro_batches.split(",")) if fits(probe, b)), None)
     if batch is None:
         sys.stdout.write("no micro-batch fits\n")
@@ -127,7 +140,8 @@ def main() -> int:
     sys.stdout.write(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  "
                      f"micro-batch {batch} x seq {SEQ}"
                      f"  ({flops_per_step(batch) / (batch * SEQ):.3g} FLOPs/token)\n")
-    header = f"{'mode':<8}{'step ms':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'loss':>8}  kernels\n"
+    header = (f"{'mode':<8}{'batch':>6}{'step ms':>9}{'tokens/s':>11}{'TFLOP/s':>9}{'MFU':>7}{'loss':>8}"
+              "  kernels\n")
     sys.stdout.write(header)
     results = []
     for mode in modes:
@@ -136,8 +150,9 @@ def main() -> int:
             continue
         r = measure(mode, batch, args.steps, args.warmup)
         results.append(r)
-        sys.stdout.write(f"{mode:<8}{r['step_s'] * 1e3:>9.1f}{r['tokens_s']:>11.0f}{r['tflops']:>9.1f}"
-                         f"{100 * r['tflops'] / args.peak_tflops:>6.1f}%{r['loss']:>8.3f}  {r['kernels']}\n")
+        sys.stdout.write(f"{mode:<8}{r['batch']:>6}{r['step_s'] * 1e3:>9.1f}{r['tokens_s']:>11.0f}"
+                         f"{r['tflops']:>9.1f}{100 * r['tflops'] / args.peak_tflops:>6.1f}%{r['loss']:>8.3f}"
+                         f"  {r['kernels']}\n")
         sys.stdout.flush()
     base = {r["mode"]: r["tokens_s"] for r in results}
     for ref in ("eager", "hf"):
