@@ -19,6 +19,14 @@ def test_extension_is_built_and_auto_picks_csrc_on_cpu():
     assert ks.bias_gelu is not reference.bias_gelu
 
 
+def test_missing_extension_falls_back_to_eager(monkeypatch):
+    """What a machine without a built extension gets (the warning itself is logged by _ext.load)."""
+    monkeypatch.setattr(_ext, "_STATE", {"ok": False, "error": "simulated"})
+    assert not csrc_available("cpu")
+    assert resolve("csrc", "cpu").names == dict.fromkeys(OPS, "eager")
+    assert resolve("auto", "cpu").names == dict.fromkeys(OPS, "eager")
+
+
 def test_eager_mode_and_errors():
     ks = resolve("eager", "cpu")
     assert ks.names == dict.fromkeys(OPS, "eager") and ks.layer_norm is reference.layer_norm
