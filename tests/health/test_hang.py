@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import yaml
 
@@ -20,6 +21,7 @@ from tests.train.harness import tiny_config, write_dataset
 from trainer.health import EXIT_HANG
 
 HANG_TIMEOUT_S = 4.0
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _free_port() -> int:
@@ -37,7 +39,8 @@ def _last_iteration(metrics) -> int:
 
 def _status(run_dir) -> str:
     out = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(run_dir), "--stale-after", "2"],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -55,9 +58,10 @@ def test_sigstopped_rank_ends_the_run(tmp_path):
     for rank, node in enumerate(("nodeA", "nodeB")):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
                "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "SLIPWAY_NODE_NAME": node}
+               "SLIPWAY_NODE_NAME": node, "PYTHONPATH": str(REPO)}  # this checkout's trainer
         procs.append(subprocess.Popen([sys.executable, "-m", "trainer.main", "--config", str(cfg_file)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                      cwd=REPO))
     rank0, rank1 = procs
     # run.json as the orchestrator writes it, so status finds the run (its job: rank 0's process).
     write_json(run_dir / "run.json", {"run_id": "hang", "jobs": {"train": [
@@ -65,7 +69,10 @@ def test_sigstopped_rank_ends_the_run(tmp_path):
          "state_dir": str(run_dir / "stages" / "train")}]}})
     try:
         deadline = time.time() + 150
-        while _last_iteration(run_dir / "train_metrics.jsonl") < 12:  # past two saves and an evaluation
+        beat1 = run_dir / "heartbeats" / "rank_00001.json"
+        # Past two saves and an evaluation, and rank 1's heartbeat already tells an iteration.
+        while _last_iteration(run_dir / "train_metrics.jsonl") < 12 or \
+                json.loads(beat1.read_text() if beat1.exists() else "{}").get("iteration") is None:
             assert rank0.poll() is None and time.time() < deadline, rank0.communicate()[1][-3000:]
             time.sleep(0.05)
         [row] = collect(str(run_dir), stale_after_s=2)

@@ -1,0 +1,98 @@
+"""The hang on real Slurm (the devcluster: ``eval "$(slurm/devcluster up)"``): a 2-node training job
+rendered by the orchestrator (its retry loop, ``srun --kill-on-bad-exit``) runs the trainer CLI; rank 1's
+process is SIGSTOPped mid-training. Rank 0's watchdog exits 70, the step ends, the script retries it in
+the same allocation, and the retry resumes from the last checkpoint and finishes. Meanwhile ``status``
+shows rank 1 stale on n2 and rank 0 stalled on n1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from orchestrator.render import JobResources, ScriptSpec, render_sbatch
+from orchestrator.runs import write_json
+from orchestrator.status import collect, format_rows
+from tests.train.harness import tiny_config, write_dataset
+from trainer import checkpoint as ckpt
+
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
+
+ITERS = 150
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _metrics_iteration(path: Path) -> int:
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    return max((r["iteration"] for r in rows if "train/lm_loss" in r), default=0)
+
+
+def _sacct_state(job: str) -> str:
+    out = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State"], capture_output=True,
+                         text=True, timeout=30)
+    return out.stdout.strip().split(" ")[0]
+
+
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_sigstopped_rank_is_retried_from_the_last_checkpoint(tmp_path):
+    data = write_dataset(str(tmp_path / "data"))
+    run = tmp_path / "run"
+    d = tiny_config(str(run), data, train={"iters": ITERS, "log_interval": 1, "save_interval": 10,
+                                           "eval_interval": 50, "heartbeat_interval_s": 0.5,
+                                           "hang_timeout_s": 8, "preflight_timeout_s": 30})
+    cfg = tmp_path / "resolved.yaml"
+    cfg.write_text(yaml.safe_dump(d))
+    (run / "logs").mkdir(parents=True)
+    res = JobResources("slipway-hang-train", nodes=2, tasks_per_node=1, cpus_per_task=1, time_limit_min=10,
+                       signal_delay_s=30, max_retries=1, max_timeouts=1)
+    spec = ScriptSpec(res, f"{shlex.quote(sys.executable)} -m trainer.main --config {cfg}", str(run / "logs"),
+                      "train", "hang", str(run / "stages" / "train"),
+                      env=(("OMP_NUM_THREADS", "1"), ("PYTHONPATH", str(REPO))))  # this checkout's trainer
+    script = run / "train.sbatch"
+    script.write_text(render_sbatch(spec))
+    out = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    job = out.stdout.strip().split(";")[0]
+    write_json(run / "run.json", {"run_id": "hang", "jobs": {"train": [
+        {"job_id": job, "executor": "slurm", "state_dir": str(run / "stages" / "train")}]}})
+    try:
+        _wait(lambda: _metrics_iteration(run / "train_metrics.jsonl") >= 15, 150, "iteration 15")
+        stopped = json.loads((run / "heartbeats" / "rank_00001.json").read_text())
+        os.kill(stopped["pid"], signal.SIGSTOP)  # the task on n2 (the devcluster's nodes are this host)
+        saved = ckpt.read_tracker(str(run / "checkpoints"))
+        # Between 3 s (stale) and 8 s (the watchdog): rank 1 is stale, rank 0 alive but stalled.
+        _wait(lambda: "stale: rank 1@n2" in collect(str(run), stale_after_s=3)[0].health, 8, "stale rank 1")
+        status = format_rows(collect(str(run), stale_after_s=3))
+        _wait(lambda: (run / "stages" / "train" / "retries").exists(), 60, "the retry")
+        _wait(lambda: _sacct_state(job) in ("COMPLETED", "FAILED", "CANCELLED"), 150, "the job to end")
+    finally:
+        subprocess.run(["scancel", job], timeout=60, check=False)
+    assert _sacct_state(job) == "COMPLETED"
+    assert "retry attempt=1 after rc=70" in (run / "stages" / "train" / "retries").read_text()
+    first = (run / "logs" / f"train_{job}_r0_a0_0.err").read_text()
+    m = re.search(r"watchdog: no training progress for [\d.]+ s \(train.hang_timeout_s=8\) on rank 0 of 2 "
+                  r"\(host n1, pid \d+\); last iteration (\d+)", first)
+    assert m and int(m.group(1)) >= 15, first[-3000:]
+    retry = (run / "logs" / f"train_{job}_r0_a1_0.err").read_text()
+    resumed = re.search(r"loaded checkpoint from \S+ iteration (\d+)", retry)
+    assert resumed and int(resumed.group(1)) >= saved >= 10, retry[-3000:]
+    assert ckpt.read_tracker(str(run / "checkpoints")) == ITERS
+    assert f"STALE: run run rank 1 on n2 (pid {stopped['pid']})" in status, status
+    assert "STALLED: run run rank 0 on n1" in status and "waiting in a collective" in status, status
+    assert json.loads((run / "preflight.json").read_text())["nodes"] == {"n1": [0], "n2": [1]}
