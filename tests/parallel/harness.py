@@ -23,7 +23,7 @@ from trainer.model import GPTConfig
 from trainer.parallel import ParallelConfig, ParallelState, build_model, clip_grad_norm, eval_step, train_step
 
 CFG = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
-                hidden_dropout=0.0, attention_dropout=0.0, kernels="eager")
+                hidden_dropout=0.0, attention_dropout=0.0, kernels="csrc")
 SEED, STEPS, MICRO_BATCH, GLOBAL_BATCH = 1234, 20, 2, 8
 LR, MAX_NORM = 3e-3, 1.0
 

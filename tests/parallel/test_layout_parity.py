@@ -1,9 +1,10 @@
 """Changing the layout must not change the loss (architecture principle 6).
 
 The tiny GPT trains 20 AdamW steps (fp32, dropout off, gradient clipping active) under each (tp, pp, dp)
-layout, with and without sequence parallelism, on CPU gloo; every layout's losses, gradient norms and
-eval loss must equal the single-process run's within 1e-5 relative, and its initial weights and the
-gradients of every parameter (gathered to full shape) must match.
+layout, with and without sequence parallelism, on CPU gloo with the compiled csrc kernels
+(kernels=csrc); every layout's losses, gradient norms and eval loss must equal the single-process run's
+within 1e-5 relative, and its initial weights and the gradients of every parameter (gathered to full
+shape) must match.
 """
 
 from __future__ import annotations
