@@ -147,3 +147,22 @@ def test_judgement():
     assert starting.state == "ok"  # an index build is not a stall
     assert summarize([ok, ok]) == "ok 2"
     assert summarize([ok, stale, stalled]) == "stale: rank 3@n2 (51 s); stalled: rank 3@n2 (400 s)"
+
+
+def test_settable_from_launch_overrides():
+    """``train.hang_timeout_s=...`` on the launch.py command line reaches the trainer's config."""
+    from orchestrator.plan import PlanInputs, make_plan
+    from tests.orchestrator.conftest import compose_cfg
+    from trainer.config import RunConfig
+
+    cfg = compose_cfg(["+experiment=codeparrot_smoke", "train.hang_timeout_s=90", "train.preflight=false",
+                       "train.heartbeat_interval_s=2", "train.preflight_slow_factor=8"])
+    plan = make_plan(cfg, PlanInputs("r", "/runs/r"), exists=lambda p: True)
+    health = RunConfig.from_dict(plan.stage("train").job.trainer_config).train.health()
+    assert health == HealthConfig(heartbeat_interval_s=2, hang_timeout_s=90, preflight=False,
+                                  preflight_slow_factor=8)
+    defaults = RunConfig.from_dict(make_plan(compose_cfg(["+experiment=codeparrot"]), PlanInputs(
+        "r", "/runs/r"), exists=lambda p: True).stage("train").job.trainer_config).train.health()
+    assert defaults == HealthConfig(heartbeat_interval_s=10, hang_timeout_s=1800, preflight=True)
+    with pytest.raises(ValueError, match=r"train.hang_timeout_s: is -5\. Use seconds > 0, or 0/null"):
+        HealthConfig(hang_timeout_s=-5)
