@@ -211,8 +211,10 @@ def test_6_corrupt_cached_data_is_refused_at_plan_time(matrix):
     mangled), is refused by the plan naming the file and the problem; nothing is submitted."""
     prep = Path(json.loads((matrix.runs["base"] / "run.json").read_text())["stages"]["preprocess"]["dir"])
     wait_for(lambda: (prep / "_COMPLETE").exists(), what="the shared preprocessing job")
-    broken = matrix.root / "cache2" / "preprocess" / prep.name
-    shutil.copytree(prep, broken, ignore=shutil.ignore_patterns("jobs", "logs"))
+    broken = matrix.root / "cache2" / "preprocess" / prep.name  # same key, another cache
+    broken.mkdir(parents=True)
+    for name in ("_COMPLETE", "data_content_document.bin", "data_content_document.idx"):
+        shutil.copy(prep / name, broken / name)  # (not its index-cache/: running jobs write there)
     cfg = [*matrix.overrides["base"], "run_id=corrupt", f"cache_dir={matrix.root / 'cache2'}"]
     binp, idx = broken / "data_content_document.bin", broken / "data_content_document.idx"
     newest = newest_job_id()
