@@ -46,6 +46,11 @@ def _extensions():
     # No FP traps or errno from libm: lets GCC vectorise the kernels' selects and sqrt (csrc/cpu_math.h);
     # -Wno-psabi: its 64-byte vector types never cross a non-inlined call, so the ABI note is noise.
     cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-Wno-psabi"]
+    # No debug info (overrides the -g in Python's CFLAGS): a third less compile time on the torch headers
+    # (module.cpp: 47 -> 31 CPU-s; the whole build is the larger half of a fresh `make demo`) and 50x smaller
+    # objects. SLIPWAY_DEBUG_BUILD=1 keeps -g for gdb.
+    if os.environ.get("SLIPWAY_DEBUG_BUILD", "0") != "1":
+        cxx_flags.append("-g0")
     use_cuda = (
         torch.version.cuda is not None
         and cpp_extension.CUDA_HOME is not None
