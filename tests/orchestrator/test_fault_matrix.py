@@ -192,8 +192,16 @@ def test_8_double_launch_is_refused_while_the_run_is_active(matrix):
     first = job_ids(run)["train"]
     assert states(run)["train"] in ("PENDING", "RUNNING")
     before, newest = (run / "run.json").read_text(), newest_job_id()
-    res = subprocess.run([sys.executable, "launch.py", *matrix.overrides["base"]], cwd=REPO,
-                         capture_output=True, text=True, timeout=300, env=os.environ)
+    # Suspend the running job while the second launch.py plans (its imports take seconds on a busy box):
+    # otherwise the run may finish first and the relaunch is, correctly, no double launch at all.
+    # A pending job cannot be suspended and stays pending; both states count as active.
+    subprocess.run(["scontrol", "suspend", str(first)], capture_output=True, text=True)
+    try:
+        assert states(run)["train"] in ("PENDING", "RUNNING", "SUSPENDED")
+        res = subprocess.run([sys.executable, "launch.py", *matrix.overrides["base"]], cwd=REPO,
+                             capture_output=True, text=True, timeout=300, env=os.environ)
+    finally:
+        subprocess.run(["scontrol", "resume", str(first)], capture_output=True, text=True)
     assert res.returncode == 2, res.stdout + res.stderr
     assert "[run_active]" in res.stderr and f"train job {first}" in res.stderr, res.stderr
     assert f"python -m orchestrator status {run}" in res.stderr
