@@ -19,26 +19,13 @@ import time
 import numpy as np
 import pytest
 
+from tests.data.oracles import GPT2Oracle
 from trainer.data.corpus import CorpusConfig, iter_documents
 from trainer.data.indexed_dataset import IndexedDataset
 from trainer.data.preprocess import PreprocessConfig, PreprocessError, preprocess
 from trainer.data.preprocess_io import InputError
 from trainer.data.tokenizer import EOD_TOKEN, load_gpt2_bpe
 from trainer.data.train_tokenizer import TokenizerTrainConfig, train_tokenizer
-
-
-class GPT2Oracle:
-    """GPT-2's reference BPE (transformers' Python implementation; see test_tokenizer.py)."""
-
-    def __init__(self, vocab_file, merge_file) -> None:
-        from transformers.models.clvp.tokenization_clvp import ClvpTokenizer
-
-        self.t = ClvpTokenizer(str(vocab_file), str(merge_file))
-
-    def encode(self, text: str) -> list[int]:
-        t = self.t
-        return [t.encoder[tok] for piece in t.pat.findall(text)
-                for tok in t.bpe("".join(t.byte_encoder[b] for b in piece.encode("utf-8"))).split(" ")]
 
 
 def megatron_preprocess(input_path, prefix, keys, append_eod, encode, eod, vocab_size) -> None:

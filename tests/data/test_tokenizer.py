@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from tests.data.oracles import GPT2Oracle
 from trainer.data.corpus import CorpusConfig, iter_documents
 from trainer.data.tokenizer import (
     EOD_TOKEN,
@@ -38,18 +39,6 @@ MULTILINGUAL = [
 ]
 
 
-class GPT2Oracle:
-    """GPT-2's reference BPE (transformers' Python implementation) on the given files."""
-
-    def __init__(self, vocab_file, merge_file) -> None:
-        from transformers.models.clvp.tokenization_clvp import ClvpTokenizer
-
-        self.t = ClvpTokenizer(str(vocab_file), str(merge_file))
-
-    def encode(self, text: str) -> list[int]:
-        t = self.t
-        return [t.encoder[tok] for piece in t.pat.findall(text)
-                for tok in t.bpe("".join(t.byte_encoder[b] for b in piece.encode("utf-8"))).split(" ")]
 
 
 @pytest.fixture(scope="module")
