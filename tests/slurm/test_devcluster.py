@@ -102,7 +102,8 @@ def test_srun_runs_one_task_on_each_node_and_sacct_records_it():
 
 
 def test_submitit_two_nodes_two_tasks_allreduce_with_gloo(tmp_path):
-    submitit = pytest.importorskip("submitit")
+    import submitit  # a hard dependency of Slipway: missing, it is an error, never a skip
+
     from tests.slurm._jobs import allreduce_rank
 
     executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm",

@@ -1,6 +1,9 @@
 """A full checkpoint filesystem (a real tmpfs, mounted by the test; needs root): the save fails with the path
 and the space needed, the previous checkpoint stays the latest and loads, and nothing partial is left.
 
+Where no tmpfs can be mounted the tests skip locally but fail under CI (``CI`` set, as ``.ci/run`` does):
+a CI box that cannot run them must say so, not report them as passed-by-skipping.
+
 The devcluster version (a training job whose checkpoint directory is a small tmpfs) is in
 tests/orchestrator/test_fault_matrix.py; here one process calls the checkpoint module directly.
 """
@@ -8,15 +11,27 @@ tests/orchestrator/test_fault_matrix.py; here one process calls the checkpoint m
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import IN_CI
 from trainer import checkpoint as ckpt
 
 LAYOUT = ckpt.ShardLayout()
+
+
+def _mount_tmpfs(mnt: Path) -> str | None:
+    """Mount a 1 MiB tmpfs on ``mnt``; None on success, else why not."""
+    if shutil.which("mount") is None:
+        return "no mount command"
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True,
+                         text=True, timeout=30)
+    return None if res.returncode == 0 else res.stderr.strip() or f"mount exited {res.returncode}"
 
 
 @pytest.fixture
@@ -24,10 +39,12 @@ def small_fs(tmp_path: Path):
     """A 1 MiB tmpfs; unmounted afterwards."""
     mnt = tmp_path / "ckpt"
     mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True,
-                         text=True, timeout=30)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {res.stderr.strip()}")
+    problem = _mount_tmpfs(mnt)
+    if problem:
+        why = f"cannot mount a tmpfs here (needs root): {problem}"
+        if IN_CI:
+            pytest.fail(f"{why}; CI must run the full-disk checkpoint tests (run CI as root)")
+        pytest.skip(why)
     try:
         yield mnt
     finally:
@@ -68,3 +85,25 @@ def test_enospc_during_the_write_cleans_up(small_fs: Path):
     assert ckpt.read_tracker(str(small_fs)) == 4
     assert ckpt.list_iterations(str(small_fs)) == [4] and not _leftovers(small_fs)
     assert os.statvfs(small_fs).f_bfree * os.statvfs(small_fs).f_frsize > 600_000  # the space came back
+
+
+def test_unmountable_tmpfs_fails_under_ci_and_skips_otherwise(tmp_path: Path):
+    """The policy above, on a box where ``mount`` fails (a stand-in first on PATH): CI set → the test fails,
+    CI unset → it skips."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "mount").write_text("#!/bin/sh\necho 'mount: only root can do that' >&2\nexit 32\n")
+    (shim / "mount").chmod(0o755)
+    test_id = f"{Path(__file__).resolve()}::test_precheck_refuses_before_writing"
+    outcomes = {}
+    for ci in ("true", ""):
+        env = {**os.environ, "PATH": f"{shim}{os.pathsep}{os.environ.get('PATH', '')}", "CI": ci}
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", "-rfEs",
+               test_id]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                             cwd=Path(__file__).resolve().parents[2])
+        outcomes[ci] = (res.returncode, res.stdout + res.stderr)
+    code, out = outcomes["true"]
+    assert code == 1 and "1 error" in out and "only root can do that" in out and "CI must run" in out, out
+    code, out = outcomes[""]
+    assert code == 0 and "1 skipped" in out and "only root can do that" in out, out

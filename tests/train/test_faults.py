@@ -1,11 +1,14 @@
 """What a cluster does to a run: SIGKILL in the middle of a checkpoint save, signals during a save,
 fp16 overflow, NaN in fp32 — and that the run, or its restart, comes out right."""
 
+import itertools
 import json
 import math
 import os
 import signal
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from trainer import checkpoint as ckpt
 from trainer.main import RunHooks
 from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE
 
+STORM = (signal.SIGTERM, signal.SIGUSR2)
 FAILPOINTS = ["before_write", "mid_write", "before_rename", "after_rename", "before_tracker", "after_tracker"]
 
 
@@ -63,24 +67,58 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, reference, fail
 
 
 def _signal_storm(rank: int, d: dict, out: str) -> None:
-    """From iteration 10 on, SIGTERM and SIGUSR2 arrive every millisecond, including during the save."""
+    """From iteration 10 on, SIGTERM and SIGUSR2 arrive in turn every millisecond. The save at 10 holds in
+    the middle of writing its shard (file written, not yet fsynced or renamed) until several of each kind
+    arrived there, so the handlers certainly run inside the save. The trainer's own handler (a StopRequest
+    that records itself here) tells which signals it took."""
+    import trainer.main
+    from trainer.signals import StopRequest
+
     done = threading.Event()
+    sent: list[int] = []
+    in_write: list[int] = []  # the signals sent while the shard write was held open
+    installed: list[StopRequest] = []
+    failpoint = ckpt._failpoint
+
+    class _Recorded(StopRequest):
+        def install(self) -> StopRequest:
+            installed.append(self)
+            return super().install()
 
     def storm() -> None:
+        kinds = itertools.cycle((signal.SIGTERM, signal.SIGUSR2))  # alternate kinds within this one process
         while not done.is_set():
-            os.kill(os.getpid(), signal.SIGTERM if os.getpid() % 2 else signal.SIGUSR2)
+            sig = next(kinds)
+            os.kill(os.getpid(), sig)
+            sent.append(sig)
             done.wait(0.001)
+
+    def mid_write_hold(name: str, iteration: int) -> None:
+        failpoint(name, iteration)
+        if name != "mid_write" or iteration != 10:
+            return
+        start, deadline = len(sent), time.monotonic() + 30
+        while time.monotonic() < deadline and min(sent[start:].count(s) for s in STORM) < 3:
+            time.sleep(0.001)  # the main thread: the Python-level handlers run here, mid-save
+        in_write.extend(sent[start:])
 
     def on_step(it: int, loss: float) -> None:
         if it == 10:  # the first one synchronously (the stop is then certain at 10), the rest keep coming
             os.kill(os.getpid(), signal.SIGUSR2)
             threading.Thread(target=storm, daemon=True).start()
 
-    for sig in (signal.SIGTERM, signal.SIGUSR2):  # after run() restores this, late signals are harmless
+    for sig in STORM:  # after run() restores this, late signals are harmless
         signal.signal(sig, lambda *_: None)
+    trainer.main.StopRequest, ckpt._failpoint = _Recorded, mid_write_hold
     r = run_cfg(d, RunHooks(on_step=on_step))
     done.set()
-    save_json(out, {"code": r.exit_code, "iteration": r.iteration})
+    received = [s for stop in installed for s in stop.received]
+
+    def counts(sigs: list[int]) -> dict[str, int]:
+        return {s.name: sigs.count(s) for s in STORM}
+
+    save_json(out, {"code": r.exit_code, "iteration": r.iteration, "sent": counts(sent),
+                    "in_write": counts(in_write), "received": counts(received)})
 
 
 def test_signals_during_save_do_not_corrupt_it(tmp_path, reference):
@@ -88,7 +126,13 @@ def test_signals_during_save_do_not_corrupt_it(tmp_path, reference):
     d = tiny_config(str(tmp_path / "run"), data, train={"iters": 20, "save_interval": 5})
     spawn(1, str(tmp_path), _signal_storm, d, str(tmp_path / "stopped.json"))
     stopped = load_json(str(tmp_path / "stopped.json"))
-    assert stopped == {"code": EXIT_REQUEUE, "iteration": 10}
+    sys.stderr.write(f"signal storm: {stopped}\n")
+    assert (stopped["code"], stopped["iteration"]) == (EXIT_REQUEUE, 10), stopped
+    # Both kinds, in turn, arrived in the middle of the shard write, and both reached the trainer's handler
+    # (a kind sent twice before its handler ran counts once: POSIX signals do not queue).
+    assert stopped["in_write"]["SIGTERM"] >= 3 and stopped["in_write"]["SIGUSR2"] >= 3, stopped
+    assert abs(stopped["sent"]["SIGTERM"] - stopped["sent"]["SIGUSR2"]) <= 1, stopped
+    assert stopped["received"]["SIGTERM"] >= 1 and stopped["received"]["SIGUSR2"] >= 2, stopped
     spawn(1, str(tmp_path), _resume, d, str(tmp_path / "resumed.json"))
     resumed = load_json(str(tmp_path / "resumed.json"))
     assert resumed["code"] == EXIT_OK
