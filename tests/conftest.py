@@ -2,7 +2,11 @@
 
 - ``gpu`` tests run only where CUDA is present.
 - ``slurm`` tests need the devcluster (``slurm/devcluster up``; ``make test`` brings it up). Locally a
-  missing cluster skips them; with CI=true it is a failure, never a skip.
+  missing cluster skips them; with CI set (``1``/``true``/``yes``; ``.ci/run`` sets it) a missing cluster
+  fails every one of them, never a skip. ``tests/test_ci_guard.py`` proves the guard fires.
+
+Markers are read with ``get_closest_marker`` (a marker, wherever it was applied), never from
+``item.keywords``, where any test or class *name* containing "slurm" would count as the marker.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import subprocess
 import pytest
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+_UNCHECKED = object()
+_slurm_problem: object = _UNCHECKED
 
 
 def _cuda() -> bool:
@@ -40,23 +47,32 @@ def devcluster_problem() -> str | None:
     return None
 
 
+def _cached_devcluster_problem() -> str | None:
+    """Asked once per session (sinfo against a dead controller can take its whole timeout)."""
+    global _slurm_problem
+    if _slurm_problem is _UNCHECKED:
+        _slurm_problem = devcluster_problem()
+    return _slurm_problem  # type: ignore[return-value]
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = _cuda()
-    slurm_problem = None
-    if any("slurm" in item.keywords for item in items):
-        slurm_problem = devcluster_problem()
     for item in items:
-        if "gpu" in item.keywords and not has_cuda:
+        if item.get_closest_marker("gpu") is not None and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "slurm" in item.keywords and slurm_problem:
-            if IN_CI:
-                item.add_marker(pytest.mark.usefixtures("_devcluster_required"))
-            else:
-                item.add_marker(pytest.mark.skip(reason=f"devcluster not available: {slurm_problem}"))
 
 
-@pytest.fixture
-def _devcluster_required():
-    problem = devcluster_problem()
-    if problem:
-        pytest.fail(f"CI=true requires the devcluster, but: {problem}")
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """The devcluster guard. A setup hook rather than an autouse fixture: it runs before every fixture
+    of the test, session- and module-scoped ones included, so no fixture submits jobs (or concludes from
+    an unreachable Slurm that nothing was submitted) before the guard has spoken. A marker added at
+    collection time cannot request a fixture (pytest fixes a test's fixtures when it collects it)."""
+    if item.get_closest_marker("slurm") is None:
+        return
+    problem = _cached_devcluster_problem()
+    if problem is None:
+        return
+    if IN_CI:
+        pytest.fail(f"CI is set, so the devcluster is required, but: {problem}", pytrace=False)
+    pytest.skip(f"devcluster not available: {problem}")

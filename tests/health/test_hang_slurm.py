@@ -22,6 +22,7 @@ import yaml
 from orchestrator.render import JobResources, ScriptSpec, render_sbatch
 from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows
+from tests.slurm_cli import sacct_final_state
 from tests.train.harness import tiny_config, write_dataset
 from trainer import checkpoint as ckpt
 
@@ -34,12 +35,6 @@ REPO = Path(__file__).resolve().parents[2]
 def _metrics_iteration(path: Path) -> int:
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
     return max((r["iteration"] for r in rows if "train/lm_loss" in r), default=0)
-
-
-def _sacct_state(job: str) -> str:
-    out = subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", "State"], capture_output=True,
-                         text=True, timeout=30)
-    return out.stdout.strip().split(" ")[0]
 
 
 def _wait(cond, timeout_s: float, what: str) -> None:
@@ -84,10 +79,11 @@ def test_sigstopped_rank_is_retried_from_the_last_checkpoint(tmp_path):
             "rank 1 stale and rank 0 stalled")
         status = format_rows(collect(str(run), stale_after_s=3))
         _wait(lambda: (run / "stages" / "train" / "retries").exists(), 60, "the retry")
-        _wait(lambda: _sacct_state(job) in ("COMPLETED", "FAILED", "CANCELLED"), 150, "the job to end")
+        ended = sacct_final_state(job, timeout=150)
+        assert ended in ("COMPLETED", "FAILED", "CANCELLED"), f"the job did not end: {ended}"
     finally:
         subprocess.run(["scancel", job], timeout=60, check=False)
-    assert _sacct_state(job) == "COMPLETED"
+    assert sacct_final_state(job) == "COMPLETED"
     assert "retry attempt=1 after rc=70" in (run / "stages" / "train" / "retries").read_text()
     first = (run / "logs" / f"train_{job}_r0_a0_0.err").read_text()
     m = re.search(r"watchdog: no training progress for [\d.]+ s \(train.hang_timeout_s=8\) on rank 0 of 2 "

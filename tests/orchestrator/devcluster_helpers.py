@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.status import collect
+from tests.slurm_cli import slurm
 
 ACTIVE = ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "UNKNOWN")
 
@@ -34,9 +35,8 @@ TINY_MODEL = [
 
 def my_jobs() -> dict[str, str]:
     """{job id: state} of every Slipway job in the queue."""
-    out = subprocess.run(["squeue", "-h", "-o", "%i|%j|%T"], capture_output=True, text=True, timeout=60)
     jobs = {}
-    for line in out.stdout.splitlines():
+    for line in slurm("squeue", "-h", "-o", "%i|%j|%T").splitlines():
         jid, name, state = line.split("|")
         if name.startswith("slipway-"):
             jobs[jid] = state
@@ -45,9 +45,8 @@ def my_jobs() -> dict[str, str]:
 
 def newest_job_id() -> int:
     """The highest job id Slurm has handed out so far (sacct knows ended jobs too)."""
-    out = subprocess.run(["sacct", "-n", "-X", "-a", "-P", "-o", "JobIDRaw", "-S", "now-1day"],
-                         capture_output=True, text=True, timeout=60)
-    ids = [int(x) for x in out.stdout.split() if x.isdigit()] + [int(j) for j in my_jobs()]
+    out = slurm("sacct", "-n", "-X", "-a", "-P", "-o", "JobIDRaw", "-S", "now-1day")
+    ids = [int(x) for x in out.split() if x.isdigit()] + [int(j) for j in my_jobs()]
     return max(ids, default=0)
 
 

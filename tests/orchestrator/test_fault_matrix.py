@@ -40,6 +40,7 @@ from tests.orchestrator.devcluster_helpers import (
     wait_for,
     wait_states,
 )
+from tests.slurm_cli import sacct_states, slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
@@ -195,13 +196,16 @@ def test_8_double_launch_is_refused_while_the_run_is_active(matrix):
     # Suspend the running job while the second launch.py plans (its imports take seconds on a busy box):
     # otherwise the run may finish first and the relaunch is, correctly, no double launch at all.
     # A pending job cannot be suspended and stays pending; both states count as active.
-    subprocess.run(["scontrol", "suspend", str(first)], capture_output=True, text=True)
+    suspended = states(run)["train"] == "RUNNING"
+    if suspended:
+        slurm("scontrol", "suspend", str(first))
     try:
         assert states(run)["train"] in ("PENDING", "RUNNING", "SUSPENDED")
         res = subprocess.run([sys.executable, "launch.py", *matrix.overrides["base"]], cwd=REPO,
                              capture_output=True, text=True, timeout=300, env=os.environ)
     finally:
-        subprocess.run(["scontrol", "resume", str(first)], capture_output=True, text=True)
+        if suspended:
+            slurm("scontrol", "resume", str(first))
     assert res.returncode == 2, res.stdout + res.stderr
     assert "[run_active]" in res.stderr and f"train job {first}" in res.stderr, res.stderr
     assert f"python -m orchestrator status {run}" in res.stderr
@@ -330,8 +334,7 @@ def test_2_time_limit_checkpoints_requeues_and_finishes_within_max_timeouts(matr
     assert 1 <= timeouts <= 3  # cluster.max_timeouts
     assert len(_lines(state / "requeues")) == timeouts
     job = job_ids(run)["train"]
-    sacct = subprocess.run(["sacct", "-j", job, "-X", "-D", "-n", "-P", "-o", "State"], capture_output=True,
-                           text=True, timeout=60).stdout.split()
+    sacct = sacct_states(job, duplicates=True)
     assert sacct[0] == "REQUEUED" and sacct[-1] == "COMPLETED" and "TIMEOUT" not in sacct, sacct
     stops = log_text(run, "train_*_0.err")
     assert "stop requested (SIGUSR2)" in stops  # Slurm's --signal=USR2@30, before the limit

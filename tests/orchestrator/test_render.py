@@ -1,7 +1,8 @@
 """Golden tests of the rendered job scripts (pure): local/devcluster/slurm × container none/apptainer.
 
+A golden file that is missing fails its test (it is never written and then compared with itself).
 Regenerate after an intended change with ``SLIPWAY_UPDATE_GOLDEN=1 pytest tests/orchestrator/test_render.py``
-and review the diff.
+(the only way these files are written) and review the diff.
 """
 
 from __future__ import annotations
@@ -47,9 +48,16 @@ def _scripts(cluster: str, container: str) -> str:
 def test_golden(cluster, container):
     text = _scripts(cluster, container)
     path = GOLDEN / f"{cluster}_{container}.txt"
-    if os.environ.get("SLIPWAY_UPDATE_GOLDEN") or not path.exists():
+    if os.environ.get("SLIPWAY_UPDATE_GOLDEN") == "1":
         path.write_text(text)
+    assert path.exists(), f"golden file {path} is missing: create it with SLIPWAY_UPDATE_GOLDEN=1 and review it"
     assert text == path.read_text(), f"rendered scripts changed; diff against {path}"
+
+
+def test_every_golden_file_belongs_to_a_case():
+    """A golden file without a case (a cluster preset renamed or removed) would go stale unnoticed."""
+    cases = {f"{c}_{k}.txt" for c in CLUSTERS for k in ("none", "apptainer_ngc")}
+    assert {p.name for p in GOLDEN.glob("*.txt")} == cases
 
 
 def test_slurm_training_script_semantics():

@@ -9,19 +9,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.slurm_cli import sacct_final_state, sacct_states
 
 pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
 DEVCLUSTER = REPO / "slurm" / "devcluster"
 DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2")
-TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-            "BOOT_FAIL", "DEADLINE"}
 
 
 @pytest.fixture(scope="module")
@@ -44,20 +43,6 @@ def alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def sacct_state(job_id: str, timeout: float = 60) -> str:
-    """The job's final accounting state; slurmctld reports to slurmdbd asynchronously, so poll."""
-    deadline = time.monotonic() + timeout
-    state = ""
-    while time.monotonic() < deadline:
-        out = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"], capture_output=True,
-                             text=True, timeout=30)
-        state = out.stdout.strip().split(" ")[0]
-        if state in TERMINAL:
-            return state
-        time.sleep(0.5)
-    return f"no terminal state after {timeout} s (last: {state!r})"
 
 
 def test_status_reports_every_daemon_and_idle_nodes(state_dir):
@@ -98,7 +83,7 @@ def test_srun_runs_one_task_on_each_node_and_sacct_records_it():
     assert [r[1:] for r in rows] == [["n1", "0"], ["n2", "1"]], res.stdout
     job_ids = {r[0] for r in rows}
     assert len(job_ids) == 1
-    assert sacct_state(job_ids.pop()) == "COMPLETED"
+    assert sacct_final_state(job_ids.pop()) == "COMPLETED"
 
 
 def test_submitit_two_nodes_two_tasks_allreduce_with_gloo(tmp_path):
@@ -120,7 +105,7 @@ def test_submitit_two_nodes_two_tasks_allreduce_with_gloo(tmp_path):
     placement = sorted((r["node"], r["local_rank"]) for r in results)
     assert placement == [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]
     assert {r["master_addr"] for r in results} == {"n1"}
-    assert sacct_state(job.job_id) == "COMPLETED"
+    assert sacct_final_state(job.job_id) == "COMPLETED"
 
 
 def test_second_cluster_starts_from_nothing_and_down_stops_only_its_own(tmp_path, state_dir):
@@ -168,8 +153,8 @@ def test_signal_then_requeue_from_inside_the_job(tmp_path):
                          timeout=60)
     assert res.returncode == 0, res.stderr
     job_id = res.stdout.strip().split(";")[0]
-    assert sacct_state(job_id, timeout=150) == "COMPLETED", (tmp_path / f"slurm-{job_id}.out").read_text()
+    state = sacct_final_state(job_id, timeout=150)
+    assert state == "COMPLETED", (tmp_path / f"slurm-{job_id}.out").read_text()
     assert log.read_text().splitlines() == ["start restarts=0", "signal USR2 restarts=0", "start restarts=1"]
-    requeued = subprocess.run(["sacct", "-j", job_id, "-X", "-D", "-n", "-P", "-o", "State"],
-                              capture_output=True, text=True, timeout=30).stdout.split()
+    requeued = sacct_states(job_id, duplicates=True)
     assert requeued[0] == "REQUEUED" and requeued[-1] == "COMPLETED", requeued

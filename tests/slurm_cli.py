@@ -1,0 +1,47 @@
+"""The one way tests ask Slurm a question: a command that fails raises, naming the command and its stderr.
+
+A helper that swallowed a non-zero exit would turn "Slurm is unreachable" into "no job was submitted" or
+"the job has no state yet", and a test asserting those would pass without checking anything.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+            "BOOT_FAIL", "DEADLINE")
+
+
+class SlurmCommandError(AssertionError):
+    """A Slurm client command exited non-zero (the cluster is down, SLURM_CONF is wrong, a bad job id)."""
+
+
+def slurm(*args: str, timeout: float = 60, env: dict | None = None) -> str:
+    """Run a Slurm client command (``squeue``, ``sacct``, ``scontrol`` ...) and return its stdout."""
+    try:
+        out = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, env=env)
+    except FileNotFoundError as exc:
+        raise SlurmCommandError(f"{args[0]} not found: is slurm-wlm installed? ({exc})") from exc
+    if out.returncode != 0:
+        raise SlurmCommandError(f"`{' '.join(args)}` exited {out.returncode}: {out.stderr.strip()[-2000:]}")
+    return out.stdout
+
+
+def sacct_states(job_id: str, *, duplicates: bool = False) -> list[str]:
+    """Accounting states of the job's allocation records (with ``duplicates``: every requeue's too)."""
+    args = ["sacct", "-j", str(job_id), "-X", "-n", "-P", "-o", "State"] + (["-D"] if duplicates else [])
+    return [line.split(" ")[0] for line in slurm(*args).split()]
+
+
+def sacct_final_state(job_id: str, timeout: float = 60) -> str:
+    """The job's final accounting state; slurmctld reports to slurmdbd asynchronously, so poll."""
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        states = sacct_states(job_id)
+        state = states[0] if states else ""
+        if state in TERMINAL:
+            return state
+        time.sleep(0.5)
+    return f"no terminal state after {timeout} s (last: {state!r})"
