@@ -48,6 +48,11 @@ def _pytest(args: list[str], tmp_path: Path, ci: bool) -> subprocess.CompletedPr
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
+def _probe_args(probe: Path) -> list[str]:
+    # -p tests.conftest: the probe lives outside tests/, so load the suite's policy explicitly.
+    return ["-c", str(REPO / "pyproject.toml"), "-p", "tests.conftest", str(probe)]
+
+
 @pytest.fixture
 def probe(tmp_path: Path) -> Path:
     path = tmp_path / "test_probe.py"
@@ -64,8 +69,7 @@ def test_ci_fails_a_real_slurm_test_when_the_cluster_is_unreachable(tmp_path):
 
 
 def test_ci_fails_marked_tests_before_their_fixtures_and_leaves_unmarked_ones(tmp_path, probe):
-    # -p tests.conftest: the probe lives outside tests/, so load the suite's policy explicitly.
-    res = _pytest(["-c", str(REPO / "pyproject.toml"), "-p", "tests.conftest", str(probe)], tmp_path, ci=True)
+    res = _pytest(_probe_args(probe), tmp_path, ci=True)
     out = res.stdout
     assert res.returncode == 1, out + res.stderr
     assert "ERROR" in out and "ERROR ::test_marked - Failed: CI is set" in out, out
@@ -75,7 +79,7 @@ def test_ci_fails_marked_tests_before_their_fixtures_and_leaves_unmarked_ones(tm
 
 
 def test_without_ci_an_unreachable_cluster_skips(tmp_path, probe):
-    res = _pytest(["-c", str(REPO / "pyproject.toml"), "-p", "tests.conftest", str(probe)], tmp_path, ci=False)
+    res = _pytest(_probe_args(probe), tmp_path, ci=False)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "2 skipped" in res.stdout and "1 passed" in res.stdout, res.stdout
     assert "devcluster not available" in res.stdout, res.stdout

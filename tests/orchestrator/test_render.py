@@ -50,7 +50,7 @@ def test_golden(cluster, container):
     path = GOLDEN / f"{cluster}_{container}.txt"
     if os.environ.get("SLIPWAY_UPDATE_GOLDEN") == "1":
         path.write_text(text)
-    assert path.exists(), f"golden file {path} is missing: create it with SLIPWAY_UPDATE_GOLDEN=1 and review it"
+    assert path.exists(), f"golden file {path} is missing: write it with SLIPWAY_UPDATE_GOLDEN=1, review it"
     assert text == path.read_text(), f"rendered scripts changed; diff against {path}"
 
 
