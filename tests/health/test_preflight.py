@@ -10,6 +10,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.health.helpers import launch
+from tests.train.harness import load_json, save_json
 from trainer.health import HealthConfig
 from trainer.preflight import (
     FAILPOINT_ENV,
@@ -36,20 +37,78 @@ def _preflight(rank: int, run_dir: str, failpoint: str, cfg: dict) -> None:
     run_preflight(HealthConfig(**cfg), run_dir, torch.device("cpu"))
 
 
+def _preflight_observed(rank: int, run_dir: str, cfg: dict, out_dir: str) -> None:
+    """The preflight with its two timed primitives observed from outside: every ping-pong (peer, side,
+    seconds) and the all-reduce (its buffer afterwards, and the wall time of the whole call)."""
+    import time
+
+    import torch
+
+    from trainer import preflight
+
+    os.environ["SLIPWAY_NODE_NAME"] = NODES[rank]
+    os.environ[FAILPOINT_ENV] = ""
+    pings, allreduces = [], []
+    ping_pong, time_allreduce = preflight._ping_pong, preflight._time_allreduce
+
+    def observed_ping_pong(peer, first, buf, group, delay):
+        seconds = ping_pong(peer, first, buf, group, delay)
+        pings.append({"peer": peer, "first": first, "seconds": seconds,
+                      "bytes": buf.numel() * buf.element_size()})
+        return seconds
+
+    def observed_allreduce(buf, group, world):
+        t0 = time.perf_counter()
+        result = time_allreduce(buf, group, world)
+        wall = time.perf_counter() - t0
+        allreduces.append({"result": result, "wall": wall, "values": buf.unique().tolist()})
+        return result
+
+    preflight._ping_pong, preflight._time_allreduce = observed_ping_pong, observed_allreduce
+    report = run_preflight(HealthConfig(**cfg), run_dir, torch.device("cpu"))
+    save_json(os.path.join(out_dir, f"rank{rank}.json"), {"report": report, "pings": pings,
+                                                          "allreduces": allreduces})
+
+
 def test_pairs_recorded(tmp_path):
     run_dir = str(tmp_path / "run")
     # The verdict on speeds is the slow-node test's: on this shared machine a healthy link may be slowed
     # several-fold by other processes, so a huge factor here.
     cfg = {"preflight_timeout_s": 20, "preflight_slow_factor": 1e3}
-    launch(4, str(tmp_path), _preflight, run_dir, "", cfg)
+    launch(4, str(tmp_path), _preflight_observed, run_dir, cfg, str(tmp_path))
     report = json.loads((tmp_path / "run" / PREFLIGHT_JSON).read_text())
     sys.stderr.write(f"preflight report: {json.dumps(report)}\n")
+    seen = [load_json(str(tmp_path / f"rank{r}.json")) for r in range(4)]
+    assert report == seen[0]["report"]  # rank 0 wrote what it returned
+    nbytes = 4 * 2**20  # preflight_mb=4 (the default) of float32 ones
+    assert report["world_size"] == 4 and report["problems"] == []
     assert report["nodes"] == {"nodeA": [0, 1], "nodeB": [2], "nodeC": [3]}
-    pairs = {(a, b) for a, peers in report["links_gbps"].items() for b in peers}
-    assert {frozenset(p) for p in pairs} == {frozenset(p) for p in itertools.combinations(NODES[1:], 2)}
-    assert all(v > 0 for peers in report["links_gbps"].values() for v in peers.values())
-    assert report["problems"] == [] and report["allreduce"]["bus_gbps"] > 0
-    assert report["allreduce"]["bytes"] == 4 * 2**20
+    # Leaders are ranks 0, 2 and 3; each node pair once, recorded by its first node (the side that times a
+    # clean round trip), and every rank read the same links back.
+    assert {n: sorted(peers) for n, peers in report["links_gbps"].items()} == {
+        "nodeA": ["nodeB", "nodeC"], "nodeB": ["nodeC"], "nodeC": []}
+    assert all(s["report"]["links_gbps"] == report["links_gbps"] for s in seen)
+    # Exactly three round trips per pair on each side, between leaders only, with the full payload.
+    sides = {r: sorted((p["peer"], p["first"]) for p in s["pings"]) for r, s in enumerate(seen)}
+    assert sides == {0: [(2, True)] * 3 + [(3, True)] * 3, 1: [],
+                     2: [(0, False)] * 3 + [(3, True)] * 3, 3: [(0, False)] * 3 + [(2, False)] * 3}
+    assert {p["bytes"] for s in seen for p in s["pings"]} == {nbytes}
+    leader = {"nodeA": 0, "nodeB": 2, "nodeC": 3}
+    for node, peers in report["links_gbps"].items():
+        for peer, gbps in peers.items():  # GB/s = the bytes of a round trip / the best of its three times
+            best = min(p["seconds"] for p in seen[leader[node]]["pings"] if p["peer"] == leader[peer])
+            assert gbps == pytest.approx(2 * nbytes / best / 1e9, rel=1e-9), (node, peer, gbps, best)
+    # The all-reduce: one call per rank over all four ranks, a warm-up and three timed rounds on a buffer
+    # of ones summed in place, so every element is 4**4; the bus bandwidth is nccl-tests' 2(n-1)/n·bytes/t.
+    for s in seen:
+        (ar,) = s["allreduces"]
+        assert ar["values"] == [4.0**4]
+        assert ar["result"] == s["report"]["allreduce"]
+    ar = report["allreduce"]
+    assert ar["bytes"] == nbytes
+    assert ar["bus_gbps"] == pytest.approx(2 * 3 / 4 * nbytes / ar["seconds"] / 1e9, rel=1e-9)
+    # The median of three timed rounds: at least two rounds took that long, within the call's wall time.
+    assert 0 < 2 * ar["seconds"] <= seen[0]["allreduces"][0]["wall"]
 
 
 def _failure(tmp_path, failpoint: str, **cfg) -> str:
