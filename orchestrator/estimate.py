@@ -34,30 +34,19 @@ class MemoryEstimate:
     grads_bytes: int
     optimizer_bytes: int
     activations_bytes: int
-    activations_recompute_bytes: int
     logits_bytes: int
     reserved_bytes: int
     device_bytes: int  # 0: unknown
-    recompute: bool
 
     @property
     def total_bytes(self) -> int:
-        act = self.activations_recompute_bytes if self.recompute else self.activations_bytes
         return (
             self.weights_bytes
             + self.grads_bytes
             + self.optimizer_bytes
-            + act
+            + self.activations_bytes
             + self.logits_bytes
             + self.reserved_bytes
-        )
-
-    def total_with(self, recompute: bool) -> int:
-        act = self.activations_recompute_bytes if recompute else self.activations_bytes
-        return (
-            self.total_bytes
-            - (self.activations_recompute_bytes if self.recompute else self.activations_bytes)
-            + act
         )
 
     @property
@@ -89,10 +78,8 @@ def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstima
     tp, pp = max(p.tp_size, 1), max(p.pp_size, 1)
     if p.sequence_parallel:
         per_layer = s * b * h * (34 + 5 * a * s / h) / tp
-        per_layer_rc = 2 * s * b * h / tp
     else:
         per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-        per_layer_rc = 2 * s * b * h
     in_flight = min(pp, lay.num_microbatches or pp)
     layers_held = (m.num_layers // pp) * in_flight
     # fp32 logits for the vocab-parallel cross-entropy (last stage; counted on the same device when pp=1).
@@ -103,11 +90,9 @@ def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstima
         grads_bytes=params * g_bytes,
         optimizer_bytes=params * o_bytes,
         activations_bytes=int(per_layer * layers_held * act_el),
-        activations_recompute_bytes=int(per_layer_rc * layers_held * act_el),
         logits_bytes=logits,
         reserved_bytes=int(cfg.cluster.reserved_memory_gb * GIB),
         device_bytes=int(cfg.cluster.device_memory_gb * GIB),
-        recompute=t.recompute_activations,
     )
 
 
@@ -131,8 +116,6 @@ def flops_per_iteration(cfg: SlipwayConfig, vocab: int) -> float:
 def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
     c = cfg.cluster
     flops = flops_per_iteration(cfg, vocab)
-    if cfg.train.recompute_activations:
-        flops *= 4 / 3  # one extra forward
     rate = max(lay.world, 1) * c.device_peak_tflops * 1e12 * max(c.mfu, 1e-6)
     mb = max(lay.num_microbatches, 1)
     bubble = (lay.pp - 1) / (mb + lay.pp - 1) if lay.pp > 1 else 0.0
@@ -168,17 +151,10 @@ def memory_table(mem: MemoryEstimate, device_name: str) -> str:
         ("weights", fmt_bytes(mem.weights_bytes), ""),
         ("gradients", fmt_bytes(mem.grads_bytes), ""),
         ("optimizer state", fmt_bytes(mem.optimizer_bytes), ""),
-        ("activations", fmt_bytes(mem.activations_bytes), "" if not mem.recompute else "(not used)"),
-        (
-            "activations, recompute",
-            fmt_bytes(mem.activations_recompute_bytes),
-            "(used)" if mem.recompute else "",
-        ),
+        ("activations", fmt_bytes(mem.activations_bytes), ""),
         ("logits (fp32)", fmt_bytes(mem.logits_bytes), ""),
         ("reserved", fmt_bytes(mem.reserved_bytes), ""),
         ("total", fmt_bytes(mem.total_bytes), ""),
-        ("total without recompute", fmt_bytes(mem.total_with(False)), ""),
-        ("total with recompute", fmt_bytes(mem.total_with(True)), ""),
     ]
     cap = fmt_bytes(mem.device_bytes) if mem.device_bytes else "   unknown"
     rows.append((f"device ({device_name})", cap, "fits" if mem.fits else "DOES NOT FIT"))

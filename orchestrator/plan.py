@@ -21,10 +21,6 @@ from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import ConvertJob, CorpusJob, PreprocessJob, TrainJob
 from orchestrator.validate import Layout, Problem, layout_of, validate
 
-# Trainer sections that come straight from the schema (the trainer ignores keys it does not know only
-# with a warning, so the orchestrator-only ones are dropped here).
-_PLANNING_ONLY = {"train": ("recompute_activations",)}
-
 
 def stable_hash(obj: Any, n: int = 16) -> str:
     """Hash of a JSON-able object, independent of dict order."""
@@ -167,9 +163,6 @@ def run_name(cfg: SlipwayConfig, facts: PlanInputs) -> str:
 def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> dict[str, Any]:
     """The dict handed to ``trainer.config.RunConfig.from_dict`` (sections share the schema's names)."""
     sec = {name: dataclasses.asdict(getattr(cfg, name)) for name in ("model", "parallel", "train", "optim")}
-    for name, drop in _PLANNING_ONLY.items():
-        for k in drop:
-            sec[name].pop(k, None)
     job: PreprocessJob = prep.job
     wandb = dataclasses.asdict(cfg.logging.wandb)
     wandb["group"] = wandb["group"] or (facts.sweep.sweep_id if facts.sweep else None)
@@ -244,12 +237,9 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
 def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimate) -> list[Problem]:
     out = []
     if not mem.fits:
-        alt = mem.total_with(True)
-        hint = (
-            f"set train.recompute_activations=true ({alt / GIB:.1f} GiB)"
-            if alt <= mem.device_bytes and not mem.recompute
-            else "raise parallel.tp_size/pp_size or lower train.micro_batch_size"
-        )
+        # Activation recomputation is not offered: the trainer cannot do it yet, so the plan neither
+        # counts it nor advises it.
+        hint = "raise parallel.tp_size/pp_size or lower train.micro_batch_size"
         acts = mem.total_bytes - mem.weights_bytes - mem.grads_bytes - mem.optimizer_bytes
         parts = (
             f"weights {mem.weights_bytes / GIB:.1f} + grads {mem.grads_bytes / GIB:.1f} + optimizer "

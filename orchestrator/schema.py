@@ -91,8 +91,6 @@ class TrainConfig:
     deterministic: bool = False
     """Deterministic algorithms: bitwise-reproducible steps and resumes (used by the resume tests;
     slower on GPU)."""
-    recompute_activations: bool = False
-    """Planning only (the memory table): count activations as recomputed in the backward pass."""
     heartbeat_interval_s: float = 10.0
     """Seconds between heartbeat files (iteration, time, host, pid) that every rank writes to
     <run_dir>/heartbeats/; `python -m orchestrator status` marks ranks whose heartbeat is old as stale."""

@@ -33,8 +33,7 @@ ORCHESTRATOR_ONLY = ("cluster", "container", "dry_run", "wait", "hydra", "experi
                      "preprocess", "convert", "corpus", "name", "defaults", "runs_root", "cache_dir",
                      "fail_train", "stall_train")
 # Keys inside trainer sections that only the orchestrator uses (planning, preprocessing): ignored quietly.
-ORCHESTRATOR_KEYS = {"train": ("recompute_activations",),
-                     "data": ("append_eod", "workers", "corpus", "on_error")}
+ORCHESTRATOR_KEYS = {"data": ("append_eod", "workers", "corpus", "on_error")}
 
 
 def _fail(where: str, what: str, fix: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 
@@ -97,3 +98,34 @@ def test_cli_check_exits_1_on_a_stale_file(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr
     assert "regenerate it with: python -m orchestrator.docs" in out.stderr
+
+
+def _default(f: dataclasses.Field) -> object:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _resolves(key: str) -> bool:
+    """Whether a dotted key names a schema field (entries below a dict field, e.g. cluster.env.X, count)."""
+    node: object = schema.SlipwayConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return True  # inside a dict-valued field
+        fields = {f.name: f for f in dataclasses.fields(node)}
+        if part not in fields:
+            return False
+        default = _default(fields[part])
+        node = type(default) if dataclasses.is_dataclass(default) else default
+    return True
+
+
+def test_every_key_the_readme_names_exists():
+    """README advice that names a key the schema lacks (a removed or planning-only option) fails here."""
+    root = dataclasses.fields(schema.SlipwayConfig)
+    sections = {f.name for f in root if dataclasses.is_dataclass(_default(f))}
+    text = (REPO / "README.md").read_text()
+    # A key followed by "(" is Python in a code sample (model.generate(...)), not a configuration key.
+    keys = set(re.findall(rf"(?<![\w./+-])\+?((?:{'|'.join(sections)})\.[a-z_]+(?:\.[A-Za-z_]+)*)(?![\w(])",
+                          text))
+    assert len(keys) > 20, keys  # the pattern still finds the README's keys
+    not_keys = {"optim.lrr", "model.safetensors"}  # the typo example of troubleshooting; a file name
+    assert sorted(k for k in keys - not_keys if not _resolves(k)) == []

@@ -18,8 +18,7 @@ def test_defaults_and_roundtrip(tmp_path):
 
 def test_orchestrator_sections_are_ignored():
     cfg = RunConfig.from_dict({"cluster": {"nodes": 2}, "container": {"kind": "none"}, "dry_run": False,
-                               "wait": True, "experiment": "x", "train": {"iters": 5,
-                                                                         "recompute_activations": False},
+                               "wait": True, "experiment": "x", "train": {"iters": 5},
                                "data": {"paths": "a", "workers": 4, "append_eod": True},
                                "checkpoint": {"load": None}})
     assert cfg.train.iters == 5 and cfg.data.paths == ["a"] and cfg.checkpoint.load == "latest"
