@@ -1,4 +1,8 @@
-"""Checkpoints written by Megatron-LM itself: pickled Namespace args, old key names, erf GeLU, numpy RNG."""
+"""Megatron-layout checkpoints in the shapes of legacy Megatron-LM saves (pickled Namespace args, old key
+names, erf GeLU, numpy RNG state, a release folder), all written by Slipway's own writer
+(trainer.convert.shards.write_checkpoint) and then edited to look like Megatron-LM's. They show that the
+converter reads that layout; they do not show it reads files Megatron-LM itself wrote: genuine Megatron-LM
+fixtures come with the issue "The Megatron round trip"."""
 
 from __future__ import annotations
 
@@ -17,12 +21,13 @@ from trainer.convert.shards import write_checkpoint
 from trainer.convert.to_hf import ToHFConfig, convert_checkpoint
 
 
-def _megatron_lm_checkpoint(tmp_path, tokenizer_dir, tp=2, pp=2):
-    """As Megatron-LM (legacy, ~v2–v3) saves it: a release folder, Namespace args without vocab_size,
-    'transformer' instead of 'encoder', numpy RNG state, checkpoint_version 2.0, erf GeLU."""
+def _legacy_megatron_layout_checkpoint(tmp_path, tokenizer_dir, tp=2, pp=2):
+    """Slipway's writer, then edited into the layout legacy Megatron-LM (~v2–v3) saves, as we understand it:
+    a release folder, Namespace args without vocab_size, 'transformer' instead of 'encoder', numpy RNG
+    state, checkpoint_version 2.0, erf GeLU."""
     spec = tiny_spec(tp)
     state = random_megatron_state(spec, seed=3)
-    ckpt = tmp_path / "megatron"
+    ckpt = tmp_path / "megatron_layout"
     iter_dir = write_checkpoint(ckpt, state, {}, 0, (tp, pp))
     release = ckpt / "release"
     iter_dir.rename(release)
@@ -46,8 +51,10 @@ def _megatron_lm_checkpoint(tmp_path, tokenizer_dir, tp=2, pp=2):
     return ckpt, state, spec
 
 
-def test_megatron_lm_checkpoint_with_trust_pickle(tmp_path, tokenizer_dir):
-    ckpt, state, spec = _megatron_lm_checkpoint(tmp_path, tokenizer_dir)
+def test_legacy_megatron_layout_checkpoint_needs_trust_pickle(tmp_path, tokenizer_dir):
+    """Written by Slipway in the legacy Megatron-LM layout (not by Megatron-LM): refused without
+    --trust-pickle (Namespace args), converted and verified with it."""
+    ckpt, state, spec = _legacy_megatron_layout_checkpoint(tmp_path, tokenizer_dir)
     with pytest.raises(CheckpointError, match="--trust-pickle"):
         convert_checkpoint(ToHFConfig(ckpt, tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
