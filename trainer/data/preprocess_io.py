@@ -11,6 +11,7 @@ import glob
 import gzip
 import json
 import os
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,9 +208,11 @@ def encode_chunk(chunk: Chunk, settings: EncodeSettings) -> ChunkResult:
     tok = _TOKENIZER or load_gpt2_bpe(settings.tokenizer.vocab_file, settings.tokenizer.merge_file,
                                       settings.tokenizer.backend)
     keys = settings.json_keys
-    parts: dict[str, list[np.ndarray]] = {k: [] for k in keys}
+    # Token ids of the whole chunk per key, back to back. tiktoken's encode_ordinary (a list) extended into
+    # a C array is ~25% less CPU than its encode_to_numpy (whose special-token-aware encoder is slower).
+    ids_out: dict[str, array] = {k: array("I") for k in keys}
     lengths: dict[str, list[int]] = {k: [] for k in keys}
-    eod = np.array([tok.eod_id], dtype=np.uint32)
+    eod = tok.eod_id
     # Lone surrogates can only come from \uD8xx..\uDFxx escapes; look for them only where those occur.
     check_surrogates = b"\\ud" in chunk.data or b"\\uD" in chunk.data
     result = ChunkResult({}, {}, 0, len(chunk.data))
@@ -225,18 +228,18 @@ def encode_chunk(chunk: Chunk, settings: EncodeSettings) -> ChunkResult:
                 break
             continue
         for key, text in zip(keys, line, strict=True):
-            ids = tok.encode_to_numpy(text)
+            ids = tok.encode(text)
+            out = ids_out[key]
+            out.extend(ids)
             # Megatron appends EOD only to non-empty documents: an empty one stays zero-sequence.
-            if settings.append_eod and len(ids):
-                parts[key] += [ids, eod]
+            if settings.append_eod and ids:
+                out.append(eod)
                 lengths[key].append(len(ids) + 1)
             else:
-                parts[key].append(ids)
                 lengths[key].append(len(ids))
         result.documents += 1
     for key in keys:
-        result.tokens[key] = (np.concatenate(parts[key]) if parts[key] else np.zeros(0, np.uint32)).astype(
-            settings.dtype, copy=False)
+        result.tokens[key] = np.frombuffer(ids_out[key], dtype=np.uintc).astype(settings.dtype)
         result.doc_lengths[key] = np.asarray(lengths[key], dtype=np.int64)
     return result
 
