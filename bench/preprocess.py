@@ -1,63 +1,104 @@
-"""End-to-end preprocessing throughput on the standard-library corpus, against HF tokenizers in the same run.
+"""Whole-process preprocessing time on the standard-library corpus, next to HF tokenizers, in the same run.
 
-Slipway: ``preprocess()`` from JSONL on disk to a published ``.bin/.idx`` pair, timed as a whole (tokenizer
-load and its equivalence proof, worker start-up, parsing, tokenizing, writing). Baseline: HF ``tokenizers``
-``encode_batch`` of the same documents already in memory (no JSON parsing, no writing: generous to it).
-Both on the same cores, interleaved, best of ``--repeats``; the ids are checked identical. The machine is
-shared, so the load average before and after is recorded with the figures.
+Headline: the wall time of ``python -m trainer.data.preprocess`` as a user runs it (a fresh process:
+interpreter start, imports, tokenizer load and its equivalence proof, worker start-up, JSON parsing,
+tokenizing, writing and publishing the ``.bin/.idx``, exit), ``--repeats`` runs, median and min–max.
+Interleaved with it, run for run:
 
-    python bench/preprocess.py                  # stdlib corpus (~31 MB), 32768-token BPE trained on it
-    python bench/preprocess.py --workers 2 --repeats 3
+- baseline: HF ``tokenizers``, also a whole process: read and parse the JSONL, ``ByteLevelBPETokenizer``
+  ``encode_batch`` (Rust threads on every core); it writes nothing (generous to it). Its ids are checked
+  equal to Slipway's ``.bin`` (the digest step is timed and left out of its wall time);
+- ceiling: tiktoken alone, ``encode_ordinary`` of the already-parsed documents split evenly (by bytes)
+  over ``--workers`` forked processes, timed from fork to join: tokenizing with no start-up, no parsing,
+  no writing, perfectly balanced;
+- with ``--before DIR``: the same CLI from another source tree (``git archive SHA trainer | tar -x -C
+  DIR``), e.g. the commit before a change.
+
+CPU time (process + reaped children) ÷ cores is printed too; it is not the verdict. ``--breakdown``
+times the phases inside the CLI process and, in isolation, what the changes of commit aa78fa6 removed
+(the old tokenizer proof and tiktoken's ``encode_to_numpy``). The load average is recorded per run.
+
+    python bench/preprocess.py                          # 5 interleaved runs, 2 workers, breakdown
+    python bench/preprocess.py --repeats 3 --before /tmp/old --no-memory-check
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
+import hashlib
 import json
 import os
-import platform
 import resource
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.data import tokenizer as tokenizer_module
-from trainer.data.corpus import CorpusConfig, build_corpus
-from trainer.data.indexed_dataset import IndexedDataset
-from trainer.data.preprocess import PreprocessConfig, preprocess
-from trainer.data.train_tokenizer import TokenizerTrainConfig, train_tokenizer
+from bench.meta import ROOT, load, run_meta  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "preprocess.json"
+MEGATRON_IDLE_S = 16.7  # the issue's figure: Megatron-LM's preprocess_data.py, 2 workers, idle 2-core box
 
+_HF_SCRIPT = """
+import hashlib, json, sys, time
+from array import array
+from tokenizers import ByteLevelBPETokenizer
+corpus, vocab, merges, eod = sys.argv[1:5]
+tok = ByteLevelBPETokenizer(vocab, merges)
+docs = [json.loads(line)["content"] for line in open(corpus, encoding="utf-8")]
+ids = [e.ids for e in tok.encode_batch(docs, add_special_tokens=False)]
+t0 = time.perf_counter()
+out = array("H")
+for d in ids:
+    if d:
+        out.extend(d)
+        out.append(int(eod))
+print(hashlib.sha256(out.tobytes()).hexdigest(), time.perf_counter() - t0)
+"""
 
-def _cpu() -> float:
-    """CPU seconds of this process (all threads) plus its reaped children (pool workers)."""
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return time.process_time() + children.ru_utime + children.ru_stime
-
-
-def hf_baseline(vocab: Path, merges: Path, docs: list[str]) -> tuple[float, float, list[list[int]]]:
-    from tokenizers import ByteLevelBPETokenizer
-
-    tok = ByteLevelBPETokenizer(str(vocab), str(merges))
-    start, cpu = time.perf_counter(), _cpu()
-    ids = [e.ids for e in tok.encode_batch(docs, add_special_tokens=False)]
-    return time.perf_counter() - start, _cpu() - cpu, ids
-
-
-def slipway_run(corpus: Path, vocab: Path, merges: Path, out: Path,
-                workers: int) -> tuple[float, float, dict]:
-    tokenizer_module._CACHE.clear()  # time the load and the equivalence proof too
-    start, cpu = time.perf_counter(), _cpu()
-    summary = preprocess(PreprocessConfig(input=str(corpus), output_prefix=str(out), vocab_file=str(vocab),
-                                          merge_file=str(merges), json_keys=["content"], append_eod=True,
-                                          workers=workers, progress="none"))
-    return time.perf_counter() - start, _cpu() - cpu, summary.__dict__
-
+# Phases inside one CLI process (the clock starts at its first line; the parent adds start-up and exit).
+_PHASE_SCRIPT = """
+import time
+T0 = time.perf_counter()
+import json, sys
+import trainer.data.preprocess as P
+import trainer.data.tokenizer as T
+marks = {"imports": time.perf_counter() - T0}
+def timed(module, name, key):
+    fn = getattr(module, name)
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            marks[key] = marks.get(key, 0.0) + time.perf_counter() - t
+    setattr(module, name, wrapper)
+for name, key in [("read_vocab", "read vocab.json"), ("read_merges", "read merges.txt"),
+                  ("tiktoken_ranks", "equivalence proof"), ("_build_tiktoken", "build tiktoken Encoding")]:
+    timed(T, name, key)
+timed(P, "load_gpt2_bpe", "tokenizer load (all)")
+timed(P, "_pool", "worker start-up (fork)")
+encoded = P._encoded
+def loop(*a):
+    t = time.perf_counter()
+    for i, item in enumerate(encoded(*a)):
+        if i == 0:
+            marks["first chunk back"] = time.perf_counter() - t
+        yield item
+    marks["parse + tokenize + write loop"] = time.perf_counter() - t
+    marks["_loop_end"] = time.perf_counter()
+P._encoded = loop
+rc = P.main(sys.argv[1:])
+end = time.perf_counter()
+marks["publish, shutdown, summary"] = end - marks.pop("_loop_end")
+marks["in-process total"] = end - T0
+print(json.dumps(marks))
+sys.exit(rc)
+"""
 
 _RSS_SCRIPT = """
 import resource, sys
@@ -70,98 +111,261 @@ sys.exit(rc)
 """
 
 
-def peak_rss_mb(corpus: Path, n: int, vocab: Path, merges: Path, work: Path, workers: int) -> dict:
-    """Peak RSS of the CLI's main process and of its largest worker on ``n`` copies of the corpus."""
-    import subprocess
-
-    big = work / f"x{n}.jsonl"
-    if not big.exists():
-        with big.open("wb") as f:
-            for _ in range(n):
-                f.write(corpus.read_bytes())
-    cmd = [sys.executable, "-c", _RSS_SCRIPT, "--input", str(big), "--output-prefix",
-           str(work / "mem" / f"x{n}"), "--vocab-file", str(vocab), "--merge-file", str(merges),
-           "--json-keys", "content", "--workers", str(workers), "--progress", "none"]
-    main_kb, worker_kb = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-2:]
-    return {"input_mb": round(big.stat().st_size / 1e6, 1), "main_mb": round(int(main_kb) / 1024, 1),
-            "largest_worker_mb": round(int(worker_kb) / 1024, 1)}
+def _children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
 
 
-def prepare(work: Path, vocab_size: int) -> tuple[Path, Path, Path]:
+def timed_process(cmd: list[str], cwd: Path = ROOT) -> dict:
+    """Wall and CPU seconds (the process and every descendant it waited for), its stdout, the load before."""
+    load1 = load()[0]
+    cpu0, t0 = _children_cpu(), time.perf_counter()
+    out = subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True).stdout
+    return {"wall_s": time.perf_counter() - t0, "cpu_s": _children_cpu() - cpu0, "load1": load1,
+            "stdout": out}
+
+
+def cli_args(paths: dict, out_prefix: Path, workers: int) -> list[str]:
+    return ["--input", str(paths["corpus"]), "--output-prefix", str(out_prefix), "--vocab-file",
+            str(paths["vocab"]), "--merge-file", str(paths["merges"]), "--json-keys", "content",
+            "--append-eod", "--workers", str(workers), "--progress", "none"]
+
+
+def _encode_group(enc, docs: list[str]) -> None:
+    for d in docs:
+        enc.encode_ordinary(d)
+
+
+def ceiling(enc, docs: list[str], workers: int) -> dict:
+    """tiktoken alone: the documents over ``workers`` forked processes, balanced by bytes (largest first)."""
+    import multiprocessing as mp
+
+    groups: list[list[str]] = [[] for _ in range(workers)]
+    sizes = [0] * workers
+    for d in sorted(docs, key=len, reverse=True):
+        i = sizes.index(min(sizes))
+        groups[i].append(d)
+        sizes[i] += len(d)
+    ctx = mp.get_context("fork")
+    load1 = load()[0]
+    cpu0, t0 = _children_cpu(), time.perf_counter()
+    procs = [ctx.Process(target=_encode_group, args=(enc, g)) for g in groups]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    return {"wall_s": time.perf_counter() - t0, "cpu_s": _children_cpu() - cpu0, "load1": load1}
+
+
+def prepare(work: Path, vocab_size: int) -> dict:
+    from trainer.data.corpus import CorpusConfig, build_corpus
+    from trainer.data.train_tokenizer import TokenizerTrainConfig, train_tokenizer
+
     corpus = work / "stdlib.jsonl"
     if not corpus.exists():
         build_corpus(CorpusConfig(output=str(corpus)))
     vocab, merges = work / "tok" / "vocab.json", work / "tok" / "merges.txt"
     if not vocab.exists():
         train_tokenizer(TokenizerTrainConfig([str(corpus)], str(work / "tok"), vocab_size=vocab_size))
-    return corpus, vocab, merges
+    return {"corpus": corpus, "vocab": vocab, "merges": merges}
+
+
+def interleaved(args: argparse.Namespace, paths: dict, work: Path, docs: list[str], tok) -> dict:
+    """Every arm once per repetition, in turn, so that all see the same drifting machine load."""
+    py = sys.executable
+    arms: dict[str, list[dict]] = {"slipway": [], "hf": [], "ceiling": []}
+    if args.before:
+        arms["before"] = []
+    hf_cmd = [py, "-c", _HF_SCRIPT, str(paths["corpus"]), str(paths["vocab"]), str(paths["merges"]),
+              str(tok.eod_id)]
+    for _ in range(args.repeats):
+        arms["slipway"].append(timed_process(
+            [py, "-m", "trainer.data.preprocess", *cli_args(paths, work / "out" / "stdlib", args.workers)]))
+        hf = timed_process(hf_cmd)
+        digest, digest_s = hf.pop("stdout").split()
+        hf["wall_s"] -= float(digest_s)
+        hf["digest"] = digest
+        arms["hf"].append(hf)
+        arms["ceiling"].append(ceiling(tok._tiktoken, docs, args.workers))
+        if args.before:
+            arms["before"].append(timed_process(
+                [py, "-m", "trainer.data.preprocess",
+                 *cli_args(paths, work / "before" / "stdlib", args.workers)], cwd=Path(args.before)))
+    for runs in arms.values():
+        for r in runs:
+            r.pop("stdout", None)
+    return arms
+
+
+def check_output(work: Path, docs: list[str], arms: dict) -> bool:
+    from trainer.data.indexed_dataset import IndexedDataset
+
+    prefix = work / "out" / "stdlib_content_document"
+    digest = hashlib.sha256(Path(f"{prefix}.bin").read_bytes()).hexdigest()
+    same = all(r["digest"] == digest for r in arms["hf"])
+    same = same and IndexedDataset(prefix).num_documents == len(docs)
+    if "before" in arms:
+        for ext in ("bin", "idx"):
+            before = Path(work / "before" / f"stdlib_content_document.{ext}").read_bytes()
+            same = same and before == Path(f"{prefix}.{ext}").read_bytes()
+    return same
+
+
+def summarize(runs: list[dict], text_mb: float) -> dict:
+    walls = [r["wall_s"] for r in runs]
+    med = statistics.median(walls)
+    rows = [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items() if k != "digest"}
+            for r in runs]
+    cpu = statistics.median(r["cpu_s"] for r in runs)
+    return {"wall_median_s": round(med, 3), "wall_min_s": round(min(walls), 3),
+            "wall_max_s": round(max(walls), 3), "cpu_median_s": round(cpu, 3),
+            "mb_per_s_wall": round(text_mb / med, 2), "runs": rows}
+
+
+def breakdown(paths: dict, work: Path, workers: int, docs: list[str], tok, repeats: int = 3) -> dict:
+    """Phases of the CLI (medians of ``repeats`` runs) and the removed costs, timed in isolation."""
+    runs = []
+    for _ in range(repeats):
+        cmd = [sys.executable, "-c", _PHASE_SCRIPT, *cli_args(paths, work / "phase" / "s", workers)]
+        r = timed_process(cmd)
+        marks = json.loads(r["stdout"].strip().splitlines()[-1])
+        marks["interpreter start-up and exit"] = r["wall_s"] - marks["in-process total"]
+        marks["whole process (wall)"] = r["wall_s"]
+        runs.append(marks)
+    phases = {k: round(statistics.median(m[k] for m in runs), 3) for k in runs[0]}
+    return {"phases_median_s": phases, "loads": [load()[0]], "removed": removed_costs(paths, docs, tok)}
+
+
+def removed_costs(paths: dict, docs: list[str], tok) -> dict:
+    """CPU seconds, best of 2 alternating runs: the proof's condition C the old way (GPT-2 BPE run on every
+    merge result) and the new way, and tiktoken's encode_to_numpy against encode_ordinary into an array."""
+    from array import array
+
+    from trainer.data.bpe_equivalence import _bpe, _not_self_encoding
+    from trainer.data.tokenizer import read_merges
+
+    merges = read_merges(paths["merges"])
+    rank = {pair: i for i, pair in enumerate(merges)}
+    enc = tok._tiktoken
+
+    def old_c() -> None:
+        for a, b in merges:
+            if len(a + b) > 2:
+                _bpe(a + b, rank)
+
+    def to_numpy() -> None:
+        for d in docs:
+            enc.encode_to_numpy(d, allowed_special=set(), disallowed_special=())
+
+    def ordinary() -> None:
+        out = array("I")
+        for d in docs:
+            out.extend(enc.encode_ordinary(d))
+
+    pairs = {"condition C": (old_c, lambda: _not_self_encoding(merges, rank)),
+             "tokenize the corpus, 1 process": (to_numpy, ordinary)}
+    out = {}
+    for name, (old, new) in pairs.items():
+        best = [float("inf"), float("inf")]
+        for _ in range(2):
+            for i, fn in enumerate((old, new)):
+                c = time.process_time()
+                fn()
+                best[i] = min(best[i], time.process_time() - c)
+        out[name] = {"before_cpu_s": round(best[0], 3), "after_cpu_s": round(best[1], 3)}
+    return out
+
+
+def peak_rss_mb(paths: dict, n: int, work: Path, workers: int) -> dict:
+    """Peak RSS of the CLI's main process and of its largest worker on ``n`` copies of the corpus."""
+    big = work / f"x{n}.jsonl"
+    if not big.exists():
+        big.write_bytes(paths["corpus"].read_bytes() * n)
+    cmd = [sys.executable, "-c", _RSS_SCRIPT,
+           *cli_args({**paths, "corpus": big}, work / "mem" / f"x{n}", workers)]
+    main_kb, worker_kb = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split()[-2:]
+    return {"input_mb": round(big.stat().st_size / 1e6, 1), "main_mb": round(int(main_kb) / 1024, 1),
+            "largest_worker_mb": round(int(worker_kb) / 1024, 1)}
 
 
 def measure(args: argparse.Namespace, work: Path) -> dict:
-    corpus, vocab, merges = prepare(work, args.vocab_size)
-    docs = [json.loads(line)["content"] for line in corpus.open(encoding="utf-8")]
+    from trainer.data.tokenizer import load_gpt2_bpe
+
+    result = run_meta()
+    paths = prepare(work, args.vocab_size)
+    docs = [json.loads(line)["content"] for line in paths["corpus"].open(encoding="utf-8")]
     text_mb = sum(len(d.encode("utf-8")) for d in docs) / 1e6
-    load_before = os.getloadavg()
-    hf, ours = [], []
-    for _ in range(args.repeats):  # interleaved, so both see the same load
-        *times, hf_ids = hf_baseline(vocab, merges, docs)
-        hf.append(times)
-        *times, summary = slipway_run(corpus, vocab, merges, work / "out" / "stdlib", args.workers)
-        ours.append(times)
-    load_after = os.getloadavg()
-    want = np.concatenate([np.asarray([*ids, summary["eod_id"]], dtype=np.uint16) for ids in hf_ids if ids])
-    got = np.fromfile(work / "out" / "stdlib_content_document.bin", dtype="<u2")
-    documents = IndexedDataset(work / "out" / "stdlib_content_document").num_documents
-    identical = documents == len(docs) and bool(np.array_equal(got, want))
-    rss = {} if args.no_memory_check else {
-        f"x{n}": peak_rss_mb(corpus, n, vocab, merges, work, args.workers) for n in (1, 3)}
-    (hf_wall, hf_cpu), (our_wall, our_cpu) = min(hf), min(ours)
+    tok = load_gpt2_bpe(paths["vocab"], paths["merges"])
+    arms = interleaved(args, paths, work, docs, tok)
+    result["load_after"] = load()
     cores = min(args.workers, len(os.sched_getaffinity(0)))
-    return {
-        "date": dt.datetime.now().isoformat(timespec="seconds"), "machine": platform.node(),
-        "cpus": len(os.sched_getaffinity(0)), "python": platform.python_version(), "versions": _versions(),
+    result.update({
+        "versions": _versions(), "cpus": len(os.sched_getaffinity(0)), "workers": args.workers,
         "corpus": {"documents": len(docs), "text_mb": round(text_mb, 2),
-                   "jsonl_mb": round(corpus.stat().st_size / 1e6, 2)},
-        "workers": args.workers, "repeats": args.repeats, "backend": summary["backend"],
-        "slipway_wall_s": [round(w, 2) for w, _ in ours], "slipway_cpu_s": [round(c, 2) for _, c in ours],
-        "hf_wall_s": [round(w, 2) for w, _ in hf], "hf_cpu_s": [round(c, 2) for _, c in hf],
-        "slipway_mb_per_s": round(text_mb / our_wall, 2), "hf_mb_per_s": round(text_mb / hf_wall, 2),
-        "ratio_wall": round(hf_wall / our_wall, 2),
-        # On a shared box wall time mostly measures the neighbours; CPU time spread over the cores used
-        # is what an idle machine with that many cores would take.
-        f"slipway_mb_per_s_cpu_bound_{cores}_cores": round(text_mb / (our_cpu / cores), 2),
-        f"hf_mb_per_s_cpu_bound_{cores}_cores": round(text_mb / (hf_cpu / cores), 2),
-        "ratio_cpu": round(hf_cpu / our_cpu, 2),
-        "peak_rss_by_input_copies": rss, "ids_identical": identical,
-        "loadavg_before": load_before, "loadavg_after": load_after,
+                   "jsonl_mb": round(paths["corpus"].stat().st_size / 1e6, 2)},
+        "output_identical": check_output(work, docs, arms),
+        "arms": {name: summarize(runs, text_mb) for name, runs in arms.items()},
+    })
+    a = result["arms"]
+    s = a["slipway"]["wall_median_s"]
+    result["ratios"] = {
+        "hf_over_slipway_wall": round(a["hf"]["wall_median_s"] / s, 2),
+        "slipway_over_ceiling_wall": round(s / a["ceiling"]["wall_median_s"], 2),
+        "megatron_idle_16.7s_over_slipway (not measured here)": round(MEGATRON_IDLE_S / s, 2),
+        f"cpu_bound_mb_per_s_{cores}_cores": round(text_mb / (a["slipway"]["cpu_median_s"] / cores), 2),
     }
+    if args.before:
+        result["ratios"]["before_over_slipway_wall"] = round(a["before"]["wall_median_s"] / s, 2)
+    if not args.no_breakdown:
+        result["breakdown"] = breakdown(paths, work, args.workers, docs, tok)
+    if not args.no_memory_check:
+        result["peak_rss_by_input_copies"] = {f"x{n}": peak_rss_mb(paths, n, work, args.workers)
+                                              for n in (1, 3)}
+    result["load_end"] = load()
+    return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=32768)
-    parser.add_argument("--work-dir", default=None, help="keep corpus/tokenizer/outputs here")
-    parser.add_argument("--no-memory-check", action="store_true", help="skip the 1x vs 3x corpus RSS check")
-    args = parser.parse_args()
-    result = measure(args, Path(args.work_dir or tempfile.mkdtemp(prefix="slipway-bench-")))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    for key, value in result.items():
-        print(f"{key:>40}: {value}")
-    print(f"slipway end to end {result['slipway_mb_per_s']} MB/s vs HF encode_batch {result['hf_mb_per_s']} "
-          f"MB/s (wall, load {result['loadavg_before'][0]:.1f}): {result['ratio_wall']}x; CPU time: "
-          f"{result['ratio_cpu']}x; ids identical: {result['ids_identical']} -> {RESULTS}")
-    sys.exit(0 if result["ids_identical"] else 1)
+def report(r: dict) -> str:
+    lines = [f"commit {r['commit']}  {r['date']}  load {r['load_before']} -> {r['load_end']}  "
+             f"corpus {r['corpus']['text_mb']} MB text, {r['workers']} workers"]
+    for name, a in r["arms"].items():
+        lines.append(f"{name:>8}: wall median {a['wall_median_s']:.2f} s (min {a['wall_min_s']:.2f}, max "
+                     f"{a['wall_max_s']:.2f}), {a['mb_per_s_wall']} MB/s, CPU median "
+                     f"{a['cpu_median_s']:.2f} s, load1 per run {[x['load1'] for x in a['runs']]}")
+    lines += [f"{k}: {v}" for k, v in r["ratios"].items()]
+    lines.append(f"output identical (HF ids{', --before .bin/.idx' if 'before' in r['arms'] else ''}): "
+                 f"{r['output_identical']}")
+    for k, v in r.get("breakdown", {}).get("phases_median_s", {}).items():
+        lines.append(f"  phase {k:<34} {v:.3f} s")
+    for k, v in r.get("breakdown", {}).get("removed", {}).items():
+        lines.append(f"  removed: {k}: {v['before_cpu_s']:.3f} -> {v['after_cpu_s']:.3f} CPU s")
+    return "\n".join(lines) + "\n"
 
 
 def _versions() -> dict[str, str]:
+    import numpy as np
     import tiktoken
     import tokenizers
 
     return {"tiktoken": tiktoken.__version__, "tokenizers": tokenizers.__version__, "numpy": np.__version__}
 
 
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--vocab-size", type=int, default=32768)
+    parser.add_argument("--work-dir", default=None, help="keep corpus/tokenizer/outputs here (reused)")
+    parser.add_argument("--before", default=None, help="a source tree whose trainer/ to time as well")
+    parser.add_argument("--no-breakdown", action="store_true")
+    parser.add_argument("--no-memory-check", action="store_true", help="skip the 1x vs 3x corpus RSS check")
+    args = parser.parse_args()
+    result = measure(args, Path(args.work_dir or tempfile.mkdtemp(prefix="slipway-bench-")))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(result, indent=1) + "\n")
+    sys.stdout.write(report(result) + f"-> {RESULTS}\n")
+    return 0 if result["output_identical"] else 1
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
