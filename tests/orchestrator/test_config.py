@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 from hydra.errors import ConfigCompositionException
 
+from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.validate import layout_of, validate
 from tests.orchestrator.conftest import compose_cfg, group_options
 
@@ -94,6 +96,16 @@ def test_smoke_is_tp2_pp2_world4_on_cpu():
     assert (layout_of(d).nodes, layout_of(d).tasks_per_node, d.cluster.partition) == (2, 2, "debug")
     assert c.data.corpus is not None and c.tokenizer.vocab_file is None
     assert c.logging.wandb.mode == "offline" and c.cluster.executor == "local"
+
+
+def test_bare_launch_is_the_smoke_experiment_and_plans_clean():
+    """`python launch.py` without +experiment composes the embedded smoke run (only the experiment name,
+    the first folder of the run directory, differs) and its plan has no problems."""
+    bare, smoke = compose_cfg([]), compose_cfg(["+experiment=codeparrot_smoke"])
+    assert (bare.experiment, smoke.experiment) == ("smoke", "codeparrot_smoke")
+    assert dataclasses.replace(bare, experiment=smoke.experiment) == smoke
+    plan = make_plan(bare, PlanInputs("r", "/runs/r"), exists=lambda p: True)
+    assert plan.problems == [], [str(p) for p in plan.problems]
 
 
 @pytest.mark.parametrize(
