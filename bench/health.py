@@ -2,9 +2,10 @@
 
 1. Step time with the health monitor watching (``trainer.health.Monitor.watch``: ticks from the batch
    iterator and the step callback, the heartbeat thread writing every 0.1 s, 100x more often than the
-   default) versus the same steps without it, on the smallest model Slipway trains (the worst case for
-   a per-step overhead). Steps alternate between the two in blocks so both see the same machine load;
-   medians by wall clock and by process CPU time.
+   default) versus the same steps with no Monitor at all (none constructed, no thread alive: the run
+   records the threads alive during those steps), on the smallest model Slipway trains (the worst case
+   for a per-step overhead). Steps alternate between the two in blocks so both see the same machine
+   load; medians by wall clock and by process CPU time.
 2. One ``tick`` and one heartbeat write, in isolation.
 3. The preflight on gloo (CPU): 2 ranks on one node, and 4 ranks on 3 (named) nodes, against the
    ``init_process_group`` of the same processes.
@@ -14,7 +15,6 @@
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import platform
@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.meta import load, run_meta  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "health.json"
 
@@ -50,6 +52,11 @@ def _loop(run_dir: str):
 
 
 def step_overhead(blocks: int = 12, per_block: int = 10) -> dict:
+    """Blocks of steps alternate between two identical loops: one with no Monitor at all (none constructed,
+    no thread), one watched by a Monitor started for that block and stopped after it (``with``: its
+    thread joined), so that the baseline pays nothing of the monitor."""
+    import threading
+
     from trainer.health import HealthConfig, Monitor
     from trainer.training import TrainState, step
 
@@ -61,21 +68,34 @@ def step_overhead(blocks: int = 12, per_block: int = 10) -> dict:
             t = torch.randint(0, 1000, (2, 65), generator=g)
             yield {"tokens": t[:, :-1], "labels": t[:, 1:]}
 
-    plain, watched = _loop(run_dir), _loop(run_dir)
-    plain.train_data, watched.train_data = batches(), batches()
+    loops = {"plain": _loop(run_dir), "watched": _loop(run_dir)}
+    data = {name: batches() for name in loops}
     times: dict[str, list[tuple[float, float]]] = {"plain": [], "watched": []}
-    with Monitor(HealthConfig(heartbeat_interval_s=0.1, hang_timeout_s=60), run_dir) as m:
-        m.begin()
-        m.watch(watched, TrainState())
-        for i in range(blocks * 2):
-            name, loop = ("plain", plain) if i % 2 == 0 else ("watched", watched)
-            for it in range(per_block):
-                w0, c0 = time.perf_counter(), time.process_time()
-                step(loop, [next(loop.train_data)])
-                if loop.on_step is not None:
-                    loop.on_step(it, 0.0)
-                times[name].append((time.perf_counter() - w0, time.process_time() - c0))
-    out = {}
+    threads_in_plain: set[str] = set()
+
+    def block(name: str) -> None:
+        loop = loops[name]
+        for it in range(per_block):
+            w0, c0 = time.perf_counter(), time.process_time()
+            step(loop, [next(loop.train_data)])
+            if loop.on_step is not None:
+                loop.on_step(it, 0.0)
+            times[name].append((time.perf_counter() - w0, time.process_time() - c0))
+
+    for i in range(blocks * 2):
+        name = ("plain", "watched")[i % 2]
+        loop = loops[name]
+        # Unwrap what the last block's Monitor wrapped (no save happens in these steps).
+        loop.train_data, loop.on_step, loop.save = data[name], None, lambda state: None
+        if name == "plain":
+            threads_in_plain.update(t.name for t in threading.enumerate())
+            block(name)
+            continue
+        with Monitor(HealthConfig(heartbeat_interval_s=0.1, hang_timeout_s=60), run_dir) as m:
+            m.begin()
+            m.watch(loop, TrainState())
+            block(name)
+    out: dict = {"threads_alive_in_plain_blocks": sorted(threads_in_plain)}
     for name, rows in times.items():
         out[name] = {"wall_ms": statistics.median(r[0] for r in rows) * 1e3,
                      "cpu_ms": statistics.median(r[1] for r in rows) * 1e3}
@@ -134,18 +154,20 @@ def preflight(nodes: list[str]) -> dict:
 def main() -> int:
     torch.set_num_threads(1)
     result = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}",
+        **run_meta(),
         "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "step_overhead": step_overhead(),
         "micro": micro(),
         "preflight": [preflight(["n1", "n1"]), preflight(["nA", "nA", "nB", "nC"])],
+        "load_after": load(),
     }
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
     s, p, u = result["step_overhead"], result["preflight"], result["micro"]
     sys.stdout.write(
         f"step with health monitor / without: {s['ratio_wall']:.3f} wall, {s['ratio_cpu']:.3f} CPU "
-        f"(baseline {s['plain']['wall_ms']:.1f} ms wall per step)\n"
+        f"(baseline {s['plain']['wall_ms']:.1f} ms wall per step, no Monitor; threads alive then: "
+        f"{s['threads_alive_in_plain_blocks']})\n"
+        f"commit {result['commit']}, load {result['load_before']} -> {result['load_after']}\n"
         f"tick {u['tick_ns']:.0f} ns, heartbeat write {u['heartbeat_write_us']:.0f} us\n"
         + "".join(f"preflight {q['ranks']} ranks / {q['nodes']} node(s): {q['preflight_s']:.2f} s, "
                   f"{q['preflight_s'] / 2.0:.2f}x the 2 s budget (group init: {q['init_s']:.2f} s)\n"

@@ -12,13 +12,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.rstrip("\n")
+
+
 def commit(paths: tuple[str, ...] = ("trainer", "csrc", "bench")) -> str:
     """Short sha of HEAD, with ``+dirty`` when ``paths`` differ from it (the measured code is not HEAD's)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    return (_git("rev-parse", "--short", "HEAD") or "unknown") + ("+dirty" if dirty(paths) else "")
 
-    sha = git("rev-parse", "--short", "HEAD") or "unknown"
-    return sha + ("+dirty" if git("status", "--porcelain", "--", *paths) else "")
+
+def dirty(paths: tuple[str, ...] = ("trainer", "csrc", "bench")) -> list[str]:
+    """Files under ``paths`` that differ from HEAD (uncommitted edits are part of what was measured)."""
+    lines = _git("status", "--porcelain", "--", *paths).splitlines()
+    return [line[3:] for line in lines if not line[3:].startswith("bench/results/")]
 
 
 def load() -> list[float]:
@@ -27,5 +33,5 @@ def load() -> list[float]:
 
 def run_meta() -> dict:
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit(),
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs", "python": platform.python_version(),
-            "load_before": load()}
+            "dirty": dirty(), "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "python": platform.python_version(), "load_before": load()}
