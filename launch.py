@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
+from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from orchestrator.launcher import launch
+from orchestrator import redaction
+from orchestrator.launcher import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED, RunFailed, launch
 from orchestrator.plan import SweepInfo
 from orchestrator.schema import register, to_typed
 from orchestrator.validate import PlanError
@@ -32,21 +35,44 @@ def _sweep_info() -> SweepInfo | None:
     if hc.mode != RunMode.MULTIRUN:
         return None
     sweep_dir = os.path.abspath(hc.sweep.dir)
+    _scrub(Path(sweep_dir) / "multirun.yaml")
     overrides = tuple(x for x in hc.job.override_dirname.split(",") if x)
     return SweepInfo(os.path.basename(sweep_dir), sweep_dir, int(hc.job.num), overrides)
 
 
+def _scrub(path: Path) -> None:
+    """Hydra writes a sweep's overrides and config to multirun.yaml before any point runs: redact it."""
+    if path.is_file():
+        text = path.read_text()
+        if (clean := redaction.redact(text)) != text:
+            path.write_text(clean)
+
+
 @hydra.main(config_path="hydra_conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    typed = to_typed(cfg, dict(HydraConfig.get().runtime.choices))
+    # Every outcome ends here with Slipway's message and exit code: an exception escaping this function
+    # would make Hydra print "Error executing job with overrides: [...]", every override (secrets too).
     try:
+        typed = to_typed(cfg, dict(HydraConfig.get().runtime.choices))
         result = launch(typed, _sweep_info())
     except PlanError as err:
         sys.stderr.write(f"{err}\n")
-        sys.exit(2)
+        sys.exit(EXIT_PROBLEMS)
+    except RunFailed as err:
+        sys.stderr.write(f"slipway: {err}\n")
+        sys.exit(EXIT_RUN_FAILED)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception:
+        sys.stderr.write(f"slipway: launch failed unexpectedly:\n{traceback.format_exc()}")
+        sys.exit(EXIT_ERROR)
     if typed.dry_run and result.plan.problems:
-        sys.exit(2)  # the printed plan lists what would stop a real launch
+        sys.exit(EXIT_PROBLEMS)  # the printed plan lists what would stop a real launch
 
 
 if __name__ == "__main__":
+    # Secrets from the environment and the command line are hidden from everything printed, Hydra's own
+    # errors included (orchestrator/redaction.py).
+    redaction.REDACTOR.add(redaction.environ_secrets(os.environ) | redaction.argv_secrets(sys.argv[1:]))
+    redaction.install()
     main()

@@ -1,4 +1,11 @@
-"""The launch flow behind ``launch.py``: facts → plan → (print | refuse | record + submit [+ wait])."""
+"""The launch flow behind ``launch.py``: facts → plan → (print | refuse | record + submit [+ wait]).
+
+Everything it prints or records passes through orchestrator/redaction.py's redactor, which knows the
+launching environment's secrets and any the config holds (a config that holds one is refused anyway).
+``launch.py`` turns the outcome into its exit code: :data:`EXIT_PROBLEMS` when configuration problems
+stopped the launch (or a dry run found some), :data:`EXIT_RUN_FAILED` when a waited-for run ended with a
+stage that did not complete (:class:`RunFailed`), :data:`EXIT_ERROR` for anything unexpected.
+"""
 
 from __future__ import annotations
 
@@ -9,29 +16,57 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import render
+from orchestrator import redaction
 from orchestrator.estimate import fmt_duration, memory_table
 from orchestrator.follow import LogFollower, failure_tails, log_path
+from orchestrator.guards import known_secrets
 from orchestrator.launch_checks import record_writer, reused_data_problems, single_writer
 from orchestrator.plan import Plan, PlanInputs, SweepInfo, make_plan, run_name
 from orchestrator.runs import (
+    RUN_JSON,
     add_to_sweep,
     code_version,
     default_run_dir,
     fingerprint,
     git_state,
     mint_run_id,
+    read_json,
     update_run_json,
     vocab_entries,
     write_json,
 )
 from orchestrator.schema import SlipwayConfig
-from orchestrator.submit import Submitted, container_wrapper, render_stage, stage_folder, submit_plan
+from orchestrator.submit import (
+    Submitted,
+    container_wrapper,
+    render_stage,
+    stage_folder,
+    stage_log_dir,
+    submit_plan,
+)
 from orchestrator.summary import write_summary
 from orchestrator.validate import PlanError
 from trainer.log import get_logger
 
 log = get_logger(__name__)
+
+EXIT_ERROR = 1  # an unexpected error (its traceback is printed); Hydra's own errors exit 1 too
+EXIT_PROBLEMS = 2  # configuration problems: nothing was submitted (or a dry run found some)
+EXIT_RUN_FAILED = 3  # a run launch.py waited for ended with a stage that did not complete
+
+
+class RunFailed(RuntimeError):
+    """A waited-for run ended with a stage that did not complete; the message names the stage, its log and
+    the status command."""
+
+    def __init__(self, plan: Plan, failed: list[tuple[str, str, str]]) -> None:
+        self.run_dir, self.failed = plan.run_dir, failed  # (stage, state, log) in stage order
+        stage, state, path = failed[0]
+        later = "".join(f"; {s} {st} (not run: afterok)" for s, st, _ in failed[1:] if st != "COMPLETED")
+        super().__init__(
+            f"run {plan.run_id} did not complete: stage {stage} {state}, its log: {path}{later}\n"
+            f"  status: python -m orchestrator status {plan.run_dir}"
+        )
 
 
 @dataclass
@@ -52,6 +87,7 @@ def gather_facts(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> PlanInpu
         prints,
         vocab_entries(cfg.tokenizer.vocab_file),
         sweep,
+        dict(os.environ),
     )
 
 
@@ -108,10 +144,10 @@ def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> None:
     run = Path(plan.run_dir)
     (run / "logs").mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.structured(cfg)
-    OmegaConf.save(resolved, run / "config.yaml")
+    (run / "config.yaml").write_text(redaction.redact(OmegaConf.to_yaml(resolved)))
     git = git_state()
     if git["diff"]:
-        (run / "git.diff").write_text(git["diff"])
+        (run / "git.diff").write_text(redaction.redact(git["diff"]))
     update_run_json(
         plan.run_dir,
         run_id=plan.run_id,
@@ -119,15 +155,15 @@ def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> None:
         name=run_name(cfg, _facts(plan)),
         created=time.strftime("%Y-%m-%dT%H:%M:%S"),
         git={"sha": git["sha"], "dirty": git["dirty"]},
-        config=OmegaConf.to_container(resolved),
+        config=redaction.REDACTOR.tree(OmegaConf.to_container(resolved)),
         stages={s.name: {"key": s.key, "dir": s.state_dir} for s in plan.stages},
         sweep=dataclasses.asdict(plan.sweep) if plan.sweep else None,
-        scripts=scripts,
+        scripts=redaction.REDACTOR.tree(scripts),
         jobs={},
     )
     wrapper = scripts.get("container_exec.sh")
     if wrapper:
-        (run / "container_exec.sh").write_text(wrapper)
+        (run / "container_exec.sh").write_text(redaction.redact(wrapper))
 
 
 def _facts(plan: Plan) -> PlanInputs:
@@ -188,12 +224,33 @@ def _reap(submitted: list[Submitted], timeout_s: float = 30.0) -> None:
             time.sleep(0.2)
 
 
-def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out) -> None:
+def _stage_log(plan: Plan, stage: str, job_id: str, executor: str) -> str:
+    """Where a stage's job logs (task 0's stderr for local jobs; a glob of the rank logs for Slurm)."""
+    sp = plan.stage(stage)
+    if executor == "local":
+        return str(log_path(stage_folder(plan, sp), job_id))
+    return os.path.join(stage_log_dir(plan, sp), f"{stage}_{job_id}_*.err")
+
+
+def _failed(plan: Plan) -> list[tuple[str, str, str]]:
+    """(stage, state, log) from the first stage that did not complete on (later ones are its dependants)."""
+    from orchestrator.status import collect
+
+    entries = {s: e[-1] for s, e in read_json(Path(plan.run_dir) / RUN_JSON).get("jobs", {}).items() if e}
+    rows = [(r.stage, r.state, str(entries[r.stage]["job_id"]), entries[r.stage].get("executor", "slurm"))
+            for r in collect(plan.run_dir)]
+    first = next((i for i, r in enumerate(rows) if r[1] != "COMPLETED"), None)
+    if first is None:  # every job completed, yet a stage did not (a marker is missing)
+        return [("run", "INCOMPLETE", os.path.join(plan.run_dir, "logs"))]
+    return [(st, state, _stage_log(plan, st, jid, ex)) for st, state, jid, ex in rows[first:]]
+
+
+def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out, err) -> None:
     """Follow a blocking run to its end; print the summary, or the failed stages' log tails and raise."""
     local = all(s.executor == "local" for s in submitted)
-    follow = LogFollower(plan.run_dir, sys.stderr) if local else None
+    follow = LogFollower(plan.run_dir, err) if local else None
     try:
-        ok = wait(plan, 1.0 if local else 5.0, follow=follow)
+        ok = wait(plan, 1.0 if local else 5.0, out=err, follow=follow)
     except KeyboardInterrupt:
         # Local jobs are this machine's processes: Ctrl-C ends them too (Slurm jobs keep running). A
         # terminal's Ctrl-C reached them already; cancel those that were not (a signal to this pid only).
@@ -201,30 +258,29 @@ def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out) -> 
         for s in submitted:
             if s.job is not None and s.executor == "local" and not s.job.done():
                 s.job.cancel()
-        sys.stderr.write(f"interrupted: local jobs of run {plan.run_id} cancelled\n")
+        err.write(f"interrupted: local jobs of run {plan.run_id} cancelled\n")
         raise
     _reap(submitted)
     write_json(Path(plan.run_dir) / "wait.json", {"ok": ok})
     if not ok:
-        from orchestrator.status import collect
-
-        failed = [r.stage for r in collect(plan.run_dir) if r.state != "COMPLETED"]
-        sys.stderr.write(failure_tails(plan.run_dir, failed))
-        raise RuntimeError(
-            f"run {plan.run_id} did not complete; see python -m orchestrator status {plan.run_dir}"
-        )
+        failed = _failed(plan)
+        err.write(failure_tails(plan.run_dir, [f[0] for f in failed]))
+        raise RunFailed(plan, failed)
     out.write("\n" + write_summary(plan.run_dir, time.monotonic() - started))
 
 
 def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -> LaunchResult:
     """Plan, then print (dry run), refuse (problems), or record and submit."""
     started = time.monotonic()
+    redaction.REDACTOR.add(redaction.environ_secrets(os.environ) | known_secrets(cfg))
+    redaction.install(streams=False)  # the slipway loggers' handlers
+    out, err = redaction.redacting(out), redaction.redacting(sys.stderr)
     facts = gather_facts(cfg, sweep)
     plan = make_plan(cfg, facts)
     plan.problems.extend(reused_data_problems(plan))
     scripts = scripts_of(cfg, plan)
     if cfg.dry_run:
-        text = render.redact(format_plan(cfg, plan, scripts), dict(os.environ))
+        text = redaction.redact(format_plan(cfg, plan, scripts))
         out.write(text)
         return LaunchResult(plan, text)
     if plan.problems:
@@ -245,11 +301,11 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -
             },
             {"sweep_id": sweep.sweep_id, "experiment": cfg.experiment},
         )
-    text = render.redact(_follow_text(plan, submitted), dict(os.environ))
+    text = redaction.redact(_follow_text(plan, submitted))
     out.write(text)
     # Default: block for a single local run (its jobs are this machine's processes); never for sweeps,
     # whose points must all be submitted before anything waits.
     do_wait = cfg.wait if cfg.wait is not None else (cfg.cluster.executor == "local" and sweep is None)
     if do_wait:
-        _wait_local(plan, submitted, started, out)
+        _wait_local(plan, submitted, started, out, err)
     return LaunchResult(plan, text, submitted)

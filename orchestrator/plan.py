@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.estimate import GIB, MemoryEstimate, TimeEstimate, estimate_memory, estimate_time
+from orchestrator.guards import guard_problems
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import ConvertJob, CorpusJob, PreprocessJob, TrainJob
 from orchestrator.validate import Layout, Problem, layout_of, validate
@@ -46,6 +47,7 @@ class PlanInputs:
     fingerprints: dict[str, str] = field(default_factory=dict)  # input path -> size/mtime fingerprint
     vocab_from_file: int | None = None  # entries in tokenizer.vocab_file when readable here
     sweep: SweepInfo | None = None
+    environ: dict[str, str] = field(default_factory=dict)  # the launching environment (secrets, test hooks)
 
 
 @dataclass(frozen=True)
@@ -275,7 +277,7 @@ def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimat
 
 def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exists) -> Plan:
     """Everything about a launch that can be known before submitting (no job is touched)."""
-    problems = validate(cfg, exists)
+    problems = validate(cfg, exists) + guard_problems(cfg, facts.environ)
     lay = layout_of(cfg)
     vocab = resolve_vocab(cfg, facts)
     mem = estimate_memory(cfg, vocab, lay)

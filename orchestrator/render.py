@@ -21,13 +21,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from orchestrator.redaction import is_secret_name
 from orchestrator.schema import ClusterConfig, ContainerConfig
-
-SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
-
-
-def is_secret_name(name: str) -> bool:
-    return any(m in name.upper() for m in SECRET_MARKERS)
 
 
 @dataclass(frozen=True)
@@ -301,11 +296,3 @@ def python_command(container: ContainerConfig, wrapper_path: str, python: str) -
     if container.kind == "apptainer":
         return f"bash {shlex.quote(wrapper_path)} python"
     return shlex.quote(python)
-
-
-def redact(text: str, environ: dict[str, str]) -> str:
-    """Replace the value of every secret-looking variable of ``environ`` found in ``text``."""
-    for name, value in environ.items():
-        if is_secret_name(name) and value and len(value) >= 4:
-            text = text.replace(value, f"<redacted:{name}>")
-    return text

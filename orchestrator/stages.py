@@ -19,6 +19,7 @@ from typing import Any
 import submitit
 
 from orchestrator.job_extras import stall_hook, write_data_report
+from trainer import testing_hooks
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -255,6 +256,8 @@ class TrainStage(Stage):
         attempt = os.environ.get("SLIPWAY_ATTEMPT", "0")
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")
         (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()} {restart} {attempt}\n")
+        # The trainer names the environment's hooks itself; these two are the stage's.
+        testing_hooks.warn_active(log, {}, {"fail_train": job.fail, "stall_train": job.stall_at})
         if job.fail == "start":
             raise RuntimeError("fail_train=start: training failed on purpose (test hook)")
         if rank == 0:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from trainer import testing_hooks
 from trainer.ckpt_space import mib as _mib
 from trainer.ckpt_space import out_of_space, state_bytes, sum_over_ranks
 from trainer.log import get_logger
@@ -55,7 +56,7 @@ CHECKPOINT_VERSION = 3.0
 _ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
-FAILPOINT_ENV = "SLIPWAY_CKPT_FAILPOINT"
+FAILPOINT_ENV = testing_hooks.CKPT_FAILPOINT
 
 
 class CheckpointError(RuntimeError):
@@ -127,7 +128,7 @@ def _failpoint(name: str, iteration: int) -> None:
     ``SLIPWAY_CKPT_FAILPOINT_ONCE=<path>`` only the first process to create that file dies, so the retry
     of a killed job (same environment) gets past the point."""
     if os.environ.get(FAILPOINT_ENV) == f"{name}@{iteration}":
-        once = os.environ.get(f"{FAILPOINT_ENV}_ONCE")
+        once = os.environ.get(testing_hooks.CKPT_FAILPOINT_ONCE)
         if once:
             try:
                 os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))

@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer import testing_hooks
 from trainer.health import HealthConfig
 from trainer.log import get_logger
 from trainer.parallel.config import ParallelConfig  # the parallel layer's own section, re-exported
@@ -31,7 +32,7 @@ WANDB_MODES = ("online", "offline", "disabled")
 # Top-level keys of a resolved orchestrator config that the trainer has no use for.
 ORCHESTRATOR_ONLY = ("cluster", "container", "dry_run", "wait", "hydra", "experiment", "sweep", "stages",
                      "preprocess", "convert", "corpus", "name", "defaults", "runs_root", "cache_dir",
-                     "fail_train", "stall_train")
+                     *testing_hooks.CONFIG_HOOKS, testing_hooks.SWITCH)
 # Keys inside trainer sections that only the orchestrator uses (planning, preprocessing): ignored quietly.
 ORCHESTRATOR_KEYS = {"data": ("append_eod", "workers", "corpus", "on_error")}
 

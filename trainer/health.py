@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from trainer import testing_hooks
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -58,7 +59,8 @@ _BACKSTOP_MARGIN_S = 60.0
 def node_name() -> str:
     """This process's node: ``SLIPWAY_NODE_NAME``, else Slurm's node name, else the host name (Slurm node
     names are what an admin drains; several emulated nodes may share one host)."""
-    return os.environ.get("SLIPWAY_NODE_NAME") or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    env = os.environ
+    return env.get(testing_hooks.NODE_NAME) or env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt
-from trainer import health, metrics
+from trainer import health, metrics, testing_hooks
 from trainer.ckpt_state import (
     Restorable,
     RunFacts,
@@ -235,6 +235,7 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
     group over the same ranks within one process would reuse its store keys.
     """
     hooks = hooks or RunHooks()
+    testing_hooks.warn_active(log, os.environ)  # a stray test hook must not go unnoticed in a real job
     metrics.check_wandb_credentials(cfg.logging.wandb.mode)  # before anything slow or collective
     _configure_determinism(cfg.train.deterministic)
     # StopRequest from the start: a signal during set-up stops at the first step boundary.

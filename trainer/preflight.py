@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer import testing_hooks
 from trainer.health import HealthConfig, node_name
 from trainer.log import get_logger
 
@@ -40,7 +41,7 @@ log = get_logger(__name__)
 PREFLIGHT_JSON = "preflight.json"
 # Test hook (like checkpoint's failpoints): "stop@NODE" makes NODE's leader SIGSTOP itself after checking
 # in; "slow@NODE:MS" delays each of its sends by MS milliseconds (a sick link).
-FAILPOINT_ENV = "SLIPWAY_PREFLIGHT_FAILPOINT"
+FAILPOINT_ENV = testing_hooks.PREFLIGHT_FAILPOINT
 _REPEATS = 3
 _runs = 0  # store keys are per preflight call (a process may run several in tests)
 

@@ -70,7 +70,7 @@ def runs(tmp_path_factory):
         r.sweep1 = _sweep(root, "s1")
         pipeline = ["train.iters=6", "train.save_interval=3", "train.eval_interval=3", "wait=false"]
         r.smoke = Path(launch(_cfg(root, *pipeline), out=io.StringIO()).plan.run_dir)
-        failing = _cfg(root, *SMALL, "fail_train=start", "train.iters=4", "wait=false")
+        failing = _cfg(root, *SMALL, "fail_train=start", "testing=true", "train.iters=4", "wait=false")
         r.failing = Path(launch(failing, out=io.StringIO()).plan.run_dir)
         yield r
     finally:

@@ -69,6 +69,7 @@ COMMON = [
     # PyTorch's own kernels: the loss comparisons do not depend on how the C++ extension was built.
     "kernels=eager",
     "wait=false",
+    "testing=true",  # the runs use the test-only hooks (stall_train, the checkpoint failpoint)
 ]
 
 # name → extra overrides; submitted in this order (Slurm starts equal-priority jobs by id): the failing

@@ -24,7 +24,7 @@ TINY = [
 
 @pytest.mark.timeout(300)
 def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path, capsys):
-    cfg = compose_cfg(TINY + [f"runs_root={tmp_path}", "fail_train=start", "wait=true"])
+    cfg = compose_cfg(TINY + [f"runs_root={tmp_path}", "fail_train=start", "testing=true", "wait=true"])
     with pytest.raises(RuntimeError, match="did not complete"):
         launch(cfg, out=io.StringIO())
     # The stages' logs were streamed while they ran, and the failed training's error is shown at the end.
@@ -45,7 +45,8 @@ def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path, capsy
 
     # Same data again: corpus and preprocess are reused, not resubmitted.
     again = launch(
-        compose_cfg(TINY + [f"runs_root={tmp_path}", "fail_train=start", "wait=false"]), out=io.StringIO()
+        compose_cfg(TINY + [f"runs_root={tmp_path}", "fail_train=start", "testing=true", "wait=false"]),
+        out=io.StringIO(),
     )
     actions = {s.stage: s.action for s in again.submitted}
     assert actions["corpus"] == "reused" and actions["preprocess"] == "reused"

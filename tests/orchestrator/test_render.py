@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import render
+from orchestrator import redaction, render
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.runs import REPO_ROOT
 from orchestrator.schema import ContainerConfig
@@ -125,6 +125,6 @@ def test_container_wrapper_forwards_allowlist_only(tmp_path):
 
 def test_redact():
     text = "token abcd1234xyz here"
-    assert render.redact(text, {"WANDB_API_KEY": "abcd1234xyz", "HOME": "here"}) == (
+    assert redaction.redact(text, {"WANDB_API_KEY": "abcd1234xyz", "HOME": "here"}) == (
         "token <redacted:WANDB_API_KEY> here"
     )

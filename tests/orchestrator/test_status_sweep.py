@@ -110,6 +110,7 @@ def test_local_sweep_shares_preprocessing(tmp_path):
         "optim.lr=1e-3,2e-3",
         f"runs_root={tmp_path}",
         "fail_train=start",
+        "testing=true",
         "data.corpus.max_files=12",
         "tokenizer.vocab_size=300",
         "data.workers=1",

@@ -1,0 +1,112 @@
+"""What must never reach a real job, as plan problems: secrets in the config, and test-only hooks.
+
+- ``secret_in_config``: a secret-named entry of ``cluster.env``/``cluster.sbatch_extra``, a secret
+  assignment in ``cluster.setup``, a value that looks like a secret anywhere in the config (see
+  orchestrator/redaction.py, the one definition), or the value of a secret variable of the launching
+  environment copied into the config (``${oc.env:DB_PASSWD}``). Secrets belong in the environment one
+  launches from; the value is never shown (``<redacted>``).
+- ``test_hook``: ``fail_train``/``stall_train``, or a hook variable (trainer/testing_hooks.py) in
+  ``cluster.env`` or the launching environment, without ``testing=true``.
+
+Pure functions of the typed config and an environment mapping (the plan passes the launching one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+
+from orchestrator.redaction import HEX40, is_secret_name, secret_assignments, secret_kind
+from orchestrator.schema import SlipwayConfig
+from orchestrator.validate import Problem
+from trainer import testing_hooks
+
+_REMOVE = "remove it from the config and export it in the environment you launch from (Slurm passes it on)"
+
+
+def _strings(obj: object, key: str) -> Iterator[tuple[str, str]]:
+    """(dotted key, string) for every string in a config tree."""
+    if isinstance(obj, str):
+        yield key, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _strings(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _strings(v, f"{key}[{i}]")
+
+
+def _secret(key: str, message: str, fix: str = _REMOVE) -> Problem:
+    return Problem("secret_in_config", key, "<redacted>", message, fix)
+
+
+def _cluster_secrets(cfg: SlipwayConfig) -> list[Problem]:
+    c, out = cfg.cluster, []
+    for section, entries in (("env", c.env), ("sbatch_extra", c.sbatch_extra)):
+        for name, value in entries.items():
+            key = f"cluster.{section}.{name}"
+            if is_secret_name(name):
+                out.append(_secret(key, "a secret-named entry; configs, job scripts and run.json are "
+                                        "written to disk", f"remove it and export {name} in the environment "
+                                                           "you launch from (Slurm passes it on)"))
+            elif kind := secret_kind(str(value), secret_position=True):
+                out.append(_secret(key, f"its value looks like a secret ({kind})"))
+    for i, line in enumerate(c.setup):
+        names = [n for n, _ in secret_assignments(line)]
+        kind = secret_kind(line, secret_position=True)
+        if names or kind:
+            what = f"assigns the secret {names[0]} a literal value" if names else f"contains a {kind}"
+            out.append(_secret(f"cluster.setup[{i}]", what, "read it from the environment instead "
+                                                            "(export NAME=\"$NAME\"), or export it before "
+                                                            "launching"))
+    return out
+
+
+def secret_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """Every place of the config that holds a secret (see the module docstring)."""
+    out = _cluster_secrets(cfg)
+    flagged = {p.key for p in out}
+    env_values = {v: k for k, v in environ.items() if is_secret_name(k) and v and len(v) >= 8}
+    for key, text in _strings(dataclasses.asdict(cfg), ""):
+        if any(key == f or key.startswith(f + "[") for f in flagged):
+            continue
+        if kind := secret_kind(text):
+            out.append(_secret(key, f"the value looks like a secret ({kind})"))
+        elif name := next((n for v, n in env_values.items() if v in text), None):
+            out.append(_secret(key, f"the value contains the secret {name} of the launching environment"))
+    return out
+
+
+def hook_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """Test-only hooks set in the config, ``cluster.env`` or ``environ``, unless ``testing=true``."""
+    if getattr(cfg, testing_hooks.SWITCH):
+        return []
+    fix = "tests that need it set testing=true"
+    out = [
+        Problem("test_hook", name, value, f"a test-only hook: {what}", f"remove {name}; {fix}")
+        for name, what in testing_hooks.CONFIG_HOOKS.items()
+        if (value := getattr(cfg, name)) not in (None, "")
+    ]
+    for where, env in (("cluster.env.", cfg.cluster.env), ("environment variable ", environ)):
+        for name, value in testing_hooks.active_env_hooks(env).items():
+            undo = f"unset {name} in the shell you launch from" if where.startswith("env") else "remove it"
+            out.append(Problem("test_hook", where + name, value,
+                               f"a test-only hook: {testing_hooks.ENV_HOOKS[name]}", f"{undo}; {fix}"))
+    return out
+
+
+def guard_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Problem]:
+    return secret_problems(cfg, environ) + hook_problems(cfg, environ)
+
+
+def known_secrets(cfg: SlipwayConfig) -> dict[str, str]:
+    """{value: where} of the secret values the config holds, so that everything printed can hide them."""
+    c, out = cfg.cluster, {}
+    for section, entries in (("env", c.env), ("sbatch_extra", c.sbatch_extra)):
+        for name, value in entries.items():
+            if is_secret_name(name) or secret_kind(str(value), secret_position=True):
+                out[str(value)] = f"cluster.{section}.{name}"
+    for i, line in enumerate(c.setup):
+        out.update({value: name for name, value in secret_assignments(line)})
+        out.update({m: f"cluster.setup[{i}]" for m in HEX40.findall(line)})
+    return out

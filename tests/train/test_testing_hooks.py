@@ -1,0 +1,37 @@
+"""A real job names every active test-only hook in a warning at start-up (trainer/testing_hooks.py)."""
+
+from __future__ import annotations
+
+import logging
+
+from tests.train.harness import run_cfg, tiny_config, write_dataset
+from trainer import testing_hooks
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_trainer_warns_for_each_active_hook(tmp_path, monkeypatch):
+    values = {testing_hooks.CKPT_FAILPOINT: "mid_write@999", testing_hooks.CKPT_FAILPOINT_ONCE:
+              str(tmp_path / "once"), testing_hooks.PREFLIGHT_FAILPOINT: "slow@nowhere:1",
+              testing_hooks.NODE_NAME: "node-under-test"}
+    assert set(values) == set(testing_hooks.ENV_HOOKS)
+    for k, v in values.items():
+        monkeypatch.setenv(k, v)
+    records = _Records()
+    logging.getLogger("slipway").addHandler(records)
+    try:
+        data = write_dataset(str(tmp_path / "data"))
+        run_cfg(tiny_config(str(tmp_path / "run"), data, train={"iters": 1, "save_interval": 1}))
+    finally:
+        logging.getLogger("slipway").removeHandler(records)
+    warned = [line for line in records.lines if line.startswith("TEST HOOK ACTIVE: ")]
+    assert len(warned) == len(values), records.lines
+    for k, v in values.items():
+        assert any(line.startswith(f"TEST HOOK ACTIVE: {k}={v} (") for line in warned), warned
