@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.meta import commit, load  # noqa: E402
 from trainer.ops import _ext, reference  # noqa: E402
 
 
@@ -73,6 +74,19 @@ def _fwd_bwd(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
     return run
 
 
+# What each row's tensors are, per dtype row (printed with the table: a "bf16" row is not all bf16).
+DTYPES = {
+    "bias_gelu": "x {dt}, bias fp32 (a param under autocast)",
+    "bias_dropout_add": "x {dt}, bias fp32, residual fp32 (the fp32 residual stream under autocast)",
+    "scaled_causal_softmax": "scores {dt}",
+    "layer_norm": "x, weight, bias {dt}; statistics fp32",
+    "cross_entropy": "logits {dt}; loss fp32",
+    "adamw_step": "25 tensors. fp32 row: params, grads, moments fp32. bf16 row: model params and grads "
+                  "bf16, fp32 master weights and fp32 moments (the kernel updates the master and writes the "
+                  "bf16 copy)",
+}
+
+
 def cases(device: str, dtype: torch.dtype, tokens: int) -> list[Case]:
     from trainer.ops import adamw, cross_entropy, fused
 
@@ -84,9 +98,9 @@ def cases(device: str, dtype: torch.dtype, tokens: int) -> list[Case]:
     x = torch.randn(tokens, h, **kw).requires_grad_()
     b = torch.randn(h, device=device, requires_grad=True)
     res = torch.randn(tokens, h, device=device, requires_grad=True)  # fp32 residual stream
-    w = torch.randn(h, device=device, requires_grad=True)
-    lb = torch.randn(h, device=device, requires_grad=True)
-    xr = torch.randn(tokens, h, device=device, requires_grad=True)
+    w = torch.randn(h, **kw).requires_grad_()
+    lb = torch.randn(h, **kw).requires_grad_()
+    xr = torch.randn(tokens, h, **kw).requires_grad_()
     scores = torch.randn(max(1, tokens // seq), heads, seq, seq, **kw).requires_grad_()
     logits = torch.randn(tokens, vocab, **kw).requires_grad_()
     target = torch.randint(0, vocab, (tokens,), device=device)
@@ -101,20 +115,26 @@ def cases(device: str, dtype: torch.dtype, tokens: int) -> list[Case]:
              lambda: reference.layer_norm(xr, w, lb, 1e-5)),
         Case("cross_entropy", lambda: cross_entropy.cross_entropy(logits, target),
              lambda: reference.cross_entropy(logits, target)),
-        _adamw_case(device, n_params, adamw),
+        _adamw_case(device, dtype, n_params, adamw),
     ]
 
 
-def _adamw_case(device: str, n_params: int, adamw) -> Case:
+def _adamw_case(device: str, dtype: torch.dtype, n_params: int, adamw) -> Case:
+    """fp32: the masters are the params. Otherwise ``dtype`` params and grads with fp32 masters and moments,
+    as ``FusedAdamW`` keeps them for a low-precision model (Slipway's own bf16 training is autocast over
+    fp32 params, so it runs the fp32 case)."""
     shapes = [(n_params // 8,), (n_params // 4,), (n_params // 2,), (768,), (768,)] + [(64,)] * 20
+    low = dtype != torch.float32
+
     def state():
-        return adamw.AdamWTensors([torch.randn(s, device=device) for s in shapes],
-                                  [torch.randn(s, device=device) for s in shapes],
+        masters = [torch.randn(s, device=device) for s in shapes]
+        return adamw.AdamWTensors(masters, [torch.randn(s, device=device, dtype=dtype) for s in shapes],
                                   [torch.zeros(s, device=device) for s in shapes],
-                                  [torch.zeros(s, device=device) for s in shapes])
+                                  [torch.zeros(s, device=device) for s in shapes],
+                                  [m.to(dtype) for m in masters] if low else [])
     hp = adamw.AdamWHyper(lr=1e-4, weight_decay=0.1)
     mine, ref = state(), state()
-    return Case("adamw_step (25 tensors)", lambda: adamw.adamw_step(mine, hp, 3),
+    return Case("adamw_step", lambda: adamw.adamw_step(mine, hp, 3),
                 lambda: reference.adamw_step(ref, hp, 3), backward=False)
 
 
@@ -136,7 +156,8 @@ def _device_name(device: str) -> str:
 
 
 def render(device: str, dtype: torch.dtype, tokens: int, rows) -> str:
-    head = (f"# bench/kernels.py  {datetime.datetime.now().isoformat(timespec='seconds')}\n"
+    head = (f"# bench/kernels.py  {datetime.datetime.now().isoformat(timespec='seconds')}  "
+            f"commit {commit()}  load {load()}\n"
             f"# device={device} ({_device_name(device)}) "
             f"threads={torch.get_num_threads()} torch={torch.__version__} dtype={dtype} tokens={tokens}\n"
             f"# ratio = eager / fused (>1: fused faster); ms, best of alternating runs "
@@ -146,6 +167,8 @@ def render(device: str, dtype: torch.dtype, tokens: int, rows) -> str:
     for name, tf, te, bf, be in rows:
         lines.append(f"{name:<26}{tf * 1e3:>11.3f}{te * 1e3:>11.3f}{te / tf:>8.2f}{bf * 1e3:>11.3f}"
                      f"{be * 1e3:>11.3f}{be / bf:>8.2f}")
+    dt = str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
+    lines += [f"#   {name}: {DTYPES[name].format(dt=dt)}" for name, *_ in rows]
     return head + "\n".join(lines) + "\n"
 
 
