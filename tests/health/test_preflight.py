@@ -117,6 +117,7 @@ def _failure(tmp_path, failpoint: str, **cfg) -> str:
     return str(e.value)
 
 
+@pytest.mark.slow  # ~10 s: waits out the timeouts that name the stopped node
 def test_stopped_node_named(tmp_path):
     msg = _failure(tmp_path, "stop@nodeC", preflight_timeout_s=3)
     assert "PreflightError" in msg and "node nodeC did not report" in msg, msg

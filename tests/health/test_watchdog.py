@@ -70,6 +70,7 @@ def _slow_phases(rank: int, d: dict, out: str) -> None:
         json.dump({"code": r.exit_code, "iteration": r.iteration}, f)
 
 
+@pytest.mark.slow  # ~16 s: the slow phases must outlast the hang timeouts they are not mistaken for
 def test_slow_startup_saves_and_evaluation_are_not_hangs(tmp_path):
     data = write_dataset(str(tmp_path / "data"))
     d = tiny_config(str(tmp_path / "run"), data, train={"iters": 8, "save_interval": 4, "eval_interval": 4,
