@@ -108,11 +108,14 @@ def test_validation_finds_every_config_secret():
 @pytest.mark.timeout(300)
 def test_dry_run_and_refused_launch_show_and_write_no_secret(tmp_path: Path):
     runs = tmp_path / "runs"
-    dry = _launch(["+experiment=codeparrot_smoke", "cluster=devcluster", "dry_run=true", *_overrides(runs)],
-                  cwd=tmp_path)
+    # Hydra's verbose mode prints the composed config, and its default job logging writes launch.log here.
+    hydra_verbose = ["hydra/job_logging=default", "hydra/hydra_logging=default", "hydra.verbose=true"]
+    dry = _launch(["+experiment=codeparrot_smoke", "cluster=devcluster", "dry_run=true", *_overrides(runs),
+                   *hydra_verbose], cwd=tmp_path)
     assert dry.returncode == EXIT_PROBLEMS, dry.stderr[-3000:]
     assert dry.stdout.count("[secret_in_config]") == len(CONFIG_SECRETS) + 3, dry.stdout
     assert "----- train job script -----" in dry.stdout and 'export DB_PASSWD="${DB_PASSWD}"' in dry.stdout
+    assert "DB_PASSWD: <redacted:" in dry.stdout and (tmp_path / "launch.log").is_file()  # Hydra's own
     real = _launch(["+experiment=codeparrot_smoke", *_overrides(runs)], cwd=tmp_path)
     assert real.returncode == EXIT_PROBLEMS and "nothing was submitted" in real.stderr, real.stderr[-3000:]
     assert real.stderr.count("[secret_in_config]") == len(CONFIG_SECRETS) + 3
