@@ -7,10 +7,9 @@ dry run and every line the launch prints (its streams and the ``slipway`` logger
 - **Names**: a variable or key whose name contains one of :data:`NAME_MARKERS` (``DB_PASSWD``,
   ``wandb_api_key``, ``--api-key``) holds a secret.
 - **Values**: text matching one of :data:`VALUE_PATTERNS` is a secret wherever it appears (Hugging Face,
-  GitHub, AWS and OpenAI-style tokens, PEM private keys). :data:`HEX40` (a W&B API key) is also a git
-  sha and a Hugging Face snapshot folder, so it counts only where a secret may sit: the values of
-  ``cluster.env``, ``cluster.sbatch_extra`` and ``cluster.setup``, and the value of a secret-named
-  assignment.
+  GitHub and AWS tokens, PEM private keys: shapes specific enough never to match a path or a name).
+  :data:`HEX40` (a W&B API key) is also a git sha and a Hugging Face snapshot folder, so it counts only
+  where a secret may sit: the values of ``cluster.env``, ``cluster.sbatch_extra`` and ``cluster.setup``.
 - **Assignments**: in any text, ``NAME=value`` with a secret ``NAME`` (``export GITHUB_TOKEN=...``,
   Hydra's ``+cluster.env.DB_PASSWD=...``) hides the value; ``NAME=$REF`` (a reference) is kept.
 
@@ -34,7 +33,6 @@ VALUE_PATTERNS = {
     "hf_token": re.compile(r"\bhf_[A-Za-z0-9]{30,}\b"),
     "github_token": re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{22,})\b"),
     "aws_access_key": re.compile(r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b"),
-    "api_key": re.compile(r"\bsk-(?:proj-)?[A-Za-z0-9_-]{20,}"),
     "private_key": re.compile(
         r"-----BEGIN ([A-Z0-9 ]*)PRIVATE KEY-----.*?(?:-----END \1PRIVATE KEY-----|\Z)", re.S
     ),
