@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import shutil
 import signal
 from dataclasses import dataclass
@@ -43,17 +42,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer import testing_hooks
+from trainer import ckpt_verify, testing_hooks
 from trainer.ckpt_space import mib as _mib
 from trainer.ckpt_space import out_of_space, state_bytes, sum_over_ranks
+from trainer.ckpt_verify import SHARD_FILE, TRACKER, iter_dir_name, list_iterations  # noqa: F401 (re-exported)
 from trainer.log import get_logger
 
 log = get_logger(__name__)
 
-TRACKER = "latest_checkpointed_iteration.txt"
-SHARD_FILE = "model_optim_rng.pt"
 CHECKPOINT_VERSION = 3.0
-_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 FAILPOINT_ENV = testing_hooks.CKPT_FAILPOINT
@@ -84,10 +81,6 @@ class ShardLayout:
         return self.dp_rank == 0
 
 
-def iter_dir_name(iteration: int | str) -> str:
-    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-
-
 def shard_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
     """Megatron's shard folder: the pp rank appears only when there is more than one stage."""
     return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
@@ -100,26 +93,16 @@ def shard_path(ckpt_dir: str, iteration: int | str, tp_rank: int, pp_rank: int, 
 
 def read_tracker(ckpt_dir: str) -> int | None:
     """The committed iteration (0 for Megatron's ``release``), or None when there is no checkpoint."""
-    try:
-        with open(os.path.join(ckpt_dir, TRACKER), encoding="utf-8") as f:
-            text = f.read().strip()
-    except FileNotFoundError:
-        return None
-    if text == "release":
-        return 0
-    if not text.isdigit():
-        raise CheckpointError(f"{ckpt_dir}/{TRACKER} holds {text!r}, not an iteration number; fix or "
-                              "delete the file, or set checkpoint.load to an iteration that exists")
-    return int(text)
+    text = ckpt_verify.tracker_text(ckpt_dir)
+    it = ckpt_verify.parse_tracker(text)
+    if text is not None and it is None:
+        raise CheckpointError(f"{ckpt_dir}/{TRACKER} holds {text!r}, not an iteration number. Write the "
+                              f"iteration of a complete checkpoint into it ({list_iterations(ckpt_dir)[-3:]} "
+                              "exist), or set checkpoint.load to one of them")
+    return it
 
 
-def _iter_dir(ckpt_dir: str, iteration: int) -> str:
-    """``iter_N``, or ``release`` when only Megatron's release folder exists for iteration 0."""
-    path = os.path.join(ckpt_dir, iter_dir_name(iteration))
-    release = os.path.join(ckpt_dir, "release")
-    if iteration == 0 and not os.path.isdir(path) and os.path.isdir(release):
-        return release
-    return path
+_iter_dir = ckpt_verify.iter_path
 
 
 def _failpoint(name: str, iteration: int) -> None:
@@ -150,7 +133,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _global_rank() -> int:
+def global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
@@ -202,6 +185,7 @@ def _write_shard(state: dict, final_dir: str, iteration: int) -> None:
             raise
         _discard(tmp, parent)
         raise CheckpointSpaceError(_enospc_message(final_dir, iteration, state)) from e
+    ckpt_verify.write_digest(tmp, SHARD_FILE)  # for the manifest; hashed from what is on disk
     _fsync_dir(tmp)
     _failpoint("before_rename", iteration)
     if os.path.exists(final_dir):  # an uncommitted leftover of this iteration (see save_checkpoint)
@@ -224,15 +208,6 @@ def _write_tracker(ckpt_dir: str, iteration: int) -> None:
     _failpoint("after_tracker", iteration)
 
 
-def list_iterations(ckpt_dir: str) -> list[int]:
-    """Iterations that have an ``iter_N`` folder (complete or not), ascending."""
-    try:
-        names = os.listdir(ckpt_dir)
-    except FileNotFoundError:
-        return []
-    return sorted(int(m.group(1)) for n in names if (m := _ITER_DIR.match(n)))
-
-
 def _clean_temporaries(folder: str) -> None:
     """Remove leftovers of killed saves: temporary shard folders, trash, temporary tracker files."""
     for name in os.listdir(folder):
@@ -253,10 +228,20 @@ def prune(ckpt_dir: str, committed: int, keep: int | None) -> None:
         _clean_temporaries(os.path.join(ckpt_dir, iter_dir_name(iteration)))
     if not keep:
         return
-    older = [i for i in list_iterations(ckpt_dir) if i <= committed]
-    for iteration in older[:-keep]:
-        _remove_aside(os.path.join(ckpt_dir, iter_dir_name(iteration)))
-        log.info("removed checkpoint iteration %d (checkpoint.keep=%d)", iteration, keep)
+    # Only checkpoints that verify (sizes: cheap) count towards `keep`, so a damaged one never costs the
+    # last good one its place; a damaged one is moved aside, not deleted.
+    kept = 0
+    for iteration in reversed([i for i in list_iterations(ckpt_dir) if i <= committed]):
+        path = os.path.join(ckpt_dir, iter_dir_name(iteration))
+        wrong = ckpt_verify.problems(path, SHARD_FILE, full=False) if iteration != committed else []
+        if wrong:
+            log.warning("checkpoint iteration %d failed verification (%s); moved aside to %s", iteration,
+                        "; ".join(wrong), ckpt_verify.quarantine(path))
+        elif kept < keep:
+            kept += 1
+        else:
+            _remove_aside(path)
+            log.info("removed checkpoint iteration %d (checkpoint.keep=%d)", iteration, keep)
 
 
 def check_space(ckpt_dir: str, iteration: int, state: dict, layout: ShardLayout) -> None:
@@ -265,7 +250,7 @@ def check_space(ckpt_dir: str, iteration: int, state: dict, layout: ShardLayout)
     os.makedirs(ckpt_dir, exist_ok=True)
     mine = state_bytes(state) if layout.writes else 0
     # Rank 0's view of the free space, so every rank takes the same decision.
-    free = shutil.disk_usage(ckpt_dir).free if _global_rank() == 0 else 0
+    free = shutil.disk_usage(ckpt_dir).free if global_rank() == 0 else 0
     need, free = sum_over_ranks([mine, free])
     if need > free:
         latest = read_tracker(ckpt_dir)
@@ -292,17 +277,43 @@ def save_checkpoint(ckpt_dir: str, iteration: int, state: dict, layout: ShardLay
                              shard_dir_name(layout.tp_rank, layout.pp_rank, layout.pp_size))
         _write_shard(state, final, iteration)
     _barrier()  # step 2: every shard of this iteration is complete on disk
-    if _global_rank() == 0:
+    if global_rank() == 0:
         missing = [p for t in range(layout.tp_size) for p in range(layout.pp_size)
                    if not os.path.isfile(shard_path(ckpt_dir, iteration, t, p, layout.pp_size))]
         if missing:
             raise CheckpointError(f"shards {missing} of iteration {iteration} are missing after the barrier; "
                                   f"is {ckpt_dir} on a filesystem shared by all nodes?")
+        ckpt_verify.write_manifest(_iter_dir(ckpt_dir, iteration), iteration, layout.tp_size,
+                                   layout.pp_size, SHARD_FILE)
+        _failpoint("before_manifest_commit", iteration)
         _write_tracker(ckpt_dir, iteration)
         prune(ckpt_dir, iteration, keep)
     _barrier()
     log.info("saved checkpoint at iteration %d to %s", iteration, ckpt_dir)
     return True
+
+
+def select_latest(ckpt_dir: str, *, act: bool = True) -> ckpt_verify.Choice:
+    """Collective: the newest checkpoint of ``ckpt_dir`` that verifies (:func:`ckpt_verify.choose_latest`).
+    Global rank 0 decides — with ``act``, it moves damaged checkpoints aside and points the tracker at its
+    choice — and every rank gets the same answer. Raises :class:`CheckpointError` when checkpoints exist
+    but none verifies (starting over would overwrite them)."""
+    out: list[Any] = [None]
+    if global_rank() == 0:
+        try:
+            choice = ckpt_verify.choose_latest(ckpt_dir, act=act)
+            if act and choice.iteration is not None and choice.iteration != choice.tracker_iteration:
+                _write_tracker(ckpt_dir, choice.iteration)
+            out = [choice]
+        except ckpt_verify.NoVerifiedCheckpoint as e:
+            out = [str(e)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        nccl = dist.get_backend() == "nccl"
+        dist.broadcast_object_list(out, src=0, device=torch.device("cuda", torch.cuda.current_device())
+                                   if nccl else None)
+    if isinstance(out[0], str):
+        raise CheckpointError(out[0])
+    return out[0]
 
 
 def load_file(path: str) -> dict:

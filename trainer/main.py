@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import checkpoint as ckpt
-from trainer import health, metrics, testing_hooks
+from trainer import ckpt_verify, health, metrics, testing_hooks
 from trainer.ckpt_state import (
     Restorable,
     RunFacts,
@@ -117,29 +117,43 @@ def _configure_determinism(deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def resolve_load(cfg: CheckpointConfig) -> tuple[str, int, bool] | None:
-    """(directory, iteration, model_only) to load at start, or None to start fresh."""
-    own = ckpt.read_tracker(cfg.dir)
-    load_dir = cfg.load_dir or cfg.dir
+def resolve_load(cfg: CheckpointConfig, run_dir: str | None = None) -> tuple[str, int, bool] | None:
+    """(directory, iteration, model_only) to load at start, or None to start fresh. "Latest" means the
+    newest checkpoint that verifies (:func:`checkpoint.select_latest`): a damaged one is moved aside and
+    the one before it loaded, a missing tracker never means "start over" while checkpoints exist. What
+    was skipped is logged and recorded in ``<run_dir>/checkpoint_warnings.jsonl`` (status, summary)."""
     if cfg.load == "none":
+        own = ckpt.read_tracker(cfg.dir)
         if own is not None:
             log.warning("checkpoint.load=none: starting fresh although %s holds iteration %d", cfg.dir, own)
         return None
-    if own is not None and os.path.abspath(load_dir) != os.path.abspath(cfg.dir):
+    load_dir = cfg.load_dir or cfg.dir
+    foreign = os.path.abspath(load_dir) != os.path.abspath(cfg.dir)
+    own = _latest(cfg.dir, run_dir, act=True)
+    if own is not None and foreign:
         return cfg.dir, own, False  # a restarted run continues from its own checkpoints
     if cfg.load == "model-only":
-        if os.path.abspath(load_dir) == os.path.abspath(cfg.dir):
+        if not foreign:
             raise ValueError("checkpoint.load=model-only reads checkpoint.load_dir (another run's "
                              "checkpoints); set load_dir to a directory other than checkpoint.dir")
-        it = ckpt.read_tracker(load_dir)
+        it = _latest(load_dir, run_dir, act=False)  # another run's folder: verify, never move
         if it is None:
-            raise ckpt.CheckpointError(f"checkpoint.load=model-only but {load_dir} has no "
-                                       f"{ckpt.TRACKER}")
+            raise ckpt.CheckpointError(f"checkpoint.load=model-only but {load_dir} holds no checkpoint "
+                                       f"({ckpt.TRACKER} and iter_* folders are missing)")
         return load_dir, it, True
     if cfg.load == "latest":
-        it = ckpt.read_tracker(load_dir)
+        it = own if not foreign else _latest(load_dir, run_dir, act=False)
         return None if it is None else (load_dir, it, False)
     return load_dir, int(cfg.load), False
+
+
+def _latest(ckpt_dir: str, run_dir: str | None, act: bool) -> int | None:
+    choice = ckpt.select_latest(ckpt_dir, act=act)
+    for warning in choice.warnings:
+        log.warning("%s", warning)
+    if choice.warnings and run_dir and ckpt.global_rank() == 0:
+        ckpt_verify.record_warnings(run_dir, choice.warnings)
+    return choice.iteration
 
 
 def load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: ParallelModel,
@@ -245,7 +259,7 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
         os.makedirs(cfg.run_dir, exist_ok=True)
         hb.begin(pstate.device)  # heartbeats, then the preflight (multi-rank worlds)
         b = build_components(cfg, pstate)
-        plan = resolve_load(cfg.checkpoint)
+        plan = resolve_load(cfg.checkpoint, cfg.run_dir)
         state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
         if hooks.on_build is not None:
             hooks.on_build(b.model)

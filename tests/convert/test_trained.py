@@ -30,7 +30,7 @@ def test_trained_tp2_pp2_checkpoint_converts(tmp_path, tokenizer_dir):
     spawn(4, str(tmp_path), _train, cfg)
     ckpt = tmp_path / "run" / "checkpoints"
     assert sorted(p.name for p in (ckpt / "iter_0000006").iterdir()) == [
-        "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+        "manifest.json", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     result = convert_run(tmp_path / "run", sample_tokens=8)  # the post-job hook on the real run dir
     assert (tmp_path / "run" / "sample.txt").is_file()
     assert result.provenance.val_loss is not None  # from the trainer's train_metrics.jsonl

@@ -50,7 +50,7 @@ def test_demo_runs_every_stage_at_tp2_pp2(demo):
         assert (run / "stages" / stage / "_COMPLETE").exists() or (Path(meta["stages"][stage]["dir"]) /
                                                                      "_COMPLETE").exists(), stage
     shards = sorted(p.name for p in (run / "checkpoints" / f"iter_{ITERS:07d}").iterdir())
-    assert shards == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    assert shards == ["manifest.json", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)
 
 

@@ -11,6 +11,7 @@ import signal
 import pytest
 
 from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
+from trainer import ckpt_verify
 from trainer.signals import EXIT_OK, EXIT_REQUEUE
 
 STOP_AT = 20
@@ -64,9 +65,14 @@ def test_exact_resume_distributed(tmp_path, tp, pp, dp):
     spawn(world, str(tmp_path), _resumed, stopped, str(tmp_path / "second"))
     for rank in range(world):  # every rank saw the same losses
         _check(load_json(f"{tmp_path}/first.{rank}"), load_json(f"{tmp_path}/second.{rank}"))
-    shards = os.listdir(tmp_path / "stopped" / "checkpoints" / "iter_0000040")
-    assert sorted(shards) == sorted(f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
-                                    for t in range(tp) for p in range(pp))
+    iter_dir = tmp_path / "stopped" / "checkpoints" / "iter_0000040"
+    shards = sorted(f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+                    for t in range(tp) for p in range(pp))
+    assert sorted(os.listdir(iter_dir)) == sorted([*shards, ckpt_verify.MANIFEST])
+    manifest = ckpt_verify.read_manifest(str(iter_dir))
+    assert sorted(manifest["files"]) == [f"{s}/{ckpt_verify.SHARD_FILE}" for s in shards]
+    assert (manifest["iteration"], manifest["tp_size"], manifest["pp_size"]) == (40, tp, pp)
+    assert ckpt_verify.problems(str(iter_dir), ckpt_verify.SHARD_FILE) == []
 
 
 def test_exact_resume_single_process(tmp_path):

@@ -1,0 +1,260 @@
+"""Checkpoints that verify themselves: a manifest written last, checked at load and (sizes) at plan time.
+
+Each writing rank hashes its shard after the fsync and leaves the digest beside it (``DIGEST_FILE``,
+inside the shard folder that is renamed into place); after the barrier global rank 0 writes
+``iter_N/manifest.json`` — every file's size and SHA-256, the layout and the iteration — atomically, and
+only then commits the tracker. So a checkpoint with a manifest was complete when it was written, and any
+later damage (a truncated copy, a bad disk, a stray edit) shows as a size or checksum mismatch.
+
+:func:`problems` lists what is wrong with one iteration folder; :func:`quarantine` moves a damaged one
+aside (renamed, never deleted: ``iter_N.damaged-<time>``, which no loader matches). Checkpoints without
+a manifest (written by Megatron-LM or an older Slipway) are checked for completeness only: every shard
+of the layout their folders show must be there and non-empty.
+
+Torch-free: the orchestrator checks sizes at plan time (``full=False``) without importing torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+TRACKER = "latest_checkpointed_iteration.txt"
+SHARD_FILE = "model_optim_rng.pt"
+MANIFEST = "manifest.json"
+DIGEST_FILE = ".sha256"
+MANIFEST_VERSION = 1
+WARNINGS_FILE = "checkpoint_warnings.jsonl"  # in the run directory: read by status and the summary
+_SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
+_CHUNK = 8 << 20
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def write_digest(shard_dir: str, file_name: str) -> None:
+    """The writing rank's half: ``{size} {sha256}`` of its shard file, beside it (fsynced)."""
+    path = os.path.join(shard_dir, file_name)
+    line = f"{os.path.getsize(path)} {sha256_file(path)}\n"
+    with open(os.path.join(shard_dir, DIGEST_FILE), "w", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _atomic_json(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_manifest(iter_dir: str, iteration: int, tp_size: int, pp_size: int, file_name: str) -> None:
+    """Rank 0's half, after the barrier: collect every shard's digest into the manifest."""
+    files = {}
+    for shard in sorted(n for n in os.listdir(iter_dir) if _SHARD_DIR.match(n)):
+        with open(os.path.join(iter_dir, shard, DIGEST_FILE), encoding="utf-8") as f:
+            size, digest = f.read().split()
+        files[f"{shard}/{file_name}"] = {"size": int(size), "sha256": digest}
+    _atomic_json(os.path.join(iter_dir, MANIFEST), {
+        "version": MANIFEST_VERSION, "iteration": iteration, "tp_size": tp_size, "pp_size": pp_size,
+        "files": files, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def read_manifest(iter_dir: str) -> dict | None:
+    """The manifest, None when the folder has none; raises ValueError when it is unreadable."""
+    path = os.path.join(iter_dir, MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            man = json.load(f)
+        if not isinstance(man.get("files"), dict):
+            raise ValueError("no 'files' table")
+        return man
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is unreadable ({e})") from e
+
+
+def _completeness(iter_dir: str, file_name: str) -> list[str]:
+    """A checkpoint without a manifest: every (tp, pp) shard its folders imply, present and non-empty."""
+    ranks = [(int(m.group(1)), int(m.group(2) or 0))
+             for n in os.listdir(iter_dir) if (m := _SHARD_DIR.match(n))]
+    if not ranks:
+        return [f"{iter_dir} holds no mp_rank_* shard folder"]
+    tp, pp = max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
+    out = []
+    for t in range(tp):
+        for p in range(pp):
+            shard = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
+            path = os.path.join(iter_dir, shard, file_name)
+            if not os.path.isfile(path) or os.path.getsize(path) == 0:
+                out.append(f"{path} is missing or empty")
+    return out
+
+
+def problems(iter_dir: str, file_name: str, *, full: bool = True) -> list[str]:
+    """What is wrong with one checkpoint folder: [] when it verifies. ``full``: checksums too (reads every
+    file once); else sizes only (cheap: for plan time)."""
+    if not os.path.isdir(iter_dir):
+        return [f"{iter_dir} does not exist"]
+    try:
+        man = read_manifest(iter_dir)
+    except ValueError as e:
+        return [str(e)]
+    if man is None:
+        return _completeness(iter_dir, file_name)
+    out = []
+    for rel, want in sorted(man["files"].items()):
+        path = os.path.join(iter_dir, rel)
+        if not os.path.isfile(path):
+            out.append(f"{path} is missing")
+            continue
+        size = os.path.getsize(path)
+        if size != want["size"]:
+            out.append(f"{path} has {size} bytes, the manifest says {want['size']} (truncated or replaced)")
+        elif full and sha256_file(path) != want["sha256"]:
+            out.append(f"{path} does not match its SHA-256 in the manifest (the file is damaged)")
+    return out
+
+
+def has_manifest(iter_dir: str) -> bool:
+    return os.path.isfile(os.path.join(iter_dir, MANIFEST))
+
+
+def quarantine(iter_dir: str) -> str:
+    """Move a damaged checkpoint aside (``iter_N.damaged-<time>``): kept for inspection, never loaded,
+    never pruned by ``checkpoint.keep``. Returns the new path."""
+    dest = f"{iter_dir}.damaged-{time.strftime('%Y%m%d-%H%M%S')}"
+    n = 1
+    while os.path.exists(dest):
+        dest, n = f"{iter_dir}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{n}", n + 1
+    os.rename(iter_dir, dest)
+    return dest
+
+
+# ------------------------------------------------------------------------------- which one to load
+
+def iter_dir_name(iteration: int | str) -> str:
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+def iter_path(ckpt_dir: str, iteration: int) -> str:
+    """``iter_N``, or ``release`` when only Megatron's release folder exists for iteration 0."""
+    path = os.path.join(ckpt_dir, iter_dir_name(iteration))
+    release = os.path.join(ckpt_dir, "release")
+    if iteration == 0 and not os.path.isdir(path) and os.path.isdir(release):
+        return release
+    return path
+
+
+def list_iterations(ckpt_dir: str) -> list[int]:
+    """Iterations that have an ``iter_N`` folder (complete or not), ascending."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _ITER_DIR.match(n)))
+
+
+def tracker_text(ckpt_dir: str) -> str | None:
+    """The tracker's content, stripped; None when there is no tracker."""
+    try:
+        with open(os.path.join(ckpt_dir, TRACKER), encoding="utf-8") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def parse_tracker(text: str | None) -> int | None:
+    """The iteration a tracker's text names (0 for Megatron's ``release``); None if it names none."""
+    if text == "release":
+        return 0
+    return int(text) if text is not None and text.isdigit() else None
+
+
+@dataclass
+class Choice:
+    """What :func:`choose_latest` decided: the iteration to load (None: there is no checkpoint at all),
+    the damaged ones (with what is wrong and where they were moved), and warnings for the log."""
+
+    iteration: int | None
+    tracker_iteration: int | None
+    damaged: dict[int, list[str]] = field(default_factory=dict)
+    moved: dict[int, str] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+
+class NoVerifiedCheckpoint(RuntimeError):
+    """Checkpoints exist but none verifies: starting over would overwrite them, so nothing starts."""
+
+
+def choose_latest(ckpt_dir: str, *, full: bool = True, act: bool = True) -> Choice:
+    """The newest checkpoint that verifies. The tracker is a hint, not the only truth: when it is
+    missing or unreadable but ``iter_*`` folders exist, the newest complete one is chosen (never "start
+    over"); a damaged one is skipped and, with ``act``, moved aside. Folders newer than a valid tracker
+    are left alone (a run rewound with ``checkpoint.load: N`` may have them)."""
+    text = tracker_text(ckpt_dir)
+    tracked = parse_tracker(text)
+    found = list_iterations(ckpt_dir)
+    choice = Choice(None, tracked)
+    if tracked is not None:
+        candidates = [tracked] + [i for i in reversed(found) if i < tracked]
+    else:
+        candidates = list(reversed(found))
+        if found:
+            why = "is missing" if text is None else f"holds {text!r}, not an iteration number"
+            choice.warnings.append(f"{ckpt_dir}/{TRACKER} {why}, but the folder holds checkpoints of "
+                                   f"iterations {found[-5:]}: loading the newest one that verifies")
+    for it in candidates:
+        path = iter_path(ckpt_dir, it)
+        wrong = problems(path, SHARD_FILE, full=full)
+        if not wrong:
+            choice.iteration = it
+            break
+        choice.damaged[it] = wrong
+        if act and os.path.isdir(path):
+            choice.moved[it] = quarantine(path)
+        where = f"; moved aside to {choice.moved[it]}" if it in choice.moved else ""
+        choice.warnings.append(f"checkpoint iteration {it} in {ckpt_dir} failed verification: "
+                               f"{'; '.join(wrong)}{where}")
+    if choice.iteration is None and choice.damaged:
+        raise NoVerifiedCheckpoint(
+            f"no checkpoint in {ckpt_dir} verifies: " + " | ".join(choice.warnings) + ". Nothing was "
+            "started, so nothing is overwritten: restore a good copy, or start a new run (another run_id "
+            "or checkpoint.dir)")
+    return choice
+
+
+def record_warnings(run_dir: str, warnings: list[str]) -> None:
+    """Append what was skipped at load to ``<run_dir>/checkpoint_warnings.jsonl``."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, WARNINGS_FILE), "a", encoding="utf-8") as f:
+        for w in warnings:
+            f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "warning": w}) + "\n")
+
+
+def read_warnings(run_dir: str) -> list[str]:
+    path = os.path.join(run_dir, WARNINGS_FILE)
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                out.append(json.loads(line)["warning"])
+            except (ValueError, KeyError):
+                continue  # a line cut by a kill
+    return out
