@@ -4,8 +4,8 @@ One definition, used by validation (orchestrator/guards.py refuses a secret in t
 secret-named variable is forwarded by reference, never by value), ``run.json`` and ``config.yaml``, the
 dry run and every line the launch prints (its streams and the ``slipway`` loggers' handlers):
 
-- **Names**: a variable or key whose name contains one of :data:`NAME_MARKERS` (``DB_PASSWD``,
-  ``wandb_api_key``, ``--api-key``) holds a secret.
+- **Names**: a variable or key with a word of :data:`SECRET_WORDS`, or ``KEY`` after a qualifier
+  (``DB_PASSWD``, ``wandb_api_key``, ``--api-key``), holds a secret; ``max_new_tokens`` does not.
 - **Values**: text matching one of :data:`VALUE_PATTERNS` is a secret wherever it appears (Hugging Face,
   GitHub and AWS tokens, PEM private keys: shapes specific enough never to match a path or a name).
   :data:`HEX40` (a W&B API key) is also a git sha and a Hugging Face snapshot folder, so it counts only
@@ -28,7 +28,6 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any, TextIO
 
-NAME_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
 VALUE_PATTERNS = {
     "hf_token": re.compile(r"\bhf_[A-Za-z0-9]{30,}\b"),
     "github_token": re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{22,})\b"),
@@ -42,10 +41,20 @@ ASSIGNMENT = re.compile(r"(?P<name>[A-Za-z_][\w.\-]*)=(?P<quote>['\"]?)(?P<value
 MIN_KNOWN = 4  # shorter secret values are not searched for in text (they would hide ordinary words)
 
 
+# A name is split into words (``_``, ``-``, ``.`` and camelCase boundaries); a secret is a word in
+# SECRET_WORDS, or the word KEY after one of KEY_QUALIFIERS (WANDB_API_KEY, AWS_SECRET_ACCESS_KEY). Whole
+# words, so max_new_tokens, tokenizer, data.json_key or sort_keys are not secrets.
+SECRET_WORDS = {"TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDENTIALS", "APIKEY", "PASS"}
+KEY_QUALIFIERS = {"API", "ACCESS", "SECRET", "PRIVATE", "AUTH", "SESSION", "SSH", "SIGNING", "ENCRYPTION",
+                  "LICENSE", "MASTER", "ACCOUNT"}
+_WORD_BREAK = re.compile(r"[_\-.\s]+|(?<=[a-z0-9])(?=[A-Z])")
+
+
 def is_secret_name(name: str) -> bool:
     """``name`` (a variable, flag or dotted key; its last component counts) names a secret."""
-    last = name.rsplit(".", 1)[-1].upper()
-    return any(m in last for m in NAME_MARKERS)
+    words = [w.upper() for w in _WORD_BREAK.split(name.rsplit(".", 1)[-1]) if w]
+    return any(w in SECRET_WORDS or (w == "KEY" and i > 0 and words[i - 1] in KEY_QUALIFIERS)
+               for i, w in enumerate(words))
 
 
 def secret_kind(value: str, secret_position: bool = False) -> str | None:

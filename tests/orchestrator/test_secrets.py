@@ -72,6 +72,14 @@ def test_secret_names(name):
     assert redaction.is_secret_name(name)
 
 
+@pytest.mark.parametrize("name", ["max_new_tokens", "tokenizer", "data.json_key", "sort_keys", "num_tokens",
+                                  "TOKENIZERS_PARALLELISM", "json-keys"])
+def test_ordinary_names_are_not_secrets(name):
+    """Whole words only: the summary's `max_new_tokens=32` or `data.json_key=content` stay readable."""
+    assert not redaction.is_secret_name(name)
+    assert redaction.Redactor()(f"{name}=32") == f"{name}=32"
+
+
 @pytest.mark.parametrize("value,kind", [(HF, "hf_token"), (GHP, "github_token"), (AKIA, "aws_access_key"),
                                         (PEM, "private_key")])
 def test_secret_values_anywhere(value, kind):
