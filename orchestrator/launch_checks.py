@@ -25,6 +25,7 @@ from orchestrator.plan import Plan
 from orchestrator.runs import RUN_JSON, write_json
 from orchestrator.stages import COMPLETE, PreprocessJob
 from orchestrator.validate import PlanError, Problem
+from trainer import ckpt_verify
 
 LOCK = ".slipway-launch.lock"
 WRITER = ".slipway-writer.json"
@@ -51,6 +52,25 @@ def reused_data_problems(plan: Plan) -> list[Problem]:
                 f"delete the cache entry (rm -r {prep.state_dir}) and launch again; the preprocess stage "
                 "rebuilds it from the inputs"))
     return out
+
+
+def checkpoint_problems(plan: Plan) -> list[Problem]:
+    """What the training job would find in the checkpoint directory it resumes from, checked cheaply now
+    (sizes against each manifest; the job also verifies checksums): a damaged latest checkpoint or a
+    missing/garbage tracker becomes a warning (the job loads the newest good one); checkpoints of which
+    none verifies are a problem (the job would refuse to start rather than overwrite them)."""
+    ck = plan.stage("train").job.trainer_config["checkpoint"]
+    if ck.get("load") not in (None, "latest") or not os.path.isdir(ck["dir"]):
+        return []
+    try:
+        choice = ckpt_verify.choose_latest(ck["dir"], full=False, act=False)
+    except ckpt_verify.NoVerifiedCheckpoint as err:
+        return [Problem("checkpoint_damaged", "checkpoint.dir", ck["dir"], str(err),
+                        "restore a good copy of a checkpoint, or start a new run (no run_id, or another "
+                        "checkpoint.dir); damaged folders are never deleted")]
+    plan.warnings.extend(f"{w} (the training job will load iteration {choice.iteration} instead)"
+                         if "failed verification" in w else w for w in choice.warnings)
+    return []
 
 
 def checkpoint_dir(plan: Plan) -> str:

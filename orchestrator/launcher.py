@@ -20,7 +20,7 @@ from orchestrator import redaction
 from orchestrator.estimate import fmt_duration, memory_table
 from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.guards import known_secrets
-from orchestrator.launch_checks import record_writer, reused_data_problems, single_writer
+from orchestrator.launch_checks import checkpoint_problems, record_writer, reused_data_problems, single_writer
 from orchestrator.plan import Plan, PlanInputs, SweepInfo, make_plan, run_name
 from orchestrator.runs import (
     RUN_JSON,
@@ -277,7 +277,9 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -
     out, err = redaction.redacting(out), redaction.redacting(sys.stderr)
     facts = gather_facts(cfg, sweep)
     plan = make_plan(cfg, facts)
-    plan.problems.extend(reused_data_problems(plan))
+    plan.problems.extend(reused_data_problems(plan) + checkpoint_problems(plan))
+    for warning in plan.warnings:
+        err.write(f"warning: {warning}\n")
     scripts = scripts_of(cfg, plan)
     if cfg.dry_run:
         text = redaction.redact(format_plan(cfg, plan, scripts))

@@ -72,6 +72,7 @@ class Plan:
     stages: list[StagePlan]
     problems: list[Problem]
     sweep: SweepInfo | None = None
+    warnings: list[str] = field(default_factory=list)  # said before submitting; nothing is refused
 
     def stage(self, name: str) -> StagePlan:
         return next(s for s in self.stages if s.name == name)

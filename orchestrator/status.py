@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
+from trainer.ckpt_verify import read_warnings
 from trainer.health import RankHealth, read_heartbeats, summarize
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
@@ -36,6 +37,7 @@ class JobRow:
     log: str = ""
     health: str = ""  # heartbeats: "ok 4", or the stale/stalled/hung ranks with their hosts
     ranks: list[RankHealth] = field(default_factory=list)
+    checkpoint_warnings: list[str] = field(default_factory=list)  # damaged/skipped at load (trainer)
 
 
 def parse_squeue(text: str) -> dict[str, tuple[str, str]]:
@@ -221,6 +223,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
                 row.log = str(run_dir / "logs")
                 row.ranks = read_heartbeats(str(run_dir), stale_after_s=stale_after_s)
                 row.health = summarize(row.ranks)
+                row.checkpoint_warnings = read_warnings(str(run_dir))
             rows.append(row)
     return rows
 
@@ -264,6 +267,7 @@ def rank_problems(rows: list[JobRow]) -> list[str]:
                     "stalled": f"phase {h.phase}: alive, no progress for {h.idle_s:.0f} s (waiting in a "
                                f"collective?)"}
             out.append(f"{where}, {what.get(h.state, h.message or h.state)}")
+        out += [f"CHECKPOINT: run {r.run}: {w}" for w in r.checkpoint_warnings]
     return ([""] if out else []) + out
 
 

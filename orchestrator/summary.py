@@ -10,6 +10,7 @@ from pathlib import Path
 
 from orchestrator.estimate import fmt_duration
 from orchestrator.runs import RUN_JSON, read_json
+from trainer.ckpt_verify import read_warnings
 
 LOSS_PNG = "loss.png"
 SUMMARY_TXT = "summary.txt"
@@ -27,6 +28,7 @@ class RunOutcome:
     sample: str | None = None
     sample_how: str = "greedy"  # how the sample was decoded
     wandb_dir: str | None = None
+    checkpoint_warnings: list[str] = field(default_factory=list)  # checkpoints skipped at load (damaged)
 
 
 def _losses(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -80,7 +82,8 @@ def outcome(run_dir: str) -> RunOutcome:
     train, valid = _losses(run)
     hf, verdict = _convert_result(run, read_json(run / RUN_JSON))
     sample, how = _sample(run)
-    return RunOutcome(run_dir, train, valid, hf, verdict, sample, how, _wandb_dir(run))
+    return RunOutcome(run_dir, train, valid, hf, verdict, sample, how, _wandb_dir(run),
+                      read_warnings(run_dir))
 
 
 def plot_losses(o: RunOutcome, out: Path) -> Path | None:
@@ -125,6 +128,7 @@ def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = No
     ]
     if o.verification:
         lines.append(f"                   {o.verification}")
+    lines += [f"  checkpoint       WARNING: {w}" for w in o.checkpoint_warnings]
     if o.sample:
         sample = o.sample.splitlines() or [""]
         lines.append(f"  sample           {sample[0]}")

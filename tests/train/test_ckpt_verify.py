@@ -128,3 +128,17 @@ def test_a_run_resumes_from_the_previous_checkpoint_when_the_latest_is_truncated
     rows = [json.loads(x) for x in (tmp_path / "run" / ckpt_verify.WARNINGS_FILE).read_text().splitlines()]
     assert len(rows) == 1 and "iteration 15" in rows[0]["warning"] and "truncated" in rows[0]["warning"]
     assert ckpt_verify.read_warnings(str(tmp_path / "run")) == [rows[0]["warning"]]
+
+
+def test_skipped_checkpoints_are_named_in_status_and_the_summary(tmp_path):
+    from orchestrator.status import JobRow, format_rows
+    from orchestrator.summary import write_summary
+
+    warning = "checkpoint iteration 15 in /x failed verification: /x/iter_0000015/mp_rank_00/..."
+    (tmp_path / "run.json").write_text("{}")
+    ckpt_verify.record_warnings(str(tmp_path), [warning])
+    (tmp_path / ckpt_verify.WARNINGS_FILE).open("a").write('{"cut by a kill')  # ignored, not fatal
+    assert ckpt_verify.read_warnings(str(tmp_path)) == [warning]
+    assert f"  checkpoint       WARNING: {warning}" in write_summary(str(tmp_path))
+    row = JobRow("r1", "train", "42", "RUNNING", checkpoint_warnings=ckpt_verify.read_warnings(str(tmp_path)))
+    assert format_rows([row]).splitlines()[-1] == f"CHECKPOINT: run r1: {warning}"
