@@ -10,8 +10,10 @@ batch-level USR2. Ours:
   same job id, so ``afterok`` dependants keep waiting). A stop near the time limit counts against
   ``max_timeouts``; any other stop is a preemption and is requeued without limit.
 - Any other non-zero step exit is a crash: the step is retried in the same allocation up to
-  ``max_retries`` times; the trainer resumes from its last complete checkpoint. Exit 65 (non-finite loss)
-  is not retried: it would repeat.
+  ``max_retries`` times; the trainer resumes from its last complete checkpoint. A failure a retry would
+  repeat (a non-finite loss, a full disk, corrupt data, no usable checkpoint, a bad value: see
+  ``trainer.signals.permanent_reason``) leaves a ``fatal_<job>_r<restart>_a<attempt>`` marker and is
+  not retried.
 - ``srun --kill-on-bad-exit=1`` ends all ranks when one dies, instead of the others hanging in a collective.
 - Log names carry the restart count and the attempt: ``train_<jobid>_r<restart>_a<attempt>_<task>.out``.
 """
@@ -183,7 +185,11 @@ while true; do
     scontrol requeue "$SLURM_JOB_ID" && sleep 600
     exit 75
   fi
-  if [ "$rc" -eq 65 ]; then echo "slipway: non-finite loss; not retrying" >&2; exit 65; fi
+  fatal="$state/fatal_${{SLURM_JOB_ID}}_r${{restart}}_a${{attempt}}"
+  if [ -e "$fatal" ]; then
+    read -r code reason < "$fatal"; echo "slipway: not retrying (a retry would repeat it): $reason" >&2
+    exit "$code"
+  fi
   if [ "$attempt" -ge {max_retries} ]; then exit "$rc"; fi
   attempt=$(( attempt + 1 ))
   echo "$(date +%s) retry attempt=$attempt after rc=$rc" >> "$state/retries"

@@ -21,13 +21,15 @@ import submitit
 from orchestrator.job_extras import stall_hook, write_data_report
 from trainer import testing_hooks
 from trainer.log import get_logger
+from trainer.signals import EXIT_NONFINITE, EXIT_PERMANENT, EXIT_REQUEUE, permanent_reason
 
 log = get_logger(__name__)
 
 COMPLETE = "_COMPLETE"
 FAILED = "_FAILED"
-EXIT_REQUEUE = 75  # trainer.signals.EXIT_REQUEUE: stopped cleanly after a checkpoint, requeue me
-EXIT_NONFINITE = 65  # trainer.signals.EXIT_NONFINITE: a retry would repeat the failure
+# A training attempt that a retry would repeat leaves fatal_<job>_r<restart>_a<attempt> ("<code> <reason>")
+# in the stage's state dir; the sbatch script (render.py) stops on it instead of retrying.
+FATAL_PREFIX = "fatal_"
 LOCAL_REQUEUE = 144  # submitit's local controller restarts the tasks on this exit code
 
 
@@ -266,8 +268,19 @@ class TrainStage(Stage):
         from trainer.main import RunHooks, run
 
         hooks = RunHooks(on_step=stall_hook(job.stall_at, self.output_dir, rank)) if job.stall_at else None
-        result = run(RunConfig.from_dict(job.trainer_config), hooks)
+        job_id = os.environ.get("SLURM_JOB_ID", "local")  # a relaunch (new job) never reads an old marker
+        marker = Path(self.output_dir, f"{FATAL_PREFIX}{job_id}_r{restart}_a{attempt}")
+        try:
+            result = run(RunConfig.from_dict(job.trainer_config), hooks)
+        except Exception as err:
+            reason = permanent_reason(err)
+            if reason is not None:  # the batch script reads the marker and stops instead of retrying
+                marker.write_text(f"{EXIT_PERMANENT} {reason.splitlines()[0][:2000]}\n")
+                log.error("a retry would repeat this failure; not retrying: %s", reason)
+            raise
         code = int(getattr(result, "exit_code", result) or 0)
+        if code == EXIT_NONFINITE:
+            marker.write_text(f"{EXIT_NONFINITE} non-finite loss or gradient norm\n")
         if code == EXIT_REQUEUE:
             # Local controller requeues on its own code; the sbatch script requeues on the trainer's, or
             # on this marker (every stopping rank writes it, so it exists before the first one exits).

@@ -15,6 +15,10 @@ Exit codes (the contract with the orchestrator and with ``python -m trainer.main
 - ``EXIT_NONFINITE`` (65, EX_DATAERR): the loss or gradient norm became NaN/inf in bf16/fp32; the step was
   not applied, nothing was saved, the last good checkpoint is intact. Retrying would repeat it: do not
   requeue blindly.
+- ``EXIT_PERMANENT`` (78, EX_CONFIG): a failure a retry would repeat (:func:`permanent_reason`: no
+  checkpoint verifies or fits the model, the disk is full, the data or an input file is missing or
+  corrupt, a bad configuration value). Not retried; the reason is in the log and in the stage's
+  ``fatal_<job>_r<restart>_a<attempt>`` marker.
 """
 
 from __future__ import annotations
@@ -30,7 +34,21 @@ log = get_logger(__name__)
 EXIT_OK = 0
 EXIT_REQUEUE = 75
 EXIT_NONFINITE = 65
+EXIT_PERMANENT = 78
+# Errors a retry in the same allocation would repeat. Deliberately narrow: RuntimeError (collectives, NCCL,
+# CUDA) and OSError other than a missing file can be a sick node, and those are retried.
+_PERMANENT = (ValueError, KeyError, TypeError, FileNotFoundError)
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
+
+
+def permanent_reason(exc: BaseException) -> str | None:
+    """Why ``exc`` will repeat on a retry (a one-line reason), or None when a retry may succeed.
+    Checkpoint errors (``CheckpointError``, a RuntimeError: damaged beyond fallback, another model, a full
+    disk) are matched by name so that this module stays free of torch."""
+    names = {c.__name__ for c in type(exc).__mro__}
+    if isinstance(exc, _PERMANENT) or "CheckpointError" in names:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 class StopRequest:

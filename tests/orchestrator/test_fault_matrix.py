@@ -85,7 +85,7 @@ RUNS = {
     "killrank": ["stall_train=6"],
     "killsave": ["+cluster.env.SLIPWAY_CKPT_FAILPOINT=mid_write@8",
                  "+cluster.env.SLIPWAY_CKPT_FAILPOINT_ONCE={root}/killsave.once"],
-    "diskfull": ["checkpoint.keep=1", "cluster.max_retries=0"],
+    "diskfull": ["checkpoint.keep=1"],  # max_retries stays 2: a full disk must not be retried
 }
 
 
@@ -316,6 +316,9 @@ def test_5_disk_full_fails_clearly_keeps_the_previous_checkpoint_and_a_relaunch_
         assert f"not enough space in {ckpts} for the checkpoint of iteration 8: it needs ~" in text, text
         assert "the latest checkpoint (iteration 4) is unchanged" in text
     assert (ckpts / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert not (matrix.train_state_dir("diskfull") / "retries").exists()  # a retry would fill it again
+    assert "slipway: not retrying (a retry would repeat it): CheckpointSpaceError: not enough space" in \
+        log_text(run, "train_*_batch.out")
     assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".slipway")) == [
         "iter_0000004", "latest_checkpointed_iteration.txt"]
     assert not [p for p in ckpts.rglob("*") if p.name.startswith((".tmp-", ".trash-"))]
