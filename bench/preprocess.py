@@ -11,6 +11,11 @@ Interleaved with it, run for run:
 - ceiling: tiktoken alone, ``encode_ordinary`` of the already-parsed documents split evenly (by bytes)
   over ``--workers`` forked processes, timed from fork to join: tokenizing with no start-up, no parsing,
   no writing, perfectly balanced;
+- with ``--megatron DIR``: Megatron-LM's own ``tools/preprocess_data.py`` from a checkout or ``git archive``
+  of Megatron-LM in DIR (core_v0.8.0 measured; 2 workers, the same flags), its output checked byte-identical.
+  Two import-time stand-ins are put on its PYTHONPATH, neither on the path it runs: ``pkg_resources``
+  (only ``packaging`` is used; newer setuptools dropped the module) and ``nltk.tokenize.punkt`` (core_v0.8.0
+  subclasses ``PunktLanguageVars`` at import even without ``--split-sentences``);
 - with ``--before DIR``: the same CLI from another source tree (``git archive SHA trainer | tar -x -C
   DIR``), e.g. the commit before a change.
 
@@ -19,7 +24,7 @@ times the phases inside the CLI process and, in isolation, what the changes of c
 (the old tokenizer proof and tiktoken's ``encode_to_numpy``). The load average is recorded per run.
 
     python bench/preprocess.py                          # 5 interleaved runs, 2 workers, breakdown
-    python bench/preprocess.py --repeats 3 --before /tmp/old --no-memory-check
+    python bench/preprocess.py --repeats 3 --before /tmp/old --megatron /tmp/megatron --no-memory-check
 """
 
 from __future__ import annotations
@@ -116,11 +121,11 @@ def _children_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def timed_process(cmd: list[str], cwd: Path = ROOT) -> dict:
+def timed_process(cmd: list[str], cwd: Path = ROOT, env: dict | None = None) -> dict:
     """Wall and CPU seconds (the process and every descendant it waited for), its stdout, the load before."""
     load1 = load()[0]
     cpu0, t0 = _children_cpu(), time.perf_counter()
-    out = subprocess.run(cmd, cwd=cwd, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout
     return {"wall_s": time.perf_counter() - t0, "cpu_s": _children_cpu() - cpu0, "load1": load1,
             "stdout": out}
 
@@ -176,6 +181,15 @@ def interleaved(args: argparse.Namespace, paths: dict, work: Path, docs: list[st
     arms: dict[str, list[dict]] = {"slipway": [], "hf": [], "ceiling": []}
     if args.before:
         arms["before"] = []
+    if args.megatron:
+        arms["megatron"] = []
+        meg_cmd = [py, str(Path(args.megatron) / "tools" / "preprocess_data.py"),
+                   "--input", str(paths["corpus"]), "--output-prefix", str(work / "megatron" / "stdlib"),
+                   "--json-keys", "content",
+                   "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(paths["vocab"]),
+                   "--merge-file", str(paths["merges"]), "--append-eod", "--workers", str(args.workers)]
+        meg_env = {**os.environ, "PYTHONPATH": str(_megatron_shims(work))}
+        (work / "megatron").mkdir(exist_ok=True)
     hf_cmd = [py, "-c", _HF_SCRIPT, str(paths["corpus"]), str(paths["vocab"]), str(paths["merges"]),
               str(tok.eod_id)]
     for _ in range(args.repeats):
@@ -191,6 +205,8 @@ def interleaved(args: argparse.Namespace, paths: dict, work: Path, docs: list[st
             arms["before"].append(timed_process(
                 [py, "-m", "trainer.data.preprocess",
                  *cli_args(paths, work / "before" / "stdlib", args.workers)], cwd=Path(args.before)))
+        if args.megatron:
+            arms["megatron"].append(timed_process(meg_cmd, cwd=Path(args.megatron), env=meg_env))
     for runs in arms.values():
         for r in runs:
             r.pop("stdout", None)
@@ -204,11 +220,26 @@ def check_output(work: Path, docs: list[str], arms: dict) -> bool:
     digest = hashlib.sha256(Path(f"{prefix}.bin").read_bytes()).hexdigest()
     same = all(r["digest"] == digest for r in arms["hf"])
     same = same and IndexedDataset(prefix).num_documents == len(docs)
-    if "before" in arms:
-        for ext in ("bin", "idx"):
-            before = Path(work / "before" / f"stdlib_content_document.{ext}").read_bytes()
-            same = same and before == Path(f"{prefix}.{ext}").read_bytes()
+    for other in ("before", "megatron"):
+        if other in arms:
+            for ext in ("bin", "idx"):
+                theirs = Path(work / other / f"stdlib_content_document.{ext}").read_bytes()
+                same = same and theirs == Path(f"{prefix}.{ext}").read_bytes()
     return same
+
+
+def _megatron_shims(work: Path) -> Path:
+    """Import-time stand-ins for Megatron-LM core_v0.8.0's preprocess_data.py (see the module doc)."""
+    shim = work / "megatron_shims"
+    files = {"pkg_resources/__init__.py": "import packaging\nimport packaging.version\n",
+             "nltk/__init__.py": "from . import tokenize\n",
+             "nltk/tokenize/__init__.py": "from . import punkt\n",
+             "nltk/tokenize/punkt.py": "class PunktLanguageVars:  # used only by --split-sentences\n"
+                                       "    pass\n"}
+    for name, text in files.items():
+        (shim / name).parent.mkdir(parents=True, exist_ok=True)
+        (shim / name).write_text(text)
+    return shim
 
 
 def summarize(runs: list[dict], text_mb: float) -> dict:
@@ -311,11 +342,18 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     result["ratios"] = {
         "hf_over_slipway_wall": round(a["hf"]["wall_median_s"] / s, 2),
         "slipway_over_ceiling_wall": round(s / a["ceiling"]["wall_median_s"], 2),
-        "megatron_idle_16.7s_over_slipway (not measured here)": round(MEGATRON_IDLE_S / s, 2),
         f"cpu_bound_mb_per_s_{cores}_cores": round(text_mb / (a["slipway"]["cpu_median_s"] / cores), 2),
     }
     if args.before:
         result["ratios"]["before_over_slipway_wall"] = round(a["before"]["wall_median_s"] / s, 2)
+    if not args.megatron:
+        key = "megatron_idle_16.7s_over_slipway (not measured here)"
+        result["ratios"][key] = round(MEGATRON_IDLE_S / s, 2)
+    else:
+        meg = a["megatron"]["wall_median_s"]
+        result["ratios"]["megatron_over_slipway_wall (same run)"] = round(meg / s, 2)
+        result["ratios"]["megatron_over_hf_wall"] = round(a["megatron"]["wall_median_s"]
+                                                          / a["hf"]["wall_median_s"], 2)
     if not args.no_breakdown:
         result["breakdown"] = breakdown(paths, work, args.workers, docs, tok)
     if not args.no_memory_check:
@@ -333,8 +371,8 @@ def report(r: dict) -> str:
                      f"{a['wall_max_s']:.2f}), {a['mb_per_s_wall']} MB/s, CPU median "
                      f"{a['cpu_median_s']:.2f} s, load1 per run {[x['load1'] for x in a['runs']]}")
     lines += [f"{k}: {v}" for k, v in r["ratios"].items()]
-    lines.append(f"output identical (HF ids{', --before .bin/.idx' if 'before' in r['arms'] else ''}): "
-                 f"{r['output_identical']}")
+    others = "".join(f", {o} .bin/.idx" for o in ("megatron", "before") if o in r["arms"])
+    lines.append(f"output identical (HF ids{others}): {r['output_identical']}")
     for k, v in r.get("breakdown", {}).get("phases_median_s", {}).items():
         lines.append(f"  phase {k:<34} {v:.3f} s")
     for k, v in r.get("breakdown", {}).get("removed", {}).items():
@@ -357,6 +395,8 @@ def main() -> int:
     parser.add_argument("--vocab-size", type=int, default=32768)
     parser.add_argument("--work-dir", default=None, help="keep corpus/tokenizer/outputs here (reused)")
     parser.add_argument("--before", default=None, help="a source tree whose trainer/ to time as well")
+    parser.add_argument("--megatron", default=None,
+                        help="a Megatron-LM tree: time its tools/preprocess_data.py too")
     parser.add_argument("--no-breakdown", action="store_true")
     parser.add_argument("--no-memory-check", action="store_true", help="skip the 1x vs 3x corpus RSS check")
     args = parser.parse_args()
