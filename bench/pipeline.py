@@ -37,6 +37,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.meta import commit  # noqa: E402
 from trainer.model import GPTConfig  # noqa: E402
 from trainer.parallel import ParallelConfig, ParallelState, build_model, train_step  # noqa: E402
 from trainer.parallel.pipeline import P2P  # noqa: E402
@@ -134,7 +135,7 @@ def free_port() -> int:
 def run(args: argparse.Namespace) -> dict:
     cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                     seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=0.0, attention_dropout=0.0)
-    rows = []
+    rows, load_before = [], os.getloadavg()
     for p in args.stages:
         with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
             mp.start_processes(_stage_worker, args=(p, free_port(), args, cfg, tmp.name), nprocs=p,
@@ -146,8 +147,9 @@ def run(args: argparse.Namespace) -> dict:
                 row[clock] = {"single_process_s": t1[i], "stage_compute_s": t1[i] / p, "pipeline_s": piped[i],
                               "measured_ratio": piped[i] / (t1[i] / p)}
             rows.append(row)
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": platform.machine(),
-            "cores": os.cpu_count(), "loadavg": os.getloadavg(), "torch": torch.__version__,
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "commit": commit(),
+            "machine": platform.machine(), "cores": os.cpu_count(), "loadavg_before": load_before,
+            "loadavg": os.getloadavg(), "torch": torch.__version__,
             "model": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq,
                       "vocab": args.vocab, "micro_batch": args.micro_batch}, "rows": rows}
 
@@ -168,7 +170,8 @@ def main() -> None:
     result = run(args)
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"model {result['model']}; {result['cores']} cores; load avg {result['loadavg'][0]:.1f}")
+    print(f"model {result['model']}; {result['cores']} cores; load avg {result['loadavg_before'][0]:.1f} -> "
+          f"{result['loadavg'][0]:.1f}; commit {result['commit']}")
     print(f"{'clock':>5} {'p':>2} {'m':>3} {'T1 (1 proc)':>12} {'T1/p':>8} {'pipeline':>9} "
           f"{'measured/(T1/p)':>16} {'1+(p-1)/m':>10} {'meas/pred':>9}")
     for clock in ("wall", "cpu"):
