@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from trainer.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets, megatron_num_samples
+from trainer.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 from trainer.data.indexed_dataset import IndexedDataset, index_file_path, merge_datasets
 from trainer.data.sampler import SamplerConfig, micro_batches
+from trainer.data.splits import samples_drawn
 from trainer.log import get_logger
 from trainer.parallel import ParallelState
 from trainer.training import TrainState
@@ -75,10 +76,7 @@ def build_data(data, train, shape: DataShape, ps: ParallelState, state: TrainSta
     prefixes = [resolve_prefix(p, data.json_key) for p in data.paths]
     prefix = prefixes[0] if len(prefixes) == 1 else _merged_prefix(prefixes, run_dir, ps.rank)
     source = IndexedDataset(prefix)
-    wants = megatron_num_samples(train.iters, global_batch_size, train.eval_interval or 0, train.eval_iters)
-    wants.pop("test")
-    if not (train.eval_interval and train.eval_iters):
-        wants["valid"] = 0
+    wants = samples_drawn(train.iters, global_batch_size, train.eval_interval, train.eval_iters)
     config = GPTDatasetConfig(seq_length=shape.seq_length, seed=train.seed, split=data.split,
                               cache_dir=data.cache_dir)
     datasets = build_gpt_datasets(source, prefix, wants, config, is_builder=ps.rank == 0)

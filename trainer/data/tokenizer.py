@@ -74,6 +74,19 @@ def read_merges(merge_file: str | Path) -> list[tuple[str, str]]:
     return merges
 
 
+def check_pair(vocab: dict[str, int], merges: list[tuple[str, str]], vocab_file: str | Path,
+               merge_file: str | Path) -> None:
+    """The merges belong to this vocabulary: both parts of every merge and their result are tokens of it
+    (else HF tokenizers fails later with a bare "Token ... out of vocabulary" that names neither file)."""
+    for number, (left, right) in enumerate(merges, start=2):
+        missing = [tok for tok in (left, right, left + right) if tok not in vocab]
+        if missing:
+            raise TokenizerFileError(
+                f"{merge_file} does not belong to {vocab_file}: line {number} merges {left!r} + {right!r} "
+                f"but {missing[0]!r} is not in the vocabulary. Use the vocab.json and merges.txt of one "
+                "tokenizer")
+
+
 @dataclass(frozen=True)
 class TokenizerSpec:
     """Everything needed to rebuild the same tokenizer in another process (picklable, small)."""
@@ -92,6 +105,7 @@ class GPT2BPETokenizer:
         self.spec = spec
         vocab = read_vocab(spec.vocab_file)
         merges = read_merges(spec.merge_file)
+        check_pair(vocab, merges, spec.vocab_file, spec.merge_file)
         if EOD_TOKEN not in vocab:
             raise TokenizerFileError(f"{spec.vocab_file}: no {EOD_TOKEN!r} entry; Megatron's "
                                      "GPT2BPETokenizer needs it as the end-of-document id")

@@ -1,0 +1,92 @@
+"""Plan-time checks of the user's inputs that read them (cheaply), so a bad input fails the launch with the
+key and the fix instead of a Slurm job after its retries:
+
+- ``data.paths``: a directory, an empty file, or a JSONL with no non-empty document; and, when the files
+  are small enough to scan whole (``SCAN_BYTES``), a document count that leaves a split the run draws from
+  without documents (the trainer's own rule, :mod:`trainer.data.splits`) — one 30 MB document, say.
+- ``tokenizer.vocab_file`` / ``merge_file``: loaded the way the jobs load them; a merges file of another
+  tokenizer is named with both files.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+
+from orchestrator.schema import SlipwayConfig
+from orchestrator.validate import Problem
+
+SCAN_BYTES = 32 << 20  # per file; larger inputs are checked only for a first non-empty document
+
+
+def _documents(path: str, key: str) -> tuple[int, bool]:
+    """(non-empty documents seen, whether the whole file was read) within SCAN_BYTES of text."""
+    opener = gzip.open if path.endswith(".gz") else open
+    docs, read = 0, 0
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            read += len(line)
+            try:
+                value = json.loads(line).get(key) if line.strip() else None
+            except (ValueError, AttributeError):
+                value = None  # a bad line is data.on_error's business, not this check's
+            docs += isinstance(value, str) and value != ""
+            if read >= SCAN_BYTES:
+                return docs, f.readline() == ""
+    return docs, True
+
+
+def data_problems(cfg: SlipwayConfig) -> list[Problem]:
+    if cfg.data.corpus is not None:
+        return []
+    out, total, whole = [], 0, True
+    for path in cfg.data.paths:
+        if os.path.isdir(path):
+            out.append(Problem("data_is_dir", "data.paths", path, "is a directory, not a JSONL file",
+                               f"list its files: data.paths=[{path.rstrip('/')}/part1.jsonl,...]"))
+            continue
+        if not os.path.isfile(path):
+            continue  # file_missing says so
+        docs, complete = _documents(path, cfg.data.json_key)
+        total, whole = total + docs, whole and complete
+        if docs == 0 and complete:
+            empty = os.path.getsize(path) == 0
+            out.append(Problem(
+                "data_empty", "data.paths", path,
+                "the file is empty" if empty else f"no line has a non-empty {cfg.data.json_key!r} field",
+                "point data.paths at the training text, or set data.json_key to the field that holds it"))
+    if out or not whole or total == 0:
+        return out
+    from trainer.data.splits import samples_drawn, split_ranges
+
+    t = cfg.train
+    ranges = split_ranges(cfg.data.split, total)
+    gbs = t.global_batch_size or t.micro_batch_size
+    for name, wanted in samples_drawn(t.iters, gbs, t.eval_interval, t.eval_iters).items():
+        docs = ranges[name]
+        if wanted and (docs is None or docs[0] >= docs[1]):
+            out.append(Problem(
+                "data_split", "data.split", cfg.data.split,
+                f"the {name} split needs {wanted} samples but gets no document of the {total} in data.paths",
+                f"add documents, or give {name} a larger weight (each split needs at least one document)"))
+    return out
+
+
+def tokenizer_problems(cfg: SlipwayConfig) -> list[Problem]:
+    tok = cfg.tokenizer
+    if not (tok.vocab_file and tok.merge_file and os.path.isfile(tok.vocab_file)
+            and os.path.isfile(tok.merge_file)):
+        return []  # file_missing / tokenizer_pair say so
+    from trainer.data.tokenizer import TokenizerFileError, check_pair, read_merges, read_vocab
+
+    try:
+        check_pair(read_vocab(tok.vocab_file), read_merges(tok.merge_file), tok.vocab_file, tok.merge_file)
+    except TokenizerFileError as err:
+        return [Problem("tokenizer_invalid", "tokenizer.merge_file", tok.merge_file, str(err),
+                        "set tokenizer.vocab_file and tokenizer.merge_file to the files of one tokenizer")]
+    return []
+
+
+def input_problems(cfg: SlipwayConfig) -> list[Problem]:
+    return data_problems(cfg) + tokenizer_problems(cfg)
