@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from orchestrator.runs import write_json
@@ -45,6 +46,7 @@ def _status(run_dir) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # ~16 s: a real run, a rank stopped, the hang timeout waited out
 def test_sigstopped_rank_ends_the_run(tmp_path):
     data = write_dataset(str(tmp_path / "data"))
     run_dir = tmp_path / "run"
