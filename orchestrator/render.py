@@ -154,6 +154,7 @@ export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 export MASTER_PORT=$(( {port_base} + SLURM_JOB_ID % 20000 ))
 restart=${{SLURM_RESTART_COUNT:-0}}
 state={state}
+logs={log_dir}
 mkdir -p "$state"
 step=""
 # USR2 sent to the batch shell only (scancel --signal=USR2 --batch) is forwarded to the step's tasks.
@@ -162,8 +163,8 @@ attempt=0
 while true; do
   export SLIPWAY_ATTEMPT=$attempt
   srun --unbuffered --kill-on-bad-exit=1 \
-    --output {log_dir}/{stage}_%j_r${{restart}}_a${{attempt}}_%t.out \
-    --error {log_dir}/{stage}_%j_r${{restart}}_a${{attempt}}_%t.err \
+    --output "$logs/{stage}_%j_r${{restart}}_a${{attempt}}_%t.out" \
+    --error "$logs/{stage}_%j_r${{restart}}_a${{attempt}}_%t.err" \
     {command} &
   step=$!
   wait "$step"; rc=$?
@@ -211,8 +212,9 @@ def render_sbatch(spec: ScriptSpec) -> str:
         # CPU stage: one task, no requeue logic, plain srun (exit status is the job's).
         body += [
             "",
-            f"srun --unbuffered --kill-on-bad-exit=1 --output {spec.log_dir}/{spec.stage}_%j_%t.out "
-            f"--error {spec.log_dir}/{spec.stage}_%j_%t.err {spec.command}",
+            "srun --unbuffered --kill-on-bad-exit=1 "
+            f"--output {shlex.quote(f'{spec.log_dir}/{spec.stage}_%j_%t.out')} "
+            f"--error {shlex.quote(f'{spec.log_dir}/{spec.stage}_%j_%t.err')} {spec.command}",
         ]
     else:
         timeout_after = max(r.time_limit_min * 60 - r.signal_delay_s - 60, 0)
@@ -220,7 +222,7 @@ def render_sbatch(spec: ScriptSpec) -> str:
             _LOOP.format(
                 port_base=spec.master_port_base,
                 state=shlex.quote(spec.state_dir),
-                log_dir=spec.log_dir,
+                log_dir=shlex.quote(spec.log_dir),
                 stage=spec.stage,
                 command=spec.command,
                 timeout_after_s=timeout_after,

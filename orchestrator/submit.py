@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -68,7 +69,9 @@ class Submitted:
 
 
 def job_command(python: str, folder: str) -> str:
-    return f"{python} -u -m submitit.core._submit {folder}"
+    """``python`` is already a shell word sequence (render.python_command quotes it); the folder is quoted
+    here, so a path with spaces or non-ASCII characters stays one argument."""
+    return f"{python} -u -m submitit.core._submit {shlex.quote(folder)}"
 
 
 def stage_folder(plan: Plan, stage: StagePlan) -> str:

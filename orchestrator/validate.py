@@ -8,6 +8,7 @@ are pure functions of the typed config (plus an injectable ``exists`` for the fi
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -359,6 +360,23 @@ def _data(cfg: SlipwayConfig) -> list[Problem]:
     return out
 
 
+# Names that become one path component (runs/<experiment>/<run_id>/) and job names: no separators, no
+# "..", no spaces or shell characters, so they cannot escape runs_root or split a script's argument.
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
+
+
+def _names(cfg: SlipwayConfig) -> list[Problem]:
+    out = []
+    for key, value in (("run_id", cfg.run_id), ("experiment", cfg.experiment)):
+        if value is not None and (not SAFE_NAME.match(value) or ".." in value):
+            out.append(Problem(
+                "name", key, value,
+                "becomes a folder name and part of job names: it may hold only letters, digits and '._+-' "
+                "(at most 128, no '..', not starting with '.' or '-')",
+                f"choose another {key}, e.g. {key}=20261202-lr3e-4"))
+    return out
+
+
 def check_files(cfg: SlipwayConfig, exists: Callable[[str], bool] = os.path.exists) -> list[Problem]:
     """Inputs the stages read must exist now (they are not produced by an earlier stage)."""
     out = []
@@ -398,5 +416,6 @@ def validate(cfg: SlipwayConfig, exists: Callable[[str], bool] = os.path.exists)
         + _precision(cfg)
         + _cluster(cfg)
         + _data(cfg)
+        + _names(cfg)
         + check_files(cfg, exists)
     )

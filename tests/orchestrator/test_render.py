@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -26,10 +27,15 @@ CLUSTERS = [c for c in ("local", "devcluster", "slurm") if c in group_options("c
 FIXED = ["runs_root=/shared/runs", "cache_dir=/shared/cache", "container.image=/shared/images/slipway.sif"]
 
 
-def _scripts(cluster: str, container: str) -> str:
+# Paths with a space and non-ASCII characters: every rendered script must keep each one a single word.
+ODD_ROOT = "/shared/my runs/ünïcode"
+ODD = [f"runs_root='{ODD_ROOT}'", "cache_dir='/shared/ça che'", "container.image='/shared/my images/s.sif'"]
+
+
+def _scripts(cluster: str, container: str, fixed: list[str] = FIXED, root: str = "/shared/runs") -> str:
     exp = "codeparrot" if cluster == "slurm" else "codeparrot_smoke"
-    cfg = compose_cfg([f"+experiment={exp}", f"cluster={cluster}", f"container={container}", *FIXED])
-    facts = PlanInputs("20250101-000000-abcdef", "/shared/runs/x/20250101-000000-abcdef")
+    cfg = compose_cfg([f"+experiment={exp}", f"cluster={cluster}", f"container={container}", *fixed])
+    facts = PlanInputs("20250101-000000-abcdef", f"{root}/x/20250101-000000-abcdef")
     plan = make_plan(cfg, facts, exists=lambda p: True)
     ids = {"corpus": "1000", "preprocess": "1001", "train": "1002"}
     python = None if container == "apptainer_ngc" else "/usr/bin/python3"
@@ -54,9 +60,43 @@ def test_golden(cluster, container):
     assert text == path.read_text(), f"rendered scripts changed; diff against {path}"
 
 
+def _odd_scripts() -> str:
+    return _scripts("slurm", "apptainer_ngc", ODD, ODD_ROOT)
+
+
+def test_golden_paths_with_a_space_and_non_ascii():
+    path = GOLDEN / "slurm_apptainer_ngc_odd_paths.txt"
+    if os.environ.get("SLIPWAY_UPDATE_GOLDEN") == "1":
+        path.write_text(_odd_scripts())
+    assert path.exists(), f"golden file {path} is missing: write it with SLIPWAY_UPDATE_GOLDEN=1, review it"
+    assert _odd_scripts() == path.read_text(encoding="utf-8"), f"rendered scripts changed; diff with {path}"
+
+
+def test_paths_with_a_space_stay_one_shell_word(tmp_path):
+    """bash parses every script, and each argument that holds a path holds all of it."""
+    roots = (ODD_ROOT, "/shared/ça che", "$logs/")
+    for name, body in re.findall(r"===== (\S+) =====\n(.*?)(?====== |\Z)", _odd_scripts(), re.S):
+        script = tmp_path / f"{name}.sh"
+        script.write_text(body.replace("<repo>", "/repo"))  # the goldens' placeholder
+        res = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert res.returncode == 0, (name, res.stderr)
+        for line in body.replace("\\\n", " ").splitlines():
+            if not line.strip().startswith(("srun ", "logs=")):
+                continue
+            words = shlex.split(line)
+            if words[0].startswith("logs="):
+                assert words[0] == f"logs={ODD_ROOT}/x/20250101-000000-abcdef/logs", line
+                continue
+            args = dict(zip(words, words[1:]))
+            assert args["--output"].startswith(roots) and args["--error"].startswith(roots), line
+            assert args["submitit.core._submit"].startswith(roots), line
+            assert args["bash"] == f"{ODD_ROOT}/x/20250101-000000-abcdef/container_exec.sh", line
+
+
 def test_every_golden_file_belongs_to_a_case():
     """A golden file without a case (a cluster preset renamed or removed) would go stale unnoticed."""
     cases = {f"{c}_{k}.txt" for c in CLUSTERS for k in ("none", "apptainer_ngc")}
+    cases.add("slurm_apptainer_ngc_odd_paths.txt")
     assert {p.name for p in GOLDEN.glob("*.txt")} == cases
 
 

@@ -87,3 +87,18 @@ def test_launch_refuses_before_any_job_exists(tmp_path: Path):
     assert {"tp_heads", "world"} <= codes
     assert "nothing was submitted" in str(err.value)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("run_id", ["../../tmp/evil", "my run", "a/b", ".hidden", "-x", "ünï", "a;rm -rf"])
+def test_run_id_that_would_escape_runs_root_or_break_scripts_is_refused(tmp_path: Path, run_id):
+    cfg = compose_cfg(SMOKE + [f"runs_root={tmp_path}/runs", f"run_id='{run_id}'"])
+    with pytest.raises(PlanError) as err:
+        launch(cfg, out=io.StringIO())
+    p = next(p for p in err.value.problems if p.code == "name")
+    assert p.key == "run_id" and p.value == run_id and "letters, digits" in p.message
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "tmp").exists()  # nothing was created
+
+
+def test_ordinary_run_ids_pass():
+    for run_id in ("20261202-161546-a5bef4", "lr3e-4_v2", "exp.1+bf16"):
+        assert not [p for p in _plan(SMOKE + [f"run_id={run_id}"])[1].problems if p.code == "name"]
