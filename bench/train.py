@@ -15,6 +15,7 @@ Slipway to each baseline; the verdict is against the fused one.
 
     python bench/train.py                       # 6 layers, 384 hidden, seq 256, vocab 32768
     python bench/train.py --steps 6 --micro-batch 4 --threads 2
+    python bench/train.py --threads 1 --out bench/results/train_1thread.json
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8, help="timed steps per implementation")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out", type=Path, default=RESULTS, help="results file (default: results/train.json)")
     a = p.parse_args()
     meta = run_meta()
     torch.set_num_threads(a.threads)
@@ -143,8 +145,8 @@ def main() -> None:
                          f"{out[f'ratio_cpu_vs_{base}']:.2f}x (CPU time)\n")
     sys.stdout.write(f"goal >= 1.2x the fused baseline; commit {out['commit']}, load {out['load_before']} -> "
                      f"{out['load_after']}\n")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    a.out.parent.mkdir(exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":
