@@ -22,7 +22,7 @@ import pytest
 from tests.data.oracles import GPT2Oracle
 from trainer.data.corpus import CorpusConfig, iter_documents
 from trainer.data.indexed_dataset import IndexedDataset
-from trainer.data.preprocess import PreprocessConfig, PreprocessError, preprocess
+from trainer.data.preprocess import EmptyDatasetError, PreprocessConfig, PreprocessError, preprocess
 from trainer.data.preprocess_io import InputError
 from trainer.data.tokenizer import EOD_TOKEN, load_gpt2_bpe
 from trainer.data.train_tokenizer import TokenizerTrainConfig, train_tokenizer
@@ -302,3 +302,15 @@ def test_interrupted_run_leaves_no_pair(tmp_path, tok_files, big_jsonl, sig):
     assert finals == [], finals  # neither .bin nor .idx under its final name
     if sig != signal.SIGKILL:  # a handled interrupt (Ctrl-C, Slurm's SIGTERM) also removes its temp files
         assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("append_eod", [True, False])
+@pytest.mark.parametrize("content", ["", "\n\n", (json.dumps({"content": ""}) + "\n") * 2])
+def test_no_training_text_publishes_nothing(tmp_path, tok_files, content, append_eod):
+    """An empty file, blank lines or only empty documents: refused before the pair is published, so no
+    cache entry that later plans would reuse (and training would fail on) is left."""
+    (tmp_path / "in.jsonl").write_text(content)
+    with pytest.raises(EmptyDatasetError, match="no training text under the key 'content'.*Nothing was"):
+        preprocess(config(tmp_path, tok_files, input=str(tmp_path / "in.jsonl"), workers=1,
+                          append_eod=append_eod, json_keys=["content"]))
+    assert leftovers(tmp_path) == []

@@ -60,6 +60,21 @@ def _default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+class EmptyDatasetError(ValueError):
+    """The inputs hold no training text: publishing an empty dataset would only fail training later."""
+
+
+def _check_not_empty(run: _Run, config: PreprocessConfig, files: list[str]) -> None:
+    for key in config.json_keys:
+        text_tokens = run.tokens.get(key, 0) - (run.documents if config.append_eod else 0)
+        if run.documents == 0 or text_tokens <= 0:
+            raise EmptyDatasetError(
+                f"{', '.join(files[:3])}{' ...' if len(files) > 3 else ''}: no training text under the key "
+                f"{key!r} ({run.documents} documents, {max(text_tokens, 0)} tokens of text). Nothing was "
+                "written. Point the input at the training text, or set the key that holds it "
+                "(--json-keys; data.json_key in launch.py)")
+
+
 class PreprocessError(ValueError):
     """A bad input line stopped the run (``on_error="fail"``); ``bad`` says where and why."""
 
@@ -231,6 +246,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
             progress.update(result.documents, result.input_bytes, position)
         for key, builder in builders.items():
             builder.finalize(temps[key][1])
+        _check_not_empty(run, config, files)
         publish([(*temps[key], outputs[key]) for key in config.json_keys])
     except BaseException:
         for builder in builders.values():
