@@ -214,15 +214,26 @@ class WandbLogger:
         """Log at ``step`` unless a previous process already logged it (see module docstring)."""
         if self.run is None or step <= self.resume_after:
             return
-        self.run.log(metrics, step=step)
+        try:
+            self.run.log(metrics, step=step)
+        except Exception as e:  # noqa: BLE001 - a monitoring outage must not stop training
+            log.warning("W&B: logging step %d failed (%s: %s); training continues, the values are in "
+                        "train_metrics.jsonl", step, type(e).__name__, e)
+            return
         if step > self.last_step:
             self.last_step = step
             _write_json(self.state_path, {"id": self.run.id, "last_step": step})
 
     def finish(self, exit_code: int = 0) -> None:
+        """End the W&B run. Its errors (a dropped connection to the W&B service after a scancel, say) are
+        logged, never raised: a logger must not turn a clean stop (exit 0 or 75) into a failure."""
         if self.run is not None:
-            self.run.finish(exit_code=exit_code)
-            self.run = None
+            run, self.run = self.run, None
+            try:
+                run.finish(exit_code=exit_code)
+            except Exception as e:  # noqa: BLE001 - see above
+                log.warning("W&B: finishing the run failed (%s: %s); the run's exit code stands (%d). Upload "
+                            "what was written with `wandb sync`", type(e).__name__, e, exit_code)
 
 
 def _new_run_id() -> str:

@@ -11,7 +11,7 @@ import pytest
 from tests.train import wandb_reader
 from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
 from trainer.main import RunHooks
-from trainer.signals import EXIT_OK
+from trainer.signals import EXIT_OK, EXIT_REQUEUE
 
 SECRET = "slipway-test-secret-0123456789abcdef0123456789"
 LINE = re.compile(r"iteration\s+(\d+)/")
@@ -127,3 +127,37 @@ def test_online_without_key_fails_fast(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="WANDB_API_KEY"):
         run_cfg(d)
     assert not os.path.exists(tmp_path / "run")  # nothing started
+
+
+def test_a_wandb_error_never_turns_a_clean_stop_into_a_failure(tmp_path, monkeypatch):
+    """scancel → SIGTERM → checkpoint → exit 75, even when W&B's finish (and a log call) raise, as they do
+    when the W&B service process is gone (ConnectionResetError)."""
+    import signal
+
+    import wandb
+
+    def broken(*args, **kwargs):
+        raise ConnectionResetError("[Errno 104] Connection reset by peer")
+
+    data = write_dataset(str(tmp_path / "data"))
+    d = tiny_config(str(tmp_path / "run"), data, train={"iters": 30, "save_interval": 10, "log_interval": 1},
+                    logging={"wandb": {"mode": "offline", "project": "p"}})
+
+    def on_step(it: int, loss: float) -> None:
+        if it == 6:
+            monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log", broken)
+            monkeypatch.setattr(wandb.sdk.wandb_run.Run, "finish", broken)
+        if it == 8:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    capture = _Lines()
+    logging.getLogger("slipway.trainer.metrics").addHandler(capture)
+    try:
+        r = run_cfg(d, RunHooks(on_step=on_step))
+    finally:
+        logging.getLogger("slipway.trainer.metrics").removeHandler(capture)
+        monkeypatch.undo()
+        wandb.finish()
+    assert r.exit_code == EXIT_REQUEUE and r.iteration == 8
+    assert any("finishing the run failed (ConnectionResetError" in x for x in capture.lines), capture.lines
+    assert any("logging step" in x and "training continues" in x for x in capture.lines), capture.lines
