@@ -101,7 +101,8 @@ def build_state(model: ParallelModel, parts: Restorable, args: dict, state: Trai
                       "param_names": param_names(model, parts.optimizer)},
         "opt_param_scheduler": parts.scheduler.state_dict(),
         "rng_state": ckpt.gather_rng_states(model.tracker.state_dict(), ps.dp_group.pg, ps.dp_size),
-        "slipway": {"skipped_iters": state.skipped_iters, "nan_iters": state.nan_iters, "config": config},
+        "slipway": {"skipped_iters": state.skipped_iters, "nan_iters": state.nan_iters, "config": config,
+                    "log_window": state.log_window},
     }
 
 
@@ -111,7 +112,8 @@ def train_state_from(shard: dict) -> TrainState:
                       consumed_train_samples=int(args.get("consumed_train_samples", 0)),
                       consumed_valid_samples=int(args.get("consumed_valid_samples", 0)),
                       skipped_iters=int(extra.get("skipped_iters", 0)),
-                      nan_iters=int(extra.get("nan_iters", 0)))
+                      nan_iters=int(extra.get("nan_iters", 0)),
+                      log_window=dict(extra.get("log_window") or {}))
 
 
 def _require_training_state(shard: dict) -> None:

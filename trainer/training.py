@@ -43,6 +43,9 @@ class TrainState:
     consumed_valid_samples: int = 0
     skipped_iters: int = 0
     nan_iters: int = 0
+    # The log window in progress at a save (metrics.IntervalStats as a dict): a resume in the middle of a
+    # log interval continues the window, so the first logged loss after it is the uninterrupted run's.
+    log_window: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -150,7 +153,7 @@ def _run_eval(loop: Loop, state: TrainState) -> None:
 def train(loop: Loop, state: TrainState, stop: StopRequest) -> int:
     """Iterate until ``train_iters`` or an agreed stop; returns the exit code (signals module)."""
     c = loop.cadence
-    stats = metrics.IntervalStats()
+    stats = metrics.IntervalStats(**state.log_window)
     while state.iteration < loop.train_iters:
         t0 = time.perf_counter()
         batches = [next(loop.train_data) for _ in range(loop.num_microbatches)]
@@ -172,6 +175,7 @@ def train(loop: Loop, state: TrainState, stop: StopRequest) -> int:
         stopping = _stop_agreed(stop, loop.model.pstate.device)
         periodic = c["save_interval"] and state.iteration % c["save_interval"] == 0
         if stopping or periodic or state.iteration == loop.train_iters:
+            state.log_window = asdict(stats) if stats.iters else {}
             loop.save(state)
         if stopping and state.iteration < loop.train_iters:
             why = stop.describe() if stop.requested else "signal on another rank"

@@ -5,6 +5,7 @@ delivered to rank 0 only, so the ranks' all-reduced agreement is exercised too; 
 processes, so everything (data position, LR, Adam, RNG of every rank, tracker) must come from the files.
 """
 
+import json
 import os
 import signal
 
@@ -128,3 +129,21 @@ def _record_weights(seen: dict):
         seen["w"] = weight.detach().clone()
 
     return RunHooks(on_build=on_build)
+
+
+def test_a_resume_mid_log_interval_logs_what_the_uninterrupted_run_logs(tmp_path):
+    """Stopped at iteration 6 with log_interval=4: the first window after the resume (7-8) continues the
+    saved one (5-6), so the logged loss and skip counts at 8 equal the uninterrupted run's, bit for bit."""
+    data = write_dataset(str(tmp_path / "data"))
+    train = {"iters": 12, "log_interval": 4, "save_interval": 100}
+    run_cfg(tiny_config(str(tmp_path / "straight"), data, train=train))
+    stopped = tiny_config(str(tmp_path / "stopped"), data, train=train)
+    assert run_cfg(stopped, _stop_rank0_at(0, 6)).exit_code == EXIT_REQUEUE
+    assert run_cfg(stopped).exit_code == EXIT_OK
+
+    def logged(run: str) -> dict[int, dict]:
+        rows = [json.loads(x) for x in (tmp_path / run / "train_metrics.jsonl").read_text().splitlines()]
+        keep = ("train/lm_loss", "train/skipped_iters", "train/nan_iters")
+        return {r["iteration"]: {k: r.get(k) for k in keep} for r in rows if "train/lm_loss" in r}
+
+    assert logged("stopped") == logged("straight") and sorted(logged("straight")) == [4, 8, 12]
