@@ -253,18 +253,25 @@ def summarize(runs: list[dict], text_mb: float) -> dict:
             "mb_per_s_wall": round(text_mb / med, 2), "runs": rows}
 
 
-def breakdown(paths: dict, work: Path, workers: int, docs: list[str], tok, repeats: int = 3) -> dict:
-    """Phases of the CLI (medians of ``repeats`` runs) and the removed costs, timed in isolation."""
-    runs = []
+def breakdown(paths: dict, work: Path, args: argparse.Namespace, docs: list[str], tok,
+              repeats: int = 3) -> dict:
+    """Phases of the CLI (medians of ``repeats`` runs, alternating with the ``--before`` tree's when given)
+    and the removed costs, timed in isolation."""
+    trees = {"phases_median_s": ROOT}
+    if args.before:
+        trees["before_phases_median_s"] = Path(args.before)
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(repeats):
-        cmd = [sys.executable, "-c", _PHASE_SCRIPT, *cli_args(paths, work / "phase" / "s", workers)]
-        r = timed_process(cmd)
-        marks = json.loads(r["stdout"].strip().splitlines()[-1])
-        marks["interpreter start-up and exit"] = r["wall_s"] - marks["in-process total"]
-        marks["whole process (wall)"] = r["wall_s"]
-        runs.append(marks)
-    phases = {k: round(statistics.median(m[k] for m in runs), 3) for k in runs[0]}
-    return {"phases_median_s": phases, "loads": [load()[0]], "removed": removed_costs(paths, docs, tok)}
+        for name, tree in trees.items():
+            cmd = [sys.executable, "-c", _PHASE_SCRIPT, *cli_args(paths, work / "phase" / "s", args.workers)]
+            r = timed_process(cmd, cwd=tree)
+            marks = json.loads(r["stdout"].strip().splitlines()[-1])
+            marks["interpreter start-up and exit"] = r["wall_s"] - marks["in-process total"]
+            marks["whole process (wall)"] = r["wall_s"]
+            runs[name].append(marks)
+    out: dict = {name: {k: round(statistics.median(m[k] for m in rs), 3) for k in rs[0]}
+                 for name, rs in runs.items()}
+    return {**out, "load_after": load(), "removed": removed_costs(paths, docs, tok)}
 
 
 def removed_costs(paths: dict, docs: list[str], tok) -> dict:
@@ -355,7 +362,7 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
         result["ratios"]["megatron_over_hf_wall"] = round(a["megatron"]["wall_median_s"]
                                                           / a["hf"]["wall_median_s"], 2)
     if not args.no_breakdown:
-        result["breakdown"] = breakdown(paths, work, args.workers, docs, tok)
+        result["breakdown"] = breakdown(paths, work, args, docs, tok)
     if not args.no_memory_check:
         result["peak_rss_by_input_copies"] = {f"x{n}": peak_rss_mb(paths, n, work, args.workers)
                                               for n in (1, 3)}
@@ -373,8 +380,11 @@ def report(r: dict) -> str:
     lines += [f"{k}: {v}" for k, v in r["ratios"].items()]
     others = "".join(f", {o} .bin/.idx" for o in ("megatron", "before") if o in r["arms"])
     lines.append(f"output identical (HF ids{others}): {r['output_identical']}")
-    for k, v in r.get("breakdown", {}).get("phases_median_s", {}).items():
-        lines.append(f"  phase {k:<34} {v:.3f} s")
+    bd = r.get("breakdown", {})
+    for k, v in bd.get("phases_median_s", {}).items():
+        before = bd.get("before_phases_median_s", {}).get(k)
+        was = f"   (before: {before:.3f} s)" if before is not None else ""
+        lines.append(f"  phase {k:<34} {v:.3f} s{was}")
     for k, v in r.get("breakdown", {}).get("removed", {}).items():
         lines.append(f"  removed: {k}: {v['before_cpu_s']:.3f} -> {v['after_cpu_s']:.3f} CPU s")
     return "\n".join(lines) + "\n"
