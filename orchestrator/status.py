@@ -38,6 +38,7 @@ class JobRow:
     health: str = ""  # heartbeats: "ok 4", or the stale/stalled/hung ranks with their hosts
     ranks: list[RankHealth] = field(default_factory=list)
     checkpoint_warnings: list[str] = field(default_factory=list)  # damaged/skipped at load (trainer)
+    slurm_error: str = ""  # squeue failed: slurmctld unreachable, the state is accounting's
 
 
 def parse_squeue(text: str) -> dict[str, tuple[str, str]]:
@@ -58,36 +59,46 @@ def parse_sacct(text: str) -> dict[str, dict[str, str]]:
         parts = line.strip().split("|")
         if len(parts) >= 4 and parts[0]:
             state = parts[1].split()[0]  # "CANCELLED by 0" → CANCELLED
+            records = int(out.get(parts[0], {}).get("records", "0")) + 1  # one per run of a requeued job
             out[parts[0]] = {
                 "state": state,
                 "exit": parts[2],
                 "nodes": parts[3],
                 "reason": parts[4] if len(parts) > 4 else "",
+                "records": str(records),
             }
     return out
 
 
 def query_slurm(job_ids: list[str]) -> tuple[dict[str, tuple[str, str]], dict[str, dict[str, str]]]:
     """One squeue and one sacct call for all the ids (an empty dict where a command is unavailable)."""
-    if not job_ids:
-        return {}, {}
-    ids = ",".join(sorted(set(job_ids)))
-    sq, sa = {}, {}
-    try:
-        r = subprocess.run(
-            ["squeue", "-h", "-j", ids, "-o", "%i|%T|%r"], capture_output=True, text=True, timeout=60
-        )
-        sq = parse_squeue(r.stdout) if r.returncode == 0 else {}
-        r = subprocess.run(
-            ["sacct", "-n", "-P", "-X", "-j", ids, "-o", "JobIDRaw,State,ExitCode,NodeList,Reason"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        sa = parse_sacct(r.stdout) if r.returncode == 0 else {}
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+    sq, sa, _ = query_slurm_checked(job_ids)
     return sq, sa
+
+
+def _run(cmd: list[str]) -> tuple[str | None, str]:
+    """(stdout, "") or (None, why it failed)."""
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{cmd[0]}: {type(e).__name__}: {e}"
+    if r.returncode != 0:
+        return None, f"{cmd[0]} exited {r.returncode}: {r.stderr.strip()[-300:]}"
+    return r.stdout, ""
+
+
+def query_slurm_checked(job_ids: list[str]) -> tuple[dict, dict, str]:
+    """Like :func:`query_slurm`, plus why squeue failed ("" when it answered): then slurmctld is
+    unreachable and live states come from accounting (sacct), which may be stale. ``--duplicates``: every
+    run of a requeued job is a record, so Slurm's own requeues (a NODE_FAIL) count as restarts."""
+    if not job_ids:
+        return {}, {}, ""
+    ids = ",".join(sorted(set(job_ids)))
+    out, squeue_error = _run(["squeue", "-h", "-j", ids, "-o", "%i|%T|%r"])
+    sq = parse_squeue(out) if out is not None else {}
+    fields = "JobIDRaw,State,ExitCode,NodeList,Reason"
+    out, _ = _run(["sacct", "-n", "-P", "-X", "-D", "-j", ids, "-o", fields])
+    return sq, parse_sacct(out) if out is not None else {}, squeue_error
 
 
 def metrics_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
@@ -140,13 +151,14 @@ def log_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
     return [by_iter[k] for k in sorted(by_iter)]
 
 
-def _restarts(state_dir: Path) -> int:
-    n = 0
-    for name in ("requeues", "retries"):
+def _restarts(state_dir: Path, slurm_requeues: int = 0) -> int:
+    """Retries in the allocation (Slipway's) plus requeues: Slurm's count (its records) covers Slipway's
+    own `scontrol requeue`s and Slurm's (a node failure); the larger of the two, as accounting may lag."""
+    def lines(name: str) -> int:
         p = state_dir / name
-        if p.exists():
-            n += len([x for x in p.read_text().splitlines() if x.strip()])
-    return n
+        return len([x for x in p.read_text().splitlines() if x.strip()]) if p.exists() else 0
+
+    return lines("retries") + max(lines("requeues"), slurm_requeues)
 
 
 def _checkpoint_iter(run_dir: Path, data: dict) -> int | None:
@@ -200,7 +212,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
         for e in es
         if e.get("executor") == "slurm"
     ]
-    sq, sa = query_slurm(ids)
+    sq, sa, squeue_error = query_slurm_checked(ids)
     rows = []
     for run_dir, data in metas:
         for stage, entries in data.get("jobs", {}).items():
@@ -213,9 +225,13 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
             else:
                 state, reason = sa.get(jid, {}).get("state", "UNKNOWN"), sa.get(jid, {}).get("reason", "")
             row = JobRow(run_dir.name, stage, jid, state, reason)
+            if squeue_error and e.get("executor") == "slurm":
+                row.slurm_error = squeue_error
             if stage == "train":
                 recs = log_records(run_dir)
-                row.restarts = _restarts(Path(e.get("state_dir", run_dir / "stages" / "train")))
+                slurm_runs = int(sa.get(jid, {}).get("records", "1"))
+                state_dir = Path(e.get("state_dir", run_dir / "stages" / "train"))
+                row.restarts = _restarts(state_dir, slurm_runs - 1)
                 row.checkpoint_iter = _checkpoint_iter(run_dir, data)
                 if recs:
                     row.loss, row.tokens_per_s = recs[-1][1], recs[-1][2]
@@ -250,7 +266,10 @@ def format_rows(rows: list[JobRow]) -> str:
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
-    return "\n".join(lines + rank_problems(rows))
+    errors = sorted({r.slurm_error for r in rows if r.slurm_error})
+    warn = [f"SLURM: slurmctld did not answer ({e}); states above come from accounting (sacct) and may be "
+            "stale" for e in errors]
+    return "\n".join(lines + rank_problems(rows) + ([""] + warn if warn else []))
 
 
 def rank_problems(rows: list[JobRow]) -> list[str]:

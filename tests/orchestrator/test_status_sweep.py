@@ -145,3 +145,40 @@ def test_local_sweep_shares_preprocessing(tmp_path):
         delayed = pickle.loads(pkl.read_bytes())
         groups.add(delayed.function.job.trainer_config["logging"]["wandb"]["group"])
     assert groups == {"sweep"}
+
+
+def test_restarts_count_slurms_requeues_and_slipways_retries(tmp_path):
+    from orchestrator.status import _restarts
+
+    sa = parse_sacct("7|NODE_FAIL|0:0|n2|\n7|RUNNING|0:0|n1|\n8|COMPLETED|0:0|n1|\n")
+    assert (sa["7"]["records"], sa["8"]["records"]) == ("2", "1")
+    state = tmp_path / "train"
+    state.mkdir()
+    assert _restarts(state, int(sa["7"]["records"]) - 1) == 1  # a NODE_FAIL requeue by Slurm alone
+    (state / "requeues").write_text("1 requeue\n")
+    assert _restarts(state, 1) == 1  # Slipway's scontrol requeue is the same restart, not a second one
+    assert _restarts(state, 0) == 1  # accounting not caught up yet
+    (state / "retries").write_text("1 retry attempt=1\n")
+    assert _restarts(state, 1) == 2
+
+
+def test_status_says_when_slurmctld_does_not_answer(tmp_path, monkeypatch):
+    """A controller outage: squeue fails, sacct (slurmdbd) still answers with its last state. Stand-ins
+    for the two clients (stopping the shared devcluster's controller would disturb the other tests)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "squeue").write_text("#!/bin/sh\necho 'slurm_load_jobs error: Unable to contact slurm "
+                                    "controller (connect failure)' >&2\nexit 1\n")
+    (bin_dir / "sacct").write_text("#!/bin/sh\necho '4243|RUNNING|0:0|n1|None'\n")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run = tmp_path / "r1"
+    run.mkdir()
+    jobs = {"train": [{"job_id": "4243", "executor": "slurm"}]}
+    write_json(run / "run.json", {"run_id": "r1", "jobs": jobs})
+    rows = collect(str(run))
+    assert rows[0].state == "RUNNING" and "Unable to contact slurm controller" in rows[0].slurm_error
+    text = format_rows(rows)
+    assert "SLURM: slurmctld did not answer (squeue exited 1: slurm_load_jobs error: Unable" in text
+    assert "states above come from accounting (sacct) and may be stale" in text
