@@ -129,3 +129,15 @@ def test_every_key_the_readme_names_exists():
     assert len(keys) > 20, keys  # the pattern still finds the README's keys
     not_keys = {"optim.lrr", "model.safetensors"}  # the typo example of troubleshooting; a file name
     assert sorted(k for k in keys - not_keys if not _resolves(k)) == []
+
+
+def test_every_problem_code_the_readme_names_exists():
+    """The troubleshooting row lists problem codes; each must still be a code the orchestrator reports."""
+    row = next(line for line in (REPO / "README.md").read_text().splitlines()
+               if line.startswith("| `N configuration problem(s)"))
+    advice = row.split(" | ")[1]
+    single_words = ("memory", "warmup", "name", "world", "batch", "precision")
+    codes = {c for c in re.findall(r"`([a-z_]+)`", advice) if "_" in c or c in single_words}
+    source = "".join(p.read_text() for p in (REPO / "orchestrator").glob("*.py"))
+    assert len(codes) >= 10, codes
+    assert sorted(c for c in codes if f'"{c}"' not in source) == []
