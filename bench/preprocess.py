@@ -359,6 +359,9 @@ def measure(args: argparse.Namespace, work: Path) -> dict:
     else:
         meg = a["megatron"]["wall_median_s"]
         result["ratios"]["megatron_over_slipway_wall (same run)"] = round(meg / s, 2)
+        # Least-disturbed runs: a burst of other load costs the ~2 s Slipway run far more than a ~15 s one.
+        result["ratios"]["megatron_over_slipway_wall_minima"] = round(a["megatron"]["wall_min_s"]
+                                                                      / a["slipway"]["wall_min_s"], 2)
         result["ratios"]["megatron_over_hf_wall"] = round(a["megatron"]["wall_median_s"]
                                                           / a["hf"]["wall_median_s"], 2)
     if not args.no_breakdown:
