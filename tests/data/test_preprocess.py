@@ -234,6 +234,9 @@ def test_line_edge_cases(tmp_path, tok_files):
 def test_config_and_input_errors(tmp_path, tok_files):
     with pytest.raises(InputError, match="matches no files"):
         preprocess(config(tmp_path, tok_files, input=str(tmp_path / "nothing*.jsonl")))
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(InputError, match=r"is a directory, not a JSONL file.*folder/\*\.jsonl.*data\.paths"):
+        preprocess(config(tmp_path, tok_files, input=str(tmp_path / "folder")))
     with pytest.raises(ValueError, match="only GPT2BPETokenizer"):
         config(tmp_path, tok_files, input="x", tokenizer_type="SentencePieceTokenizer")
     with pytest.raises(ValueError, match="on_error='ignore'"):

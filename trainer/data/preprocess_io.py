@@ -37,9 +37,13 @@ def resolve_inputs(pattern: str) -> list[str]:
     """``pattern`` as a file, or the sorted files a glob matches (deterministic order)."""
     if os.path.isfile(pattern):
         return [pattern]
+    if os.path.isdir(pattern):
+        raise InputError(f"input {pattern!r} is a directory, not a JSONL file: give its files "
+                         f"(--input '{pattern.rstrip('/')}/*.jsonl'; data.paths in launch.py)")
     files = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     if not files:
-        raise InputError(f"--input {pattern!r}: no such file, and as a glob it matches no files")
+        raise InputError(f"input {pattern!r} (--input; data.paths in launch.py): no such file, and as a "
+                         "glob it matches no files")
     return files
 
 
