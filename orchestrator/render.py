@@ -174,7 +174,7 @@ while true; do
   [ "$rc" -eq 0 ] && exit 0
   # Stopped cleanly after a checkpoint: exit 75, or (when srun killed the slower ranks after the first
   # one exited, turning rc into 143) the marker every stopping rank leaves before exiting.
-  if [ "$rc" -eq 75 ] || [ -e "$state/stopped_r${{restart}}_a${{attempt}}" ]; then
+  if [ "$rc" -eq 75 ] || [ -e "$state/stopped_${{SLURM_JOB_ID}}_r${{restart}}_a${{attempt}}" ]; then
     # Near the time limit it is a timeout, else a preemption.
     if [ "$SECONDS" -ge {timeout_after_s} ]; then
       n=$(( $(cat "$state/timeouts" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$state/timeouts"

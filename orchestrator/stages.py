@@ -285,7 +285,7 @@ class TrainStage(Stage):
             # Local controller requeues on its own code; the sbatch script requeues on the trainer's, or
             # on this marker (every stopping rank writes it, so it exists before the first one exits).
             local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
-            Path(self.output_dir, f"stopped_r{restart}_a{attempt}").touch()
+            Path(self.output_dir, f"stopped_{job_id}_r{restart}_a{attempt}").touch()
             log.warning(
                 "trainer stopped for requeue (checkpoint saved); exiting with %s",
                 LOCAL_REQUEUE if local else EXIT_REQUEUE,
