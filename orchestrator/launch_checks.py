@@ -24,13 +24,12 @@ from typing import Any
 from orchestrator.plan import Plan
 from orchestrator.runs import RUN_JSON, write_json
 from orchestrator.stages import COMPLETE, PreprocessJob
+from orchestrator.status import ACTIVE
 from orchestrator.validate import PlanError, Problem
 from trainer import ckpt_verify
 
 LOCK = ".slipway-launch.lock"
 WRITER = ".slipway-writer.json"
-_ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING",
-           "SUSPENDED", "COMPLETING", "STAGE_OUT", "SIGNALING"}
 
 
 def reused_data_problems(plan: Plan) -> list[Problem]:
@@ -91,7 +90,7 @@ def job_state(job_id: str, executor: str) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return "UNKNOWN"  # cannot tell: assume it may still write
     state = out.stdout.strip()
-    return state if out.returncode == 0 and state in _ACTIVE else None
+    return state if out.returncode == 0 and state in ACTIVE else None
 
 
 def _read(path: Path) -> dict[str, Any]:

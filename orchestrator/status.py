@@ -22,6 +22,12 @@ _LOSS = re.compile(r"lm loss: ([0-9.Ee+-]+)")
 _TOKS = re.compile(r"tokens per second: ([0-9.Ee+-]+)")
 
 
+# Slurm job states in which a job is still queued or running: the one definition (submit, the launch
+# checks and the tests' waits ask it).
+ACTIVE = frozenset({"PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
+                    "RESIZING", "SUSPENDED", "COMPLETING", "STAGE_OUT", "SIGNALING"})
+
+
 @dataclass
 class JobRow:
     run: str

@@ -23,24 +23,12 @@ from orchestrator import render
 from orchestrator.plan import Plan, StagePlan
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import COMPLETE, FAILED, STAGE_CALLABLES, Upstream
+from orchestrator.status import ACTIVE
 from orchestrator.validate import tasks_per_node
 from trainer.log import get_logger
 
 log = get_logger(__name__)
 JOB_FILE = "_JOB.json"
-ACTIVE = {
-    "PENDING",
-    "RUNNING",
-    "CONFIGURING",
-    "REQUEUED",
-    "REQUEUE_HOLD",
-    "REQUEUE_FED",
-    "RESIZING",
-    "SUSPENDED",
-    "COMPLETING",
-    "STAGE_OUT",
-    "SIGNALING",
-}
 
 
 class SlipwaySlurmExecutor(submitit.SlurmExecutor):
