@@ -130,10 +130,6 @@ def problems(iter_dir: str, file_name: str, *, full: bool = True) -> list[str]:
     return out
 
 
-def has_manifest(iter_dir: str) -> bool:
-    return os.path.isfile(os.path.join(iter_dir, MANIFEST))
-
-
 def quarantine(iter_dir: str) -> str:
     """Move a damaged checkpoint aside (``iter_N.damaged-<time>``): kept for inspection, never loaded,
     never pruned by ``checkpoint.keep``. Returns the new path."""
