@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.redaction import is_secret_name
 from orchestrator.schema import ClusterConfig, ContainerConfig
+from trainer.signals import EXIT_REQUEUE, FATAL_MARKER, STOPPED_MARKER
 
 
 @dataclass(frozen=True)
@@ -174,19 +175,19 @@ while true; do
   [ "$rc" -eq 0 ] && exit 0
   # Stopped cleanly after a checkpoint: exit 75, or (when srun killed the slower ranks after the first
   # one exited, turning rc into 143) the marker every stopping rank leaves before exiting.
-  if [ "$rc" -eq 75 ] || [ -e "$state/stopped_${{SLURM_JOB_ID}}_r${{restart}}_a${{attempt}}" ]; then
+  if [ "$rc" -eq {requeue} ] || [ -e "$state/{stopped}" ]; then
     # Near the time limit it is a timeout, else a preemption.
     if [ "$SECONDS" -ge {timeout_after_s} ]; then
       n=$(( $(cat "$state/timeouts" 2>/dev/null || echo 0) + 1 )); echo "$n" > "$state/timeouts"
       if [ "$n" -gt {max_timeouts} ]; then
-        echo "slipway: timed out $n times (max {max_timeouts})" >&2; exit 75
+        echo "slipway: timed out $n times (max {max_timeouts})" >&2; exit {requeue}
       fi
     fi
     echo "$(date +%s) requeue restart=$restart attempt=$attempt" >> "$state/requeues"
     scontrol requeue "$SLURM_JOB_ID" && sleep 600
-    exit 75
+    exit {requeue}
   fi
-  fatal="$state/fatal_${{SLURM_JOB_ID}}_r${{restart}}_a${{attempt}}"
+  fatal="$state/{fatal}"
   if [ -e "$fatal" ]; then
     read -r code reason < "$fatal"; echo "slipway: not retrying (a retry would repeat it): $reason" >&2
     exit "$code"
@@ -196,6 +197,12 @@ while true; do
   echo "$(date +%s) retry attempt=$attempt after rc=$rc" >> "$state/retries"
 done
 """
+
+
+_SHELL_VARS = {"job": "${SLURM_JOB_ID}", "restart": "${restart}", "attempt": "${attempt}"}
+# The trainer's marker names (trainer.signals), spelled with the loop's shell variables.
+_SHELL_MARKERS = {"stopped": STOPPED_MARKER.format(**_SHELL_VARS),
+                  "fatal": FATAL_MARKER.format(**_SHELL_VARS)}
 
 
 def render_sbatch(spec: ScriptSpec) -> str:
@@ -228,6 +235,8 @@ def render_sbatch(spec: ScriptSpec) -> str:
                 timeout_after_s=timeout_after,
                 max_timeouts=r.max_timeouts,
                 max_retries=r.max_retries,
+                requeue=EXIT_REQUEUE,
+                **_SHELL_MARKERS,
             ).rstrip("\n")
         )
     return "\n".join(head + sbatch_directives(spec) + body) + "\n"

@@ -21,15 +21,19 @@ import submitit
 from orchestrator.job_extras import stall_hook, write_data_report
 from trainer import testing_hooks
 from trainer.log import get_logger
-from trainer.signals import EXIT_NONFINITE, EXIT_PERMANENT, EXIT_REQUEUE, permanent_reason
+from trainer.signals import (
+    EXIT_NONFINITE,
+    EXIT_PERMANENT,
+    EXIT_REQUEUE,
+    FATAL_MARKER,
+    STOPPED_MARKER,
+    permanent_reason,
+)
 
 log = get_logger(__name__)
 
 COMPLETE = "_COMPLETE"
 FAILED = "_FAILED"
-# A training attempt that a retry would repeat leaves fatal_<job>_r<restart>_a<attempt> ("<code> <reason>")
-# in the stage's state dir; the sbatch script (render.py) stops on it instead of retrying.
-FATAL_PREFIX = "fatal_"
 LOCAL_REQUEUE = 144  # submitit's local controller restarts the tasks on this exit code
 
 
@@ -269,7 +273,7 @@ class TrainStage(Stage):
 
         hooks = RunHooks(on_step=stall_hook(job.stall_at, self.output_dir, rank)) if job.stall_at else None
         job_id = os.environ.get("SLURM_JOB_ID", "local")  # a relaunch (new job) never reads an old marker
-        marker = Path(self.output_dir, f"{FATAL_PREFIX}{job_id}_r{restart}_a{attempt}")
+        marker = Path(self.output_dir, FATAL_MARKER.format(job=job_id, restart=restart, attempt=attempt))
         try:
             result = run(RunConfig.from_dict(job.trainer_config), hooks)
         except Exception as err:
@@ -285,7 +289,7 @@ class TrainStage(Stage):
             # Local controller requeues on its own code; the sbatch script requeues on the trainer's, or
             # on this marker (every stopping rank writes it, so it exists before the first one exits).
             local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
-            Path(self.output_dir, f"stopped_{job_id}_r{restart}_a{attempt}").touch()
+            Path(self.output_dir, STOPPED_MARKER.format(job=job_id, restart=restart, attempt=attempt)).touch()
             log.warning(
                 "trainer stopped for requeue (checkpoint saved); exiting with %s",
                 LOCAL_REQUEUE if local else EXIT_REQUEUE,
