@@ -9,8 +9,8 @@ from __future__ import annotations
 import subprocess
 import time
 
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-            "BOOT_FAIL", "DEADLINE")
+TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                      "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
 
 
 class SlurmCommandError(AssertionError):

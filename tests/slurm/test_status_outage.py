@@ -17,7 +17,7 @@ import pytest
 
 from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows
-from tests.slurm_cli import sacct_final_state, sacct_states, slurm
+from tests.slurm_cli import TERMINAL, sacct_states, slurm
 
 pytestmark = pytest.mark.slurm
 
@@ -83,7 +83,10 @@ def test_a_node_failure_requeue_counts_as_a_restart(cluster, tmp_path):
     _wait(lambda: "NODE_FAIL" in sacct_states(job, duplicates=True), 240, "Slurm to mark the job NODE_FAIL")
     up = _devcluster(cluster, "up")  # the node comes back (ReturnToService=2); the requeued job runs there
     assert up.returncode == 0, up.stdout + up.stderr
-    assert sacct_final_state(job, timeout=120) == "COMPLETED"
+    # The latest record reads NODE_FAIL until the requeued run is accounted for: wait for that run's end.
+    _wait(lambda: sacct_states(job, duplicates=True)[-1] in TERMINAL - {"NODE_FAIL"}, 180,
+          "the requeued run to end")
+    assert sacct_states(job, duplicates=True)[-1] == "COMPLETED", sacct_states(job, duplicates=True)
     rows = collect(str(run))
     assert not (run / "stages" / "train" / "requeues").exists()  # no Slipway file knows of this restart
     assert rows[0].restarts == 1, (rows[0], sacct_states(job, duplicates=True))
