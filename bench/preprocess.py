@@ -163,12 +163,13 @@ def ceiling(enc, docs: list[str], workers: int) -> dict:
 
 
 def prepare(work: Path, vocab_size: int) -> dict:
-    from trainer.data.corpus import CorpusConfig, build_corpus
+    from trainer.config import CorpusConfig
+    from trainer.data.corpus import build_corpus
     from trainer.data.train_tokenizer import TokenizerTrainConfig, train_tokenizer
 
     corpus = work / "stdlib.jsonl"
     if not corpus.exists():
-        build_corpus(CorpusConfig(output=str(corpus)))
+        build_corpus(CorpusConfig(), str(corpus))
     vocab, merges = work / "tok" / "vocab.json", work / "tok" / "merges.txt"
     if not vocab.exists():
         train_tokenizer(TokenizerTrainConfig([str(corpus)], str(work / "tok"), vocab_size=vocab_size))

@@ -45,8 +45,8 @@ def build(mode: str):
     from trainer.model.gpt import build_gpt, masked_mean
 
     cfg = GPTConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, seq_length=SEQ,
-                    vocab_size=VOCAB, kernels=mode)
-    model = build_gpt(cfg, seed=1234, device="cuda").train()
+                    vocab_size=VOCAB)
+    model = build_gpt(cfg, seed=1234, device="cuda", kernels=mode).train()
     if mode == "csrc":
         from trainer.ops.adamw import FusedAdamW
 

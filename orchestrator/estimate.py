@@ -106,16 +106,16 @@ class TimeEstimate:
     first_checkpoint_s: float
 
 
-def flops_per_iteration(cfg: SlipwayConfig, vocab: int) -> float:
+def flops_per_iteration(cfg: SlipwayConfig, vocab: int, lay: Layout) -> float:
     """Megatron: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) (forward + backward, no recompute)."""
     m = cfg.model
-    big_b, s, l, h = cfg.train.global_batch_size, m.seq_length, m.num_layers, m.hidden_size
+    big_b, s, l, h = lay.global_batch, m.seq_length, m.num_layers, m.hidden_size
     return 72.0 * big_b * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
 
 
 def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
     c = cfg.cluster
-    flops = flops_per_iteration(cfg, vocab)
+    flops = flops_per_iteration(cfg, vocab, lay)
     rate = max(lay.world, 1) * c.device_peak_tflops * 1e12 * max(c.mfu, 1e-6)
     mb = max(lay.num_microbatches, 1)
     bubble = (lay.pp - 1) / (mb + lay.pp - 1) if lay.pp > 1 else 0.0
@@ -127,7 +127,7 @@ def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
         bubble,
         eta,
         eta / 3600 * max(lay.world, 1),
-        step * min(cfg.train.save_interval, cfg.train.iters),
+        step * min(cfg.train.save_interval or cfg.train.iters, cfg.train.iters),
     )
 
 

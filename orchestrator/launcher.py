@@ -105,7 +105,7 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         f"tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; {lay.num_microbatches} micro-batch(es) of "
         f"{cfg.train.micro_batch_size} per step",
         f"  vocab {plan.vocab_size}, precision {cfg.train.precision}, {cfg.train.iters} iterations, "
-        f"{cfg.train.global_batch_size * cfg.model.seq_length * cfg.train.iters / 1e9:.2f} B tokens",
+        f"{lay.global_batch * cfg.model.seq_length * cfg.train.iters / 1e9:.2f} B tokens",
         "",
         "Memory per device (first pipeline stage):",
         memory_table(plan.memory, cfg.cluster.device_name),

@@ -21,6 +21,7 @@ from orchestrator.guards import guard_problems
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import ConvertJob, CorpusJob, PreprocessJob, TrainJob
 from orchestrator.validate import Layout, Problem, layout_of, validate
+from trainer.config import RunConfig
 
 
 def stable_hash(obj: Any, n: int = 16) -> str:
@@ -164,36 +165,22 @@ def run_name(cfg: SlipwayConfig, facts: PlanInputs) -> str:
 
 
 def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> dict[str, Any]:
-    """The dict handed to ``trainer.config.RunConfig.from_dict`` (sections share the schema's names)."""
-    sec = {name: dataclasses.asdict(getattr(cfg, name)) for name in ("model", "parallel", "train", "optim")}
+    """The dict handed to ``trainer.config.RunConfig.from_dict``: every trainer section as the user set it
+    (the schema's root is RunConfig, so nothing is copied field by field), with what the plan derives put
+    in: the preprocessed dataset prefixes, the tokenizer files, the run's paths and W&B names."""
+    out = {f.name: dataclasses.asdict(getattr(cfg, f.name)) if dataclasses.is_dataclass(getattr(cfg, f.name))
+           else getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)}
     job: PreprocessJob = prep.job
-    wandb = dataclasses.asdict(cfg.logging.wandb)
+    out["data"]["paths"] = [f"{p}_{cfg.data.json_key}_document" for p in job.prefixes]
+    out["tokenizer"].update(vocab_file=job.vocab_file, merge_file=job.merge_file)
+    out["checkpoint"]["dir"] = cfg.checkpoint.dir or os.path.join(facts.run_dir, "checkpoints")
+    wandb = out["logging"]["wandb"]
     wandb["group"] = wandb["group"] or (facts.sweep.sweep_id if facts.sweep else None)
     wandb["name"] = run_name(cfg, facts)
-    ck = cfg.checkpoint
-    return {
-        **sec,
-        "data": {
-            "paths": [f"{p}_{cfg.data.json_key}_document" for p in job.prefixes],
-            "json_key": cfg.data.json_key,
-            "split": cfg.data.split,
-        },
-        "tokenizer": {"vocab_file": job.vocab_file, "merge_file": job.merge_file},
-        "checkpoint": {
-            "dir": ck.dir or os.path.join(facts.run_dir, "checkpoints"),
-            "keep": ck.keep,
-            "load": ck.load or "latest",
-            # Only when set, so the train key (a hash of this dict) of existing runs stays the same.
-            **({"load_dir": ck.load_dir} if ck.load_dir else {}),
-        },
-        "logging": {
-            "wandb": wandb,
-            "peak_tflops": cfg.cluster.device_peak_tflops if cfg.cluster.gpus_per_node else None,
-        },
-        "kernels": cfg.kernels,
-        "run_dir": facts.run_dir,
-        "run_id": facts.run_id,
-    }
+    if out["logging"]["peak_tflops"] is None and cfg.cluster.gpus_per_node:
+        out["logging"]["peak_tflops"] = cfg.cluster.device_peak_tflops
+    out.update(run_dir=facts.run_dir, run_id=facts.run_id)
+    return out
 
 
 def _summaries(prep: StagePlan) -> list[str]:
@@ -259,7 +246,7 @@ def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimat
             )
         )
     usable = cfg.cluster.time_limit_min * 60 - cfg.cluster.signal_delay_s
-    if cfg.train.save_interval > 0 and est.first_checkpoint_s > usable:
+    if cfg.train.save_interval and est.first_checkpoint_s > usable:
         per_iter = est.step_s
         fit = max(int(usable / per_iter), 0) if per_iter > 0 else 0
         need_min = int((est.first_checkpoint_s + cfg.cluster.signal_delay_s) / 60) + 1

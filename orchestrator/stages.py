@@ -181,15 +181,9 @@ class CorpusStage(Stage):
 
         job: CorpusJob = self.job
         corpus = os.path.join(job.output_dir, "corpus.jsonl")
-        kwargs: dict[str, Any] = {
-            "output": corpus,
-            "max_files": job.max_files,
-            "max_bytes": job.max_bytes,
-            "exclude_tests": job.exclude_tests,
-        }
-        if job.roots:
-            kwargs["roots"] = list(job.roots)
-        summary = build_corpus(CorpusConfig(**kwargs))
+        section = CorpusConfig(roots=list(job.roots), max_files=job.max_files, max_bytes=job.max_bytes,
+                               exclude_tests=job.exclude_tests)
+        summary = build_corpus(section, corpus)
         out: dict[str, Any] = {"corpus": corpus, "files": summary.files, "bytes": summary.bytes}
         if job.vocab_size:
             out.update(_train_tokenizer(corpus, job))

@@ -13,31 +13,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from orchestrator.redaction import redact
-from orchestrator.schema import (
-    CONTAINER_KINDS,
-    EXECUTORS,
-    PRECISIONS,
-    SCHEDULES,
-    WANDB_MODES,
-    SlipwayConfig,
-)
+from orchestrator.schema import SlipwayConfig
+from trainer.checks import ConfigIssue
 
 
 @dataclass(frozen=True)
-class Problem:
-    """One configuration error: ``code`` is its class (stable, used by tests), the rest is for people."""
-
-    code: str
-    key: str
-    value: object
-    message: str
-    fix: str
+class Problem(ConfigIssue):
+    """One configuration error (the trainer's :class:`ConfigIssue` record): ``code`` is its class (stable,
+    used by tests), the rest is for people."""
 
     def __str__(self) -> str:
         # Secrets in the config are reported as "<redacted>" (guards.py); redact() also hides any other
         # value that looks like one (a token pasted into a path), so a refusal never prints a secret.
-        text = f"[{self.code}] {self.key}={self.value!r}: {self.message}. Fix: {self.fix}"
-        return redact(text)
+        return redact(super().__str__())
 
 
 class PlanError(ValueError):
@@ -60,6 +48,7 @@ class Layout:
     pp: int
     dp: int  # 0 when world is not a multiple of tp·pp
     num_microbatches: int  # 0 when global batch is not a multiple of micro × dp
+    global_batch: int  # train.global_batch_size, or micro × dp when that is null (the trainer's rule)
 
 
 def tasks_per_node(cfg: SlipwayConfig) -> int:
@@ -80,49 +69,14 @@ def layout_of(cfg: SlipwayConfig) -> Layout:
     mp = max(p.tp_size, 1) * max(p.pp_size, 1)
     dp = world // mp if world % mp == 0 else 0
     per_step = t.micro_batch_size * dp
-    nmb = t.global_batch_size // per_step if per_step and t.global_batch_size % per_step == 0 else 0
-    return Layout(c.nodes, tpn, world, p.tp_size, p.pp_size, dp, nmb)
+    gbs = per_step if t.global_batch_size is None else t.global_batch_size  # null: one micro-batch per rank
+    nmb = gbs // per_step if per_step and gbs % per_step == 0 else 0
+    return Layout(c.nodes, tpn, world, p.tp_size, p.pp_size, dp, nmb, gbs)
 
 
-def _positive(cfg: SlipwayConfig) -> list[Problem]:
-    keys = {
-        "model.num_layers": cfg.model.num_layers,
-        "model.hidden_size": cfg.model.hidden_size,
-        "model.num_attention_heads": cfg.model.num_attention_heads,
-        "model.seq_length": cfg.model.seq_length,
-        "parallel.tp_size": cfg.parallel.tp_size,
-        "parallel.pp_size": cfg.parallel.pp_size,
-        "train.micro_batch_size": cfg.train.micro_batch_size,
-        "train.global_batch_size": cfg.train.global_batch_size,
-        "train.iters": cfg.train.iters,
-        "train.save_interval": cfg.train.save_interval,
-        "train.log_interval": cfg.train.log_interval,
-        "cluster.nodes": cfg.cluster.nodes,
-        "cluster.time_limit_min": cfg.cluster.time_limit_min,
-        "optim.lr": cfg.optim.lr,
-    }
-    return [
-        Problem("positive", k, v, "must be > 0", f"set {k} to a positive value")
-        for k, v in keys.items()
-        if v <= 0
-    ]
-
-
-def _choices(cfg: SlipwayConfig) -> list[Problem]:
-    out = []
-    for key, value, allowed in (
-        ("train.precision", cfg.train.precision, PRECISIONS),
-        ("parallel.schedule", cfg.parallel.schedule, SCHEDULES),
-        ("cluster.executor", cfg.cluster.executor, EXECUTORS),
-        ("container.kind", cfg.container.kind, CONTAINER_KINDS),
-        ("logging.wandb.mode", cfg.logging.wandb.mode, WANDB_MODES),
-        ("data.on_error", cfg.data.on_error, ("fail", "skip")),
-    ):
-        if value not in allowed:
-            out.append(
-                Problem("choice", key, value, f"must be one of {', '.join(allowed)}", f"{key}={allowed[0]}")
-            )
-    return out
+def _section_problems(cfg: SlipwayConfig) -> list[Problem]:
+    """Each section's own rules, defined once beside its fields (trainer/config, orchestrator/schema)."""
+    return [Problem(i.code, i.key, i.value, i.message, i.fix) for i in cfg.problems()]
 
 
 def _divisibility(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
@@ -136,16 +90,6 @@ def _divisibility(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
                 p.tp_size,
                 f"model.num_attention_heads={m.num_attention_heads} is not divisible by it",
                 "choose a tp_size that divides the number of heads",
-            )
-        )
-    if m.num_attention_heads > 0 and m.hidden_size % m.num_attention_heads:
-        out.append(
-            Problem(
-                "hidden_heads",
-                "model.hidden_size",
-                m.hidden_size,
-                f"not divisible by model.num_attention_heads={m.num_attention_heads}",
-                "make hidden_size a multiple of num_attention_heads",
             )
         )
     if p.pp_size > 0 and m.num_layers % p.pp_size:
@@ -193,41 +137,14 @@ def _divisibility(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
     return out
 
 
-def _model_and_optim(cfg: SlipwayConfig) -> list[Problem]:
-    m, o, t = cfg.model, cfg.optim, cfg.train
-    out = []
-    if m.seq_length > m.max_position_embeddings:
-        out.append(
-            Problem(
-                "seq_positions",
-                "model.seq_length",
-                m.seq_length,
-                f"exceeds model.max_position_embeddings={m.max_position_embeddings}",
-                f"lower seq_length or set model.max_position_embeddings>={m.seq_length}",
-            )
-        )
-    if o.min_lr > o.lr:
-        out.append(
-            Problem(
-                "lr_range",
-                "optim.min_lr",
-                o.min_lr,
-                f"exceeds optim.lr={o.lr}",
-                "set optim.min_lr <= optim.lr",
-            )
-        )
-    decay = o.decay_iters if o.decay_iters is not None else t.iters
-    if o.warmup_iters > decay:
-        out.append(
-            Problem(
-                "warmup",
-                "optim.warmup_iters",
-                o.warmup_iters,
-                f"exceeds the decay length {decay}",
-                "lower optim.warmup_iters",
-            )
-        )
-    return out
+def _warmup(cfg: SlipwayConfig) -> list[Problem]:
+    """Warm-up longer than the default decay length (train.iters); with optim.decay_iters set,
+    OptimConfig checks this itself."""
+    o, t = cfg.optim, cfg.train
+    if o.decay_iters is None and o.warmup_iters > t.iters:
+        return [Problem("warmup", "optim.warmup_iters", o.warmup_iters, f"exceeds the decay length {t.iters}",
+                        "lower optim.warmup_iters")]
+    return []
 
 
 def _precision(cfg: SlipwayConfig) -> list[Problem]:
@@ -313,20 +230,6 @@ def _data(cfg: SlipwayConfig) -> list[Problem]:
                 "set data.paths=[/path/train.jsonl] or data=stdlib",
             )
         )
-    try:
-        weights = [float(x) for x in d.split.split(",")]
-    except ValueError:
-        weights = []
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        out.append(
-            Problem(
-                "split",
-                "data.split",
-                d.split,
-                "must be up to three weights 'train,valid,test'",
-                "e.g. data.split='969,30,1'",
-            )
-        )
     if (tok.vocab_file is None) != (tok.merge_file is None):
         out.append(
             Problem(
@@ -409,10 +312,9 @@ def validate(cfg: SlipwayConfig, exists: Callable[[str], bool] = os.path.exists)
     """All config problems that need no estimate (memory/time problems are added by the plan)."""
     lay = layout_of(cfg)
     return (
-        _positive(cfg)
-        + _choices(cfg)
+        _section_problems(cfg)
         + _divisibility(cfg, lay)
-        + _model_and_optim(cfg)
+        + _warmup(cfg)
         + _precision(cfg)
         + _cluster(cfg)
         + _data(cfg)

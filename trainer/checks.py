@@ -67,6 +67,21 @@ def enforce(issues: Sequence[ConfigIssue]) -> None:
         raise ConfigError(issues)
 
 
+class Section:
+    """Mixin of every config section: ``__post_init__`` normalises (``_normalise``: fill derived defaults),
+    then raises every broken rule of ``problems()`` at once."""
+
+    def __post_init__(self) -> None:
+        self._normalise()
+        enforce(self.problems())
+
+    def _normalise(self) -> None:
+        pass
+
+    def problems(self) -> list[ConfigIssue]:
+        return []
+
+
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """Build configs without raising: the caller collects ``problems()`` itself (all at once)."""

@@ -15,6 +15,7 @@ live in ``{run_dir}/wandb_run.json``; log-line values are appended to ``{run_dir
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -88,15 +89,9 @@ def resolve_vocab(model: ModelConfig, tokenizer: TokenizerConfig) -> tuple[int, 
     return size, eod
 
 
-def gpt_config(model: ModelConfig, vocab_size: int, kernels: str) -> GPTConfig:
-    return GPTConfig(num_layers=model.num_layers, hidden_size=model.hidden_size,
-                     num_attention_heads=model.num_attention_heads, seq_length=model.seq_length,
-                     vocab_size=vocab_size, max_position_embeddings=model.max_position_embeddings,
-                     hidden_dropout=model.hidden_dropout, attention_dropout=model.attention_dropout,
-                     init_std=model.init_std, ffn_hidden_size=model.ffn_hidden_size,
-                     layernorm_epsilon=model.layernorm_epsilon,
-                     make_vocab_size_divisible_by=model.make_vocab_size_divisible_by, kernels=kernels,
-                     attention_backend=model.attention_backend)
+def gpt_config(model: ModelConfig, vocab_size: int) -> GPTConfig:
+    """The model section with the vocabulary resolved (the GPT's config is the section itself)."""
+    return dataclasses.replace(model, vocab_size=vocab_size)
 
 
 def _apply_autocast(model: ParallelModel, precision: str) -> None:
@@ -206,8 +201,8 @@ def build_components(cfg: RunConfig, pstate: ParallelState) -> Components:
     t = cfg.train
     gbs = t.global_batch_size or t.micro_batch_size * pstate.dp_size
     vocab_size, eod = resolve_vocab(cfg.model, cfg.tokenizer)
-    gpt = gpt_config(cfg.model, vocab_size, cfg.kernels)
-    model = build_model(gpt, cfg.parallel, pstate, t.seed)
+    gpt = gpt_config(cfg.model, vocab_size)
+    model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=cfg.kernels)
     _apply_autocast(model, t.precision)
     optimizer, _ = build_optimizer(model.named_parameters(), cfg.optim, pstate.device.type, cfg.kernels)
     scheduler = OptimizerParamScheduler(optimizer, LRSchedule.from_iters(cfg.optim, t.iters, gbs))

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from tests.data.oracles import GPT2Oracle
+from trainer.config import CorpusConfig
 from trainer.data.bpe_equivalence import (
     _bpe,
     _not_self_encoding,
@@ -18,7 +19,7 @@ from trainer.data.bpe_equivalence import (
     token_bytes,
     unicode_to_bytes,
 )
-from trainer.data.corpus import CorpusConfig, iter_documents
+from trainer.data.corpus import iter_documents
 from trainer.data.tokenizer import EOD_TOKEN, load_gpt2_bpe, read_merges, read_vocab
 from trainer.data.train_tokenizer import TokenizerTrainConfig, train_tokenizer
 
@@ -56,7 +57,7 @@ def test_linear_condition_c_equals_running_bpe_on_random_tables():
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     folder = tmp_path_factory.mktemp("bpe")
-    docs = [d["content"] for d in iter_documents(CorpusConfig(output="unused", max_bytes=3_000_000))]
+    docs = [d["content"] for d in iter_documents(CorpusConfig(max_bytes=3_000_000))]
     corpus = folder / "train.jsonl"
     corpus.write_text("".join(json.dumps({"content": d}) + "\n" for d in docs))
     return train_tokenizer(TokenizerTrainConfig([str(corpus)], str(folder / "out"), vocab_size=6000))

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from trainer.data.corpus import CorpusConfig, build_corpus, default_roots, iter_documents, main
+from trainer.config import CorpusConfig
+from trainer.data.corpus import build_corpus, default_roots, iter_documents, main
 
 
 def test_default_corpus_is_this_interpreters_stdlib(tmp_path):
     assert default_roots() == [sysconfig.get_paths()["stdlib"]]
     out = tmp_path / "c.jsonl"
-    summary = build_corpus(CorpusConfig(output=str(out), max_files=40))
+    summary = build_corpus(CorpusConfig(max_files=40), str(out))
     lines = out.read_text().splitlines()
     assert summary.files == len(lines) == 40
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -26,12 +27,12 @@ def test_default_corpus_is_this_interpreters_stdlib(tmp_path):
     assert summary.bytes == sum(len(json.loads(x)["content"].encode()) for x in lines)
     # Deterministic: a second build is byte-identical.
     again = tmp_path / "again.jsonl"
-    build_corpus(CorpusConfig(output=str(again), max_files=40))
+    build_corpus(CorpusConfig(max_files=40), str(again))
     assert again.read_bytes() == out.read_bytes()
 
 
 def test_limits_and_test_exclusion():
-    docs = list(iter_documents(CorpusConfig(output="x", max_bytes=2_000_000, exclude_tests=True)))
+    docs = list(iter_documents(CorpusConfig(max_bytes=2_000_000, exclude_tests=True)))
     total = sum(len(d["content"].encode()) for d in docs)
     assert 1_500_000 < total <= 2_000_000
     assert not any(part in ("test", "tests", "idle_test") for d in docs for part in Path(d["path"]).parts)
@@ -48,7 +49,7 @@ def test_encodings_and_skipped_files(tmp_path):
     (root / "site-packages" / "e.py").write_text("skip = 1\n")
     (root / "notes.txt").write_text("not python\n")
     out = tmp_path / "c.jsonl"
-    summary = build_corpus(CorpusConfig(output=str(out), roots=[str(root)]))
+    summary = build_corpus(CorpusConfig(roots=[str(root)]), str(out))
     docs = [json.loads(x) for x in out.read_text().splitlines()]
     assert [d["path"] for d in docs] == ["a.py", "b.py"]
     assert docs[0]["content"] == "# -*- coding: latin-1 -*-\ns = 'café'\n"
@@ -62,6 +63,6 @@ def test_cli_and_validation(tmp_path, capsys):
     assert len(out.read_text().splitlines()) == 3 and "3 files" in capsys.readouterr().out
     assert not list(tmp_path.glob("*.partial-*"))
     with pytest.raises(ValueError, match="is not a folder"):
-        CorpusConfig(output=str(out), roots=[str(tmp_path / "nope")])
-    with pytest.raises(ValueError, match="max_files=0"):
-        CorpusConfig(output=str(out), max_files=0)
+        build_corpus(CorpusConfig(roots=[str(tmp_path / "nope")]), str(out))
+    with pytest.raises(ValueError, match="data.corpus.max_files=0"):
+        CorpusConfig(max_files=0)

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from tests.data.oracles import GPT2Oracle
-from trainer.data.corpus import CorpusConfig, iter_documents
+from trainer.config import CorpusConfig
+from trainer.data.corpus import iter_documents
 from trainer.data.indexed_dataset import IndexedDataset
 from trainer.data.preprocess import EmptyDatasetError, PreprocessConfig, PreprocessError, preprocess
 from trainer.data.preprocess_io import InputError
@@ -77,7 +78,7 @@ def same_bytes(prefix_a, prefix_b, keys) -> None:
 
 @pytest.fixture(scope="module")
 def stdlib_docs():
-    return list(iter_documents(CorpusConfig(output="unused", exclude_tests=True, max_bytes=3_000_000)))
+    return list(iter_documents(CorpusConfig(exclude_tests=True, max_bytes=3_000_000)))
 
 
 @pytest.fixture(scope="module")
@@ -274,7 +275,7 @@ def test_cli_megatron_flags_and_errors(tmp_path, tok_files):
 @pytest.fixture(scope="module")
 def big_jsonl(tmp_path_factory):
     path = tmp_path_factory.mktemp("big") / "big.jsonl"
-    docs = iter_documents(CorpusConfig(output="unused", max_bytes=12_000_000))
+    docs = iter_documents(CorpusConfig(max_bytes=12_000_000))
     path.write_text("".join(json.dumps(d) + "\n" for d in docs))
     return path
 

@@ -14,7 +14,8 @@ import random
 import pytest
 
 from tests.data.oracles import GPT2Oracle
-from trainer.data.corpus import CorpusConfig, iter_documents
+from trainer.config import CorpusConfig
+from trainer.data.corpus import iter_documents
 from trainer.data.tokenizer import (
     EOD_TOKEN,
     GPT2BPETokenizer,
@@ -44,7 +45,7 @@ MULTILINGUAL = [
 @pytest.fixture(scope="module")
 def stdlib_docs():
     """~6 MB of real Python: the interpreter's stdlib, tests excluded (deterministic order)."""
-    config = CorpusConfig(output="unused.jsonl", exclude_tests=True, max_bytes=6_000_000)
+    config = CorpusConfig(exclude_tests=True, max_bytes=6_000_000)
     return [d["content"] for d in iter_documents(config)]
 
 

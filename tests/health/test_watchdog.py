@@ -165,5 +165,5 @@ def test_settable_from_launch_overrides():
     defaults = RunConfig.from_dict(make_plan(compose_cfg(["+experiment=codeparrot"]), PlanInputs(
         "r", "/runs/r"), exists=lambda p: True).stage("train").job.trainer_config).train.health()
     assert defaults == HealthConfig(heartbeat_interval_s=10, hang_timeout_s=1800, preflight=True)
-    with pytest.raises(ValueError, match=r"train.hang_timeout_s: is -5\. Use seconds > 0, or 0/null"):
+    with pytest.raises(ValueError, match=r"train.hang_timeout_s=-5: must be seconds >= 0"):
         HealthConfig(hang_timeout_s=-5)

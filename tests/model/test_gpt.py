@@ -152,7 +152,7 @@ def test_config_validation_and_padding():
         GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=10,
                   max_position_embeddings=4)
     with pytest.raises(ValueError, match="kernels"):
-        GPT(GPTConfig(**TINY, kernels="nope"))
+        GPT(GPTConfig(**TINY), kernels="nope")
 
 
 def test_model_imports_neither_distributed_nor_parallel():

@@ -103,11 +103,12 @@ class Matrix:
 
 def _dataset(root: Path) -> tuple[Path, Path, Path]:
     """corpus.jsonl with BAD_LINES inserted, and a BPE trained on the clean corpus."""
-    from trainer.data.corpus import CorpusConfig, build_corpus
+    from trainer.config import CorpusConfig
+    from trainer.data.corpus import build_corpus
     from trainer.data.train_tokenizer import TokenizerTrainConfig, train_tokenizer
 
     clean = root / "clean.jsonl"
-    build_corpus(CorpusConfig(output=str(clean), max_files=12, max_bytes=200_000, exclude_tests=True))
+    build_corpus(CorpusConfig(max_files=12, max_bytes=200_000, exclude_tests=True), str(clean))
     vocab, merges = train_tokenizer(TokenizerTrainConfig(inputs=[str(clean)], output_dir=str(root / "tok"),
                                                          vocab_size=300))
     lines = clean.read_text().splitlines()

@@ -23,7 +23,8 @@ from trainer.model import GPTConfig
 from trainer.parallel import ParallelConfig, ParallelState, build_model, clip_grad_norm, eval_step, train_step
 
 CFG = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
-                hidden_dropout=0.0, attention_dropout=0.0, kernels="csrc")
+                hidden_dropout=0.0, attention_dropout=0.0)
+KERNELS = "csrc"  # the fused CPU kernels: layouts must agree with them too
 SEED, STEPS, MICRO_BATCH, GLOBAL_BATCH = 1234, 20, 2, 8
 LR, MAX_NORM = 3e-3, 1.0
 
@@ -137,7 +138,7 @@ def parity_job(ranks: list[int], tp: int, pp: int, sp: bool, schedule: str, outd
     pstate = ParallelState.build(tp, pp, ranks)
     pcfg = ParallelConfig(tp_size=tp, pp_size=pp, sequence_parallel=sp, schedule=schedule,
                           bucket_size_mb=0.01)
-    rec = train_and_record(build_model(CFG, pcfg, pstate, SEED))
+    rec = train_and_record(build_model(CFG, pcfg, pstate, SEED, kernels=KERNELS))
     torch.save(rec, os.path.join(outdir, f"{layout_tag(tp, pp, len(ranks) // (tp * pp), sp)}"
                                          f".{position(ranks)}.pt"))
     pstate.destroy()
@@ -152,7 +153,8 @@ def reference_record() -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return train_and_record(build_model(CFG, ParallelConfig(), ParallelState.single(), SEED))
+        single = build_model(CFG, ParallelConfig(), ParallelState.single(), SEED, kernels=KERNELS)
+        return train_and_record(single)
     finally:
         torch.set_num_threads(threads)
 

@@ -19,9 +19,10 @@ import sys
 import sysconfig
 import tokenize
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.config import CorpusConfig
 from trainer.log import get_logger
 
 log = get_logger("trainer.data.corpus")
@@ -36,31 +37,13 @@ def default_roots() -> list[str]:
     return [sysconfig.get_paths()["stdlib"]]
 
 
-@dataclass
-class CorpusConfig:
-    """What to collect and where to write it."""
-
-    output: str
-    """JSONL file to write (one ``{"content": ..., "path": ...}`` object per line)."""
-    roots: list[str] = field(default_factory=default_roots)
-    """Folders searched recursively for ``*.py`` files, in this order."""
-    max_files: int | None = None
-    """Stop after this many files (None: no limit)."""
-    max_bytes: int | None = None
-    """Stop before the source text would exceed this many UTF-8 bytes (None: no limit)."""
-    exclude_tests: bool = False
-    """Skip folders named test/tests/idle_test/unittests (the stdlib's test suite is ~17 MB of the 31)."""
-
-    def __post_init__(self) -> None:
-        if not self.roots:
-            raise ValueError("CorpusConfig.roots is empty: give at least one folder to search for *.py files")
-        for root in self.roots:
-            if not Path(root).is_dir():
-                raise ValueError(f"CorpusConfig.roots: {root!r} is not a folder; pass existing folders")
-        for name in ("max_files", "max_bytes"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"CorpusConfig.{name}={value}: must be positive or None (no limit)")
+def check_roots(roots: list[str]) -> list[str]:
+    """``roots``, or the standard library when empty; each must be an existing folder."""
+    roots = list(roots) or default_roots()
+    for root in roots:
+        if not Path(root).is_dir():
+            raise ValueError(f"data.corpus.roots: {root!r} is not a folder; pass existing folders")
+    return roots
 
 
 @dataclass
@@ -107,7 +90,7 @@ def iter_documents(config: CorpusConfig, skipped: list[str] | None = None) -> It
     Files that do not decode are left out and, when ``skipped`` is given, appended to it.
     """
     files = total = 0
-    for root in config.roots:
+    for root in check_roots(config.roots):
         for path in iter_source_files([root], config.exclude_tests):
             if config.max_files is not None and files >= config.max_files:
                 return
@@ -125,9 +108,10 @@ def iter_documents(config: CorpusConfig, skipped: list[str] | None = None) -> It
             yield {"content": text, "path": str(path.relative_to(root))}
 
 
-def build_corpus(config: CorpusConfig) -> CorpusSummary:
-    """Write the JSONL (atomically: a temporary name renamed into place) and return what was written."""
-    out = Path(config.output)
+def build_corpus(config: CorpusConfig, output: str) -> CorpusSummary:
+    """Write the JSONL to ``output`` (atomically: a temporary name renamed into place) and return what
+    was written."""
+    out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".partial-{os.getpid()}")
     files = total = 0
@@ -155,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-bytes", type=int, default=None)
     parser.add_argument("--exclude-tests", action="store_true", help="skip test/tests/idle_test folders")
     args = parser.parse_args(argv)
-    config = CorpusConfig(output=args.output, roots=args.roots or default_roots(), max_files=args.max_files,
-                          max_bytes=args.max_bytes, exclude_tests=args.exclude_tests)
-    summary = build_corpus(config)
+    config = CorpusConfig(roots=args.roots or [], max_files=args.max_files, max_bytes=args.max_bytes,
+                          exclude_tests=args.exclude_tests)
+    summary = build_corpus(config, args.output)
     sys.stdout.write(f"{summary.files} files, {summary.bytes / 1e6:.1f} MB -> {summary.output}\n")
     return 0
 

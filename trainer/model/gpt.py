@@ -233,16 +233,16 @@ class GPT(nn.Module):
     """
 
     def __init__(self, cfg: GPTConfig, stage: StageSpec | None = None,
-                 padded_vocab_size: int | None = None, kernels: KernelSet | None = None) -> None:
+                 padded_vocab_size: int | None = None, kernels: KernelSet | str = "auto") -> None:
         super().__init__()
         self.cfg = cfg
         self.stage = stage or StageSpec(0, cfg.num_layers)
         if self.stage.layer_end > cfg.num_layers:
             raise ValueError(f"stage layers up to {self.stage.layer_end} > model.num_layers={cfg.num_layers}")
         self.padded_vocab_size = padded_vocab_size or cfg.padded_vocab_size(1)
-        if self.padded_vocab_size < cfg.vocab_size:
+        if self.padded_vocab_size < cfg.vocab_size:  # padded_vocab_size(1) has checked it is set
             raise ValueError(f"padded_vocab_size={self.padded_vocab_size} < vocab_size={cfg.vocab_size}")
-        kernels = kernels or resolve(cfg.kernels)
+        kernels = resolve(kernels) if isinstance(kernels, str) else kernels  # the top-level `kernels` key
         if self.stage.pre_process:
             self.embedding = Embedding(cfg, self.padded_vocab_size)
         self.encoder = Encoder(cfg, self.stage, kernels)
@@ -284,13 +284,13 @@ def masked_mean(losses: Tensor, loss_mask: Tensor | None = None) -> Tensor:
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def build_gpt(cfg: GPTConfig, seed: int, device: torch.device | str = "cpu") -> GPT:
+def build_gpt(cfg: GPTConfig, seed: int, device: torch.device | str = "cpu", kernels: str = "auto") -> GPT:
     """A whole single-device GPT with the layout-independent initialisation for ``seed``."""
     from trainer.model.init import init_weights, materialize
 
-    kernels = resolve(cfg.kernels, torch.device(device).type)  # outside the meta-device context
+    kernel_set = resolve(kernels, torch.device(device).type)  # outside the meta-device context
     with torch.device("meta"):
-        model = GPT(cfg, kernels=kernels)
+        model = GPT(cfg, kernels=kernel_set)
     materialize(model, device)
     init_weights(model, seed)
     return model

@@ -93,19 +93,20 @@ class ParallelModel:
 
 
 def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, seed: int,
-                dtype: torch.dtype = torch.float32) -> ParallelModel:
+                dtype: torch.dtype = torch.float32, kernels: str = "auto") -> ParallelModel:
     """This rank's stage and TP shard, initialised from the full weights for ``seed`` (the same in every
     layout), on ``pstate.device`` with parameters (and gradients) in ``dtype``; also seeds the dropout
-    RNGs (trainer.parallel.random). For bf16 training prefer fp32 parameters and ``model.autocast``."""
+    RNGs (trainer.parallel.random). For bf16 training prefer fp32 parameters and ``model.autocast``.
+    ``kernels``: the kernel set (the top-level ``kernels`` key, trainer.ops.resolve)."""
     check_compatible(cfg, pcfg)
     if (pcfg.tp_size, pcfg.pp_size) != (pstate.tp_size, pstate.pp_size):
         raise ValueError(f"ParallelConfig tp={pcfg.tp_size}, pp={pcfg.pp_size} != ParallelState "
                          f"tp={pstate.tp_size}, pp={pstate.pp_size}")
     tracker = seed_everything(seed, pstate)
-    kernels = resolve(cfg.kernels, pstate.device.type)  # outside the meta-device context
+    kernel_set = resolve(kernels, pstate.device.type)  # outside the meta-device context
     with torch.device("meta"):  # no memory until this rank's shard is materialised
         module = GPT(cfg, stage_spec(cfg.num_layers, pstate.pp_rank, pstate.pp_size),
-                     cfg.padded_vocab_size(pstate.tp_size), kernels)
+                     cfg.padded_vocab_size(pstate.tp_size), kernel_set)
         apply_tensor_parallel(module, pstate, pcfg.sequence_parallel, tracker)
     materialize(module, pstate.device, dtype)
     init_weights(module, seed)

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer import testing_hooks
+from trainer.health.config import HealthConfig
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -61,31 +62,6 @@ def node_name() -> str:
     names are what an admin drains; several emulated nodes may share one host)."""
     env = os.environ
     return env.get(testing_hooks.NODE_NAME) or env.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-@dataclass
-class HealthConfig:
-    """Heartbeat, watchdog and preflight settings (flat ``train.*`` keys; see TrainConfig.health)."""
-
-    heartbeat_interval_s: float = 10.0  # seconds between heartbeat files (never more often)
-    hang_timeout_s: float | None = 1800.0  # no progress for this long ends the process; None/0: off
-    preflight: bool = True  # all-reduce and node-pair bandwidth check at start (multi-rank only)
-    preflight_timeout_s: float = 60.0  # a rank or node pair not answering within this fails the start
-    preflight_mb: float = 4.0  # payload of each timed exchange
-    preflight_slow_factor: float = 4.0  # a node this many times slower than the median node fails it
-
-    def __post_init__(self) -> None:
-        checks = (("heartbeat_interval_s", self.heartbeat_interval_s, 0.0),
-                  ("preflight_timeout_s", self.preflight_timeout_s, 0.0),
-                  ("preflight_mb", self.preflight_mb, 0.0),
-                  ("preflight_slow_factor", self.preflight_slow_factor, 1.0))
-        for name, value, low in checks:
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= low:
-                raise ValueError(f"train.{name}: is {value!r}. Use a number > {low:g}.")
-        if self.hang_timeout_s is not None and (isinstance(self.hang_timeout_s, bool) or
-                                                self.hang_timeout_s < 0):
-            raise ValueError(f"train.hang_timeout_s: is {self.hang_timeout_s!r}. Use seconds > 0, or "
-                             f"0/null to turn the watchdog off.")
 
 
 def heartbeat_path(run_dir: str, rank: int) -> str:

@@ -1,0 +1,416 @@
+"""The configuration, defined once: one small dataclass per section, and ``RunConfig`` tying them.
+
+These classes are the single definition of every trainer setting, its type, its default and its rules.
+The Hydra schema (orchestrator/schema.py) is built from them (it adds only the orchestrator's own
+sections), users' YAML files use their names (``model.hidden_size``, ``optim.lr`` ...), and
+``python -m orchestrator.docs`` renders the string literal under each field (an attribute docstring) into
+``docs/config.md``. The module imports no torch (the login node composes configs in a second).
+
+Each class lists its own invariants in ``problems()`` (:mod:`trainer.checks`) and ``__post_init__``
+raises them all; checks that need several sections or the world size (heads % tp, batch divisibility)
+live in ``trainer.main`` and orchestrator/validate.py. Functions receive the slice they need, never
+the root.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.checks import ConfigIssue, Section, choice, enforce, issue, positive
+from trainer.config.model import ATTENTION_BACKENDS, ModelConfig, ParallelConfig
+from trainer.data.splits import parse_split
+from trainer.health.config import HealthConfig
+from trainer.log import get_logger
+
+log = get_logger(__name__)
+
+__all__ = ["CheckpointConfig", "CorpusConfig", "DataConfig", "LoggingConfig", "ModelConfig",
+           "OptimConfig", "ParallelConfig", "RunConfig", "TokenizerConfig", "TrainConfig", "WandbConfig",
+           "ATTENTION_BACKENDS", "PRECISIONS", "DECAY_STYLES", "OPTIM_IMPLS", "WANDB_MODES", "ON_ERROR"]
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
+OPTIM_IMPLS = ("auto", "apex", "csrc", "torch_fused", "foreach", "for_loop")
+WANDB_MODES = ("online", "offline", "disabled")
+ON_ERROR = ("fail", "skip")
+DEVICES = ("auto", "cpu", "cuda")
+KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile")
+
+
+@dataclass
+class TrainConfig(HealthConfig):
+    """Batch sizes, length, precision, and the save/eval/log cadence (all counted in iterations)."""
+
+    micro_batch_size: int = 1
+    """Sequences per forward/backward pass on one data-parallel rank."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step over all ranks; a multiple of micro_batch_size × dp (the rest is
+    gradient accumulation, or the pipeline's micro-batches); null: micro_batch_size × dp."""
+    iters: int = 1000
+    """Optimizer steps in the whole run (requeues and retries included)."""
+    precision: str = "fp32"
+    """fp32, bf16 (autocast; fp32 weights and optimizer) or fp16 (autocast with dynamic loss scaling;
+    needs GPUs)."""
+    seed: int = 1234
+    """Seed of the initialisation, the data order and dropout; the same seed gives the same model under
+    every (tp, pp) layout."""
+    save_interval: int | None = None
+    """Iterations between checkpoints (one is also saved on a stop signal and at the end); null: only
+    those."""
+    eval_interval: int | None = 1000
+    """Iterations between validation passes; null: no validation."""
+    eval_iters: int = 10
+    """Validation batches per validation pass."""
+    log_interval: int = 10
+    """Iterations between log lines (loss, learning rate, tokens/s, TFLOP/s, MFU) and W&B points."""
+    deterministic: bool = False
+    """Deterministic algorithms: bitwise-reproducible steps and resumes (used by the resume tests;
+    slower on GPU)."""
+    device: str = "auto"
+    """auto (CUDA when available, else CPU), cpu or cuda."""
+    initial_loss_scale: float = 2.0**32
+    """fp16: the dynamic loss scale to start from (Megatron's default 2^32)."""
+    loss_scale_window: int = 1000
+    """fp16: steps without overflow before the loss scale doubles."""
+    hysteresis: int = 2
+    """fp16: overflows tolerated before the loss scale halves."""
+    min_loss_scale: float = 1.0
+    """fp16: the loss scale never goes below this."""
+
+    def __post_init__(self) -> None:
+        enforce(self.problems())
+
+    def problems(self) -> list[ConfigIssue]:
+        out = super().problems()
+        for name in ("micro_batch_size", "iters", "log_interval", "loss_scale_window", "hysteresis"):
+            out += positive(f"train.{name}", getattr(self, name))
+        for name in ("global_batch_size", "save_interval", "eval_interval"):
+            out += positive(f"train.{name}", getattr(self, name), allow_none=True)
+        if self.eval_iters < 0:
+            out.append(issue("positive", "train.eval_iters", self.eval_iters, "must be 0 or more",
+                             "set train.eval_iters to 0 or more"))
+        out += choice("train.precision", self.precision, PRECISIONS)
+        out += choice("train.device", self.device, DEVICES)
+        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
+            out.append(issue("loss_scale", "train.min_loss_scale", self.min_loss_scale,
+                             f"must be in (0, initial_loss_scale={self.initial_loss_scale}]",
+                             "lower train.min_loss_scale"))
+        return out
+
+    def health(self) -> HealthConfig:
+        """The heartbeat/watchdog/preflight slice."""
+        return HealthConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HealthConfig)})
+
+
+@dataclass
+class OptimConfig(Section):
+    """AdamW (Megatron's defaults) and the learning-rate schedule."""
+
+    lr: float = 3.0e-4
+    """Peak learning rate, reached at the end of the warm-up."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay (kept after it); at most lr."""
+    warmup_iters: int = 0
+    """Iterations of linear warm-up from 0 to lr."""
+    decay_iters: int | None = None
+    """Iterations from the start to the end of the decay; null: train.iters."""
+    decay_style: str = "cosine"
+    """Decay from lr to min_lr: cosine, linear, constant or inverse-square-root."""
+    weight_decay: float = 0.01
+    """Decoupled (AdamW) weight decay; not applied to biases and LayerNorm weights (Megatron: 0.01)."""
+    adam_beta1: float = 0.9
+    """Adam's first-moment decay."""
+    adam_beta2: float = 0.999
+    """Adam's second-moment decay."""
+    adam_eps: float = 1.0e-8
+    """Adam's epsilon."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
+    impl: str = "auto"
+    """AdamW implementation: auto (apex FusedAdam on CUDA when importable, else torch fused on CUDA,
+    else Slipway's csrc kernel or foreach), apex, csrc, torch_fused, foreach or for_loop."""
+
+    def problems(self) -> list[ConfigIssue]:
+        out = positive("optim.lr", self.lr)
+        if self.min_lr < 0 or self.min_lr > self.lr:
+            out.append(issue("lr_range", "optim.min_lr", self.min_lr, f"must be in [0, optim.lr={self.lr}]",
+                             "set optim.min_lr <= optim.lr"))
+        if self.warmup_iters < 0:
+            out.append(issue("positive", "optim.warmup_iters", self.warmup_iters, "must be 0 or more",
+                             "set optim.warmup_iters >= 0"))
+        if self.decay_iters is not None and self.decay_iters < self.warmup_iters:
+            out.append(issue("warmup", "optim.warmup_iters", self.warmup_iters,
+                             f"exceeds the decay length optim.decay_iters={self.decay_iters}",
+                             "lower optim.warmup_iters"))
+        out += choice("optim.decay_style", self.decay_style, DECAY_STYLES)
+        out += choice("optim.impl", self.impl, OPTIM_IMPLS)
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                out.append(issue("range", f"optim.{name}", getattr(self, name), "must be in [0, 1)",
+                                 f"set optim.{name}=0.9"))
+        for name in ("weight_decay", "clip_grad"):
+            if getattr(self, name) < 0:
+                out.append(issue("range", f"optim.{name}", getattr(self, name), "must be >= 0",
+                                 f"set optim.{name} to 0 or more"))
+        return out + positive("optim.adam_eps", self.adam_eps)
+
+
+@dataclass
+class CorpusConfig(Section):
+    """Optional corpus stage: build a JSONL corpus on the cluster instead of reading ``data.paths``."""
+
+    source: str = "stdlib"
+    """stdlib: the standard library of the interpreter that runs the job (when roots is empty)."""
+    roots: list[str] = field(default_factory=list)
+    """Folders searched for *.py files instead of the standard library."""
+    max_files: int | None = None
+    """Stop after this many files; null: every file."""
+    max_bytes: int | None = None
+    """Stop before the text exceeds this many bytes; null: no limit."""
+    exclude_tests: bool = False
+    """Skip folders named test, tests, idle_test and unittests."""
+
+    def problems(self) -> list[ConfigIssue]:
+        return (choice("data.corpus.source", self.source, ("stdlib",))
+                + positive("data.corpus.max_files", self.max_files, allow_none=True)
+                + positive("data.corpus.max_bytes", self.max_bytes, allow_none=True))
+
+
+@dataclass
+class DataConfig(Section):
+    """Training text, its preprocessing into Megatron ``.bin/.idx`` (cached by content), and its split."""
+
+    paths: list[str] = field(default_factory=list)
+    """JSONL files (one document per line, .gz allowed) to preprocess; ignored when corpus is set. The
+    trainer reads dataset prefixes: the full prefix (corpus_content_document) or the preprocess output
+    prefix (corpus), to which _{json_key}_document is appended; several are concatenated."""
+    json_key: str = "content"
+    """The JSON field that holds each document's text."""
+    split: str = "969,30,1"
+    """Relative weights of the train, validation and test documents (Megatron's split string)."""
+    append_eod: bool = True
+    """Append <|endoftext|> to every document (preprocessing)."""
+    workers: int = 2
+    """Tokenizer worker processes of the preprocessing job."""
+    on_error: str = "fail"
+    """Bad JSONL lines (invalid JSON or UTF-8, missing or non-string key): fail stops the preprocessing
+    job at the first one, naming file:line (training never starts); skip drops them, counts them by reason
+    and copies the report (file:line of each) to <run_dir>/data_report.json."""
+    corpus: CorpusConfig | None = None
+    """Build the corpus on the cluster (see data.corpus); null: read paths."""
+    cache_dir: str | None = None
+    """Where the trainer caches the sample/shuffle indices; null: next to the data (Megatron's default)."""
+
+    def _normalise(self) -> None:
+        if isinstance(self.paths, str):
+            self.paths = [self.paths]
+        self.paths = [str(p) for p in self.paths]
+        if isinstance(self.corpus, dict):
+            self.corpus = _build(CorpusConfig, self.corpus, "data.corpus")
+
+    def problems(self) -> list[ConfigIssue]:
+        out = choice("data.on_error", self.on_error, ON_ERROR) + positive("data.workers", self.workers)
+        if self.corpus is not None:
+            out += self.corpus.problems()
+        try:
+            parse_split(str(self.split))
+        except ValueError as err:
+            out.append(issue("split", "data.split", self.split, str(err).split(": ", 1)[-1],
+                             "e.g. data.split='969,30,1'"))
+        return out
+
+
+@dataclass
+class TokenizerConfig(Section):
+    """Existing GPT-2 BPE files, or (both null) a tokenizer trained on the corpus by the corpus stage."""
+
+    vocab_file: str | None = None
+    """GPT-2 BPE vocab.json; null (with merge_file null): train one in the corpus stage."""
+    merge_file: str | None = None
+    """GPT-2 BPE merges.txt that goes with vocab_file."""
+    type: str = "GPT2BPETokenizer"
+    """Megatron's tokenizer type (the only one Slipway reads)."""
+    vocab_size: int | None = None
+    """Without files: the size of the vocabulary to train (and of pre-tokenized data's vocabulary). With
+    files: used only by the plan's memory table while vocab_file is not readable from the login node
+    (the file wins when it is); model.vocab_size wins over both."""
+
+    def problems(self) -> list[ConfigIssue]:
+        return (choice("tokenizer.type", self.type, ("GPT2BPETokenizer",))
+                + positive("tokenizer.vocab_size", self.vocab_size, allow_none=True))
+
+
+@dataclass
+class CheckpointConfig(Section):
+    """Where checkpoints go (Megatron layout) and what to load at start."""
+
+    dir: str | None = None
+    """Checkpoint directory; null: <run_dir>/checkpoints."""
+    keep: int | None = 2
+    """Newest complete checkpoints kept; 0 or null keeps all."""
+    load: str | int | None = "latest"
+    """What to load at start: latest or null (resume from the newest complete checkpoint if there is one),
+    none (start fresh), an iteration number, or model-only (weights from load_dir; fresh optimizer,
+    schedule and iteration count). Once dir holds a checkpoint and load_dir is another folder, every
+    restart resumes from dir (so a requeued fine-tuning run does not start over)."""
+    load_dir: str | None = None
+    """Where load looks when it is not dir: another run's checkpoints, or one written by
+    trainer.convert.from_hf; null: dir."""
+
+    def _normalise(self) -> None:
+        if self.load is None:  # "resume when there is something to resume"
+            self.load = "latest"
+        if isinstance(self.load, str) and self.load.isdigit():
+            self.load = int(self.load)
+
+    def problems(self) -> list[ConfigIssue]:
+        out = []
+        if not isinstance(self.load, int) and self.load not in ("latest", "none", "model-only"):
+            out.append(issue("choice", "checkpoint.load", self.load, "must be latest, none, model-only or "
+                             "an iteration number", "checkpoint.load=latest"))
+        if self.keep is not None and self.keep < 0:
+            out.append(issue("positive", "checkpoint.keep", self.keep, "must be 0 or more",
+                             "set checkpoint.keep to a count, or 0 to keep all"))
+        return out
+
+
+@dataclass
+class WandbConfig(Section):
+    """Weights & Biases (only global rank 0 logs; a requeued job continues the same W&B run)."""
+
+    mode: str = "disabled"
+    """online, offline (files under <run_dir>/wandb; upload later with wandb sync) or disabled. The API
+    key comes from WANDB_API_KEY (or ~/.netrc) in the job's environment only, never from the config."""
+    project: str = "slipway"
+    """W&B project."""
+    entity: str | None = None
+    """W&B team or user; null: the key's default entity."""
+    group: str | None = None
+    """W&B group; null: the sweep id in a multirun."""
+    name: str | None = None
+    """W&B run name; null: the run id plus the sweep point's overrides."""
+    tags: list[str] = field(default_factory=list)
+    """W&B tags."""
+
+    def _normalise(self) -> None:
+        self.tags = [str(t) for t in (self.tags or [])]
+
+    def problems(self) -> list[ConfigIssue]:
+        return choice("logging.wandb.mode", self.mode, WANDB_MODES)
+
+
+@dataclass
+class LoggingConfig(Section):
+    """Experiment tracking and MFU."""
+
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases settings."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device for MFU; null: detected from the GPU name (no MFU on CPU). The
+    launcher sets it from cluster.device_peak_tflops on GPU clusters."""
+
+    def _normalise(self) -> None:
+        if isinstance(self.wandb, dict):
+            self.wandb = _build(WandbConfig, self.wandb, "logging.wandb")
+
+    def problems(self) -> list[ConfigIssue]:
+        return positive("logging.peak_tflops", self.peak_tflops, allow_none=True)
+
+
+@dataclass
+class RunConfig(Section):
+    """Everything one training run needs. Built with ``from_dict``/``from_yaml``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """GPT shape."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Training text and preprocessing."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """Tokenizer files."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Tensor/pipeline layout."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and LR schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Batch, length, precision, cadence."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint location and loading."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Experiment tracking."""
+    kernels: str = "auto"
+    """Kernel implementation: auto (per op: apex on CUDA when importable, else Slipway's compiled csrc ops,
+    else eager), csrc, apex, eager (reference PyTorch compositions) or compile (torch.compile of those)."""
+    run_dir: str | None = None
+    """This run's directory; null: <runs_root>/<experiment>/<run_id> under launch.py, runs/local for the
+    standalone trainer."""
+    run_id: str | None = None
+    """Run id (names the W&B run); null: minted at submit time (date-time-random)."""
+
+    def _normalise(self) -> None:
+        # The launcher resolves run_dir itself (orchestrator/schema.py overrides this); the standalone
+        # trainer needs a concrete folder for its checkpoints, heartbeats and metrics.
+        if self.run_dir is None:
+            self.run_dir = "runs/local"
+        if self.checkpoint.dir is None:
+            self.checkpoint.dir = os.path.join(self.run_dir, "checkpoints")
+
+    def problems(self) -> list[ConfigIssue]:
+        """Every broken rule of every section (each section also raises its own when built)."""
+        out = [i for name in _SECTIONS for i in getattr(self, name).problems()]
+        return out + choice("kernels", self.kernels, KERNEL_SETS)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunConfig:
+        """Build from a plain nested dict (e.g. a resolved YAML). Keys the trainer has no use for (the
+        orchestrator's sections in a run's ``config.yaml``) are ignored with a warning; a key that looks
+        like a typo of a trainer key is an error."""
+        return _build(cls, d, "the top level")
+
+    @classmethod
+    def from_yaml(cls, path: str) -> RunConfig:
+        """Read a resolved YAML (or JSON) config file."""
+        import yaml
+
+        with open(path, encoding="utf-8") as f:
+            d = yaml.safe_load(f) or {}
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: expected a mapping of sections at the top level, "
+                             f"got {type(d).__name__}")
+        return cls.from_dict(d)
+
+    def to_dict(self) -> dict:
+        """Plain nested dict (JSON/YAML-safe); ``from_dict(to_dict())`` round-trips."""
+        return dataclasses.asdict(self)
+
+
+def _unknown(key: str, known: list[str], where: str) -> None:
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    if close:
+        raise ValueError(f"unknown key {key!r} in {where}; did you mean {close[0]!r}? Valid keys: {known}")
+    log.warning("ignoring key %r in %s (not a trainer setting)", key, where)
+
+
+def _build(kind: type, values: Any, where: str) -> Any:
+    """``kind`` from a mapping, building nested sections by their field types."""
+    if isinstance(values, kind):
+        return values
+    if not isinstance(values, dict):
+        raise ValueError(f"{where}: expected a mapping, got {type(values).__name__} ({values!r})")
+    fields = {f.name: f for f in dataclasses.fields(kind)}
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            _unknown(key, list(fields), where if where == "the top level" else f"section {where!r}")
+            continue
+        sub = _SECTIONS.get(fields[key].name) if kind is RunConfig else None
+        kwargs[key] = _build(sub, value or {}, key) if sub else value
+    return kind(**kwargs)
+
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "tokenizer": TokenizerConfig,
+             "parallel": ParallelConfig, "optim": OptimConfig, "train": TrainConfig,
+             "checkpoint": CheckpointConfig, "logging": LoggingConfig}
