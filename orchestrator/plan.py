@@ -18,8 +18,8 @@ from typing import Any
 
 from orchestrator.estimate import GIB, MemoryEstimate, TimeEstimate, estimate_memory, estimate_time
 from orchestrator.guards import guard_problems
+from orchestrator.jobs import ConvertJob, CorpusJob, PreprocessJob, TrainJob
 from orchestrator.schema import SlipwayConfig
-from orchestrator.stages import ConvertJob, CorpusJob, PreprocessJob, TrainJob
 from orchestrator.validate import Layout, Problem, layout_of, validate
 from trainer.config import RunConfig
 

@@ -1,24 +1,28 @@
-"""What each job runs: small picklable job specs and the callables submitit executes on the nodes.
+"""The callables submitit executes on the nodes, one per stage (the job specs they run: orchestrator/jobs.py).
 
 The callables import the trainer's entry points inside the call (the login node never imports torch for a
-submit, and the trainer never imports the orchestrator). Every stage writes ``_COMPLETE`` into its output
-directory when it succeeded and ``_FAILED`` when it raised, so later launches can reuse complete outputs
-and local jobs (which have no Slurm ``afterok``) can wait on their upstream.
+submit, and the trainer never imports the orchestrator). Each writes the ``_COMPLETE``/``_FAILED`` markers
+(jobs.py) into its output directory. Two small pieces the training stage runs around the trainer live
+here too: :func:`write_data_report` (the run's copy of what preprocessing dropped) and :func:`stall_hook`
+(the ``stall_train`` test hook).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import submitit
 
-from orchestrator.job_extras import stall_hook, write_data_report
+from orchestrator.jobs import COMPLETE, FAILED, ConvertJob, CorpusJob, PreprocessJob, TrainJob, Upstream
+from orchestrator.queue import process_alive
 from trainer import testing_hooks
 from trainer.log import get_logger
 from trainer.signals import (
@@ -32,72 +36,10 @@ from trainer.signals import (
 
 log = get_logger(__name__)
 
-COMPLETE = "_COMPLETE"
-FAILED = "_FAILED"
 LOCAL_REQUEUE = 144  # submitit's local controller restarts the tasks on this exit code
-
-
-@dataclass(frozen=True)
-class Upstream:
-    """A stage this one needs: its output dir and, for local jobs, the controller's pid."""
-
-    output_dir: str
-    job_id: str | None = None
-    executor: str = "slurm"
-
-
-@dataclass
-class CorpusJob:
-    output_dir: str
-    source: str = "stdlib"
-    roots: list[str] = field(default_factory=list)
-    max_files: int | None = None
-    max_bytes: int | None = None
-    exclude_tests: bool = False
-    vocab_size: int | None = None  # train a BPE of this size on the corpus when set
-    json_key: str = "content"
-
-
-@dataclass
-class PreprocessJob:
-    output_dir: str
-    inputs: list[str]
-    vocab_file: str
-    merge_file: str
-    json_key: str = "content"
-    append_eod: bool = True
-    workers: int = 2
-    progress: str = "log"  # "bar": a tqdm bar in the job's log (a local run streams it to the terminal)
-    on_error: str = "fail"  # bad JSONL lines: fail (name file:line) or skip (count them in the summary)
-
-    @property
-    def prefixes(self) -> list[str]:
-        """One output prefix per input (``data``, or ``data0``, ``data1``... for several inputs)."""
-        if len(self.inputs) == 1:
-            return [os.path.join(self.output_dir, "data")]
-        return [os.path.join(self.output_dir, f"data{i}") for i in range(len(self.inputs))]
-
-
-@dataclass
-class TrainJob:
-    run_dir: str
-    trainer_config: dict[str, Any]
-    fail: str | None = None  # test hook: "start" raises before training
-    stall_at: int | None = None  # test hook: pause after this iteration until a signal (job_extras)
-    data_summaries: list[str] = field(default_factory=list)  # preprocessing summaries → data_report.json
-
-
-@dataclass
-class ConvertJob:
-    run_dir: str
-    checkpoint_dir: str
-    output_dir: str
-    vocab_file: str
-    merge_file: str
-    verify: bool = True
-    sample_tokens: int = 64  # the sample text generated from the HF model (must fit max positions)
-    prompt: str = "def fibonacci("  # what the sample continues (greedy), written to <run_dir>/sample.txt
-    repetition_penalty: float = 1.3  # keeps a tiny model's greedy sample from looping on one token
+DATA_REPORT = "data_report.json"
+__all__ = ["COMPLETE", "FAILED", "ConvertJob", "CorpusJob", "PreprocessJob", "TrainJob", "Upstream",
+           "STAGE_CALLABLES", "wait_for"]  # the specs are re-exported: pickles of older runs name this module
 
 
 def mark(output_dir: str, name: str, info: dict[str, Any]) -> None:
@@ -118,13 +60,7 @@ def _rank() -> int:
 def _job_alive(up: Upstream) -> bool:
     if up.executor != "local" or not up.job_id:
         return True  # Slurm enforces afterok itself; the marker check below is only for shared storage lag
-    try:
-        os.kill(int(up.job_id), 0)
-        return True
-    except (ProcessLookupError, ValueError):
-        return False
-    except PermissionError:
-        return True
+    return process_alive(up.job_id)
 
 
 def wait_for(upstream: list[Upstream], timeout_s: float) -> None:
@@ -224,6 +160,70 @@ class PreprocessStage(Stage):
             )
             out.append(str(preprocess(cfg)))
         return {"prefixes": job.prefixes, "summaries": out}
+
+
+def write_data_report(summaries: list[str], run_dir: str) -> Path | None:
+    """Merge the preprocessing summary files into ``<run_dir>/data_report.json`` (None when none exist).
+
+    The summaries (documents, tokens, and with ``data.on_error=skip`` every dropped line as file:line and
+    reason) live in the shared cache; the copy makes a run's directory say what its data lost."""
+    found = [json.loads(Path(p).read_text()) for p in summaries if Path(p).is_file()]
+    if not found:
+        return None
+    skipped: dict[str, int] = {}
+    for s in found:
+        for reason, n in s.get("skipped", {}).items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    report = {
+        "skipped_lines": sum(skipped.values()),
+        "skipped": skipped,
+        "skipped_examples": [e for s in found for e in s.get("skipped_examples", [])],
+        "summaries": found,
+    }
+    out = Path(run_dir) / DATA_REPORT
+    tmp = out.with_name(f"{DATA_REPORT}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, out)
+    if report["skipped_lines"]:
+        log.warning("the run's data dropped %d bad input line(s) (data.on_error=skip); see %s",
+                    report["skipped_lines"], out)
+    return out
+
+
+def _wakeup_pipe() -> int:
+    """A pipe that receives a byte for every signal handled in Python (read end returned)."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    return r
+
+
+def stall_hook(iteration: int, marker_dir: str, rank: int, max_s: float = 600.0
+               ) -> Callable[[int, float], None]:
+    """``on_step`` callback of the ``stall_train`` test hook: after ``iteration`` the rank pauses until a
+    signal arrives (Slurm's time-limit USR2, a preemption, srun's kill after another rank died) or
+    ``max_s`` passes, so fault tests act at a known iteration instead of racing a fast run. The wait wakes
+    on any signal that has a Python handler (``signal.set_wakeup_fd``); the trainer's own handler then
+    stops the run at this step boundary.
+
+    Call it in the main thread before the trainer starts, so a signal that comes early is not missed.
+    The marker ``stalled_<iteration>_rank<rank>`` (written when the pause starts) makes it once per run:
+    a retry that replays the iteration passes through, and tests watch for it.
+    """
+    wake = _wakeup_pipe()
+    marker = Path(marker_dir) / f"stalled_{iteration}_rank{rank}"
+
+    def on_step(it: int, loss: float) -> None:
+        if it != iteration or marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{time.time()}\n")
+        log.warning("stall_train=%d (test hook): pausing until a signal arrives", iteration)
+        ready, _, _ = select.select([wake], [], [], max_s)
+        log.warning("stall_train: %s", "signal received, continuing" if ready else "no signal, continuing")
+
+    return on_step
 
 
 def _export_torch_env() -> None:

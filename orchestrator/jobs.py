@@ -1,0 +1,82 @@
+"""What each stage is asked to do: the small picklable job specs, and the markers a stage leaves behind.
+
+The plan (pure) builds these specs; submit pickles them into the stage callables of
+:mod:`orchestrator.stages`, which run on the nodes. This module imports neither submitit nor the trainer,
+so planning and the status table never load them.
+
+Every stage writes :data:`COMPLETE` into its output directory when it succeeded and :data:`FAILED` when it
+raised, so later launches can reuse complete outputs and local jobs (which have no Slurm ``afterok``) can
+wait on their upstream.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+COMPLETE = "_COMPLETE"
+FAILED = "_FAILED"
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """A stage this one needs: its output dir and, for local jobs, the controller's pid."""
+
+    output_dir: str
+    job_id: str | None = None
+    executor: str = "slurm"
+
+
+@dataclass
+class CorpusJob:
+    output_dir: str
+    source: str = "stdlib"
+    roots: list[str] = field(default_factory=list)
+    max_files: int | None = None
+    max_bytes: int | None = None
+    exclude_tests: bool = False
+    vocab_size: int | None = None  # train a BPE of this size on the corpus when set
+    json_key: str = "content"
+
+
+@dataclass
+class PreprocessJob:
+    output_dir: str
+    inputs: list[str]
+    vocab_file: str
+    merge_file: str
+    json_key: str = "content"
+    append_eod: bool = True
+    workers: int = 2
+    progress: str = "log"  # "bar": a tqdm bar in the job's log (a local run streams it to the terminal)
+    on_error: str = "fail"  # bad JSONL lines: fail (name file:line) or skip (count them in the summary)
+
+    @property
+    def prefixes(self) -> list[str]:
+        """One output prefix per input (``data``, or ``data0``, ``data1``... for several inputs)."""
+        if len(self.inputs) == 1:
+            return [os.path.join(self.output_dir, "data")]
+        return [os.path.join(self.output_dir, f"data{i}") for i in range(len(self.inputs))]
+
+
+@dataclass
+class TrainJob:
+    run_dir: str
+    trainer_config: dict[str, Any]
+    fail: str | None = None  # test hook: "start" raises before training
+    stall_at: int | None = None  # test hook: pause after it until a signal (stages.stall_hook)
+    data_summaries: list[str] = field(default_factory=list)  # preprocessing summaries → data_report.json
+
+
+@dataclass
+class ConvertJob:
+    run_dir: str
+    checkpoint_dir: str
+    output_dir: str
+    vocab_file: str
+    merge_file: str
+    verify: bool = True
+    sample_tokens: int = 64  # the sample text generated from the HF model (must fit max positions)
+    prompt: str = "def fibonacci("  # what the sample continues (greedy), written to <run_dir>/sample.txt
+    repetition_penalty: float = 1.3  # keeps a tiny model's greedy sample from looping on one token

@@ -1,0 +1,203 @@
+"""Every question to the queue, and the one job-state vocabulary: is a job pending, running or ended?
+
+Slurm's job states (``squeue -o %T``, ``sacct -o State``) are mapped here, once, to five categories:
+``pending`` and ``running`` (the job is alive: it may still write its outputs), ``done``, ``failed`` and
+``cancelled`` (it ended). Everything that decides whether a job is still alive — reusing a queued shared
+stage (submit), refusing a second writer of a run (preconditions), a blocking launch's wait (flow), the
+status table, the tests' waits — asks :func:`category` or :func:`alive` instead of keeping its own list.
+
+States Slurm may requeue:
+
+- ``REQUEUED``, ``REQUEUE_HOLD``, ``REQUEUE_FED``, ``SPECIAL_EXIT``, ``RESV_DEL_HOLD`` are *pending*: the
+  job keeps its id and runs again (after a release, for the held ones), so a launch must not start a
+  second writer and a wait must not report it ended.
+- ``PREEMPTED`` and ``NODE_FAIL`` are *failed*: they are Slurm's terminal states for that run of the job.
+  When the job requeues (``--requeue``, PreemptMode=REQUEUE), its state moves on to REQUEUED/PENDING, and
+  squeue — which this module asks first — reports that. Only accounting alone (slurmctld unreachable) can
+  lag and still read NODE_FAIL for a requeued job; the status table says when its states come from there.
+- A state this module does not know (a newer Slurm's, ``UNKNOWN`` before accounting has the job, a
+  garbled line) counts as *pending*: treating an unknown job as ended could let a second launch write the
+  same checkpoints, while the opposite only makes a wait or a refusal last longer.
+
+Local jobs (submitit's LocalExecutor) are processes of this machine; their ids are pids. They report the
+same words: RUNNING while the process exists, COMPLETED / FAILED from their results and markers, and
+ENDED (failed) for a process that is gone without either.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+from pathlib import Path
+
+from orchestrator.jobs import COMPLETE
+from orchestrator.jobs import FAILED as FAILED_MARKER
+
+PENDING, RUNNING, DONE, FAILED, CANCELLED = "pending", "running", "done", "failed", "cancelled"
+CATEGORIES = (PENDING, RUNNING, DONE, FAILED, CANCELLED)
+
+# Every state string Slurm reports (slurm/src/common/slurm_protocol_defs.c job_state_string), and the
+# words local jobs use. Flags such as CONFIGURING or COMPLETING are shown instead of the base state they
+# modify; they are placed by what the job can still do.
+_CATEGORY = {
+    "PENDING": PENDING,
+    "REQUEUED": PENDING,  # being put back in the queue; it runs again under the same id
+    "REQUEUE_FED": PENDING,
+    "REQUEUE_HOLD": PENDING,  # requeued and held until released (scontrol release)
+    "RESV_DEL_HOLD": PENDING,  # held because its reservation was deleted
+    "SPECIAL_EXIT": PENDING,  # requeued in a held "special exit" state (set by an epilog)
+    "RUNNING": RUNNING,
+    "CONFIGURING": RUNNING,  # allocated, nodes booting: the batch script starts next
+    "COMPLETING": RUNNING,  # processes or the epilog still ending: they may still write
+    "RESIZING": RUNNING,
+    "SIGNALING": RUNNING,  # being signalled (e.g. the time-limit USR2): it checkpoints now
+    "STAGE_OUT": RUNNING,  # burst-buffer stage-out after the script
+    "STOPPED": RUNNING,  # SIGSTOPped, allocation kept: it continues on SIGCONT
+    "SUSPENDED": RUNNING,  # suspended (scontrol suspend / gang scheduling): it resumes and writes again
+    "COMPLETED": DONE,
+    "FAILED": FAILED,
+    "BOOT_FAIL": FAILED,
+    "DEADLINE": FAILED,
+    "NODE_FAIL": FAILED,  # terminal for this run; a requeue shows as REQUEUED/PENDING (docstring)
+    "OUT_OF_MEMORY": FAILED,
+    "PREEMPTED": FAILED,  # likewise
+    "TIMEOUT": FAILED,
+    "ENDED": FAILED,  # local: the process is gone without a result or a completion marker
+    "CANCELLED": CANCELLED,
+    "REVOKED": CANCELLED,  # federation: this cluster's sibling withdrawn (it runs elsewhere, not here)
+}
+UNKNOWN_CATEGORY = PENDING  # see the docstring: an unknown job is never taken for ended
+STATES = frozenset(_CATEGORY)
+ACTIVE = frozenset(s for s, c in _CATEGORY.items() if c in (PENDING, RUNNING))
+ENDED = STATES - ACTIVE
+
+
+def normalize(state: str) -> str:
+    """The bare state: sacct writes ``CANCELLED by 123``, and ``CANCELLED+`` where a column is cut."""
+    words = state.strip().split()
+    return words[0].rstrip("+").upper() if words else ""
+
+
+def category(state: str) -> str:
+    """One of :data:`CATEGORIES` for any state string (unknown ones: :data:`UNKNOWN_CATEGORY`)."""
+    return _CATEGORY.get(normalize(state), UNKNOWN_CATEGORY)
+
+
+def alive(state: str) -> bool:
+    """Queued or running: the job may still write its outputs."""
+    return category(state) in (PENDING, RUNNING)
+
+
+def ended(state: str) -> bool:
+    return not alive(state)
+
+
+def succeeded(state: str) -> bool:
+    return category(state) == DONE
+
+
+def process_alive(pid: int | str) -> bool:
+    """Whether a local process exists. ``kill(pid, 0)`` raising PermissionError means it exists and
+    belongs to someone else, so it is alive; only ProcessLookupError (or a pid that is no number) is
+    gone."""
+    try:
+        os.kill(int(pid), 0)
+    except PermissionError:
+        return True
+    except (ProcessLookupError, ValueError, OverflowError):
+        return False
+    return True
+
+
+def _run(cmd: list[str]) -> tuple[str | None, str]:
+    """(stdout, "") or (None, why it failed)."""
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"{cmd[0]}: {type(e).__name__}: {e}"
+    if r.returncode != 0:
+        return None, f"{cmd[0]} exited {r.returncode}: {r.stderr.strip()[-300:]}"
+    return r.stdout, ""
+
+
+def live_state(job_id: str, executor: str) -> str | None:
+    """The job's state while it is alive, None once it ended or the queue no longer knows it.
+
+    Slurm: squeue's answer; squeue exiting non-zero means the id is unknown (purged after it ended).
+    When squeue cannot be run or times out, "UNKNOWN": the job may still write."""
+    if executor == "local":
+        return "RUNNING" if process_alive(job_id) else None
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return "UNKNOWN"
+    state = out.stdout.strip()
+    return state if out.returncode == 0 and state and alive(state) else None
+
+
+def parse_squeue(text: str) -> dict[str, tuple[str, str]]:
+    """``squeue -h -o %i|%T|%r`` → {job id: (state, reason)}."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) >= 3:
+            out[parts[0]] = (parts[1], parts[2] if parts[2] not in ("None", "(null)") else "")
+    return out
+
+
+def parse_sacct(text: str) -> dict[str, dict[str, str]]:
+    """``sacct -n -P -X -o JobIDRaw,State,ExitCode,NodeList,Reason`` → {job id: fields} (last record wins:
+    with --duplicates a requeued job lists its earlier runs first)."""
+    out: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) >= 4 and parts[0]:
+            records = int(out.get(parts[0], {}).get("records", "0")) + 1  # one per run of a requeued job
+            out[parts[0]] = {
+                "state": normalize(parts[1]),  # "CANCELLED by 0" → CANCELLED
+                "exit": parts[2],
+                "nodes": parts[3],
+                "reason": parts[4] if len(parts) > 4 else "",
+                "records": str(records),
+            }
+    return out
+
+
+def query_slurm(job_ids: list[str]) -> tuple[dict[str, tuple[str, str]], dict[str, dict[str, str]]]:
+    """One squeue and one sacct call for all the ids (an empty dict where a command is unavailable)."""
+    sq, sa, _ = query_slurm_checked(job_ids)
+    return sq, sa
+
+
+def query_slurm_checked(job_ids: list[str]) -> tuple[dict, dict, str]:
+    """Like :func:`query_slurm`, plus why squeue failed ("" when it answered): then slurmctld is
+    unreachable and live states come from accounting (sacct), which may be stale. ``--duplicates``: every
+    run of a requeued job is a record, so Slurm's own requeues (a NODE_FAIL) count as restarts.
+    (submitit's watcher calls sacct per job, which overloads slurmctld at scale.)"""
+    if not job_ids:
+        return {}, {}, ""
+    ids = ",".join(sorted(set(job_ids)))
+    out, squeue_error = _run(["squeue", "-h", "-j", ids, "-o", "%i|%T|%r"])
+    sq = parse_squeue(out) if out is not None else {}
+    fields = "JobIDRaw,State,ExitCode,NodeList,Reason"
+    out, _ = _run(["sacct", "-n", "-P", "-X", "-D", "-j", ids, "-o", fields])
+    return sq, parse_sacct(out) if out is not None else {}, squeue_error
+
+
+def local_state(entry: dict) -> str:
+    """A local job's state from its run.json entry: its submitit results, then the stage's markers, then
+    whether the controller process still exists."""
+    folder = Path(entry.get("folder", ""))
+    jid = entry["job_id"]
+    results = list(folder.glob(f"{jid}_*_result.pkl"))
+    if results:
+        outcomes = {pickle.loads(r.read_bytes())[0] for r in results}
+        return "FAILED" if "error" in outcomes else "COMPLETED"
+    state_dir = Path(entry.get("state_dir", ""))
+    if (state_dir / FAILED_MARKER).exists():
+        return "FAILED"
+    if process_alive(jid):
+        return "RUNNING"
+    return "COMPLETED" if (state_dir / COMPLETE).exists() else "ENDED"
