@@ -1,18 +1,17 @@
-"""Where every job of a run or sweep stands: one ``squeue`` and one ``sacct`` call per look.
+"""Where every job of a run or sweep stands: one ``squeue`` and one ``sacct`` call per look (queue.py).
 
-(submitit's watcher calls sacct per job, which overloads slurmctld at scale.) Training progress comes
-from the run directory: the last checkpointed iteration (``latest_checkpointed_iteration.txt``), the last
-Megatron log line (loss, tokens/s), restarts (the requeue/retry records the sbatch script writes) and the
-W&B run id (``wandb_run.json``).
+Training progress comes from the run directory: the last checkpointed iteration
+(``latest_checkpointed_iteration.txt``), the last Megatron log line (loss, tokens/s), restarts (the
+requeue/retry records the sbatch script writes) and the W&B run id (``wandb_run.json``).
 """
 
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.queue import local_state, query_slurm_checked
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
 from trainer.ckpt_verify import read_warnings
 from trainer.health import RankHealth, read_heartbeats, summarize
@@ -20,12 +19,6 @@ from trainer.health import RankHealth, read_heartbeats, summarize
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
 _LOSS = re.compile(r"lm loss: ([0-9.Ee+-]+)")
 _TOKS = re.compile(r"tokens per second: ([0-9.Ee+-]+)")
-
-
-# Slurm job states in which a job is still queued or running: the one definition (submit, the launch
-# checks and the tests' waits ask it).
-ACTIVE = frozenset({"PENDING", "RUNNING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED",
-                    "RESIZING", "SUSPENDED", "COMPLETING", "STAGE_OUT", "SIGNALING"})
 
 
 @dataclass
@@ -45,66 +38,6 @@ class JobRow:
     ranks: list[RankHealth] = field(default_factory=list)
     checkpoint_warnings: list[str] = field(default_factory=list)  # damaged/skipped at load (trainer)
     slurm_error: str = ""  # squeue failed: slurmctld unreachable, the state is accounting's
-
-
-def parse_squeue(text: str) -> dict[str, tuple[str, str]]:
-    """``squeue -h -o %i|%T|%r`` → {job id: (state, reason)}."""
-    out = {}
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) >= 3:
-            out[parts[0]] = (parts[1], parts[2] if parts[2] not in ("None", "(null)") else "")
-    return out
-
-
-def parse_sacct(text: str) -> dict[str, dict[str, str]]:
-    """``sacct -n -P -X -o JobIDRaw,State,ExitCode,NodeList,Reason`` → {job id: fields} (last record wins:
-    with --duplicates a requeued job lists its earlier runs first)."""
-    out: dict[str, dict[str, str]] = {}
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) >= 4 and parts[0]:
-            state = parts[1].split()[0]  # "CANCELLED by 0" → CANCELLED
-            records = int(out.get(parts[0], {}).get("records", "0")) + 1  # one per run of a requeued job
-            out[parts[0]] = {
-                "state": state,
-                "exit": parts[2],
-                "nodes": parts[3],
-                "reason": parts[4] if len(parts) > 4 else "",
-                "records": str(records),
-            }
-    return out
-
-
-def query_slurm(job_ids: list[str]) -> tuple[dict[str, tuple[str, str]], dict[str, dict[str, str]]]:
-    """One squeue and one sacct call for all the ids (an empty dict where a command is unavailable)."""
-    sq, sa, _ = query_slurm_checked(job_ids)
-    return sq, sa
-
-
-def _run(cmd: list[str]) -> tuple[str | None, str]:
-    """(stdout, "") or (None, why it failed)."""
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"{cmd[0]}: {type(e).__name__}: {e}"
-    if r.returncode != 0:
-        return None, f"{cmd[0]} exited {r.returncode}: {r.stderr.strip()[-300:]}"
-    return r.stdout, ""
-
-
-def query_slurm_checked(job_ids: list[str]) -> tuple[dict, dict, str]:
-    """Like :func:`query_slurm`, plus why squeue failed ("" when it answered): then slurmctld is
-    unreachable and live states come from accounting (sacct), which may be stale. ``--duplicates``: every
-    run of a requeued job is a record, so Slurm's own requeues (a NODE_FAIL) count as restarts."""
-    if not job_ids:
-        return {}, {}, ""
-    ids = ",".join(sorted(set(job_ids)))
-    out, squeue_error = _run(["squeue", "-h", "-j", ids, "-o", "%i|%T|%r"])
-    sq = parse_squeue(out) if out is not None else {}
-    fields = "JobIDRaw,State,ExitCode,NodeList,Reason"
-    out, _ = _run(["sacct", "-n", "-P", "-X", "-D", "-j", ids, "-o", fields])
-    return sq, parse_sacct(out) if out is not None else {}, squeue_error
 
 
 def metrics_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
@@ -185,27 +118,6 @@ def _wandb_path(run_dir: Path, data: dict) -> str:
     return "/".join(x for x in (w.get("entity"), w.get("project"), wid) if x)
 
 
-def _local_state(entry: dict) -> str:
-    folder = Path(entry.get("folder", ""))
-    jid = entry["job_id"]
-    results = list(folder.glob(f"{jid}_*_result.pkl"))
-    if results:
-        import pickle
-
-        outcomes = {pickle.loads(r.read_bytes())[0] for r in results}
-        return "FAILED" if "error" in outcomes else "COMPLETED"
-    state_dir = Path(entry.get("state_dir", ""))
-    if (state_dir / "_FAILED").exists():
-        return "FAILED"
-    try:
-        import os
-
-        os.kill(int(jid), 0)
-        return "RUNNING"
-    except (OSError, ValueError):
-        return "COMPLETED" if (state_dir / "_COMPLETE").exists() else "ENDED"
-
-
 def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
     """Rows for every stage of every run under ``path`` (a run dir or a sweep dir). A training rank whose
     heartbeat is older than ``stale_after_s`` (default: five heartbeat intervals, at least 30 s) is stale."""
@@ -225,7 +137,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
             e = entries[-1]
             jid = str(e["job_id"])
             if e.get("executor") == "local":
-                state, reason = _local_state(e), ""
+                state, reason = local_state(e), ""
             elif jid in sq:
                 state, reason = sq[jid]
             else:

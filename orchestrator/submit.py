@@ -1,4 +1,11 @@
-"""The only module with side effects: run directory, submitit executors, afterok chains, stage reuse.
+"""Submission: submitit executors, afterok chains, stage reuse — the layer that talks to the scheduler.
+
+Side effects are not all here. The launch's are spread over modules named for them: this one submits
+jobs and writes each job's record (``_JOB.json``, ``run.json`` jobs, ``scripts/``); runs.py writes the
+run directory and sweep manifests and reads git and file stats; preconditions.py takes the launch locks
+and writes the checkpoint directory's writer record; queue.py asks squeue/sacct and local processes;
+flow.py records the run (config, scripts) and waits; stages.py runs on the nodes. Planning (plan.py,
+validate.py, estimate.py) and rendering (render.py) are pure.
 
 Slurm jobs use :class:`SlipwaySlurmExecutor`: submitit's executor (pickled callable, job files, results)
 with Slipway's own rendered sbatch script (render.py: retry loop, USR2 forwarding, requeue). Local jobs
@@ -9,9 +16,9 @@ upstream's completion marker instead (stages.wait_for), which keeps the launch n
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +27,12 @@ from typing import Any
 import submitit
 
 from orchestrator import render
+from orchestrator.jobs import COMPLETE, FAILED, Upstream
 from orchestrator.plan import Plan, StagePlan
+from orchestrator.queue import live_state
+from orchestrator.runs import record_job
 from orchestrator.schema import SlipwayConfig
-from orchestrator.stages import COMPLETE, FAILED, STAGE_CALLABLES, Upstream
-from orchestrator.status import ACTIVE
+from orchestrator.stages import STAGE_CALLABLES
 from orchestrator.validate import tasks_per_node
 from trainer.log import get_logger
 
@@ -37,11 +46,14 @@ class SlipwaySlurmExecutor(submitit.SlurmExecutor):
     def __init__(self, folder: str, spec: render.ScriptSpec, python: str) -> None:
         super().__init__(folder, max_num_timeout=spec.resources.max_timeouts, python=python)
         self.spec = spec
+        self.script: str | None = None  # the script as submitted (recorded in the run directory)
         r = spec.resources
         self.update_parameters(nodes=r.nodes, ntasks_per_node=r.tasks_per_node, time=r.time_limit_min)
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
-        return render.render_sbatch(dataclasses.replace(self.spec, command=command))
+        # submitit's command is job_command(python, folder) again; render with exactly what it submits.
+        self.script = render.render_sbatch(dataclasses.replace(self.spec, command=command))
+        return self.script
 
 
 @dataclass
@@ -74,10 +86,19 @@ def _abs(p: str) -> str:
     return os.path.abspath(p)
 
 
-def render_stage(
+@dataclass(frozen=True)
+class StageJob:
+    """One stage's job description, built once: what the dry run prints and what submit hands submitit."""
+
+    python: str  # the shell words that start Python (maybe inside the container)
+    folder: str  # submitit's job folder
+    spec: render.ScriptSpec | render.LocalSpec
+
+
+def stage_job(
     cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None
-) -> str:
-    """The script (Slurm) or parameter record (local) for one stage, as it would be submitted."""
+) -> StageJob:
+    """The one builder of a stage's job spec (Slurm: the sbatch script's; local: the executor's)."""
     res = render.stage_resources(stage.name, cfg.cluster, cfg.experiment, tasks_per_node(cfg))
     py = python or render.python_command(
         cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable
@@ -86,7 +107,7 @@ def render_stage(
     command = job_command(py, folder)
     env = tuple(sorted(cfg.cluster.env.items()))
     if cfg.cluster.executor == "local":
-        return render.render_local(render.LocalSpec(res, command, folder, stage.name, env))
+        return StageJob(py, folder, render.LocalSpec(res, command, folder, stage.name, env))
     spec = render.ScriptSpec(
         res,
         command,
@@ -98,7 +119,17 @@ def render_stage(
         env,
         tuple(cfg.cluster.setup),
     )
-    return render.render_sbatch(spec)
+    return StageJob(py, folder, spec)
+
+
+def render_stage(
+    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None
+) -> str:
+    """The script (Slurm) or parameter record (local) for one stage, as it would be submitted."""
+    job = stage_job(cfg, plan, stage, deps, python)
+    if isinstance(job.spec, render.LocalSpec):
+        return render.render_local(job.spec)
+    return render.render_sbatch(job.spec)
 
 
 def container_wrapper(cfg: SlipwayConfig, plan: Plan) -> str | None:
@@ -112,65 +143,26 @@ def container_wrapper(cfg: SlipwayConfig, plan: Plan) -> str | None:
     return render.render_container_wrapper(container, binds, code, cfg.cluster.gpus_per_node > 0)
 
 
-def slurm_job_active(job_id: str) -> bool:
-    out = subprocess.run(
-        ["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=60
-    )
-    return out.returncode == 0 and out.stdout.strip() in ACTIVE
-
-
-def _local_active(job_id: str) -> bool:
-    try:
-        os.kill(int(job_id), 0)
-        return True
-    except (OSError, ValueError):
-        return False
-
-
 def _queued(stage: StagePlan) -> dict[str, Any] | None:
     """The job already producing this shared output, if it is still queued or running."""
     path = Path(stage.state_dir) / JOB_FILE
     if not path.exists():
         return None
-    import json
-
     info = json.loads(path.read_text())
-    active = _local_active if info.get("executor") == "local" else slurm_job_active
-    return info if active(str(info["job_id"])) else None
+    return info if live_state(str(info["job_id"]), info.get("executor", "slurm")) else None
 
 
-def _executor(cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...]) -> Any:
-    res = render.stage_resources(stage.name, cfg.cluster, cfg.experiment, tasks_per_node(cfg))
-    py = render.python_command(
-        cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable
-    )
-    folder = _abs(stage_folder(plan, stage))
-    if cfg.cluster.executor == "local":
-        ex = submitit.LocalExecutor(folder, python=py)
-        setup = [f"export {k}={render.shlex.quote(v)}" for k, v in sorted(cfg.cluster.env.items())]
-        spec = render.LocalSpec(res, job_command(py, folder), folder, stage.name)
-        ex.update_parameters(setup=setup, **render.local_parameters(spec))
+def _executor(job: StageJob) -> Any:
+    if isinstance(job.spec, render.LocalSpec):
+        ex = submitit.LocalExecutor(job.folder, python=job.python)
+        setup = [f"export {k}={shlex.quote(v)}" for k, v in job.spec.env]
+        ex.update_parameters(setup=setup, **render.local_parameters(job.spec))
         return ex
-    spec = render.ScriptSpec(
-        res,
-        "",
-        _abs(stage_log_dir(plan, stage)),
-        stage.name,
-        plan.run_id,
-        _abs(stage.state_dir),
-        deps,
-        tuple(sorted(cfg.cluster.env.items())),
-        tuple(cfg.cluster.setup),
-    )
-    return SlipwaySlurmExecutor(folder, spec, py)
+    return SlipwaySlurmExecutor(job.folder, job.spec, job.python)
 
 
 def submit_plan(cfg: SlipwayConfig, plan: Plan) -> list[Submitted]:
     """Submit the stage graph in order; shared stages are reused or depended on when possible."""
-    import json
-
-    from orchestrator.runs import record_job
-
     done: dict[str, Submitted] = {}
     local = cfg.cluster.executor == "local"
     for stage in plan.stages:
@@ -194,15 +186,9 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan) -> list[Submitted]:
         (Path(stage.state_dir) / FAILED).unlink(missing_ok=True)
         timeout = cfg.cluster.time_limit_min * 60.0 * 4 if local else 300.0
         fn = STAGE_CALLABLES[stage.name](stage.job, _abs(stage.state_dir), upstream, stage.key, timeout)
-        ex = _executor(cfg, plan, stage, deps)
+        ex = _executor(stage_job(cfg, plan, stage, deps))
         job = ex.submit(fn)
-        script = (
-            None
-            if local
-            else render.render_sbatch(
-                dataclasses.replace(ex.spec, command=job_command(ex.python, _abs(stage_folder(plan, stage))))
-            )
-        )
+        script = getattr(ex, "script", None)  # Slurm: the text submitit wrote and sbatch got
         sub = Submitted(stage.name, "submitted", str(job.job_id), cfg.cluster.executor, script, job)
         done[stage.name] = sub
         entry = {

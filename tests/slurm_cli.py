@@ -9,8 +9,9 @@ from __future__ import annotations
 import subprocess
 import time
 
-TERMINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                      "PREEMPTED", "BOOT_FAIL", "DEADLINE"})
+from orchestrator.queue import ENDED
+
+TERMINAL = ENDED  # the states in which a job has ended: orchestrator.queue's vocabulary, not a copy
 
 
 class SlurmCommandError(AssertionError):

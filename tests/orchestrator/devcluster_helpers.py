@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.status import ACTIVE as STATUS_ACTIVE
+from orchestrator.queue import alive, ended
 from orchestrator.status import collect
 from tests.slurm_cli import slurm
 
-# Still queued or running (Slurm's vocabulary, defined once in orchestrator.status), or not yet known to
-# accounting: a wait must not end on a transient state such as SIGNALING (a time limit being signalled).
-ACTIVE = STATUS_ACTIVE | {"UNKNOWN"}
+# Whether a stage is still queued or running is orchestrator.queue's question (Slurm's vocabulary defined
+# once; a state not yet known to accounting counts as alive): a wait must not end on a transient state
+# such as SIGNALING (a time limit being signalled).
 
 # The smallest model and batch that still exercise every code path (pinned here, not taken from the
 # smoke experiment, whose sizes follow `make demo`).
@@ -63,7 +63,7 @@ def wait_states(run_dir: Path, timeout_s: float = 600) -> dict[str, str]:
     now: dict[str, str] = {}
     while time.monotonic() < deadline:
         now = states(run_dir)
-        if now and all(s not in ACTIVE for s in now.values()):
+        if now and all(ended(s) for s in now.values()):
             return now
         time.sleep(2)
     raise AssertionError(f"jobs of {run_dir} still running after {timeout_s:.0f} s: {now}")
@@ -99,7 +99,8 @@ def cancel_runs(run_dirs: list[Path]) -> None:
     ids = []
     for run in run_dirs:
         if (run / "run.json").exists():
-            ids += [j for s, j in job_ids(run).items() if states(run).get(s) in ACTIVE]
+            now = states(run)
+            ids += [j for s, j in job_ids(run).items() if s in now and alive(now[s])]
     if ids:
         subprocess.run(["scancel", *ids], timeout=60, check=False)
 

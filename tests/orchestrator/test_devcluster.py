@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.launcher import launch
-from orchestrator.status import query_slurm
+from orchestrator.flow import launch
+from orchestrator.queue import query_slurm
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, job_ids, my_jobs, wait_states

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.launcher import launch
+from orchestrator.flow import launch
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import (

@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from orchestrator.launcher import launch
+from orchestrator.flow import launch
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import compose_cfg

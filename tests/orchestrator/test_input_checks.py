@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.launcher import launch
+from orchestrator.flow import launch
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import compose_cfg
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.launcher import launch
+from orchestrator.flow import launch
 from orchestrator.status import collect
 from tests.orchestrator.conftest import compose_cfg
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator import redaction
+from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED
 from orchestrator.guards import known_secrets, secret_problems
-from orchestrator.launcher import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED
 from tests.orchestrator.conftest import REPO, compose_cfg
 
 HF = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"

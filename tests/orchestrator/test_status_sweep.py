@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.queue import parse_sacct, parse_squeue
 from orchestrator.runs import write_json
-from orchestrator.status import collect, format_rows, log_records, parse_sacct, parse_squeue, plot
+from orchestrator.status import collect, format_rows, log_records, plot
 from tests.orchestrator.conftest import REPO
 
 
@@ -134,7 +135,7 @@ def test_local_sweep_shares_preprocessing(tmp_path):
     tc = [json.loads((r / "run.json").read_text())["name"] for r in runs]
     assert tc[0] != tc[1] and "optim.lr=0.001" in tc[0]
     assert all(x["group"] is None for x in w)  # the group is filled at plan time (trainer config), below
-    from orchestrator.stages import TrainJob  # noqa: F401  (job pickles hold the trainer config)
+    from orchestrator.stages import TrainStage  # noqa: F401  (the pickles hold the train stage callable)
 
     _wait_ended(runs)
     import pickle

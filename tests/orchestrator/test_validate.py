@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from orchestrator.launcher import launch
+from orchestrator.flow import launch
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import compose_cfg

@@ -1,4 +1,4 @@
-"""Checks between the plan and the submission that read the outside world (files, the queue).
+"""Preconditions of a submission that read the outside world (files, the queue), checked after the plan.
 
 - Reused data: a preprocessing output found complete in the cache is opened and validated like the
   trainer would (``.idx`` header and offsets, ``.bin`` length), so a truncated or corrupt file is refused
@@ -15,16 +15,15 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from orchestrator.jobs import COMPLETE, PreprocessJob
 from orchestrator.plan import Plan
+from orchestrator.queue import live_state
 from orchestrator.runs import RUN_JSON, write_json
-from orchestrator.stages import COMPLETE, PreprocessJob
-from orchestrator.status import ACTIVE
 from orchestrator.validate import PlanError, Problem
 from trainer import ckpt_verify
 
@@ -76,23 +75,6 @@ def checkpoint_dir(plan: Plan) -> str:
     return plan.stage("train").job.trainer_config["checkpoint"]["dir"]
 
 
-def job_state(job_id: str, executor: str) -> str | None:
-    """The job's state when it is queued or running (None when it ended or is unknown)."""
-    if executor == "local":
-        try:
-            os.kill(int(job_id), 0)
-            return "RUNNING"
-        except (OSError, ValueError):
-            return None
-    try:
-        out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
-                             timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return "UNKNOWN"  # cannot tell: assume it may still write
-    state = out.stdout.strip()
-    return state if out.returncode == 0 and state in ACTIVE else None
-
-
 def _read(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
@@ -106,13 +88,13 @@ def active_jobs(plan: Plan) -> list[str]:
     seen: set[str] = set()
     for stage, entries in _read(Path(plan.run_dir) / RUN_JSON).get("jobs", {}).items():
         e = entries[-1]
-        state = job_state(str(e["job_id"]), e.get("executor", "slurm"))
+        state = live_state(str(e["job_id"]), e.get("executor", "slurm"))
         seen.add(str(e["job_id"]))
         if state:
             found.append(f"{stage} job {e['job_id']} ({state})")
     writer = _read(Path(checkpoint_dir(plan)) / WRITER)
     if writer and str(writer.get("job_id")) not in seen:
-        state = job_state(str(writer["job_id"]), writer.get("executor", "slurm"))
+        state = live_state(str(writer["job_id"]), writer.get("executor", "slurm"))
         if state:
             found.append(f"train job {writer['job_id']} of run {writer.get('run_dir')} ({state}), which "
                          f"writes {checkpoint_dir(plan)}")

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.launch_checks import WRITER, record_writer, reused_data_problems, single_writer
-from orchestrator.launcher import gather_facts, launch
+from orchestrator.flow import gather_facts, launch
 from orchestrator.plan import make_plan
+from orchestrator.preconditions import WRITER, record_writer, reused_data_problems, single_writer
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import compose_cfg
 from trainer.data.indexed_dataset import IndexedDatasetBuilder
@@ -156,7 +156,7 @@ def test_missing_or_garbage_tracker_is_reported_at_plan_time(tmp_path, tracker):
     (d / "latest_checkpointed_iteration.txt").unlink()
     if tracker:
         (d / "latest_checkpointed_iteration.txt").write_text(tracker)
-    from orchestrator.launch_checks import checkpoint_problems
+    from orchestrator.preconditions import checkpoint_problems
 
     assert checkpoint_problems(plan) == []
     assert len(plan.warnings) == 1 and "loading the newest one that verifies" in plan.warnings[0]

@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import redaction
+from orchestrator import queue, redaction
 from orchestrator.estimate import fmt_duration, memory_table
 from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.guards import known_secrets
 from orchestrator.input_checks import input_problems
-from orchestrator.launch_checks import checkpoint_problems, record_writer, reused_data_problems, single_writer
 from orchestrator.plan import Plan, PlanInputs, SweepInfo, make_plan, run_name
+from orchestrator.preconditions import checkpoint_problems, record_writer, reused_data_problems, single_writer
 from orchestrator.runs import (
     RUN_JSON,
     add_to_sweep,
@@ -63,7 +63,8 @@ class RunFailed(RuntimeError):
     def __init__(self, plan: Plan, failed: list[tuple[str, str, str]]) -> None:
         self.run_dir, self.failed = plan.run_dir, failed  # (stage, state, log) in stage order
         stage, state, path = failed[0]
-        later = "".join(f"; {s} {st} (not run: afterok)" for s, st, _ in failed[1:] if st != "COMPLETED")
+        later = "".join(f"; {s} {st} (not run: afterok)" for s, st, _ in failed[1:]
+                        if not queue.succeeded(st))
         super().__init__(
             f"run {plan.run_id} did not complete: stage {stage} {state}, its log: {path}{later}\n"
             f"  status: python -m orchestrator status {plan.run_dir}"
@@ -204,14 +205,10 @@ def wait(plan: Plan, poll_s: float = 5.0, out=sys.stderr, follow: LogFollower | 
             if seen.get(r.stage) != line:
                 seen[r.stage] = line
                 out.write(f"[{time.strftime('%H:%M:%S')}] {r.stage} job {r.job_id}: {line}\n")
-        ended = all(
-            r.state not in ("PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "UNKNOWN")
-            for r in rows
-        )
-        if ended:
+        if all(queue.ended(r.state) for r in rows):  # a suspended or held job has not ended
             if follow is not None:
                 follow.poll()  # the last lines written before the job ended
-            return all(r.state == "COMPLETED" for r in rows)
+            return all(queue.succeeded(r.state) for r in rows)
         time.sleep(poll_s)
 
 
@@ -240,7 +237,7 @@ def _failed(plan: Plan) -> list[tuple[str, str, str]]:
     entries = {s: e[-1] for s, e in read_json(Path(plan.run_dir) / RUN_JSON).get("jobs", {}).items() if e}
     rows = [(r.stage, r.state, str(entries[r.stage]["job_id"]), entries[r.stage].get("executor", "slurm"))
             for r in collect(plan.run_dir)]
-    first = next((i for i, r in enumerate(rows) if r[1] != "COMPLETED"), None)
+    first = next((i for i, r in enumerate(rows) if not queue.succeeded(r[1])), None)
     if first is None:  # every job completed, yet a stage did not (a marker is missing)
         return [("run", "INCOMPLETE", os.path.join(plan.run_dir, "logs"))]
     return [(st, state, _stage_log(plan, st, jid, ex)) for st, state, jid, ex in rows[first:]]

@@ -1,0 +1,138 @@
+"""orchestrator/queue.py: every Slurm job state maps to one category, local liveness, and the blocking wait
+built on them."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from orchestrator import flow, queue
+
+# Slurm's job states (squeue --help / sacct's JOB STATE CODES), each with the category it must have.
+SLURM_STATES = {
+    "BOOT_FAIL": "failed",
+    "CANCELLED": "cancelled",
+    "COMPLETED": "done",
+    "COMPLETING": "running",
+    "CONFIGURING": "running",
+    "DEADLINE": "failed",
+    "FAILED": "failed",
+    "NODE_FAIL": "failed",
+    "OUT_OF_MEMORY": "failed",
+    "PENDING": "pending",
+    "PREEMPTED": "failed",
+    "RESV_DEL_HOLD": "pending",
+    "REQUEUE_FED": "pending",
+    "REQUEUE_HOLD": "pending",
+    "REQUEUED": "pending",
+    "RESIZING": "running",
+    "REVOKED": "cancelled",
+    "RUNNING": "running",
+    "SIGNALING": "running",
+    "SPECIAL_EXIT": "pending",
+    "STAGE_OUT": "running",
+    "STOPPED": "running",
+    "SUSPENDED": "running",
+    "TIMEOUT": "failed",
+}
+
+
+@pytest.mark.parametrize("state,expected", sorted(SLURM_STATES.items()))
+def test_every_slurm_state_has_its_category(state, expected):
+    assert queue.category(state) == expected
+    assert queue.alive(state) == (expected in ("pending", "running"))
+    assert queue.ended(state) != queue.alive(state)
+
+
+def test_the_vocabulary_is_exactly_slurms_plus_the_local_word():
+    assert queue.STATES == set(SLURM_STATES) | {"ENDED"}
+    assert queue.ACTIVE | queue.ENDED == queue.STATES and not queue.ACTIVE & queue.ENDED
+    assert set(queue.CATEGORIES) == set(SLURM_STATES.values())
+
+
+@pytest.mark.parametrize("text", ["CANCELLED by 123", "CANCELLED by 0", "CANCELLED+", " cancelled \n"])
+def test_sacct_forms_of_a_state(text):
+    assert queue.normalize(text) == "CANCELLED" and queue.category(text) == "cancelled"
+
+
+@pytest.mark.parametrize("text", ["UNKNOWN", "", "SOME_FUTURE_STATE", "garbage|line"])
+def test_an_unknown_state_counts_as_pending_never_as_ended(text):
+    # Ending on a state we cannot read could let a second launch write the same checkpoints.
+    assert queue.category(text) == queue.UNKNOWN_CATEGORY == "pending"
+    assert queue.alive(text) and not queue.succeeded(text)
+
+
+def test_parse_sacct_normalizes_the_state():
+    sa = queue.parse_sacct("5|CANCELLED by 1000|0:0|n1|\n6|REQUEUE_HOLD|0:0|n1|\n")
+    assert sa["5"]["state"] == "CANCELLED" and queue.alive(sa["6"]["state"])
+
+
+def test_process_alive(monkeypatch):
+    assert queue.process_alive(os.getpid())
+    proc = subprocess.Popen(["true"])
+    proc.wait()  # reaped: the pid no longer exists
+    assert not queue.process_alive(proc.pid)
+    assert not queue.process_alive("not-a-pid")
+
+    def denied(pid, sig):
+        raise PermissionError(1, "Operation not permitted")  # the process exists, owned by another user
+
+    monkeypatch.setattr(queue.os, "kill", denied)
+    assert queue.process_alive(12345)
+    assert queue.live_state("12345", "local") == "RUNNING"
+
+
+def test_local_state_of_a_live_process_owned_by_someone_else(monkeypatch, tmp_path):
+    entry = {"job_id": "1", "folder": str(tmp_path), "state_dir": str(tmp_path)}  # no results, no markers
+    monkeypatch.setattr(queue, "process_alive", lambda pid: True)
+    assert queue.local_state(entry) == "RUNNING"
+    monkeypatch.setattr(queue, "process_alive", lambda pid: False)
+    assert queue.local_state(entry) == "ENDED"
+    assert queue.category("ENDED") == "failed"
+
+
+def _fake_squeue(tmp_path: Path, monkeypatch, state: str, rc: int = 0) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "squeue").write_text(f"#!/bin/sh\necho '{state}'\nexit {rc}\n")
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize("state,live", [("SUSPENDED", True), ("REQUEUE_HOLD", True), ("COMPLETED", False),
+                                        ("NODE_FAIL", False)])
+def test_live_state_from_squeue(tmp_path, monkeypatch, state, live):
+    _fake_squeue(tmp_path, monkeypatch, state)
+    assert queue.live_state("42", "slurm") == (state if live else None)
+
+
+def test_live_state_when_squeue_does_not_know_the_job(tmp_path, monkeypatch):
+    _fake_squeue(tmp_path, monkeypatch, "slurm_load_jobs error: Invalid job id specified", rc=1)
+    assert queue.live_state("42", "slurm") is None
+
+
+@pytest.mark.parametrize("held", ["SUSPENDED", "REQUEUE_HOLD", "STOPPED", "SPECIAL_EXIT", "UNKNOWN"])
+def test_wait_does_not_end_while_a_job_is_suspended_or_held(monkeypatch, held):
+    looks = iter([held, held, "COMPLETED"])  # one stage, so nothing else keeps the wait going
+    seen = []
+
+    def collect(run_dir):
+        seen.append(next(looks))
+        return [SimpleNamespace(stage="train", state=seen[-1], job_id="1", loss=None)]
+
+    monkeypatch.setattr("orchestrator.status.collect", collect)
+    monkeypatch.setattr(flow.time, "sleep", lambda s: None)
+    plan = SimpleNamespace(run_dir="unused")
+    assert flow.wait(plan, poll_s=0, out=io.StringIO()) is True
+    assert len(seen) == 3  # it kept looking while the job was held
+
+
+def test_wait_reports_a_failed_run(monkeypatch):
+    monkeypatch.setattr("orchestrator.status.collect", lambda run_dir: [
+        SimpleNamespace(stage="train", state="CANCELLED by 0", job_id="1", loss=None)])
+    assert flow.wait(SimpleNamespace(run_dir="unused"), poll_s=0, out=io.StringIO()) is False
