@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from orchestrator.layout import Layout
 from orchestrator.schema import SlipwayConfig
-from orchestrator.validate import Layout
 
 GIB = 1024**3
 

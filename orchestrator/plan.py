@@ -19,8 +19,9 @@ from typing import Any
 from orchestrator.estimate import GIB, MemoryEstimate, TimeEstimate, estimate_memory, estimate_time
 from orchestrator.guards import guard_problems
 from orchestrator.jobs import ConvertJob, CorpusJob, PreprocessJob, TrainJob
+from orchestrator.layout import Layout, layout_of
 from orchestrator.schema import SlipwayConfig
-from orchestrator.validate import Layout, Problem, layout_of, validate
+from orchestrator.validate import Problem, validate
 from trainer.config import RunConfig
 
 

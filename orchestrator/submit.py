@@ -28,12 +28,12 @@ import submitit
 
 from orchestrator import render
 from orchestrator.jobs import COMPLETE, FAILED, Upstream
+from orchestrator.layout import tasks_per_node
 from orchestrator.plan import Plan, StagePlan
 from orchestrator.queue import live_state
 from orchestrator.runs import record_job
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import STAGE_CALLABLES
-from orchestrator.validate import tasks_per_node
 from trainer.log import get_logger
 
 log = get_logger(__name__)

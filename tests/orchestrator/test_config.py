@@ -8,8 +8,9 @@ import itertools
 import pytest
 from hydra.errors import ConfigCompositionException
 
+from orchestrator.layout import layout_of
 from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.validate import layout_of, validate
+from orchestrator.validate import validate
 from tests.orchestrator.conftest import compose_cfg, group_options
 
 EXPERIMENTS = group_options("experiment")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.estimate import GIB, estimate_memory, padded_vocab, stage_params
+from orchestrator.layout import layout_of
 from orchestrator.plan import PlanInputs, SweepInfo, make_plan, trainer_config
-from orchestrator.validate import layout_of
 from tests.orchestrator.conftest import REPO, compose_cfg
 
 CP = ["+experiment=codeparrot"]
