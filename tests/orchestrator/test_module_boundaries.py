@@ -1,0 +1,27 @@
+"""What the orchestrator's modules load: planning never loads submitit (the job specs live in jobs.py, not
+beside the stage callables), and no runtime module loads the config-reference tool orchestrator/docs.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.orchestrator.conftest import REPO
+
+
+def _loaded(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_planning_does_not_load_submitit():
+    assert _loaded("import sys, orchestrator.plan, orchestrator.jobs, orchestrator.queue; "
+                   "print('submitit' in sys.modules)").strip() == "False"
+
+
+def test_runtime_does_not_load_the_docs_tool():
+    runtime = ["launch", "orchestrator.flow", "orchestrator.__main__", "orchestrator.status",
+               "orchestrator.stages"]
+    code = "import sys, importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in runtime)
+    assert _loaded(code + "print('orchestrator.docs' in sys.modules)").strip() == "False"
