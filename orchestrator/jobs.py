@@ -15,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.config import CorpusConfig
+
 COMPLETE = "_COMPLETE"
 FAILED = "_FAILED"
 
@@ -31,11 +33,7 @@ class Upstream:
 @dataclass
 class CorpusJob:
     output_dir: str
-    source: str = "stdlib"
-    roots: list[str] = field(default_factory=list)
-    max_files: int | None = None
-    max_bytes: int | None = None
-    exclude_tests: bool = False
+    corpus: CorpusConfig  # the data.corpus section itself (trainer/config)
     vocab_size: int | None = None  # train a BPE of this size on the corpus when set
     json_key: str = "content"
 

@@ -108,16 +108,7 @@ def _corpus_stage(cfg: SlipwayConfig, facts: PlanInputs) -> StagePlan | None:
         }
     )
     out = os.path.join(_cache_dir(cfg), "corpus", key)
-    job = CorpusJob(
-        out,
-        c.source,
-        list(c.roots),
-        c.max_files,
-        c.max_bytes,
-        c.exclude_tests,
-        train_vocab,
-        cfg.data.json_key,
-    )
+    job = CorpusJob(out, c, train_vocab, cfg.data.json_key)
     return StagePlan("corpus", key, out, True, (), job)
 
 

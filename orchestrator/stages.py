@@ -113,13 +113,11 @@ class Stage(submitit.helpers.Checkpointable):
 
 class CorpusStage(Stage):
     def run(self) -> dict[str, Any]:
-        from trainer.data.corpus import CorpusConfig, build_corpus
+        from trainer.data.corpus import build_corpus
 
         job: CorpusJob = self.job
         corpus = os.path.join(job.output_dir, "corpus.jsonl")
-        section = CorpusConfig(roots=list(job.roots), max_files=job.max_files, max_bytes=job.max_bytes,
-                               exclude_tests=job.exclude_tests)
-        summary = build_corpus(section, corpus)
+        summary = build_corpus(job.corpus, corpus)
         out: dict[str, Any] = {"corpus": corpus, "files": summary.files, "bytes": summary.bytes}
         if job.vocab_size:
             out.update(_train_tokenizer(corpus, job))
