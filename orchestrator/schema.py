@@ -20,7 +20,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from trainer.checks import ConfigIssue, Section, choice, deferred, positive
+from trainer.checks import ConfigIssue, Section, choice, declared_defaults, deferred, positive
 from trainer.config import RunConfig
 
 EXECUTORS = ("local", "slurm")
@@ -187,7 +187,8 @@ class SlipwayConfig(RunConfig):
 def register() -> None:
     """Register the schema; group YAMLs extend it through the primary config's defaults list."""
     cs = ConfigStore.instance()
-    cs.store(name="slipway_schema", node=SlipwayConfig)
+    with declared_defaults():  # derived defaults are derived from the composed config, in to_typed
+        cs.store(name="slipway_schema", node=SlipwayConfig)
 
 
 def to_typed(cfg: Any, choices: dict[str, Any] | None = None) -> SlipwayConfig:
@@ -201,7 +202,9 @@ def to_typed(cfg: Any, choices: dict[str, Any] | None = None) -> SlipwayConfig:
     with deferred():
         obj = OmegaConf.to_object(cfg)
         if not isinstance(obj, SlipwayConfig):  # composed without the schema (e.g. a bare dict in a test)
-            obj = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SlipwayConfig), cfg))
+            with declared_defaults():
+                schema = OmegaConf.structured(SlipwayConfig)
+            obj = OmegaConf.to_object(OmegaConf.merge(schema, cfg))
     if obj.cluster.name is None:
         obj.cluster.name = str((choices or {}).get("cluster") or obj.cluster.executor)
     return obj  # type: ignore[return-value]

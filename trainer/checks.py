@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 _DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("slipway_checks_deferred", default=False)
+_DECLARED: contextvars.ContextVar[bool] = contextvars.ContextVar("slipway_checks_declared", default=False)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,8 @@ class Section:
     then raises every broken rule of ``problems()`` at once."""
 
     def __post_init__(self) -> None:
+        if _DECLARED.get():
+            return
         self._normalise()
         enforce(self.problems())
 
@@ -90,3 +93,18 @@ def deferred() -> Iterator[None]:
         yield
     finally:
         _DEFERRED.reset(token)
+
+
+@contextlib.contextmanager
+def declared_defaults() -> Iterator[None]:
+    """Build sections holding their fields' defaults as declared: no ``_normalise``, no checks.
+
+    For a schema of defaults (the Hydra schema): a derived default such as ``ffn_hidden_size = 4 ×
+    hidden_size`` must be derived from the *composed* values when the config is finally built, not baked
+    into the schema from the default ``hidden_size`` (the smoke model would get CodeParrot's MLP width).
+    """
+    token = _DECLARED.set(True)
+    try:
+        yield
+    finally:
+        _DECLARED.reset(token)

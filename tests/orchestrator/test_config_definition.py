@@ -54,6 +54,23 @@ def test_the_trainer_receives_the_sections_the_user_composed(experiment):
     assert (got.optim.lr, got.train.device, got.model.attention_backend) == (3e-3, "cpu", "softmax")
 
 
+@pytest.mark.parametrize("experiment", [["+experiment=codeparrot_smoke"], ["model.hidden_size=64"]])
+def test_derived_defaults_follow_the_composed_values_not_the_schemas(experiment):
+    """ffn_hidden_size defaults to 4·h of *this* config (the schema once baked CodeParrot's 3072 into every
+    model that left it out); the stored schema holds no derived value at all."""
+    cfg = compose_cfg(experiment)
+    assert cfg.model.ffn_hidden_size == 4 * cfg.model.hidden_size != 3072
+    stored = OmegaConf.to_container(_stored_schema())
+    assert stored["model"]["ffn_hidden_size"] is None and stored["model"]["max_position_embeddings"] is None
+
+
+def _stored_schema():
+    from hydra.core.config_store import ConfigStore
+
+    schema.register()
+    return ConfigStore.instance().load("slipway_schema.yaml").node
+
+
 def test_the_runs_full_config_is_readable_by_the_standalone_trainer():
     """`python -m trainer.main --config <run_dir>/config.yaml` accepts the orchestrator's whole tree."""
     cfg = compose_cfg(["+experiment=codeparrot"])
