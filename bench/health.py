@@ -37,7 +37,7 @@ def _loop(run_dir: str):
     from trainer.config import RunConfig
     from trainer.main import build_components
     from trainer.parallel import ParallelState
-    from trainer.training import Loop
+    from trainer.training import Cadence, Loop, Throughput
 
     cfg = RunConfig.from_dict({
         "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
@@ -48,7 +48,7 @@ def _loop(run_dir: str):
     return Loop(model=c.model, optimizer=c.parts.optimizer, scheduler=c.parts.scheduler,
                 scaler=c.parts.scaler, precision="fp32", clip_grad=1.0, global_batch_size=2,
                 num_microbatches=1, train_iters=10**6, train_data=None, valid_data=None, save=lambda s: None,
-                wandb=None, cadence={}, throughput={})
+                wandb=None, cadence=Cadence(10, None, 0, None), throughput=Throughput(0.0, 128, 1, None))
 
 
 def step_overhead(blocks: int = 12, per_block: int = 10) -> dict:
@@ -58,7 +58,7 @@ def step_overhead(blocks: int = 12, per_block: int = 10) -> dict:
     import threading
 
     from trainer.health import HealthConfig, Monitor
-    from trainer.training import TrainState, step
+    from trainer.training import next_batches, step
 
     run_dir = tempfile.mkdtemp(prefix="slipway-bench-health-")
     g = torch.Generator().manual_seed(0)
@@ -77,23 +77,22 @@ def step_overhead(blocks: int = 12, per_block: int = 10) -> dict:
         loop = loops[name]
         for it in range(per_block):
             w0, c0 = time.perf_counter(), time.process_time()
-            step(loop, [next(loop.train_data)])
-            if loop.on_step is not None:
-                loop.on_step(it, 0.0)
+            step(loop, next_batches(loop, loop.train_data, "train"))  # what train() does per step
+            if loop.monitor is not None:
+                loop.monitor.tick(it)
             times[name].append((time.perf_counter() - w0, time.process_time() - c0))
 
     for i in range(blocks * 2):
         name = ("plain", "watched")[i % 2]
         loop = loops[name]
-        # Unwrap what the last block's Monitor wrapped (no save happens in these steps).
-        loop.train_data, loop.on_step, loop.save = data[name], None, lambda state: None
+        loop.train_data, loop.monitor = data[name], None
         if name == "plain":
             threads_in_plain.update(t.name for t in threading.enumerate())
             block(name)
             continue
         with Monitor(HealthConfig(heartbeat_interval_s=0.1, hang_timeout_s=60), run_dir) as m:
             m.begin()
-            m.watch(loop, TrainState())
+            loop.monitor = m
             block(name)
     out: dict = {"threads_alive_in_plain_blocks": sorted(threads_in_plain)}
     for name, rows in times.items():

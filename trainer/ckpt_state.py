@@ -28,6 +28,7 @@ from trainer.lr import OptimizerParamScheduler
 from trainer.model.config import GPTConfig
 from trainer.model.names import nest
 from trainer.parallel import ParallelModel
+from trainer.precision import LossScaler
 from trainer.training import TrainState
 
 log = get_logger(__name__)
@@ -88,7 +89,7 @@ class Restorable:
 
     optimizer: torch.optim.Optimizer
     scheduler: OptimizerParamScheduler
-    scaler: object
+    scaler: LossScaler
 
 
 def build_state(model: ParallelModel, parts: Restorable, args: dict, state: TrainState, config: dict) -> dict:

@@ -44,7 +44,7 @@ from trainer.optim import build_optimizer
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed, num_microbatches
 from trainer.precision import ScalerSettings, make_scaler
 from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, STOP_SIGNALS, StopRequest
-from trainer.training import Loop, NonFiniteError, TrainState, metrics_path, train
+from trainer.training import Cadence, Loop, NonFiniteError, Throughput, TrainState, metrics_path, train
 
 log = get_logger(__name__)
 
@@ -211,7 +211,8 @@ def build_components(cfg: RunConfig, pstate: ParallelState) -> Components:
     return Components(gpt, model, Restorable(optimizer, scheduler, scaler), gbs, eod)
 
 
-def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, facts: RunFacts) -> Loop:
+def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, facts: RunFacts,
+          monitor: health.Monitor) -> Loop:
     ps, t = b.model.pstate, cfg.train
     m = num_microbatches(b.global_batch_size, t.micro_batch_size, ps.dp_size)
     shape = DataShape(b.gpt.seq_length, b.global_batch_size, cfg.run_dir)
@@ -228,11 +229,9 @@ def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, fac
         precision=t.precision, clip_grad=cfg.optim.clip_grad, global_batch_size=b.global_batch_size,
         num_microbatches=m, train_iters=t.iters, train_data=train_data, valid_data=valid_data,
         save=_saver(cfg, b.gpt, b.model, b.parts, facts), wandb=logger,
-        cadence={"log_interval": t.log_interval, "eval_interval": t.eval_interval,
-                 "eval_iters": t.eval_iters, "save_interval": t.save_interval},
-        throughput={"flops_per_iter": flops, "tokens_per_iter": b.global_batch_size * b.gpt.seq_length,
-                    "world_size": ps.world_size, "peak_tflops": peak},
-        metrics_file=metrics_path(cfg.run_dir), on_step=hooks.on_step)
+        cadence=Cadence(t.log_interval, t.eval_interval, t.eval_iters, t.save_interval),
+        throughput=Throughput(flops, b.global_batch_size * b.gpt.seq_length, ps.world_size, peak),
+        metrics_file=metrics_path(cfg.run_dir), on_step=hooks.on_step, monitor=monitor)
 
 
 def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | None = None) -> RunResult:
@@ -259,8 +258,8 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
         if hooks.on_build is not None:
             hooks.on_build(b.model)
         facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id)
-        loop = _loop(cfg, b, state, hooks, facts)
-        hb.watch(loop, state)  # progress ticks arm the hang watchdog
+        hb.iteration = state.iteration
+        loop = _loop(cfg, b, state, hooks, facts, hb)  # the loop's progress ticks arm the hang watchdog
         try:
             code = train(loop, state, stop)
         except NonFiniteError as e:

@@ -104,7 +104,10 @@ class DynamicLossScaler:
         self.hysteresis_tracker = int(state["hysteresis_tracker"])
 
 
-def make_scaler(precision: str, settings: ScalerSettings) -> ConstantLossScaler | DynamicLossScaler:
+LossScaler = ConstantLossScaler | DynamicLossScaler
+
+
+def make_scaler(precision: str, settings: ScalerSettings) -> LossScaler:
     """Dynamic loss scaling for fp16, constant scale 1 otherwise."""
     return DynamicLossScaler(settings) if precision == "fp16" else ConstantLossScaler()
 

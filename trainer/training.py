@@ -21,10 +21,11 @@ import torch
 import torch.distributed as dist
 
 from trainer import metrics
+from trainer.health import Monitor
 from trainer.log import get_logger
 from trainer.lr import OptimizerParamScheduler
 from trainer.parallel import ParallelModel, clip_grad_norm, eval_step, train_step
-from trainer.precision import unscale_grads_
+from trainer.precision import LossScaler, unscale_grads_
 from trainer.signals import EXIT_OK, EXIT_REQUEUE, StopRequest
 
 log = get_logger(__name__)
@@ -55,14 +56,35 @@ class StepOutcome:
     applied: bool
 
 
+@dataclass(frozen=True)
+class Cadence:
+    """When the loop logs, evaluates and saves (iterations; the ``train`` section's values)."""
+
+    log_interval: int
+    eval_interval: int | None  # None: no evaluation
+    eval_iters: int
+    save_interval: int | None  # None: save only on a stop and at the end
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """The constants of the throughput figures in each log line."""
+
+    flops_per_iter: float  # Megatron's formula (trainer.formulas)
+    tokens_per_iter: int
+    world_size: int
+    peak_tflops: float | None  # None: no MFU (CPU, unknown GPU)
+
+
 @dataclass
 class Loop:
-    """Everything the loop touches (built by ``trainer.main``)."""
+    """Everything the loop touches (built by ``trainer.main``). ``monitor`` (heartbeats and the hang
+    watchdog) is told of every batch, step and save by the loop itself."""
 
     model: ParallelModel
     optimizer: torch.optim.Optimizer
     scheduler: OptimizerParamScheduler
-    scaler: object  # precision.DynamicLossScaler or ConstantLossScaler
+    scaler: LossScaler
     precision: str
     clip_grad: float
     global_batch_size: int
@@ -72,10 +94,11 @@ class Loop:
     valid_data: Iterator | None
     save: Callable[[TrainState], None]
     wandb: metrics.WandbLogger
-    cadence: dict  # log_interval, eval_interval, eval_iters, save_interval
-    throughput: dict  # flops_per_iter, tokens_per_iter, world_size, peak_tflops
+    cadence: Cadence
+    throughput: Throughput
     metrics_file: str | None = None
     on_step: Callable[[int, float], None] | None = None
+    monitor: Monitor | None = None
     losses: dict[int, float] = field(default_factory=dict)
     eval_losses: dict[int, float] = field(default_factory=dict)
 
@@ -102,11 +125,34 @@ def step(loop: Loop, batches: list[dict]) -> StepOutcome:
 def evaluate(loop: Loop, state: TrainState) -> float:
     """Mean validation loss over ``eval_iters`` global batches (the validation stream continues)."""
     total = 0.0
-    for _ in range(loop.cadence["eval_iters"]):
-        batches = [next(loop.valid_data) for _ in range(loop.num_microbatches)]
+    for _ in range(loop.cadence.eval_iters):
+        batches = next_batches(loop, loop.valid_data, "eval")
         total += eval_step(loop.model, batches).item()
         state.consumed_valid_samples += loop.global_batch_size
-    return total / max(loop.cadence["eval_iters"], 1)
+    return total / max(loop.cadence.eval_iters, 1)
+
+
+def next_batches(loop: Loop, stream: Iterator | None, phase: str) -> list[dict]:
+    """One step's micro-batches; each read is progress for the hang watchdog (the first training batch
+    arms it: start-up, however slow, is not a hang)."""
+    out = []
+    for _ in range(loop.num_microbatches):
+        if loop.monitor is not None:
+            loop.monitor.tick(phase=phase, arm=phase == "train")
+        out.append(next(stream))  # type: ignore[arg-type]
+        if loop.monitor is not None:
+            loop.monitor.tick()
+    return out
+
+
+def _save(loop: Loop, state: TrainState) -> None:
+    """Save, with the monitor's phase saying so (a slow save is reported as one, not as a hang)."""
+    previous = loop.monitor.phase if loop.monitor is not None else None
+    if loop.monitor is not None:
+        loop.monitor.tick(phase="save")
+    loop.save(state)
+    if loop.monitor is not None:
+        loop.monitor.tick(phase=previous)
 
 
 def _stop_agreed(stop: StopRequest, device: torch.device) -> bool:
@@ -119,8 +165,8 @@ def _stop_agreed(stop: StopRequest, device: torch.device) -> bool:
 
 def _log_interval(loop: Loop, state: TrainState, stats: metrics.IntervalStats) -> None:
     t = loop.throughput
-    thr = metrics.throughput(stats, t["flops_per_iter"], t["tokens_per_iter"], t["world_size"],
-                             t["peak_tflops"], metrics.peak_memory_gb(loop.model.pstate.device))
+    thr = metrics.throughput(stats, t.flops_per_iter, t.tokens_per_iter, t.world_size, t.peak_tflops,
+                             metrics.peak_memory_gb(loop.model.pstate.device))
     report = metrics.StepReport(state.iteration, loop.train_iters, state.consumed_train_samples,
                                 loop.optimizer.param_groups[0]["lr"], loop.global_batch_size,
                                 loop.scaler.scale)
@@ -156,8 +202,7 @@ def train(loop: Loop, state: TrainState, stop: StopRequest) -> int:
     stats = metrics.IntervalStats(**state.log_window)
     while state.iteration < loop.train_iters:
         t0 = time.perf_counter()
-        batches = [next(loop.train_data) for _ in range(loop.num_microbatches)]
-        out = step(loop, batches)
+        out = step(loop, next_batches(loop, loop.train_data, "train"))
         state.iteration += 1
         state.consumed_train_samples += loop.global_batch_size
         if not out.applied:
@@ -165,18 +210,20 @@ def train(loop: Loop, state: TrainState, stop: StopRequest) -> int:
             state.nan_iters += 0 if math.isfinite(out.loss) else 1
         stats.add(out.loss, out.applied, out.grad_norm if out.applied else None, time.perf_counter() - t0)
         loop.losses[state.iteration] = out.loss
+        if loop.monitor is not None:
+            loop.monitor.tick(state.iteration)
         if loop.on_step is not None:
             loop.on_step(state.iteration, out.loss)
-        if state.iteration % c["log_interval"] == 0:
+        if state.iteration % c.log_interval == 0:
             _log_interval(loop, state, stats)
             stats = metrics.IntervalStats()
-        if c["eval_interval"] and state.iteration % c["eval_interval"] == 0 and c["eval_iters"]:
+        if c.eval_interval and state.iteration % c.eval_interval == 0 and c.eval_iters:
             _run_eval(loop, state)
         stopping = _stop_agreed(stop, loop.model.pstate.device)
-        periodic = c["save_interval"] and state.iteration % c["save_interval"] == 0
+        periodic = c.save_interval and state.iteration % c.save_interval == 0
         if stopping or periodic or state.iteration == loop.train_iters:
             state.log_window = asdict(stats) if stats.iters else {}
-            loop.save(state)
+            _save(loop, state)
         if stopping and state.iteration < loop.train_iters:
             why = stop.describe() if stop.requested else "signal on another rank"
             log.warning("stop requested (%s): checkpoint saved at iteration %d; exiting with code %d "

@@ -41,7 +41,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,25 +75,10 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-class _Ticking:
-    """An iterator that ticks the monitor on every item (the data loaders' micro-batches)."""
-
-    def __init__(self, inner: Iterator, monitor: Monitor, phase: str) -> None:
-        self.inner, self.monitor, self.phase = inner, monitor, phase
-
-    def __iter__(self) -> _Ticking:
-        return self
-
-    def __next__(self) -> Any:
-        self.monitor.tick(phase=self.phase, arm=self.phase == "train")
-        item = next(self.inner)
-        self.monitor.tick()
-        return item
-
-
 class Monitor:
     """One rank's heartbeat writer and hang watchdog. A context manager: ``begin`` after the process group
-    exists, ``watch(loop, state)`` before training; leaving the block writes a final heartbeat."""
+    exists; the training loop (``trainer.training.Loop.monitor``) ticks it on every batch, step and
+    save; leaving the block writes a final heartbeat."""
 
     def __init__(self, cfg: HealthConfig, run_dir: str) -> None:
         self.cfg, self.run_dir = cfg, run_dir
@@ -118,33 +102,6 @@ class Monitor:
             self.phase = phase
         if arm:
             self._armed = True
-
-    def watch(self, loop: Any, state: Any) -> None:
-        """Tick from ``loop``'s data iterators, step callback and saver (a ``trainer.training.Loop``)."""
-        self.iteration = state.iteration
-        if loop.train_data is not None:
-            loop.train_data = _Ticking(loop.train_data, self, "train")
-        if loop.valid_data is not None:
-            loop.valid_data = _Ticking(loop.valid_data, self, "eval")
-        loop.on_step = self._on_step(loop.on_step)
-        loop.save = self._saving(loop.save)
-
-    def _on_step(self, inner: Callable[[int, float], None] | None) -> Callable[[int, float], None]:
-        def on_step(iteration: int, loss: float) -> None:
-            self.tick(iteration)
-            if inner is not None:
-                inner(iteration, loss)
-
-        return on_step
-
-    def _saving(self, save: Callable[[Any], None]) -> Callable[[Any], None]:
-        def saving(state: Any) -> None:
-            previous = self.phase
-            self.tick(phase="save")
-            save(state)
-            self.tick(phase=previous)
-
-        return saving
 
     # -- the thread's side ----------------------------------------------------------------------------
     def begin(self, device: Any = None) -> None:
