@@ -1,0 +1,198 @@
+"""The import structure, read from the source with ``ast``: no cycles among trainer/ and orchestrator/
+modules, no torch at module level on the orchestrator's side (the login node plans in a second), and the
+trainer never imports the launcher's world."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("trainer", "orchestrator")
+
+
+@dataclass
+class Module:
+    name: str
+    top: set[str] = field(default_factory=set)  # imported at module level (runs on import)
+    anywhere: set[str] = field(default_factory=set)  # imported at any level (function bodies too)
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(node: ast.AST, package: str, known: set[str]) -> set[str]:
+    """Dotted names an import statement depends on. ``from a import b`` depends on ``a.b`` when that is a
+    module (Python imports the submodule even while ``a/__init__`` is still running, so a child importing
+    a sibling through its package is no cycle) and on ``a`` itself otherwise (a name ``a/__init__``
+    must already have defined)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
+            mod = ".".join(base + ([node.module] if node.module else []))
+        else:
+            mod = node.module or ""
+        return {f"{mod}.{a.name}" if f"{mod}.{a.name}" in known else mod for a in node.names}
+    return set()
+
+
+def _module_level(tree: ast.Module) -> list[ast.AST]:
+    """Statements that run on import: the body, into if/try/with blocks, not into defs or classes'
+    methods (a ``TYPE_CHECKING`` block never runs)."""
+    out, todo = [], list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+            continue
+        out.append(node)
+        todo += [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
+    return out
+
+
+def scan(root: Path, packages: tuple[str, ...]) -> dict[str, Module]:
+    mods: dict[str, Module] = {}
+    sources = {}
+    for pkg in packages:
+        for path in sorted((root / pkg).rglob("*.py")):
+            name = _module_name(root, path)
+            mods[name] = Module(name)
+            sources[name] = (path, path.name == "__init__.py")
+    known = set(mods)
+    for name, (path, is_pkg) in sources.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        package = name if is_pkg else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            mods[name].anywhere |= _imports(node, package, known)
+        for node in _module_level(tree):
+            mods[name].top |= _imports(node, package, known)
+    return mods
+
+
+def _internal(mods: dict[str, Module], names: set[str], own: str) -> set[str]:
+    return {n for n in names if n in mods and n != own}
+
+
+def cycles(mods: dict[str, Module]) -> list[list[str]]:
+    """Strongly connected components (Tarjan) of more than one module, over module-level imports."""
+    graph = {m: _internal(mods, mods[m].top, m) for m in mods}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _parents(name: str) -> list[str]:
+    """Importing ``a.b.c`` runs ``a/__init__`` and ``a/b/__init__`` first."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def loads_at_import(mods: dict[str, Module], start: str, external: str) -> list[str] | None:
+    """The chain of module-level imports from ``start`` to the external package ``external``, if any."""
+    seen, todo = {start}, [[start]]
+    while todo:
+        chain = todo.pop(0)
+        here = chain[-1]
+        for name in sorted(mods[here].top | set(_parents(here))):
+            if name == external or name.startswith(external + "."):
+                return [*chain, name]
+            for step in [*_parents(name), name]:
+                if step in mods and step not in seen:
+                    seen.add(step)
+                    todo.append([*chain, step])
+    return None
+
+
+# --- the rules on this repository ---
+
+MODS = scan(REPO, PACKAGES)
+
+
+def test_no_import_cycles():
+    found = cycles(MODS)
+    assert not found, "import cycles (module-level imports):\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_orchestrator_loads_no_torch_at_import():
+    chains = [c for m in MODS if m.startswith("orchestrator") if (c := loads_at_import(MODS, m, "torch"))]
+    assert not chains, "module-level torch on the login node:\n" + "\n".join(" -> ".join(c) for c in chains)
+
+
+def test_trainer_never_imports_the_launchers_world():
+    bad = [(m, n) for m in MODS if m.startswith("trainer") for n in MODS[m].anywhere
+           if n.split(".")[0] in ("hydra", "omegaconf", "submitit", "orchestrator")]
+    assert not bad, bad
+
+
+def test_model_never_imports_torch_distributed():
+    bad = [(m, n) for m in MODS if m.startswith("trainer.model") for n in MODS[m].anywhere
+           if n.startswith("torch.distributed") or n.startswith("trainer.parallel")]
+    assert not bad, bad
+
+
+# --- the walker itself, on synthetic packages (each rule must be able to fail) ---
+
+def _package(tmp_path: Path, files: dict[str, str]) -> dict[str, Module]:
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return scan(tmp_path, ("pkg",))
+
+
+def test_walker_finds_a_package_init_cycle_and_ignores_function_level_imports(tmp_path: Path):
+    mods = _package(tmp_path, {
+        "pkg/__init__.py": "from pkg.a import f\nfrom pkg.c import h\nVALUE = 1\n",
+        "pkg/a.py": "from pkg import VALUE\ndef f():\n    from pkg import b\n",
+        "pkg/c.py": "from pkg import helper\nh = 1\n",  # a submodule through the package: no cycle
+        "pkg/helper.py": "",
+        "pkg/b.py": "def g():\n    import pkg.a\n",
+    })
+    assert cycles(mods) == [["pkg", "pkg.a"]]
+
+
+def test_walker_follows_torch_through_module_level_imports_only(tmp_path: Path):
+    mods = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/plan.py": "from pkg.util import x\ndef late():\n    import torch\n",
+        "pkg/util.py": "from .deep import y\n",
+        "pkg/deep.py": "import torch.nn\n",
+        "pkg/clean.py": "def f():\n    import torch\n",
+    })
+    assert loads_at_import(mods, "pkg.plan", "torch") == ["pkg.plan", "pkg.util", "pkg.deep", "torch.nn"]
+    assert loads_at_import(mods, "pkg.clean", "torch") is None
