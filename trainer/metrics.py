@@ -31,12 +31,6 @@ PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("GH200", 989.0), ("A100", 312.
                ("L40S", 362.0), ("A10G", 70.0), ("V100", 125.0), ("B200", 2250.0))
 
 
-def flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Megatron's model FLOPs for one iteration of ``batch`` sequences (no activation recomputation):
-    72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))."""
-    return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
-
-
 def detect_peak_tflops(device: torch.device, configured: float | None) -> float | None:
     """The configured peak, else the GPU's dense bf16 peak by name, else None (CPU: no MFU)."""
     if configured:
@@ -96,6 +90,7 @@ class Throughput:
 
 def throughput(stats: IntervalStats, flops_per_iter: float, tokens_per_iter: int, world_size: int,
                peak_tflops: float | None, peak_mem_gb: float) -> Throughput:
+    """Rates over one logging interval; ``flops_per_iter`` is :func:`trainer.formulas.flops_per_iteration`."""
     per_iter = stats.elapsed_s / max(stats.iters, 1)
     tflops = flops_per_iter / max(per_iter, 1e-12) / world_size / 1e12
     return Throughput(ms_per_iter=per_iter * 1e3, tokens_per_s=tokens_per_iter / max(per_iter, 1e-12),

@@ -1,8 +1,7 @@
 """Reshard on load: read a checkpoint saved with one (tp, pp) layout into another.
 
-For each tensor this rank needs, the source shards are merged into the full tensor (Megatron's TP rules,
-``formats.md`` §4: column-parallel QKV, h→4h and word embeddings on dim 0; row-parallel dense and 4h→h
-weights on dim 1; everything else replicated) with layer indices made global, the vocabulary padding is
+For each tensor this rank needs, the source shards are merged into the full tensor (by the one sharding
+table, ``trainer.parallel.sharding``) with layer indices made global, the vocabulary padding is
 adapted to the target's padded size (rows trimmed or zero-filled), and the target shard is sliced out.
 Adam's moment tensors are resharded by the same rules (they are stored with their parameters' names), so
 a resharded run continues with its optimizer state. RNG states are layout-specific and are not carried
@@ -17,31 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from trainer.checkpoint import SHARD_FILE, CheckpointError, iter_dir_name, shard_dir_name
-from trainer.model.names import flatten
+from trainer.model.names import flatten, layer_index, renumber
+from trainer.parallel.sharding import VOCAB, kind, stage_of_layer, tp_dim
 
-_COLUMN = ("self_attention.query_key_value.weight", "self_attention.query_key_value.bias",
-           "mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias", "word_embeddings.weight")
-_ROW = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
-_LAYER_PREFIX = "encoder.layers."
 WORD = "embedding.word_embeddings.weight"
 HEAD = "word_embeddings_for_head.weight"
-
-
-def tp_dim(name: str) -> int | None:
-    """The dim a parameter is split on under TP (None: replicated)."""
-    if name.endswith(_COLUMN):
-        return 0
-    if name.endswith(_ROW):
-        return 1
-    return None
-
-
-def layer_of(name: str) -> tuple[int, str] | None:
-    """(index, rest) for ``encoder.layers.{i}.rest``."""
-    if not name.startswith(_LAYER_PREFIX):
-        return None
-    index, rest = name[len(_LAYER_PREFIX):].split(".", 1)
-    return int(index), rest
 
 
 @dataclass(frozen=True)
@@ -64,7 +43,7 @@ class SourceCheckpoint:
         if num_layers % pp_size:
             raise CheckpointError(f"saved num_layers={num_layers} is not divisible by its pp={pp_size}")
         self.base = os.path.join(ckpt_dir, iter_dir_name(iteration))
-        self.tp_size, self.pp_size, self.per_stage = tp_size, pp_size, num_layers // pp_size
+        self.tp_size, self.pp_size, self.num_layers = tp_size, pp_size, num_layers
         self._stages: dict[int, list[dict]] = {}
 
     def stage(self, pp_rank: int) -> list[dict]:
@@ -83,10 +62,10 @@ class SourceCheckpoint:
 
     def locate(self, global_name: str) -> tuple[int, str]:
         """(source pp rank, local name) of a parameter given its global name."""
-        found = layer_of(global_name)
-        if found is not None:
-            index, rest = found
-            return index // self.per_stage, f"{_LAYER_PREFIX}{index % self.per_stage}.{rest}"
+        index = layer_index(global_name)
+        if index is not None:
+            stage, local = stage_of_layer(index, self.num_layers, self.pp_size)
+            return stage, renumber(global_name, local - index)
         if global_name.startswith("embedding."):
             return 0, global_name
         if global_name == HEAD:  # the head copy equals the word embeddings: read those
@@ -131,7 +110,7 @@ def _fit_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def target_slice(full: torch.Tensor, local_name: str, target: Target) -> torch.Tensor:
     """This rank's shard of a full tensor."""
-    if local_name.endswith("word_embeddings.weight"):
+    if kind(local_name) == VOCAB:
         full = _fit_vocab(full, target.padded_vocab_size)
     dim = tp_dim(local_name)
     if dim is None or target.tp_size == 1 or full.dim() == 0:
@@ -139,16 +118,9 @@ def target_slice(full: torch.Tensor, local_name: str, target: Target) -> torch.T
     return torch.chunk(full, target.tp_size, dim=dim)[target.tp_rank].clone()
 
 
-def global_name(local_name: str, layer_start: int) -> str:
-    found = layer_of(local_name)
-    if found is None:
-        return local_name
-    return f"{_LAYER_PREFIX}{found[0] + layer_start}.{found[1]}"
-
-
 def reshard_model(src: SourceCheckpoint, local_names: list[str], target: Target) -> dict[str, torch.Tensor]:
     """Flat local-name → tensor dict for the target rank's parameters."""
-    return {n: target_slice(src.full(global_name(n, target.layer_start)), n, target) for n in local_names}
+    return {n: target_slice(src.full(renumber(n, target.layer_start)), n, target) for n in local_names}
 
 
 def reshard_moments(src: SourceCheckpoint, local_names: list[str], target: Target
@@ -156,7 +128,7 @@ def reshard_moments(src: SourceCheckpoint, local_names: list[str], target: Targe
     """Per target parameter, its optimizer state entries resharded (scalars such as ``step`` copied)."""
     out = {}
     for n in local_names:
-        g = global_name(n, target.layer_start)
+        g = renumber(n, target.layer_start)
         pp_rank, local = src.locate(g)
         keys = src.stage(pp_rank)[0]["moments"].get(local, {})
         out[n] = {k: (v if not torch.is_tensor(v) else v.clone() if v.dim() == 0

@@ -151,3 +151,18 @@ def test_cli_exit_code_and_message(tmp_path, ckpt):
     assert run.returncode == 2
     assert "to_hf: error:" in run.stderr and "iter_0000999 does not exist" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+@pytest.mark.parametrize("text,expected", [("release", 0), ("42", 42), ("oops", None)])
+def test_the_trainer_and_the_converter_read_a_tracker_alike(tmp_path, text, expected):
+    """One reader: Megatron's ``release`` is iteration 0 to both (Megatron reads it so too)."""
+    from trainer import checkpoint as ckpt
+    from trainer.convert.layout import read_tracker
+
+    (tmp_path / TRACKER).write_text(text)
+    if expected is None:
+        for read in (ckpt.read_tracker, read_tracker):
+            with pytest.raises(CheckpointError, match="'oops', not an iteration number"):
+                read(tmp_path if read is read_tracker else str(tmp_path))
+    else:
+        assert ckpt.read_tracker(str(tmp_path)) == read_tracker(tmp_path) == expected

@@ -24,37 +24,37 @@ import torch
 
 # The names and the error type are the trainer's (one definition of the layout); reading is our own:
 # memory-mapped, refusing pickles by default, and with errors that point at the converter's flags.
-from trainer.checkpoint import SHARD_FILE, TRACKER, CheckpointError, iter_dir_name, shard_dir_name
+from trainer.checkpoint import SHARD_FILE, TRACKER, CheckpointError, shard_dir_name
+from trainer.checkpoint import read_tracker as ckpt_read_tracker
+from trainer.ckpt_verify import iter_path
 
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?$")
 
 
-def read_tracker(checkpoint_dir: Path) -> int | str:
-    """The iteration named by ``latest_checkpointed_iteration.txt``."""
+def read_tracker(checkpoint_dir: Path) -> int:
+    """The iteration ``latest_checkpointed_iteration.txt`` names (Megatron's ``release``: 0, as Megatron
+    reads it), by the trainer's one reader; the converter adds what a user of its CLI needs to hear."""
     if not checkpoint_dir.is_dir():
         raise CheckpointError(f"checkpoint directory {checkpoint_dir} does not exist")
-    tracker = checkpoint_dir / TRACKER
-    if not tracker.is_file():
+    try:
+        iteration = ckpt_read_tracker(str(checkpoint_dir))
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} (the save was interrupted?); or pass --iteration N") from None
+    if iteration is None:
         found = sorted(p.name for p in checkpoint_dir.glob("iter_*"))
         hint = f"; it holds {found[-3:]}: pass --iteration N" if found else " and holds no iter_* folders"
         raise CheckpointError(f"{checkpoint_dir} has no {TRACKER} (not a finished Megatron/Slipway "
                               f"checkpoint){hint}")
-    text = tracker.read_text().strip()
-    if text == "release":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{tracker} should hold an iteration number or 'release', not {text!r}; "
-                              "the save was interrupted — pass --iteration N for an earlier one") from None
+    return iteration
 
 
-def iteration_path(checkpoint_dir: Path, iteration: int | str | None) -> tuple[Path, int | str]:
-    """The folder of ``iteration`` (the tracker's when None), checked to exist."""
+def iteration_path(checkpoint_dir: Path, iteration: int | None) -> tuple[Path, int]:
+    """The folder of ``iteration`` (the tracker's when None), checked to exist; iteration 0 is Megatron's
+    ``release`` folder when there is no ``iter_0000000``."""
     from_tracker = iteration is None
     if from_tracker:
         iteration = read_tracker(checkpoint_dir)
-    path = checkpoint_dir / iter_dir_name(iteration)
+    path = Path(iter_path(str(checkpoint_dir), iteration))
     if not path.is_dir():
         found = sorted(p.name for p in checkpoint_dir.glob("iter_*"))
         source = f"{TRACKER} says {iteration}" if from_tracker else f"--iteration {iteration} was asked"

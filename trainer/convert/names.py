@@ -1,7 +1,8 @@
 """The declarative name map between Slipway/Megatron GPT parameters and Hugging Face ``GPT2LMHeadModel``.
 
 One table (:data:`RULES`) says, for every parameter, its Megatron legacy name (``formats.md`` §4), its
-HF name (§5), the tensor transform between them and how tensor parallelism shards it. Both directions are
+HF name (§5), the tensor transform between them and which pipeline stage holds it; how tensor parallelism
+shards it is read from the trainer's one sharding table (``trainer.parallel.sharding``). Both directions are
 derived from that table: the inverse map is the same rules read right to left with each transform's
 inverse, so the two directions cannot drift apart.
 
@@ -17,49 +18,53 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.parallel import sharding
+
 ENCODER = "language_model.encoder."
 WORD_EMBEDDINGS = "language_model.embedding.word_embeddings.weight"
 POSITION_EMBEDDINGS = "language_model.embedding.position_embeddings.weight"
 HEAD_EMBEDDINGS = "word_embeddings_for_head.weight"  # tied LM head copy on a last PP stage (PP > 1)
 
-# How a parameter is sharded over tensor-parallel ranks (formats.md §4).
-COLUMN, ROW, REPLICATED, VOCAB = "column", "row", "replicated", "vocab"
 # Which pipeline stage holds it.
 FIRST, LAYER, LAST = "first", "layer", "last"
 
 
 @dataclass(frozen=True)
 class Rule:
-    """One parameter: Megatron and HF names (``{i}``: global layer index), transform, TP and PP placement."""
+    """One parameter: Megatron and HF names (``{i}``: global layer index), transform, PP placement."""
 
     megatron: str
     hf: str
     op: str  # key of TRANSFORMS
-    tp: str  # COLUMN | ROW | REPLICATED | VOCAB
     stage: str  # FIRST | LAYER | LAST
 
+    @property
+    def tp(self) -> str:
+        """COLUMN | ROW | REPLICATED | VOCAB, from the sharding table."""
+        return sharding.kind(self.megatron.replace("{i}", "0"))
 
-def _layer(megatron: str, hf: str, op: str, tp: str) -> Rule:
-    return Rule(ENCODER + "layers.{i}." + megatron, "transformer.h.{i}." + hf, op, tp, LAYER)
+
+def _layer(megatron: str, hf: str, op: str) -> Rule:
+    return Rule(ENCODER + "layers.{i}." + megatron, "transformer.h.{i}." + hf, op, LAYER)
 
 
 RULES: tuple[Rule, ...] = (
-    Rule(WORD_EMBEDDINGS, "transformer.wte.weight", "vocab", VOCAB, FIRST),
-    Rule(POSITION_EMBEDDINGS, "transformer.wpe.weight", "copy", REPLICATED, FIRST),
-    _layer("input_layernorm.weight", "ln_1.weight", "copy", REPLICATED),
-    _layer("input_layernorm.bias", "ln_1.bias", "copy", REPLICATED),
-    _layer("self_attention.query_key_value.weight", "attn.c_attn.weight", "qkv_weight", COLUMN),
-    _layer("self_attention.query_key_value.bias", "attn.c_attn.bias", "qkv_bias", COLUMN),
-    _layer("self_attention.dense.weight", "attn.c_proj.weight", "transpose", ROW),
-    _layer("self_attention.dense.bias", "attn.c_proj.bias", "copy", REPLICATED),
-    _layer("post_attention_layernorm.weight", "ln_2.weight", "copy", REPLICATED),
-    _layer("post_attention_layernorm.bias", "ln_2.bias", "copy", REPLICATED),
-    _layer("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight", "transpose", COLUMN),
-    _layer("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias", "copy", COLUMN),
-    _layer("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", "transpose", ROW),
-    _layer("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", "copy", REPLICATED),
-    Rule(ENCODER + "final_layernorm.weight", "transformer.ln_f.weight", "copy", REPLICATED, LAST),
-    Rule(ENCODER + "final_layernorm.bias", "transformer.ln_f.bias", "copy", REPLICATED, LAST),
+    Rule(WORD_EMBEDDINGS, "transformer.wte.weight", "vocab", FIRST),
+    Rule(POSITION_EMBEDDINGS, "transformer.wpe.weight", "copy", FIRST),
+    _layer("input_layernorm.weight", "ln_1.weight", "copy"),
+    _layer("input_layernorm.bias", "ln_1.bias", "copy"),
+    _layer("self_attention.query_key_value.weight", "attn.c_attn.weight", "qkv_weight"),
+    _layer("self_attention.query_key_value.bias", "attn.c_attn.bias", "qkv_bias"),
+    _layer("self_attention.dense.weight", "attn.c_proj.weight", "transpose"),
+    _layer("self_attention.dense.bias", "attn.c_proj.bias", "copy"),
+    _layer("post_attention_layernorm.weight", "ln_2.weight", "copy"),
+    _layer("post_attention_layernorm.bias", "ln_2.bias", "copy"),
+    _layer("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight", "transpose"),
+    _layer("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias", "copy"),
+    _layer("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", "transpose"),
+    _layer("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", "copy"),
+    Rule(ENCODER + "final_layernorm.weight", "transformer.ln_f.weight", "copy", LAST),
+    Rule(ENCODER + "final_layernorm.bias", "transformer.ln_f.bias", "copy", LAST),
 )
 
 # Older Megatron releases call the encoder "transformer" and the attention block "attention"; newer

@@ -1,7 +1,8 @@
 """Merging a (tp, pp) checkpoint into one full state and splitting one back, Megatron names throughout.
 
 A *full* state is flat Megatron names (``names.RULES``) with global layer indices and the padded vocab.
-Merging follows ``formats.md`` §4: column-parallel tensors (QKV, h→4h, word embeddings) concatenate on
+Merging follows ``formats.md`` §4 by the trainer's one sharding table (``trainer.parallel.sharding``):
+column-parallel tensors (QKV, h→4h, word embeddings) concatenate on
 dim 0, row-parallel weights on dim 1, everything else is replicated. Megatron numbers layers locally
 within each pipeline stage (stage k holds global layers k·L/p… as local 0…L/p−1); checkpoints that use
 global numbers are accepted too. Stages are read one at a time and memory-mapped, so merging needs about
@@ -16,14 +17,13 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import CHECKPOINT_VERSION
+from trainer.checkpoint import CHECKPOINT_VERSION, iter_dir_name
 from trainer.convert import names
 from trainer.convert.layout import (
     SHARD_FILE,
     CheckpointError,
     discover_layout,
     flatten,
-    iter_dir_name,
     load_shard,
     nest,
     save_shard,
@@ -31,6 +31,8 @@ from trainer.convert.layout import (
     write_tracker,
 )
 from trainer.log import get_logger
+from trainer.model.names import layer_index, renumber
+from trainer.parallel import sharding
 
 log = get_logger(__name__)
 
@@ -79,12 +81,9 @@ def _merge_tp(parts: list[dict[str, torch.Tensor]], path: Path) -> dict[str, tor
     merged = {}
     for name in parts[0]:
         tensors = [p[name] for p in parts]
-        found = names.match(name)
-        kind = names.VOCAB if found is None else found[0].tp  # None: word_embeddings_for_head
-        if kind in (names.COLUMN, names.VOCAB):
-            merged[name] = torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0]
-        elif kind == names.ROW and name.endswith(".weight"):
-            merged[name] = torch.cat(tensors, dim=1) if len(tensors) > 1 else tensors[0]
+        dim = sharding.tp_dim(name)
+        if dim is not None:
+            merged[name] = torch.cat(tensors, dim=dim) if len(tensors) > 1 else tensors[0]
         else:
             if any(not torch.equal(t, tensors[0]) for t in tensors[1:]):
                 log.warning("replicated %s differs across TP ranks under %s; using TP rank 0", name, path)
@@ -92,11 +91,6 @@ def _merge_tp(parts: list[dict[str, torch.Tensor]], path: Path) -> dict[str, tor
             # too lets the memory-mapped shard files be unmapped once the stage is merged.
             merged[name] = tensors[0].clone() if len(tensors) > 1 else tensors[0]
     return merged
-
-
-def _layer_of(name: str) -> int | None:
-    found = names.match(name)
-    return found[1] if found else None
 
 
 def _layer_offsets(stage_layers: list[list[int]]) -> list[int]:
@@ -114,13 +108,7 @@ def _layer_offsets(stage_layers: list[list[int]]) -> list[int]:
 def _renumber(state: dict[str, torch.Tensor], offset: int) -> dict[str, torch.Tensor]:
     if not offset:
         return state
-    out = {}
-    for name, tensor in state.items():
-        i = _layer_of(name)
-        if i is not None:
-            name = name.replace(f"layers.{i}.", f"layers.{i + offset}.", 1)
-        out[name] = tensor
-    return out
+    return {renumber(name, offset): tensor for name, tensor in state.items()}
 
 
 def load_merged(iter_dir: Path, iteration: int | str, trust_pickle: bool = False) -> MergedCheckpoint:
@@ -137,7 +125,7 @@ def load_merged(iter_dir: Path, iteration: int | str, trust_pickle: bool = False
             parts.append(_stage_model(shard, path))
             del shard
         stages.append(_merge_tp(parts, iter_dir / shard_dir_name(0, pp, pp_size)))
-    layers = [sorted({i for n in s if (i := _layer_of(n)) is not None}) for s in stages]
+    layers = [sorted({i for n in s if (i := layer_index(n)) is not None}) for s in stages]
     state: dict[str, torch.Tensor] = {}
     head = None
     for stage, offset in zip(stages, _layer_offsets(layers), strict=True):
@@ -169,32 +157,28 @@ def _check_head(state: dict[str, torch.Tensor], head: torch.Tensor | None, where
 
 def split(state: dict[str, torch.Tensor], tp_size: int, pp_size: int) -> dict[tuple[int, int], dict]:
     """A full state → {(tp_rank, pp_rank): flat stage state with local layer numbers}, Megatron style."""
-    num_layers = 1 + max(i for n in state if (i := _layer_of(n)) is not None)
-    if num_layers % pp_size:
-        raise ValueError(f"num_layers={num_layers} is not divisible by pp={pp_size}; pick a pp dividing it")
-    per_stage = num_layers // pp_size
+    num_layers = 1 + max(i for n in state if (i := layer_index(n)) is not None)
+    sharding.layers_per_stage(num_layers, pp_size)  # refuses a pp that does not divide the layers
     shards: dict[tuple[int, int], dict] = {(t, p): {} for t in range(tp_size) for p in range(pp_size)}
     for name, tensor in state.items():
         rule, i = names.match(name)
         if rule.stage == names.LAYER:
-            stages, local = [i // per_stage], name.replace(f"layers.{i}.", f"layers.{i % per_stage}.", 1)
+            stage, local_i = sharding.stage_of_layer(i, num_layers, pp_size)
+            stages, local = [stage], renumber(name, local_i - i)
         else:
             stages, local = [0 if rule.stage == names.FIRST else pp_size - 1], name
         if name == names.WORD_EMBEDDINGS and pp_size > 1:
             stages.append(pp_size - 1)  # the tied head's copy on the last stage
-        for t, piece in enumerate(_split_tp(tensor, rule, name, tp_size)):
+        for t, piece in enumerate(_split_tp(tensor, name, tp_size)):
             for p in stages:
                 key = names.HEAD_EMBEDDINGS if p != stages[0] else local
                 shards[(t, p)][key] = piece
     return shards
 
 
-def _split_tp(tensor: torch.Tensor, rule: names.Rule, name: str, tp_size: int) -> list[torch.Tensor]:
-    if rule.tp in (names.COLUMN, names.VOCAB):
-        dim = 0
-    elif rule.tp == names.ROW and name.endswith(".weight"):
-        dim = 1
-    else:
+def _split_tp(tensor: torch.Tensor, name: str, tp_size: int) -> list[torch.Tensor]:
+    dim = sharding.tp_dim(name)
+    if dim is None:
         return [tensor.clone() for _ in range(tp_size)]
     if tensor.shape[dim] % tp_size:
         raise ValueError(f"{name} {tuple(tensor.shape)}: dim {dim} is not divisible by tp={tp_size}")

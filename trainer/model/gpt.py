@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.model.config import GPTConfig
+from trainer.model.names import renumber
 from trainer.ops import KernelSet, resolve
 
 Tensor = torch.Tensor
@@ -269,11 +270,7 @@ class GPT(nn.Module):
 
     def global_name(self, local_name: str) -> str:
         """Parameter name with the layer index made global (``encoder.layers.{i+offset}...``)."""
-        prefix = "encoder.layers."
-        if not local_name.startswith(prefix) or not self.encoder.layer_offset:
-            return local_name
-        index, rest = local_name[len(prefix):].split(".", 1)
-        return f"{prefix}{int(index) + self.encoder.layer_offset}.{rest}"
+        return renumber(local_name, self.encoder.layer_offset)
 
 
 def masked_mean(losses: Tensor, loss_mask: Tensor | None = None) -> Tensor:

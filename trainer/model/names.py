@@ -11,17 +11,35 @@ Encoder layer indices are local to the pipeline stage (as Megatron writes them);
 layer is ``model.encoder.layer_offset``. Under TP every tensor is this rank's shard: column-parallel
 (query_key_value, dense_h_to_4h: weight and bias; word embeddings) split on dim 0, row-parallel
 (self_attention.dense, dense_4h_to_h) weights on dim 1 with replicated biases; LayerNorms and position
-embeddings replicated. ``trainer.parallel.apply.tp_partition_dims`` gives the dim per name.
+embeddings replicated: the one table of these rules is ``trainer.parallel.sharding``.
 """
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
+LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # GPT (encoder.layers.i.) and Megatron names alike
 _EMBEDDING = "embedding."
 _ENCODER = "encoder."
 _HEAD = "word_embeddings_for_head."
+
+
+def layer_index(name: str) -> int | None:
+    """The layer number in ``…layers.{i}.…``, or None for a parameter outside the layers."""
+    m = LAYER_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def renumber(name: str, offset: int) -> str:
+    """``…layers.{i}.…`` → ``…layers.{i + offset}.…`` (local ↔ global layer numbers)."""
+    m = LAYER_RE.search(name)
+    if m is None or not offset:
+        return name
+    start, end = m.span(1)
+    return f"{name[:start]}{int(m.group(1)) + offset}{name[end:]}"
 
 
 def nest(flat: dict[str, torch.Tensor]) -> dict:

@@ -1,20 +1,12 @@
 """Applying parallelism to the single-device GPT from outside: the stage split and the TP plan.
 
 ``stage_spec`` picks this pipeline stage's layers (first stage: embedding; last: final LN, head, loss).
-``apply_tensor_parallel`` swaps modules by a plan (Megatron's split of a transformer layer):
-
-| module                                  | becomes                 | split                            |
-|-----------------------------------------|-------------------------|----------------------------------|
-| self_attention.query_key_value          | ColumnParallelLinear    | heads (rows of W, bias)          |
-| self_attention.dense                    | RowParallelLinear       | columns of W; bias replicated    |
-| mlp.dense_h_to_4h                       | ColumnParallelLinear    | rows of W, bias                  |
-| mlp.dense_4h_to_h                       | RowParallelLinear       | columns of W; bias replicated    |
-| embedding.word_embeddings (+ _for_head) | VocabParallelEmbedding  | vocabulary rows                  |
-| lm_head                                 | VocabParallelLMHead     | vocabulary (CE never gathers)    |
-
-and points the dropout RNG hooks at the tracker's fork where activations are sharded (attention always;
-embedding and residual dropout only under sequence parallelism, which also swaps in the sequence
-scatter after the embedding).
+``apply_tensor_parallel`` swaps modules by the sharding table (``trainer.parallel.sharding``): each
+layer Linear whose weight is ``column`` becomes a ColumnParallelLinear, ``row`` a RowParallelLinear; the
+``vocab`` word embeddings (and the last stage's head copy) a VocabParallelEmbedding; the LM head a
+VocabParallelLMHead (its cross-entropy never gathers the vocabulary). It also points the dropout RNG
+hooks at the tracker's fork where activations are sharded (attention always; embedding and residual
+dropout only under sequence parallelism, which also swaps in the sequence scatter after the embedding).
 """
 
 from __future__ import annotations
@@ -23,6 +15,7 @@ from torch import nn
 
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT, StageSpec
+from trainer.parallel import sharding
 from trainer.parallel.config import ParallelConfig
 from trainer.parallel.random import RNGTracker
 from trainer.parallel.state import ParallelState
@@ -53,9 +46,14 @@ def check_compatible(cfg: GPTConfig, pcfg: ParallelConfig) -> None:
 
 def stage_spec(num_layers: int, pp_rank: int, pp_size: int) -> StageSpec:
     """This stage's contiguous block of num_layers / pp_size layers."""
-    per_stage = num_layers // pp_size
-    return StageSpec(pp_rank * per_stage, (pp_rank + 1) * per_stage, pre_process=pp_rank == 0,
-                     post_process=pp_rank == pp_size - 1)
+    layers = sharding.stage_layers(num_layers, pp_size, pp_rank)
+    return StageSpec(layers.start, layers.stop, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1)
+
+
+# The layer's Linear modules; the sharding table says how each one splits.
+_LAYER_LINEARS = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h",
+                  "mlp.dense_4h_to_h")
+_PARALLEL_LINEAR = {sharding.COLUMN: ColumnParallelLinear, sharding.ROW: RowParallelLinear}
 
 
 def apply_tensor_parallel(model: GPT, pstate: ParallelState, sequence_parallel: bool,
@@ -64,14 +62,14 @@ def apply_tensor_parallel(model: GPT, pstate: ParallelState, sequence_parallel: 
     if pstate.tp_size == 1:
         return
     cfg, tp, sp = model.cfg, pstate.tp_group, sequence_parallel
-    h, ffn = cfg.hidden_size, cfg.ffn_hidden_size
+    h = cfg.hidden_size
     for layer in model.encoder.layers:
-        attn, mlp = layer.self_attention, layer.mlp
-        attn.query_key_value = ColumnParallelLinear(h, 3 * h, tp, sp)
-        attn.dense = RowParallelLinear(h, h, tp, sp)
-        attn.dropout_rng = tracker.fork
-        mlp.dense_h_to_4h = ColumnParallelLinear(h, ffn, tp, sp)
-        mlp.dense_4h_to_h = RowParallelLinear(ffn, h, tp, sp)
+        for path in _LAYER_LINEARS:
+            owner, attr = layer.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2]
+            out_features, in_features = getattr(owner, attr).weight.shape
+            parallel = _PARALLEL_LINEAR[sharding.LAYER_PARAMS[f"{path}.weight"]]
+            setattr(owner, attr, parallel(in_features, out_features, tp, sp))
+        layer.self_attention.dropout_rng = tracker.fork
         if sp:
             layer.dropout_rng = tracker.fork
     if model.stage.pre_process:
@@ -98,5 +96,12 @@ def tp_partition_dims(model: nn.Module) -> dict[str, int | None]:
 def sequence_parallel_param_names(model: nn.Module) -> list[str]:
     """Replicated parameters applied to sequence-sharded activations under SP (LayerNorms and the
     row-parallel biases): each TP rank sees only its positions, so their gradients are TP-summed."""
-    return [name for name, dim in tp_partition_dims(model).items()
-            if dim is None and ("layernorm" in name or name.endswith(("dense.bias", "dense_4h_to_h.bias")))]
+    return [name for name, _ in model.named_parameters() if _in_sequence_region(name)]
+
+
+def _in_sequence_region(name: str) -> bool:
+    if sharding.kind(name) != sharding.REPLICATED:
+        return False
+    if "layernorm" in name:
+        return True
+    return name.endswith(".bias") and sharding.kind(name[: -len("bias")] + "weight") == sharding.ROW

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.parallel import comm
+from trainer.parallel.sharding import COLUMN, DIM, REPLICATED, ROW, VOCAB
 from trainer.parallel.state import Group
 
 Tensor = torch.Tensor
@@ -52,7 +53,7 @@ def _check_divisible(what: str, n: int, tp: int) -> None:
 class ColumnParallelLinear(_Sharded):
     """Y_i = X·A_iᵀ: the output features (rows of A, and the bias) are split; returns (Y_i, b_i)."""
 
-    partition_dims = {"weight": 0, "bias": 0}
+    partition_dims = {"weight": DIM[COLUMN], "bias": DIM[COLUMN]}
 
     def __init__(self, in_features: int, out_features: int, group: Group, sequence_parallel: bool) -> None:
         super().__init__(group)
@@ -72,7 +73,7 @@ class ColumnParallelLinear(_Sharded):
 class RowParallelLinear(_Sharded):
     """Y = Σ_i X_i·A_iᵀ: the input features (columns of A) are split; bias replicated, added by caller."""
 
-    partition_dims = {"weight": 1, "bias": None}
+    partition_dims = {"weight": DIM[ROW], "bias": DIM[REPLICATED]}
 
     def __init__(self, in_features: int, out_features: int, group: Group, sequence_parallel: bool) -> None:
         super().__init__(group)
@@ -95,7 +96,7 @@ class VocabParallelEmbedding(_Sharded):
     Also used for ``word_embeddings_for_head`` so that both copies of the tied weight shard alike.
     """
 
-    partition_dims = {"weight": 0}
+    partition_dims = {"weight": DIM[VOCAB]}
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group: Group) -> None:
         super().__init__(group)
