@@ -15,6 +15,7 @@ from orchestrator.queue import local_state, query_slurm_checked
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
 from trainer.ckpt_verify import read_warnings
 from trainer.health import RankHealth, read_heartbeats, summarize
+from trainer.metrics_file import TOKENS_PER_S, TRAIN_LOSS, read_metrics
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
 _LOSS = re.compile(r"lm loss: ([0-9.Ee+-]+)")
@@ -41,23 +42,10 @@ class JobRow:
 
 
 def metrics_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
-    """(iteration, loss, tokens/s) from the trainer's ``train_metrics.jsonl`` (rank 0; replayed
-    iterations after a restart appear again, the last one wins)."""
-    import json
-
-    by_iter: dict[int, tuple[int, float | None, float | None]] = {}
-    path = run_dir / "train_metrics.jsonl"
-    if not path.exists():
-        return []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if "train/lm_loss" in row:
-            it = int(row["iteration"])
-            by_iter[it] = (it, float(row["train/lm_loss"]), row.get("perf/tokens_per_s"))
-    return [by_iter[k] for k in sorted(by_iter)]
+    """(iteration, loss, tokens/s) from the trainer's metrics file (rank 0; replayed iterations after a
+    restart appear again, the last one wins)."""
+    return [(int(row["iteration"]), float(row[TRAIN_LOSS]), row.get(TOKENS_PER_S))
+            for row in read_metrics(run_dir, TRAIN_LOSS)]
 
 
 def log_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:

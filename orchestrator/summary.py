@@ -3,7 +3,6 @@ converted model's sample and how to upload the offline W&B run. Read from the ru
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 from orchestrator.estimate import fmt_duration
 from orchestrator.runs import RUN_JSON, read_json
 from trainer.ckpt_verify import read_warnings
+from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, series
 
 LOSS_PNG = "loss.png"
 SUMMARY_TXT = "summary.txt"
@@ -32,20 +32,8 @@ class RunOutcome:
 
 
 def _losses(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
-    """Train and validation losses from ``train_metrics.jsonl`` (replayed iterations: the last wins)."""
-    train: dict[int, float] = {}
-    valid: dict[int, float] = {}
-    path = run_dir / "train_metrics.jsonl"
-    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        for key, into in (("train/lm_loss", train), ("valid/lm_loss", valid)):
-            if key in row:
-                into[int(row["iteration"])] = float(row[key])
-    return sorted(train.items()), sorted(valid.items())
+    """Train and validation losses from the trainer's metrics file (replayed iterations: the last wins)."""
+    return series(run_dir, TRAIN_LOSS), series(run_dir, VALID_LOSS)
 
 
 def _convert_result(run_dir: Path, meta: dict) -> tuple[str | None, str | None]:

@@ -39,12 +39,13 @@ from trainer.config import CheckpointConfig, ModelConfig, RunConfig, TokenizerCo
 from trainer.log import get_logger
 from trainer.lr import LRSchedule, OptimizerParamScheduler
 from trainer.main_data import DataShape, build_data
+from trainer.metrics_file import metrics_path
 from trainer.model.config import GPTConfig
 from trainer.optim import build_optimizer
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed, num_microbatches
 from trainer.precision import ScalerSettings, make_scaler
 from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, STOP_SIGNALS, StopRequest
-from trainer.training import Cadence, Loop, NonFiniteError, Throughput, TrainState, metrics_path, train
+from trainer.training import Cadence, Loop, NonFiniteError, Throughput, TrainState, train
 
 log = get_logger(__name__)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.log import get_logger
+from trainer.metrics_file import METRICS_FILE
 
 log = get_logger(__name__)
 
@@ -212,8 +213,8 @@ class WandbLogger:
         try:
             self.run.log(metrics, step=step)
         except Exception as e:  # noqa: BLE001 - a monitoring outage must not stop training
-            log.warning("W&B: logging step %d failed (%s: %s); training continues, the values are in "
-                        "train_metrics.jsonl", step, type(e).__name__, e)
+            log.warning("W&B: logging step %d failed (%s: %s); training continues, the values are in %s",
+                        step, type(e).__name__, e, METRICS_FILE)
             return
         if step > self.last_step:
             self.last_step = step

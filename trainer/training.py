@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -177,8 +176,9 @@ def _log_interval(loop: Loop, state: TrainState, stats: metrics.IntervalStats) -
 
 
 def _append_metrics(loop: Loop, row: dict) -> None:
-    """``{run_dir}/train_metrics.jsonl`` on rank 0: what the log lines say, for status tools and plots
-    (after a crash-restart, iterations replayed since the last checkpoint appear again: last one wins)."""
+    """``loop.metrics_file`` (``trainer.metrics_file``) on rank 0: what the log lines say, for status tools
+    and plots (after a crash-restart, iterations replayed since the last checkpoint appear again; the
+    reader keeps the last one)."""
     if loop.metrics_file is None or loop.model.pstate.rank != 0:
         return
     with open(loop.metrics_file, "a", encoding="utf-8") as f:
@@ -234,7 +234,3 @@ def train(loop: Loop, state: TrainState, stop: StopRequest) -> int:
 
 def state_dict(state: TrainState) -> dict:
     return asdict(state)
-
-
-def metrics_path(run_dir: str) -> str:
-    return os.path.join(run_dir, "train_metrics.jsonl")

@@ -19,10 +19,10 @@ from urllib.parse import urlparse
 from trainer.convert.layout import iteration_path
 from trainer.convert.to_hf import ConversionResult, ToHFConfig, convert_checkpoint
 from trainer.log import get_logger
+from trainer.metrics_file import VALID_LOSS, last_at_or_before
 
 log = get_logger(__name__)
 SAMPLE_FILE = "sample.txt"
-METRICS_FILE = "train_metrics.jsonl"  # written by trainer.training
 
 
 class HubUnavailable(RuntimeError):
@@ -125,19 +125,12 @@ def _run_info(run_dir: Path) -> dict[str, Any]:
 
 
 def final_val_loss(run_dir: Path, iteration: int | str) -> float | None:
-    """The last validation loss at or before ``iteration`` in the trainer's ``train_metrics.jsonl``."""
-    path = run_dir / METRICS_FILE
-    if not path.is_file() or not isinstance(iteration, int):
+    """The last validation loss at or before ``iteration`` in the trainer's metrics file (None for a
+    ``"release"`` checkpoint, which has no iteration to compare)."""
+    if not isinstance(iteration, int):
         return None
-    found = {}
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:  # a line cut by a crash
-            continue
-        if "valid/lm_loss" in row and int(row.get("iteration", -1)) <= iteration:
-            found[int(row["iteration"])] = float(row["valid/lm_loss"])  # replayed iterations: last wins
-    return found[max(found)] if found else None
+    row = last_at_or_before(run_dir, VALID_LOSS, iteration)
+    return float(row[VALID_LOSS]) if row is not None else None
 
 
 def convert_run(run_dir: str | os.PathLike, cfg: ConvertRunConfig | None = None, **fields: Any
