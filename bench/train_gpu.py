@@ -26,9 +26,10 @@ LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 12, 768, 12, 32768, 1024
 
 
 def flops_per_step(batch: int, seq: int = SEQ) -> float:
-    """Megatron: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) (forward + backward, no recompute)."""
-    l, h = LAYERS, HIDDEN
-    return 72 * batch * seq * l * h * h * (1 + seq / (6 * h) + VOCAB / (12 * l * h))
+    """Megatron's formula, the trainer's own definition: bench and training logs agree on TFLOP/s."""
+    from trainer.formulas import flops_per_iteration, padded_vocab_size  # after the sys.path insert above
+
+    return flops_per_iteration(batch, seq, LAYERS, HIDDEN, padded_vocab_size(VOCAB))
 
 
 def build(mode: str):

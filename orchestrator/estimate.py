@@ -6,7 +6,9 @@ master copy and two fp32 Adam moments (2 + 4 + 4 + 8 = 18 bytes per parameter); 
 Recomputation in Large Transformer Models", table 2): s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes with tensor
 parallelism t, s·b·h·(34 + 5·a·s/h)/t with sequence parallelism, 2·s·b·h (/t with SP) with full
 recomputation; 1F1B keeps up to p micro-batches in flight on the first stage, so that stage holds the
-activations of L layers in total. Run time uses Megatron's FLOPs formula (performance.md).
+activations of L layers in total. Run time uses Megatron's FLOPs formula (performance.md), the trainer's
+own definition (:func:`trainer.formulas.flops_per_iteration`, padded vocabulary), so the ETA and the
+trainer's logged TFLOP/s count the same work.
 """
 
 from __future__ import annotations
@@ -15,14 +17,9 @@ from dataclasses import dataclass
 
 from orchestrator.layout import Layout
 from orchestrator.schema import SlipwayConfig
+from trainer import formulas
 
 GIB = 1024**3
-
-
-def padded_vocab(vocab_size: int, tp_size: int) -> int:
-    """Megatron pads the vocabulary to a multiple of 128·tp so every shard has equal, aligned rows."""
-    mult = 128 * max(tp_size, 1)
-    return -(-vocab_size // mult) * mult
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ def stage_params(cfg: SlipwayConfig, vocab: int) -> tuple[int, int]:
     m, p = cfg.model, cfg.parallel
     h, tp, pp = m.hidden_size, max(p.tp_size, 1), max(p.pp_size, 1)
     per_layer = 12 * h * h + 13 * h  # QKV, dense, two MLP matrices, their biases, two layer norms
-    v = padded_vocab(vocab, tp)
+    v = formulas.padded_vocab_size(vocab, tp, m.make_vocab_size_divisible_by)
     embed = v * h + m.max_position_embeddings * h
     total = m.num_layers * per_layer + embed + 2 * h
     first = (m.num_layers // pp) * per_layer // tp + v * h // tp + m.max_position_embeddings * h
@@ -83,7 +80,8 @@ def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstima
     in_flight = min(pp, lay.num_microbatches or pp)
     layers_held = (m.num_layers // pp) * in_flight
     # fp32 logits for the vocab-parallel cross-entropy (last stage; counted on the same device when pp=1).
-    logits = 4 * s * b * padded_vocab(vocab, tp) // tp if pp == 1 else 0
+    v = formulas.padded_vocab_size(vocab, tp, m.make_vocab_size_divisible_by)
+    logits = 4 * s * b * v // tp if pp == 1 else 0
     return MemoryEstimate(
         params=params,
         weights_bytes=params * w_bytes,
@@ -106,16 +104,12 @@ class TimeEstimate:
     first_checkpoint_s: float
 
 
-def flops_per_iteration(cfg: SlipwayConfig, vocab: int, lay: Layout) -> float:
-    """Megatron: 72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h)) (forward + backward, no recompute)."""
-    m = cfg.model
-    big_b, s, l, h = lay.global_batch, m.seq_length, m.num_layers, m.hidden_size
-    return 72.0 * big_b * s * l * h * h * (1 + s / (6 * h) + vocab / (12 * l * h))
-
-
 def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
     c = cfg.cluster
-    flops = flops_per_iteration(cfg, vocab, lay)
+    m = cfg.model
+    # The padded vocabulary: the logit matmul runs over every embedding row, as the trainer counts it.
+    v = formulas.padded_vocab_size(vocab, max(cfg.parallel.tp_size, 1), m.make_vocab_size_divisible_by)
+    flops = formulas.flops_per_iteration(lay.global_batch, m.seq_length, m.num_layers, m.hidden_size, v)
     rate = max(lay.world, 1) * c.device_peak_tflops * 1e12 * max(c.mfu, 1e-6)
     mb = max(lay.num_microbatches, 1)
     bubble = (lay.pp - 1) / (mb + lay.pp - 1) if lay.pp > 1 else 0.0

@@ -19,6 +19,9 @@ Exit codes (the contract with the orchestrator and with ``python -m trainer.main
   checkpoint verifies or fits the model, the disk is full, the data or an input file is missing or
   corrupt, a bad configuration value). Not retried; the reason is in the log and in the stage's
   ``fatal_<job>_r<restart>_a<attempt>`` marker.
+- ``EXIT_HANG`` (70, EX_SOFTWARE): the hang watchdog (:mod:`trainer.health`) ended a rank that made no
+  progress for ``health.hang_timeout_s``. Not 0/65/75/78, so the sbatch script retries it from the last
+  checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ EXIT_OK = 0
 EXIT_REQUEUE = 75
 EXIT_NONFINITE = 65
 EXIT_PERMANENT = 78
+EXIT_HANG = 70
 # Markers a training attempt leaves in its stage's state dir for the sbatch loop (orchestrator/render.py
 # renders the same names with shell variables): stopped after a checkpoint (requeue me), or failed in a way
 # a retry would repeat ("<exit code> <reason>"). Keyed by job id, so a relaunch never reads an old one.

@@ -15,7 +15,8 @@ import torch
 
 from trainer.convert import names
 from trainer.convert.shards import write_checkpoint
-from trainer.convert.spec import GPTSpec, padded_vocab
+from trainer.convert.spec import GPTSpec
+from trainer.formulas import padded_vocab_size
 
 VOCAB = 1000  # real tokenizer size; padded to 1024 at tp 1 and tp 2
 
@@ -45,7 +46,8 @@ def tokenizer_dir(tmp_path_factory) -> Path:
 
 def tiny_spec(tp: int = 1, vocab: int = VOCAB, layers: int = 4) -> GPTSpec:
     return GPTSpec(num_layers=layers, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
-                   max_position_embeddings=96, vocab_size=vocab, padded_vocab_size=padded_vocab(vocab, tp))
+                   max_position_embeddings=96, vocab_size=vocab,
+                   padded_vocab_size=padded_vocab_size(vocab, tp))
 
 
 def random_megatron_state(spec: GPTSpec, seed: int = 0, dtype=torch.float32) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import yaml
 from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows
 from tests.train.harness import tiny_config, write_dataset
-from trainer.health import EXIT_HANG
+from trainer.signals import EXIT_HANG
 
 HANG_TIMEOUT_S = 4.0
 REPO = Path(__file__).resolve().parents[2]

@@ -14,8 +14,9 @@ import torch.multiprocessing as mp
 from tests.health.helpers import launch
 from tests.train.harness import run_cfg, tiny_config, write_dataset
 from trainer import checkpoint as ckpt
-from trainer.health import EXIT_HANG, HealthConfig, Monitor, heartbeat_path, judge, read_heartbeats, summarize
+from trainer.health import HealthConfig, Monitor, heartbeat_path, judge, read_heartbeats, summarize
 from trainer.main import RunHooks
+from trainer.signals import EXIT_HANG
 
 FAST = {"heartbeat_interval_s": 0.1, "hang_timeout_s": 3.0}
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.estimate import GIB, estimate_memory, padded_vocab, stage_params
+from orchestrator.estimate import GIB, estimate_memory, stage_params
 from orchestrator.layout import layout_of
 from orchestrator.plan import PlanInputs, SweepInfo, make_plan, trainer_config
 from tests.orchestrator.conftest import REPO, compose_cfg
@@ -41,7 +41,8 @@ def test_tensor_parallel_shards_memory():
     cfg2, p2 = _plan(CP + ["parallel.tp_size=2"])
     assert p2.memory.params < 0.55 * p1.memory.params
     assert p2.memory.activations_bytes < p1.memory.activations_bytes
-    assert padded_vocab(50257, 1) == 50304 and padded_vocab(32768, 2) == 32768
+    # The embedding is counted padded (trainer.formulas): 50257 → 50432 rows at tp 2, 50176 stays.
+    assert stage_params(cfg2, 50257)[1] - stage_params(cfg2, 50176)[1] == (50432 - 50176) * 768
 
 
 def test_pipeline_first_stage_holds_p_microbatches():

@@ -24,9 +24,10 @@ from trainer.convert import hf_io, names
 from trainer.convert.layout import TRACKER, CheckpointError
 from trainer.convert.reference import make_source
 from trainer.convert.shards import load_merged, write_checkpoint
-from trainer.convert.spec import EOD_TOKEN, GPTSpec, padded_vocab
+from trainer.convert.spec import EOD_TOKEN, GPTSpec
 from trainer.convert.tokenizer import RunTokenizer, build_hf_tokenizer
 from trainer.convert.verify import VerifyConfig, VerifyReport, verify
+from trainer.formulas import padded_vocab_size
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -80,8 +81,8 @@ def read_spec(model_dir: Path, cfg: FromHFConfig) -> tuple[GPTSpec, Any]:
                              "n_inner and pp dividing n_layer")
     spec = GPTSpec(num_layers=hf.n_layer, hidden_size=hf.n_embd, num_attention_heads=hf.n_head,
                    ffn_hidden_size=ffn, max_position_embeddings=hf.n_positions, vocab_size=hf.vocab_size,
-                   padded_vocab_size=padded_vocab(hf.vocab_size, cfg.tp_size,
-                                                  cfg.make_vocab_size_divisible_by))
+                   padded_vocab_size=padded_vocab_size(hf.vocab_size, cfg.tp_size,
+                                                       cfg.make_vocab_size_divisible_by))
     return spec, hf
 
 

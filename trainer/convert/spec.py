@@ -8,7 +8,6 @@ an untied head, post-LN residuals) are refused with the option named.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,9 +124,3 @@ def spec_from_checkpoint(args: Any, state: dict[str, torch.Tensor], version: flo
                    vocab_size=int(vocab_size), padded_vocab_size=wte.shape[0],
                    layernorm_epsilon=float(arg(args, "layernorm_epsilon", 1e-5)),
                    activation=_activation(args), checkpoint_version=version)
-
-
-def padded_vocab(vocab_size: int, tp_size: int, divisible_by: int = 128) -> int:
-    """Megatron's padding: the next multiple of ``divisible_by · tp`` (32768 stays, 50257 → 50304 at TP 1)."""
-    multiple = divisible_by * tp_size
-    return int(math.ceil(vocab_size / multiple) * multiple)

@@ -7,8 +7,9 @@ Every rank runs one daemon thread (``Monitor``) that
   few hundred bytes): iteration, phase, host, pid, rank, wall time of the write and of the last progress.
   The training loop itself does no I/O for this: it only "ticks" (stores a monotonic time and the
   iteration, a few hundred nanoseconds), so heartbeats cost nothing that shows in step time;
-- ends the process with ``EXIT_HANG`` (70) when no tick came for ``hang_timeout_s`` once training
-  started, logging the rank, host, last iteration and the idle time, and dumping every thread's stack.
+- ends the process with ``EXIT_HANG`` (70, :mod:`trainer.signals`) when no tick came for
+  ``hang_timeout_s`` once training started, logging the rank, host, last iteration and the idle time,
+  and dumping every thread's stack.
   A collective that never returns (a rank died, was stopped, its node fell off the network) blocks the
   others silently for the backend's own timeout (30 min or more, per collective); the job's retry policy
   (``orchestrator/render.py``: any exit other than 0/65/75 is retried from the last checkpoint) can only
@@ -47,10 +48,10 @@ from typing import Any
 from trainer import testing_hooks
 from trainer.health.config import HealthConfig
 from trainer.log import get_logger
+from trainer.signals import EXIT_HANG
 
 log = get_logger(__name__)
 
-EXIT_HANG = 70  # sysexits' EX_SOFTWARE: not 0/65/75, so the sbatch script retries from the last checkpoint
 HEARTBEAT_DIR = "heartbeats"
 FINAL_PHASES = ("exited", "failed", "hung")
 _BACKSTOP_MARGIN_S = 60.0

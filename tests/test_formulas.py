@@ -1,0 +1,68 @@
+"""trainer.formulas: Megatron's FLOPs per iteration and vocabulary padding, defined once and used as-is by
+the trainer's throughput log and the orchestrator's run-time estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import estimate
+from orchestrator.layout import layout_of
+from orchestrator.plan import PlanInputs, make_plan
+from tests.orchestrator.conftest import compose_cfg
+from trainer import formulas
+from trainer.formulas import flops_per_iteration, padded_vocab_size
+
+CP = ["+experiment=codeparrot"]
+
+
+def test_flops_codeparrot_small_by_hand():
+    # 72·B·s·l·h² · (1 + s/(6h) + V/(12·l·h)) with s/(6h) = 1024/4608 = 6/27, V/(12lh) = 32768/110592 = 8/27.
+    by_hand = 72 * 192 * 1024 * 12 * 768**2 * 41 / 27
+    assert by_hand == pytest.approx(152_144_921_493_504, rel=1e-15)  # ≈ 152 TFLOP per iteration
+    assert padded_vocab_size(32768) == 32768
+    assert flops_per_iteration(192, 1024, 12, 768, 32768) == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_flops_small_case_by_hand():
+    # 72·4·16·2·32² = 9,437,184; 1 + 16/192 + 256/768 = 17/12.
+    assert flops_per_iteration(4, 16, 2, 32, 256) == pytest.approx(13_369_344, rel=1e-12)
+    # The vocabulary term is linear in V: 128 more rows add 72·B·s·l·h²·128/(12lh) = 6·B·s·h·128.
+    extra = flops_per_iteration(4, 16, 2, 32, 384) - flops_per_iteration(4, 16, 2, 32, 256)
+    assert extra == pytest.approx(6 * 4 * 16 * 32 * 128, rel=1e-12)
+
+
+def test_padded_vocab_size():
+    assert padded_vocab_size(50257, 1) == 50304
+    assert padded_vocab_size(50257, 2) == 50432
+    assert padded_vocab_size(300, 2, 128) == 512
+    assert padded_vocab_size(32768, 1) == padded_vocab_size(32768, 8) == 32768
+    assert padded_vocab_size(256, 1, 256) == 256
+
+
+@pytest.mark.parametrize(("vocab", "tp", "padded"), [(32768, 1, 32768), (50257, 1, 50304), (50257, 2, 50432)])
+def test_estimate_uses_the_formula_with_the_padded_vocab(vocab, tp, padded):
+    cfg = compose_cfg(CP + [f"parallel.tp_size={tp}"])
+    plan = make_plan(cfg, PlanInputs("r", "/runs/r", vocab_from_file=vocab), exists=lambda p: True)
+    m = cfg.model
+    assert (plan.layout.global_batch, m.seq_length, m.num_layers, m.hidden_size) == (192, 1024, 12, 768)
+    assert padded_vocab_size(vocab, tp, m.make_vocab_size_divisible_by) == padded
+    assert plan.time.flops_per_iter == flops_per_iteration(192, 1024, 12, 768, padded)
+    if padded != vocab:  # the estimate once used the unpadded vocabulary
+        assert plan.time.flops_per_iter != flops_per_iteration(192, 1024, 12, 768, vocab)
+
+
+def test_estimate_follows_make_vocab_size_divisible_by():
+    cfg = compose_cfg(CP + ["model.make_vocab_size_divisible_by=1024"])
+    t = estimate.estimate_time(cfg, 50257, layout_of(cfg))
+    assert t.flops_per_iter == flops_per_iteration(192, 1024, 12, 768, 51200)
+
+
+def test_one_definition():
+    """The copies are gone: the trainer's metrics and the estimate hold no FLOPs or padding formula."""
+    metrics = pytest.importorskip("trainer.metrics")  # imports torch
+    from trainer.convert import spec
+
+    assert not hasattr(metrics, "flops_per_iteration")
+    assert not hasattr(estimate, "flops_per_iteration") and not hasattr(estimate, "padded_vocab")
+    assert not hasattr(spec, "padded_vocab")
+    assert estimate.formulas is formulas
