@@ -124,11 +124,9 @@ def _run_info(run_dir: Path) -> dict[str, Any]:
         return {}
 
 
-def final_val_loss(run_dir: Path, iteration: int | str) -> float | None:
-    """The last validation loss at or before ``iteration`` in the trainer's metrics file (None for a
-    ``"release"`` checkpoint, which has no iteration to compare)."""
-    if not isinstance(iteration, int):
-        return None
+def final_val_loss(run_dir: Path, iteration: int) -> float | None:
+    """The last validation loss at or before ``iteration`` in the trainer's metrics file (Megatron's
+    ``release`` is iteration 0: none)."""
     row = last_at_or_before(run_dir, VALID_LOSS, iteration)
     return float(row[VALID_LOSS]) if row is not None else None
 
@@ -153,7 +151,7 @@ def convert_run(run_dir: str | os.PathLike, cfg: ConvertRunConfig | None = None,
     val_loss = cfg.val_loss if cfg.val_loss is not None else final_val_loss(run, iteration)
     to_hf = ToHFConfig(
         checkpoint_dir=checkpoint_dir, output_dir=out,
-        iteration=iteration if isinstance(iteration, int) else None,  # "release": the tracker's again
+        iteration=iteration,
         write_bin=cfg.write_bin, vocab_file=Path(cfg.vocab_file) if cfg.vocab_file else None,
         merge_file=Path(cfg.merge_file) if cfg.merge_file else None, overwrite=True,
         provenance={"run_id": info.get("run_id"), "val_loss": val_loss})
