@@ -25,7 +25,7 @@ from orchestrator.plan import Plan
 from orchestrator.queue import live_state
 from orchestrator.runs import RUN_JSON, write_json
 from orchestrator.validate import PlanError, Problem
-from trainer import ckpt_verify
+from trainer.checkpoint import verify as ckpt_verify
 
 LOCK = ".slipway-launch.lock"
 WRITER = ".slipway-writer.json"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from orchestrator.queue import local_state, query_slurm_checked
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
-from trainer.ckpt_verify import read_warnings
+from trainer.checkpoint.verify import read_warnings
 from trainer.health import RankHealth, read_heartbeats, summarize
 from trainer.metrics_file import TOKENS_PER_S, TRAIN_LOSS, read_metrics
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from orchestrator.estimate import fmt_duration
 from orchestrator.runs import RUN_JSON, read_json
-from trainer.ckpt_verify import read_warnings
+from trainer.checkpoint.verify import read_warnings
 from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, series
 
 LOSS_PNG = "loss.png"

@@ -1,5 +1,5 @@
 """What a training checkpoint holds and how it is put back: the bridge between the loop and
-``trainer.checkpoint`` (file layout, atomic protocol) and ``trainer.reshard`` (layout changes).
+``trainer.checkpoint`` (file layout, atomic protocol) and ``trainer.checkpoint.reshard`` (layout changes).
 
 ``args`` (plain types; read by the converters and the orchestrator) uses Megatron's names:
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 import trainer
-from trainer import checkpoint as ckpt
-from trainer import reshard
+from trainer.checkpoint import protocol as ckpt
+from trainer.checkpoint import reshard
 from trainer.log import get_logger
 from trainer.lr import OptimizerParamScheduler
 from trainer.model.config import GPTConfig

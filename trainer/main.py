@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from trainer import checkpoint as ckpt
-from trainer import ckpt_verify, formulas, health, metrics, testing_hooks
+from trainer import formulas, health, metrics, testing_hooks
+from trainer.checkpoint import protocol as ckpt
+from trainer.checkpoint import verify as ckpt_verify
 from trainer.ckpt_state import (
     Restorable,
     RunFacts,

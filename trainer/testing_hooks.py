@@ -20,7 +20,7 @@ CONFIG_HOOKS = {
     "stall_train": "every rank pauses after that iteration until a signal arrives",
 }
 
-CKPT_FAILPOINT = "SLIPWAY_CKPT_FAILPOINT"  # trainer/checkpoint.py
+CKPT_FAILPOINT = "SLIPWAY_CKPT_FAILPOINT"  # trainer/checkpoint/protocol.py
 CKPT_FAILPOINT_ONCE = "SLIPWAY_CKPT_FAILPOINT_ONCE"
 PREFLIGHT_FAILPOINT = "SLIPWAY_PREFLIGHT_FAILPOINT"  # trainer/preflight.py
 NODE_NAME = "SLIPWAY_NODE_NAME"  # trainer/health.py

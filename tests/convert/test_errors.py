@@ -156,7 +156,7 @@ def test_cli_exit_code_and_message(tmp_path, ckpt):
 @pytest.mark.parametrize("text,expected", [("release", 0), ("42", 42), ("oops", None)])
 def test_the_trainer_and_the_converter_read_a_tracker_alike(tmp_path, text, expected):
     """One reader: Megatron's ``release`` is iteration 0 to both (Megatron reads it so too)."""
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import protocol as ckpt
     from trainer.convert.layout import read_tracker
 
     (tmp_path / TRACKER).write_text(text)

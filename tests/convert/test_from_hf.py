@@ -72,7 +72,7 @@ def test_slipway_hf_slipway_exact(tmp_path, tokenizer_dir):
 
 def test_loadable_by_slipway_checkpoint_and_model(tmp_path, tokenizer_dir):
     """The written shards are what trainer.checkpoint / trainer.model load (safe torch.load, exact names)."""
-    from trainer.checkpoint import load_file, saved_layout
+    from trainer.checkpoint.protocol import load_file, saved_layout
     from trainer.model import GPT, GPTConfig, StageSpec, load_megatron_state_dict
 
     _, src = _random_gpt2(tmp_path, tokenizer_dir)

@@ -24,7 +24,7 @@ from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows
 from tests.slurm_cli import sacct_final_state
 from tests.train.harness import tiny_config, write_dataset
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import protocol as ckpt
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 

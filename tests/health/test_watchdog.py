@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from tests.health.helpers import launch
 from tests.train.harness import run_cfg, tiny_config, write_dataset
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import protocol as ckpt
 from trainer.health import HealthConfig, Monitor, heartbeat_path, judge, read_heartbeats, summarize
 from trainer.main import RunHooks
 from trainer.signals import EXIT_HANG

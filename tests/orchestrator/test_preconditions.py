@@ -120,7 +120,7 @@ def test_concurrent_launches_of_one_run_let_exactly_one_through(tmp_path):
 def _checkpoints(plan, iterations=(10, 20)) -> Path:
     import torch
 
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import protocol as ckpt
 
     d = Path(plan.stage("train").job.trainer_config["checkpoint"]["dir"])
     for it in iterations:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer import reshard
+from trainer.checkpoint import reshard
 from trainer.convert import names as convert_names
 from trainer.model import GPTConfig
 from trainer.model.gpt import GPT, StageSpec

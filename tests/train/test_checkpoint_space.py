@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import IN_CI
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import protocol as ckpt
 
 LAYOUT = ckpt.ShardLayout()
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.train.harness import run_cfg, tiny_config, write_dataset
-from trainer import checkpoint as ckpt
-from trainer import ckpt_verify
+from trainer.checkpoint import protocol as ckpt
+from trainer.checkpoint import verify as ckpt_verify
 
 
 def _save(ckpt_dir: Path, iteration: int, keep: int | None = None) -> None:

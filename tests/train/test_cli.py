@@ -12,7 +12,7 @@ import time
 import yaml
 
 from tests.train.harness import run_cfg, tiny_config, write_dataset
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import protocol as ckpt
 from trainer.signals import EXIT_OK, EXIT_REQUEUE
 
 ITERS = 60

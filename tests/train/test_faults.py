@@ -15,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
-from trainer import checkpoint as ckpt
+from trainer.checkpoint import protocol as ckpt
 from trainer.main import RunHooks
 from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE
 

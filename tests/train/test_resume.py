@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
-from trainer import ckpt_verify
+from trainer.checkpoint import verify as ckpt_verify
 from trainer.signals import EXIT_OK, EXIT_REQUEUE
 
 STOP_AT = 20
@@ -98,7 +98,7 @@ def test_load_given_iteration_and_model_only(tmp_path):
     takes the weights and starts a fresh schedule at iteration 0."""
     import torch
 
-    from trainer.checkpoint import load_file, shard_path
+    from trainer.checkpoint.protocol import load_file, shard_path
 
     data = write_dataset(str(tmp_path / "data"))
     src = tiny_config(str(tmp_path / "src"), data, train={"iters": 20, "save_interval": 5},

@@ -14,7 +14,6 @@ written by ``from_hf`` at any (tp, pp) can be read back by ``to_hf`` and vice ve
 from __future__ import annotations
 
 import pickle
-import re
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,15 @@ import torch
 
 # The names and the error type are the trainer's (one definition of the layout); reading is our own:
 # memory-mapped, refusing pickles by default, and with errors that point at the converter's flags.
-from trainer.checkpoint import SHARD_FILE, TRACKER, CheckpointError, shard_dir_name
-from trainer.checkpoint import read_tracker as ckpt_read_tracker
-from trainer.ckpt_verify import iter_path
-
-_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?$")
+from trainer.checkpoint.layout import (
+    SHARD_DIR_RE,
+    SHARD_FILE,
+    TRACKER,
+    CheckpointError,
+    iter_path,
+    shard_dir_name,
+)
+from trainer.checkpoint.layout import read_tracker as ckpt_read_tracker
 
 
 def read_tracker(checkpoint_dir: Path) -> int:
@@ -67,7 +70,7 @@ def discover_layout(iter_dir: Path) -> tuple[int, int]:
     """(tp_size, pp_size) from the shard folders, after checking that every rank's shard is there."""
     ranks = set()
     for child in iter_dir.iterdir():
-        m = _RANK_DIR.match(child.name)
+        m = SHARD_DIR_RE.match(child.name)
         if m and child.is_dir():
             ranks.add((int(m.group(1)), int(m.group(2) or 0)))
     if not ranks:

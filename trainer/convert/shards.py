@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import CHECKPOINT_VERSION, iter_dir_name
+from trainer.checkpoint.layout import CHECKPOINT_VERSION, iter_dir_name
 from trainer.convert import names
 from trainer.convert.layout import (
     SHARD_FILE,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.checkpoint import SHARD_FILE, CheckpointError, iter_dir_name, shard_dir_name
+from trainer.checkpoint.layout import SHARD_FILE, CheckpointError, iter_dir_name, shard_dir_name
 from trainer.model.names import flatten, layer_index, renumber
 from trainer.parallel.sharding import VOCAB, kind, stage_of_layer, tp_dim
 

@@ -1,12 +1,7 @@
 """Megatron legacy checkpoints (``formats.md`` §4), written atomically, loaded exactly.
 
-Layout::
-
-    {dir}/latest_checkpointed_iteration.txt            the bare iteration number, no newline
-    {dir}/iter_{N:07d}/mp_rank_{tp:02d}/model_optim_rng.pt          pp_size == 1
-    {dir}/iter_{N:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt pp_size > 1
-
-Each shard holds Megatron's top-level keys ``args`` (plain types only), ``checkpoint_version`` (3.0),
+The folder layout and the tracker are :mod:`trainer.checkpoint.layout`'s. Each shard holds Megatron's
+top-level keys ``args`` (plain types only), ``checkpoint_version`` (3.0),
 ``iteration``, ``model`` (legacy nested GPT names), ``optimizer`` (``{"optimizer": torch state,
 "grad_scaler": ..., "param_names": [...]}``), ``opt_param_scheduler``, ``rng_state`` (a list indexed by
 data-parallel rank, as Megatron), plus ``slipway`` (the full run config and counters). Everything loads
@@ -42,26 +37,30 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer import ckpt_verify, testing_hooks
-from trainer.ckpt_space import mib as _mib
-from trainer.ckpt_space import out_of_space, state_bytes, sum_over_ranks
-from trainer.ckpt_verify import SHARD_FILE, TRACKER, iter_dir_name, list_iterations  # noqa: F401 (re-exported)
+from trainer import testing_hooks
+from trainer.checkpoint import verify as ckpt_verify
+from trainer.checkpoint.layout import (  # noqa: F401 (the layout's names, re-exported for the trainer)
+    CHECKPOINT_VERSION,
+    SHARD_FILE,
+    TRACKER,
+    CheckpointError,
+    CheckpointSpaceError,
+    iter_dir_name,
+    iter_path,
+    list_iterations,
+    read_tracker,
+    shard_dir_name,
+    shard_path,
+)
+from trainer.checkpoint.space import mib as _mib
+from trainer.checkpoint.space import out_of_space, state_bytes, sum_over_ranks
 from trainer.log import get_logger
 
 log = get_logger(__name__)
 
-CHECKPOINT_VERSION = 3.0
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 FAILPOINT_ENV = testing_hooks.CKPT_FAILPOINT
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message says what is wrong and how to fix it."""
-
-
-class CheckpointSpaceError(CheckpointError):
-    """Not enough free space to write a checkpoint; nothing was committed (the previous one is intact)."""
 
 
 @dataclass(frozen=True)
@@ -81,28 +80,7 @@ class ShardLayout:
         return self.dp_rank == 0
 
 
-def shard_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """Megatron's shard folder: the pp rank appears only when there is more than one stage."""
-    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
-
-
-def shard_path(ckpt_dir: str, iteration: int | str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    return os.path.join(ckpt_dir, iter_dir_name(iteration), shard_dir_name(tp_rank, pp_rank, pp_size),
-                        SHARD_FILE)
-
-
-def read_tracker(ckpt_dir: str) -> int | None:
-    """The committed iteration (0 for Megatron's ``release``), or None when there is no checkpoint."""
-    text = ckpt_verify.tracker_text(ckpt_dir)
-    it = ckpt_verify.parse_tracker(text)
-    if text is not None and it is None:
-        raise CheckpointError(f"{ckpt_dir}/{TRACKER} holds {text!r}, not an iteration number. Write the "
-                              f"iteration of a complete checkpoint into it ({list_iterations(ckpt_dir)[-3:]} "
-                              "exist), or set checkpoint.load to one of them")
-    return it
-
-
-_iter_dir = ckpt_verify.iter_path
+_iter_dir = iter_path
 
 
 def _failpoint(name: str, iteration: int) -> None:

@@ -19,18 +19,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import time
 from dataclasses import dataclass, field
 
-TRACKER = "latest_checkpointed_iteration.txt"
-SHARD_FILE = "model_optim_rng.pt"
+from trainer.checkpoint.layout import (
+    SHARD_DIR_RE,
+    SHARD_FILE,
+    TRACKER,
+    iter_path,
+    list_iterations,
+    parse_tracker,
+    tracker_text,
+)
+
 MANIFEST = "manifest.json"
 DIGEST_FILE = ".sha256"
 MANIFEST_VERSION = 1
 WARNINGS_FILE = "checkpoint_warnings.jsonl"  # in the run directory: read by status and the summary
-_SHARD_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
-_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 _CHUNK = 8 << 20
 
 
@@ -64,7 +69,7 @@ def _atomic_json(path: str, obj: dict) -> None:
 def write_manifest(iter_dir: str, iteration: int, tp_size: int, pp_size: int, file_name: str) -> None:
     """Rank 0's half, after the barrier: collect every shard's digest into the manifest."""
     files = {}
-    for shard in sorted(n for n in os.listdir(iter_dir) if _SHARD_DIR.match(n)):
+    for shard in sorted(n for n in os.listdir(iter_dir) if SHARD_DIR_RE.match(n)):
         with open(os.path.join(iter_dir, shard, DIGEST_FILE), encoding="utf-8") as f:
             size, digest = f.read().split()
         files[f"{shard}/{file_name}"] = {"size": int(size), "sha256": digest}
@@ -91,7 +96,7 @@ def read_manifest(iter_dir: str) -> dict | None:
 def _completeness(iter_dir: str, file_name: str) -> list[str]:
     """A checkpoint without a manifest: every (tp, pp) shard its folders imply, present and non-empty."""
     ranks = [(int(m.group(1)), int(m.group(2) or 0))
-             for n in os.listdir(iter_dir) if (m := _SHARD_DIR.match(n))]
+             for n in os.listdir(iter_dir) if (m := SHARD_DIR_RE.match(n))]
     if not ranks:
         return [f"{iter_dir} holds no mp_rank_* shard folder"]
     tp, pp = max(t for t, _ in ranks) + 1, max(p for _, p in ranks) + 1
@@ -139,46 +144,6 @@ def quarantine(iter_dir: str) -> str:
         dest, n = f"{iter_dir}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{n}", n + 1
     os.rename(iter_dir, dest)
     return dest
-
-
-# ------------------------------------------------------------------------------- which one to load
-
-def iter_dir_name(iteration: int | str) -> str:
-    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
-
-
-def iter_path(ckpt_dir: str, iteration: int) -> str:
-    """``iter_N``, or ``release`` when only Megatron's release folder exists for iteration 0."""
-    path = os.path.join(ckpt_dir, iter_dir_name(iteration))
-    release = os.path.join(ckpt_dir, "release")
-    if iteration == 0 and not os.path.isdir(path) and os.path.isdir(release):
-        return release
-    return path
-
-
-def list_iterations(ckpt_dir: str) -> list[int]:
-    """Iterations that have an ``iter_N`` folder (complete or not), ascending."""
-    try:
-        names = os.listdir(ckpt_dir)
-    except FileNotFoundError:
-        return []
-    return sorted(int(m.group(1)) for n in names if (m := _ITER_DIR.match(n)))
-
-
-def tracker_text(ckpt_dir: str) -> str | None:
-    """The tracker's content, stripped; None when there is no tracker."""
-    try:
-        with open(os.path.join(ckpt_dir, TRACKER), encoding="utf-8") as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return None
-
-
-def parse_tracker(text: str | None) -> int | None:
-    """The iteration a tracker's text names (0 for Megatron's ``release``); None if it names none."""
-    if text == "release":
-        return 0
-    return int(text) if text is not None and text.isdigit() else None
 
 
 @dataclass

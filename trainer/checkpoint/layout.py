@@ -1,0 +1,87 @@
+"""The checkpoint folder's names and its tracker (``formats.md`` §4), shared by the trainer and ``convert/``.
+
+Layout::
+
+    {dir}/latest_checkpointed_iteration.txt            the bare iteration number, no newline ("release": 0)
+    {dir}/iter_{N:07d}/mp_rank_{tp:02d}/model_optim_rng.pt          pp_size == 1
+    {dir}/iter_{N:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt pp_size > 1
+
+Torch-free: the orchestrator reads trackers and folders at plan time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+CHECKPOINT_VERSION = 3.0  # Megatron's: QKV rows per head as [heads, 3, head_dim]
+TRACKER = "latest_checkpointed_iteration.txt"
+SHARD_FILE = "model_optim_rng.pt"
+SHARD_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message says what is wrong and how to fix it."""
+
+
+class CheckpointSpaceError(CheckpointError):
+    """Not enough free space to write a checkpoint; nothing was committed (the previous one is intact)."""
+
+
+def iter_dir_name(iteration: int | str) -> str:
+    return "release" if iteration == "release" else f"iter_{int(iteration):07d}"
+
+
+def iter_path(ckpt_dir: str, iteration: int) -> str:
+    """``iter_N``, or ``release`` when only Megatron's release folder exists for iteration 0."""
+    path = os.path.join(ckpt_dir, iter_dir_name(iteration))
+    release = os.path.join(ckpt_dir, "release")
+    if iteration == 0 and not os.path.isdir(path) and os.path.isdir(release):
+        return release
+    return path
+
+
+def list_iterations(ckpt_dir: str) -> list[int]:
+    """Iterations that have an ``iter_N`` folder (complete or not), ascending."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := ITER_DIR_RE.match(n)))
+
+
+def tracker_text(ckpt_dir: str) -> str | None:
+    """The tracker's content, stripped; None when there is no tracker."""
+    try:
+        with open(os.path.join(ckpt_dir, TRACKER), encoding="utf-8") as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def parse_tracker(text: str | None) -> int | None:
+    """The iteration a tracker's text names (0 for Megatron's ``release``); None if it names none."""
+    if text == "release":
+        return 0
+    return int(text) if text is not None and text.isdigit() else None
+
+
+def shard_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    """Megatron's shard folder: the pp rank appears only when there is more than one stage."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp_size > 1 else "")
+
+
+def shard_path(ckpt_dir: str, iteration: int | str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    return os.path.join(ckpt_dir, iter_dir_name(iteration), shard_dir_name(tp_rank, pp_rank, pp_size),
+                        SHARD_FILE)
+
+
+def read_tracker(ckpt_dir: str) -> int | None:
+    """The committed iteration (0 for Megatron's ``release``), or None when there is no checkpoint."""
+    text = tracker_text(ckpt_dir)
+    it = parse_tracker(text)
+    if text is not None and it is None:
+        raise CheckpointError(f"{ckpt_dir}/{TRACKER} holds {text!r}, not an iteration number. Write the "
+                              f"iteration of a complete checkpoint into it ({list_iterations(ckpt_dir)[-3:]} "
+                              "exist), or set checkpoint.load to one of them")
+    return it
