@@ -123,7 +123,7 @@ def _preflight_rank(rank: int, world: int, nodes: list[str], store: str, run_dir
     import torch.distributed as dist
 
     from trainer.health import HealthConfig
-    from trainer.preflight import run_preflight
+    from trainer.health.preflight import run_preflight
 
     os.environ["SLIPWAY_NODE_NAME"] = nodes[rank]
     torch.set_num_threads(1)

@@ -24,11 +24,11 @@ import trainer
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import reshard
 from trainer.log import get_logger
-from trainer.lr import OptimizerParamScheduler
 from trainer.model.config import GPTConfig
 from trainer.model.names import nest
+from trainer.optim.lr import OptimizerParamScheduler
+from trainer.optim.precision import LossScaler
 from trainer.parallel import ParallelModel
-from trainer.precision import LossScaler
 from trainer.training import TrainState
 
 log = get_logger(__name__)

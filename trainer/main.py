@@ -38,13 +38,13 @@ from trainer.ckpt_state import (
 )
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig, TokenizerConfig
 from trainer.log import get_logger
-from trainer.lr import LRSchedule, OptimizerParamScheduler
 from trainer.main_data import DataShape, build_data
 from trainer.metrics_file import metrics_path
 from trainer.model.config import GPTConfig
-from trainer.optim import build_optimizer
+from trainer.optim.lr import LRSchedule, OptimizerParamScheduler
+from trainer.optim.optimizer import build_optimizer
+from trainer.optim.precision import ScalerSettings, make_scaler
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed, num_microbatches
-from trainer.precision import ScalerSettings, make_scaler
 from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, STOP_SIGNALS, StopRequest
 from trainer.training import Cadence, Loop, NonFiniteError, Throughput, TrainState, train
 
@@ -98,10 +98,10 @@ def gpt_config(model: ModelConfig, vocab_size: int) -> GPTConfig:
 
 def _apply_autocast(model: ParallelModel, precision: str) -> None:
     """bf16/fp16: run the forward under autocast (weights, grads and optimizer stay fp32; see
-    trainer.precision for why); backward is outside it, as PyTorch recommends."""
+    trainer.optim.precision for why); backward is outside it, as PyTorch recommends."""
     if precision == "fp32":
         return
-    from trainer.precision import DTYPES
+    from trainer.optim.precision import DTYPES
 
     device_type = model.pstate.device.type
     model.module.forward = torch.autocast(device_type, dtype=DTYPES[precision])(model.module.forward)

@@ -22,7 +22,7 @@ CONFIG_HOOKS = {
 
 CKPT_FAILPOINT = "SLIPWAY_CKPT_FAILPOINT"  # trainer/checkpoint/protocol.py
 CKPT_FAILPOINT_ONCE = "SLIPWAY_CKPT_FAILPOINT_ONCE"
-PREFLIGHT_FAILPOINT = "SLIPWAY_PREFLIGHT_FAILPOINT"  # trainer/preflight.py
+PREFLIGHT_FAILPOINT = "SLIPWAY_PREFLIGHT_FAILPOINT"  # trainer/health/preflight.py
 NODE_NAME = "SLIPWAY_NODE_NAME"  # trainer/health.py
 
 # Environment variables read by the trainer → what they do.

@@ -22,9 +22,9 @@ import torch.distributed as dist
 from trainer import metrics
 from trainer.health import Monitor
 from trainer.log import get_logger
-from trainer.lr import OptimizerParamScheduler
+from trainer.optim.lr import OptimizerParamScheduler
+from trainer.optim.precision import LossScaler, unscale_grads_
 from trainer.parallel import ParallelModel, clip_grad_norm, eval_step, train_step
-from trainer.precision import LossScaler, unscale_grads_
 from trainer.signals import EXIT_OK, EXIT_REQUEUE, StopRequest
 
 log = get_logger(__name__)

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from tests.health.helpers import launch
 from tests.train.harness import load_json, save_json
 from trainer.health import HealthConfig
-from trainer.preflight import (
+from trainer.health.preflight import (
     FAILPOINT_ENV,
     PREFLIGHT_JSON,
     _rounds,
@@ -44,7 +44,7 @@ def _preflight_observed(rank: int, run_dir: str, cfg: dict, out_dir: str) -> Non
 
     import torch
 
-    from trainer import preflight
+    from trainer.health import preflight
 
     os.environ["SLIPWAY_NODE_NAME"] = NODES[rank]
     os.environ[FAILPOINT_ENV] = ""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.config import OptimConfig
-from trainer.lr import LRSchedule, OptimizerParamScheduler, lr_at
+from trainer.optim.lr import LRSchedule, OptimizerParamScheduler, lr_at
 
 MAX, MIN, WARM, DECAY, GBS = 6e-4, 6e-5, 10, 110, 8
 

@@ -38,34 +38,28 @@ import faulthandler
 import json
 import logging
 import os
-import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-from trainer import testing_hooks
 from trainer.health.config import HealthConfig
+from trainer.health.heartbeat import (  # noqa: F401 (re-exported: the package's reading API)
+    FINAL_PHASES,
+    HEARTBEAT_DIR,
+    RankHealth,
+    heartbeat_path,
+    judge,
+    node_name,
+    read_heartbeats,
+    summarize,
+)
 from trainer.log import get_logger
 from trainer.signals import EXIT_HANG
 
 log = get_logger(__name__)
 
-HEARTBEAT_DIR = "heartbeats"
-FINAL_PHASES = ("exited", "failed", "hung")
 _BACKSTOP_MARGIN_S = 60.0
-
-
-def node_name() -> str:
-    """This process's node: ``SLIPWAY_NODE_NAME``, else Slurm's node name, else the host name (Slurm node
-    names are what an admin drains; several emulated nodes may share one host)."""
-    env = os.environ
-    return env.get(testing_hooks.NODE_NAME) or env.get("SLURMD_NODENAME") or socket.gethostname()
-
-
-def heartbeat_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, HEARTBEAT_DIR, f"rank_{rank:05d}.json")
 
 
 def _world() -> tuple[int, int]:
@@ -107,7 +101,7 @@ class Monitor:
     # -- the thread's side ----------------------------------------------------------------------------
     def begin(self, device: Any = None) -> None:
         """Start heartbeats (the watchdog arms with the first training batch), then run the preflight
-        (``trainer.preflight``; multi-rank worlds, unless ``preflight`` is off) with tensors on
+        (``trainer.health.preflight``; multi-rank worlds, unless ``preflight`` is off) with tensors on
         ``device``. Call once the process group (if any) exists. Rank 0 removes heartbeats of ranks
         beyond this world (an earlier, larger attempt of the run)."""
         self.rank, self.world_size = _world()
@@ -120,7 +114,7 @@ class Monitor:
         if self.cfg.preflight and self.world_size > 1:
             import torch
 
-            from trainer.preflight import run_preflight
+            from trainer.health.preflight import run_preflight
 
             self.tick(phase="preflight")
             run_preflight(self.cfg, self.run_dir, device if device is not None else torch.device("cpu"))
@@ -210,68 +204,3 @@ class Monitor:
             self.write(**({"message": f"{exc_type.__name__}: {exc}"} if exc_type is not None else {}))
 
 
-# -- reading heartbeats back (status) -------------------------------------------------------------------
-@dataclass
-class RankHealth:
-    """One rank's last heartbeat, judged at ``now``."""
-
-    rank: int
-    host: str
-    pid: int
-    iteration: int | None
-    phase: str
-    age_s: float  # since the heartbeat was written
-    idle_s: float  # since the rank last made progress
-    state: str  # ok | stale | stalled | exited | failed | hung
-    message: str = ""
-
-
-def judge(beat: dict, now: float, stale_after_s: float | None = None) -> RankHealth:
-    """Classify one heartbeat. ``stale_after_s`` None: five heartbeat intervals, at least 30 s."""
-    limit = stale_after_s if stale_after_s is not None else max(5 * float(beat.get("interval_s") or 10), 30.0)
-    age = now - float(beat["time"])
-    idle = now - float(beat.get("progress_time") or beat["time"])
-    phase = str(beat.get("phase", "?"))
-    if phase in FINAL_PHASES:
-        state = phase
-    elif age > limit:
-        state = "stale"
-    elif idle > limit and phase != "startup":
-        state = "stalled"
-    else:
-        state = "ok"
-    return RankHealth(int(beat["rank"]), str(beat.get("host", "?")), int(beat.get("pid", 0)),
-                      beat.get("iteration"), phase, age, idle, state, str(beat.get("message", "")))
-
-
-def read_heartbeats(run_dir: str, now: float | None = None, stale_after_s: float | None = None
-                    ) -> list[RankHealth]:
-    """Every rank's judged heartbeat under ``run_dir`` (sorted by rank; unreadable files skipped)."""
-    folder = os.path.join(run_dir, HEARTBEAT_DIR)
-    if not os.path.isdir(folder):
-        return []
-    now = time.time() if now is None else now
-    out = []
-    for name in sorted(os.listdir(folder)):
-        if not (name.startswith("rank_") and name.endswith(".json")):
-            continue
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                out.append(judge(json.load(f), now, stale_after_s))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-    return sorted(out, key=lambda r: r.rank)
-
-
-def summarize(ranks: list[RankHealth]) -> str:
-    """One status cell: 'ok 4/4' or the problems, e.g. 'stale: rank 1@n2 (95 s)'."""
-    if not ranks:
-        return ""
-    bad = [r for r in ranks if r.state not in ("ok", "exited")]
-    if not bad:
-        return f"{ranks[0].state if all(r.state == ranks[0].state for r in ranks) else 'ok'} {len(ranks)}"
-    by_state: dict[str, list[str]] = {}
-    for r in bad:
-        secs = r.age_s if r.state == "stale" else r.idle_s
-        by_state.setdefault(r.state, []).append(f"rank {r.rank}@{r.host} ({secs:.0f} s)")
-    return "; ".join(f"{state}: {', '.join(items)}" for state, items in by_state.items())

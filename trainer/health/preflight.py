@@ -33,7 +33,8 @@ import torch
 import torch.distributed as dist
 
 from trainer import testing_hooks
-from trainer.health import HealthConfig, node_name
+from trainer.health.config import HealthConfig
+from trainer.health.heartbeat import node_name
 from trainer.log import get_logger
 
 log = get_logger(__name__)
