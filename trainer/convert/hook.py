@@ -1,8 +1,8 @@
 """The post-job hook: convert a run's latest checkpoint into ``<run_dir>/hf/``, verify, write a sample.
 
 The orchestrator runs :func:`convert_run` as the stage after training; the training job can call it at
-its end. ``push_to_hub`` is checked before any work (huggingface_hub importable, a token, the endpoint
-reachable) so that a run never converts for an hour and then fails at the upload.
+its end. ``push_to_hub`` is checked before any work (:mod:`trainer.convert.hub`) so that a run never
+converts for an hour and then fails at the upload.
 """
 
 from __future__ import annotations
@@ -10,12 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
+from trainer.convert.hub import check_hub, push
 from trainer.convert.layout import iteration_path
 from trainer.convert.to_hf import ConversionResult, ToHFConfig, convert_checkpoint
 from trainer.log import get_logger
@@ -23,10 +22,6 @@ from trainer.metrics_file import VALID_LOSS, last_at_or_before
 
 log = get_logger(__name__)
 SAMPLE_FILE = "sample.txt"
-
-
-class HubUnavailable(RuntimeError):
-    """push_to_hub was asked for but cannot work here; raised before any conversion work."""
 
 
 @dataclass
@@ -53,42 +48,6 @@ class ConvertRunConfig:
             raise ValueError(f"sample_tokens={self.sample_tokens} must be ≥ 1")
         if self.push_to_hub and not self.hub_repo:
             raise ValueError("push_to_hub=true needs hub_repo ('user/model-name')")
-
-
-def check_hub(repo: str | None, timeout_s: float = 5.0) -> str:
-    """Fail fast unless an upload to the Hub can work; returns the token."""
-    try:
-        import huggingface_hub
-    except ImportError as e:
-        raise HubUnavailable("push_to_hub needs the huggingface_hub package (pip install "
-                             "huggingface_hub)") from e
-    if not repo:
-        raise HubUnavailable("push_to_hub needs a repository id ('user/model-name')")
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
-        raise HubUnavailable("push_to_hub: HF_HUB_OFFLINE is set; unset it or drop push_to_hub")
-    token = huggingface_hub.get_token()
-    if not token:
-        raise HubUnavailable("push_to_hub: no Hugging Face token (set HF_TOKEN or run `hf auth login`); "
-                             "nothing was converted")
-    endpoint = os.environ.get("HF_ENDPOINT") or huggingface_hub.constants.ENDPOINT
-    url = urlparse(endpoint)
-    try:
-        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
-                                 timeout=timeout_s).close()
-    except OSError as e:
-        raise HubUnavailable(f"push_to_hub: cannot reach {endpoint} ({e}); no network here? Nothing "
-                             "was converted; drop push_to_hub and upload the hf/ folder from a machine "
-                             "online") from e
-    return token
-
-
-def push(folder: Path, repo: str, token: str, private: bool) -> str:
-    """Upload a verified folder; returns the commit URL."""
-    from huggingface_hub import HfApi
-
-    api = HfApi(token=token)
-    api.create_repo(repo, private=private, exist_ok=True)
-    return str(api.upload_folder(folder_path=str(folder), repo_id=repo, commit_message="Slipway conversion"))
 
 
 def write_sample(hf_dir: Path, out: Path, prompt: str, new_tokens: int, repetition_penalty: float = 1.0

@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     verify_cfg = VerifyConfig(prompts=tuple(a.prompt)) if a.prompt else VerifyConfig()
-    from trainer.convert.hook import HubUnavailable, check_hub, push
+    from trainer.convert.hub import HubUnavailable, check_hub, push
 
     try:
         token = check_hub(a.push_to_hub) if a.push_to_hub else None  # before any work
