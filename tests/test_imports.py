@@ -153,6 +153,18 @@ def test_orchestrator_loads_no_torch_at_import():
     assert not chains, "module-level torch on the login node:\n" + "\n".join(" -> ".join(c) for c in chains)
 
 
+# The facts the orchestrator shares with the trainer (trainer/__init__.py lists them): torch-free.
+TORCH_FREE = ("trainer.config", "trainer.config.model", "trainer.checks", "trainer.formulas",
+              "trainer.signals", "trainer.metrics_file", "trainer.checkpoint.layout",
+              "trainer.checkpoint.verify", "trainer.health.config", "trainer.health.heartbeat",
+              "trainer.testing_hooks")
+
+
+def test_the_shared_facts_load_no_torch():
+    chains = [c for m in TORCH_FREE if (c := loads_at_import(MODS, m, "torch"))]
+    assert not chains, "torch at import:\n" + "\n".join(" -> ".join(c) for c in chains)
+
+
 def test_trainer_never_imports_the_launchers_world():
     bad = [(m, n) for m in MODS if m.startswith("trainer") for n in MODS[m].anywhere
            if n.split(".")[0] in ("hydra", "omegaconf", "submitit", "orchestrator")]

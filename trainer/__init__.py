@@ -1,6 +1,16 @@
-"""Slipway trainer: everything that runs on the nodes (data, model, parallelism, kernels, training loop).
+"""Slipway trainer: everything that runs on the nodes.
 
-Never imports hydra, omegaconf, submitit or orchestrator: it runs standalone from small dataclasses.
+Packages, one concern each: ``config`` (the configuration sections; torch-free, the Hydra schema is built
+from them), ``data``, ``model`` (single-device GPT), ``parallel`` (state, comm, TP layers, the one
+sharding table, pipeline schedules, data-parallel buckets), ``ops`` (kernels), ``optim`` (optimizer, LR,
+precision), ``checkpoint`` (layout, save protocol, verification, disk space, reshard), ``health``
+(heartbeats, watchdog, preflight), ``convert`` (Hugging Face and Megatron conversion). The loop is
+``training`` (its typed state) and ``main`` (``run(cfg)`` and the standalone CLI); ``ckpt_state`` is
+what a checkpoint holds for the loop. Facts the orchestrator also needs live in torch-free modules:
+``config``, ``checks``, ``formulas`` (FLOPs, vocab padding), ``signals`` (exit codes), ``metrics_file``.
+
+Never imports hydra, omegaconf, submitit or orchestrator (tests/test_imports.py): it runs standalone
+from small dataclasses.
 """
 
 __version__ = "0.1.0"
