@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.threads import one_thread  # noqa: F401 (autouse)
 from trainer.convert import names
 from trainer.convert.shards import write_checkpoint
 from trainer.convert.spec import GPTSpec
@@ -20,14 +21,6 @@ from trainer.formulas import padded_vocab_size
 
 VOCAB = 1000  # real tokenizer size; padded to 1024 at tp 1 and tp 2
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run faster on one thread, and this box is shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,4 @@
 """Training tests share a 2-core machine with other sessions: one intra-op thread per process, which
 also keeps float reductions identical between in-process and subprocess runs (bitwise comparisons)."""
 
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from tests.threads import one_thread  # noqa: F401 (autouse)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from trainer.convert import hf_io, names
-from trainer.convert.layout import TRACKER, CheckpointError
+from trainer.convert.layout import TRACKER, CheckpointError, prepare_output
 from trainer.convert.reference import make_source
 from trainer.convert.shards import load_merged, write_checkpoint
 from trainer.convert.spec import EOD_TOKEN, GPTSpec
@@ -132,19 +132,11 @@ def checkpoint_args(spec: GPTSpec, cfg: FromHFConfig, tok: RunTokenizer | None) 
     }
 
 
-def _prepare_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"output directory {out} is not empty; pass --overwrite to replace it")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-
-
 def convert_hf_model(cfg: FromHFConfig) -> VerifyReport:
     """Write the checkpoint, read it back and verify it against the HF model; returns the figures."""
     spec, _ = read_spec(cfg.model_dir, cfg)
     hf_state = read_state(cfg.model_dir)
-    _prepare_output(cfg.output_dir, cfg.overwrite)
+    prepare_output(cfg.output_dir, cfg.overwrite)
     tok = copy_tokenizer(cfg.model_dir, cfg.output_dir / "tokenizer")
     if tok is not None and tok.size > spec.vocab_size:
         raise CheckpointError(f"{cfg.model_dir}: tokenizer has {tok.size} tokens but the model only "

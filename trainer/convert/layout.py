@@ -14,6 +14,7 @@ written by ``from_hf`` at any (tp, pp) can be read back by ``to_hf`` and vice ve
 from __future__ import annotations
 
 import pickle
+import shutil
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,15 @@ def iteration_path(checkpoint_dir: Path, iteration: int | None) -> tuple[Path, i
         raise CheckpointError(f"{source} but {path} does not exist (available: {found or 'none'}); "
                               "pass --iteration with one that exists")
     return path, iteration
+
+
+def prepare_output(out: Path, overwrite: bool) -> None:
+    """An empty output folder for a converter: refuse a non-empty one unless ``overwrite``."""
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"output directory {out} is not empty; pass --overwrite to replace it")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
 
 
 def discover_layout(iter_dir: Path) -> tuple[int, int]:

@@ -12,7 +12,6 @@ invalid: an ``INVALID`` file saying why, and no config.json, so nothing loads it
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from trainer.convert import card, hf_io, names
-from trainer.convert.layout import CheckpointError, iteration_path
+from trainer.convert.layout import CheckpointError, iteration_path, prepare_output
 from trainer.convert.reference import make_source
 from trainer.convert.shards import MergedCheckpoint, load_merged
 from trainer.convert.spec import GPTSpec, arg, spec_from_checkpoint
@@ -92,11 +91,7 @@ def _tokenizer(cfg: ToHFConfig, merged: MergedCheckpoint) -> RunTokenizer:
 
 
 def _prepare_output(out: Path, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"output directory {out} is not empty; pass --overwrite to replace it")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_output(out, overwrite)
     (out / INVALID).write_text("conversion did not finish\n")
 
 
