@@ -1,7 +1,7 @@
 """What heartbeats, the watchdog and the preflight cost, measured in this one run.
 
-1. Step time with the health monitor watching (``trainer.health.Monitor.watch``: ticks from the batch
-   iterator and the step callback, the heartbeat thread writing every 0.1 s, 100x more often than the
+1. Step time with the health monitor watching (``Monitor.tick`` called by ``trainer.training``: ticks
+   from the batch iterator and the step, the heartbeat thread writing every 0.1 s, 100x more often than the
    default) versus the same steps with no Monitor at all (none constructed, no thread alive: the run
    records the threads alive during those steps), on the smallest model Slipway trains (the worst case
    for a per-step overhead). Steps alternate between the two in blocks so both see the same machine

@@ -16,12 +16,13 @@ Every rank runs one daemon thread (``Monitor``) that
   act once the step exits.
 
 Progress ("ticks") comes from the loop's data iterators (every micro-batch, train and validation), the
-end of every step and both ends of every checkpoint save (``Monitor.watch``): each of one step, one
-evaluation batch and one save must fit in ``hang_timeout_s``, however long the evaluation or the time
-between saves. Saves stay watched because a node whose filesystem client hangs mid-save is a classic
-sick node (the others wait at the save's barrier). Start-up (preflight, dataset index builds, checkpoint
-loading) is not counted: the watchdog arms with the first training batch; ranks waiting there for a slow
-rank are bounded by the process group's own timeout (``init_distributed``: 30 min).
+end of every step and both ends of every checkpoint save (the loop in ``trainer.training`` calls
+``Monitor.tick``): each of one step, one evaluation batch and one save must fit in ``hang_timeout_s``,
+however long the evaluation or the time between saves. Saves stay watched because a node whose filesystem
+client hangs mid-save is a classic sick node (the others wait at the save's barrier). Start-up
+(preflight, dataset index builds, checkpoint loading) is not counted: the watchdog arms with the first
+training batch; ranks waiting there for a slow rank are bounded by the process group's own timeout
+(``init_distributed``: 30 min).
 
 A backstop covers hangs that hold the GIL (the Python thread could not run): while progress is fresh the
 watchdog re-arms ``faulthandler.dump_traceback_later`` at ``hang_timeout_s`` + 60 s, whose C thread dumps
