@@ -1,4 +1,6 @@
-"""The configuration, defined once: one small dataclass per section, and ``RunConfig`` tying them.
+"""The configuration, defined once: one small dataclass per section (``model``/``parallel`` in
+:mod:`trainer.config.model`, ``train``/``optim`` in :mod:`trainer.config.train`, the rest here), and
+``RunConfig`` tying them.
 
 These classes are the single definition of every trainer setting, its type, its default and its rules.
 The Hydra schema (orchestrator/schema.py) is built from them (it adds only the orchestrator's own
@@ -20,10 +22,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.checks import ConfigIssue, Section, choice, enforce, issue, positive
+from trainer.checks import ConfigIssue, Section, choice, issue, positive
 from trainer.config.model import ATTENTION_BACKENDS, ModelConfig, ParallelConfig
+from trainer.config.train import DECAY_STYLES, OPTIM_IMPLS, PRECISIONS, OptimConfig, TrainConfig
 from trainer.data.splits import parse_split
-from trainer.health.config import HealthConfig
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -32,131 +34,9 @@ __all__ = ["CheckpointConfig", "CorpusConfig", "DataConfig", "LoggingConfig", "M
            "OptimConfig", "ParallelConfig", "RunConfig", "TokenizerConfig", "TrainConfig", "WandbConfig",
            "ATTENTION_BACKENDS", "PRECISIONS", "DECAY_STYLES", "OPTIM_IMPLS", "WANDB_MODES", "ON_ERROR"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
-OPTIM_IMPLS = ("auto", "apex", "csrc", "torch_fused", "foreach", "for_loop")
 WANDB_MODES = ("online", "offline", "disabled")
 ON_ERROR = ("fail", "skip")
-DEVICES = ("auto", "cpu", "cuda")
 KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile")
-
-
-@dataclass
-class TrainConfig(HealthConfig):
-    """Batch sizes, length, precision, and the save/eval/log cadence (all counted in iterations)."""
-
-    micro_batch_size: int = 1
-    """Sequences per forward/backward pass on one data-parallel rank."""
-    global_batch_size: int | None = None
-    """Sequences per optimizer step over all ranks; a multiple of micro_batch_size × dp (the rest is
-    gradient accumulation, or the pipeline's micro-batches); null: micro_batch_size × dp."""
-    iters: int = 1000
-    """Optimizer steps in the whole run (requeues and retries included)."""
-    precision: str = "fp32"
-    """fp32, bf16 (autocast; fp32 weights and optimizer) or fp16 (autocast with dynamic loss scaling;
-    needs GPUs)."""
-    seed: int = 1234
-    """Seed of the initialisation, the data order and dropout; the same seed gives the same model under
-    every (tp, pp) layout."""
-    save_interval: int | None = None
-    """Iterations between checkpoints (one is also saved on a stop signal and at the end); null: only
-    those."""
-    eval_interval: int | None = 1000
-    """Iterations between validation passes; null: no validation."""
-    eval_iters: int = 10
-    """Validation batches per validation pass."""
-    log_interval: int = 10
-    """Iterations between log lines (loss, learning rate, tokens/s, TFLOP/s, MFU) and W&B points."""
-    deterministic: bool = False
-    """Deterministic algorithms: bitwise-reproducible steps and resumes (used by the resume tests;
-    slower on GPU)."""
-    device: str = "auto"
-    """auto (CUDA when available, else CPU), cpu or cuda."""
-    initial_loss_scale: float = 2.0**32
-    """fp16: the dynamic loss scale to start from (Megatron's default 2^32)."""
-    loss_scale_window: int = 1000
-    """fp16: steps without overflow before the loss scale doubles."""
-    hysteresis: int = 2
-    """fp16: overflows tolerated before the loss scale halves."""
-    min_loss_scale: float = 1.0
-    """fp16: the loss scale never goes below this."""
-
-    def __post_init__(self) -> None:
-        enforce(self.problems())
-
-    def problems(self) -> list[ConfigIssue]:
-        out = super().problems()
-        for name in ("micro_batch_size", "iters", "log_interval", "loss_scale_window", "hysteresis"):
-            out += positive(f"train.{name}", getattr(self, name))
-        for name in ("global_batch_size", "save_interval", "eval_interval"):
-            out += positive(f"train.{name}", getattr(self, name), allow_none=True)
-        if self.eval_iters < 0:
-            out.append(issue("positive", "train.eval_iters", self.eval_iters, "must be 0 or more",
-                             "set train.eval_iters to 0 or more"))
-        out += choice("train.precision", self.precision, PRECISIONS)
-        out += choice("train.device", self.device, DEVICES)
-        if not 0 < self.min_loss_scale <= self.initial_loss_scale:
-            out.append(issue("loss_scale", "train.min_loss_scale", self.min_loss_scale,
-                             f"must be in (0, initial_loss_scale={self.initial_loss_scale}]",
-                             "lower train.min_loss_scale"))
-        return out
-
-    def health(self) -> HealthConfig:
-        """The heartbeat/watchdog/preflight slice."""
-        return HealthConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(HealthConfig)})
-
-
-@dataclass
-class OptimConfig(Section):
-    """AdamW (Megatron's defaults) and the learning-rate schedule."""
-
-    lr: float = 3.0e-4
-    """Peak learning rate, reached at the end of the warm-up."""
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay (kept after it); at most lr."""
-    warmup_iters: int = 0
-    """Iterations of linear warm-up from 0 to lr."""
-    decay_iters: int | None = None
-    """Iterations from the start to the end of the decay; null: train.iters."""
-    decay_style: str = "cosine"
-    """Decay from lr to min_lr: cosine, linear, constant or inverse-square-root."""
-    weight_decay: float = 0.01
-    """Decoupled (AdamW) weight decay; not applied to biases and LayerNorm weights (Megatron: 0.01)."""
-    adam_beta1: float = 0.9
-    """Adam's first-moment decay."""
-    adam_beta2: float = 0.999
-    """Adam's second-moment decay."""
-    adam_eps: float = 1.0e-8
-    """Adam's epsilon."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this value; 0 disables clipping (the norm is still logged)."""
-    impl: str = "auto"
-    """AdamW implementation: auto (apex FusedAdam on CUDA when importable, else torch fused on CUDA,
-    else Slipway's csrc kernel or foreach), apex, csrc, torch_fused, foreach or for_loop."""
-
-    def problems(self) -> list[ConfigIssue]:
-        out = positive("optim.lr", self.lr)
-        if self.min_lr < 0 or self.min_lr > self.lr:
-            out.append(issue("lr_range", "optim.min_lr", self.min_lr, f"must be in [0, optim.lr={self.lr}]",
-                             "set optim.min_lr <= optim.lr"))
-        if self.warmup_iters < 0:
-            out.append(issue("positive", "optim.warmup_iters", self.warmup_iters, "must be 0 or more",
-                             "set optim.warmup_iters >= 0"))
-        if self.decay_iters is not None and self.decay_iters < self.warmup_iters:
-            out.append(issue("warmup", "optim.warmup_iters", self.warmup_iters,
-                             f"exceeds the decay length optim.decay_iters={self.decay_iters}",
-                             "lower optim.warmup_iters"))
-        out += choice("optim.decay_style", self.decay_style, DECAY_STYLES)
-        out += choice("optim.impl", self.impl, OPTIM_IMPLS)
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                out.append(issue("range", f"optim.{name}", getattr(self, name), "must be in [0, 1)",
-                                 f"set optim.{name}=0.9"))
-        for name in ("weight_decay", "clip_grad"):
-            if getattr(self, name) < 0:
-                out.append(issue("range", f"optim.{name}", getattr(self, name), "must be >= 0",
-                                 f"set optim.{name} to 0 or more"))
-        return out + positive("optim.adam_eps", self.adam_eps)
 
 
 @dataclass
