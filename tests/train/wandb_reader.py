@@ -76,5 +76,15 @@ def run_ids(path: str) -> set[str]:
 
 
 def run_files(run_dir: str) -> list[str]:
-    """All offline ``.wandb`` files under ``run_dir``, oldest first."""
-    return sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb")))
+    """All offline ``.wandb`` files under ``run_dir``, oldest first. W&B names a run's folder
+    ``offline-run-<YYYYmmdd_HHMMSS>-<id>`` and appends ``-1``, ``-2`` ... when a second run of the same id
+    starts within the same second, so a plain sort would put ``<id>-1/`` before ``<id>/`` ('-' < '/')."""
+    return sorted(glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb")), key=_started)
+
+
+def _started(path: str) -> tuple[str, int]:
+    folder, name = os.path.basename(os.path.dirname(path)), os.path.basename(path)
+    run_id = name[len("run-"):-len(".wandb")]
+    stamp, _, rest = folder[len("offline-run-"):].partition("-")
+    suffix = rest[len(run_id):].lstrip("-")
+    return stamp, int(suffix) if suffix.isdigit() else 0
