@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import pickle
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
+from trainer.checkpoint import pickles
+
 # The names and the error type are the trainer's (one definition of the layout); reading is our own:
-# memory-mapped, refusing pickles by default, and with errors that point at the converter's flags.
+# memory-mapped, by the restricted unpickler, and with errors that point at the converter's flags.
 from trainer.checkpoint.layout import (
     SHARD_DIR_RE,
     SHARD_FILE,
@@ -33,6 +33,9 @@ from trainer.checkpoint.layout import (
     shard_dir_name,
 )
 from trainer.checkpoint.layout import read_tracker as ckpt_read_tracker
+from trainer.log import get_logger
+
+log = get_logger(__name__)
 
 
 def read_tracker(checkpoint_dir: Path) -> int:
@@ -95,39 +98,24 @@ def discover_layout(iter_dir: Path) -> tuple[int, int]:
     return tp_size, pp_size
 
 
-def _numpy_globals() -> list:
-    """The numpy pieces an RNG state needs; plain data, so safe to allow under ``weights_only``."""
-    core = getattr(np, "_core", None) or np.core
-    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype]
-    dtypes = getattr(np, "dtypes", None)
-    if dtypes is not None:
-        allowed += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")]
-    return allowed
-
-
-@contextmanager
-def _safe_numpy():
-    with torch.serialization.safe_globals(_numpy_globals()):
-        yield
-
-
 def load_shard(path: Path, trust_pickle: bool = False) -> dict[str, Any]:
-    """One ``model_optim_rng.pt``, memory-mapped. Arbitrary pickles (Megatron-LM's argparse Namespace)
-    only with ``trust_pickle``: unpickling runs code from the file."""
+    """One ``model_optim_rng.pt`` (or torch_dist ``common.pt``), memory-mapped, by the restricted reader
+    (:mod:`trainer.checkpoint.pickles`: Megatron-LM's Namespace args and classes load without Megatron
+    and without running code). ``trust_pickle`` unpickles anything else too, running code from the file."""
     try:
         if trust_pickle:
+            log.warning("%s: --trust-pickle unpickles arbitrary objects: code in the file runs", path)
             return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        with _safe_numpy():
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError as e:
-        if trust_pickle:
-            raise CheckpointError(f"{path} is not a readable torch checkpoint: {e}") from e
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        return pickles.load(str(path))
+    except pickles.UnsafePickle as e:
         raise CheckpointError(
-            f"{path} contains pickled Python objects ({', '.join(unsafe) or 'unknown'}), as Megatron-LM "
-            "writes (args is an argparse Namespace). Loading them runs code from the file, so it is off by "
+            f"{path} pickles Python objects beyond plain data, tensors, argparse.Namespace and Megatron's "
+            f"own classes ({', '.join(e.names)}). Loading them runs code from the file, so it is off by "
             "default: pass --trust-pickle if you trust where this checkpoint came from") from None
-    except (RuntimeError, EOFError, OSError) as e:
+    except ModuleNotFoundError as e:
+        raise CheckpointError(f"{path} needs the Python module {e.name!r} to unpickle; load it without "
+                              "--trust-pickle (Megatron's own classes need no Megatron install)") from e
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
         raise CheckpointError(f"{path} cannot be read ({e.__class__.__name__}: {e}); the file is truncated "
                               "or not a torch checkpoint") from e
 

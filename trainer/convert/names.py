@@ -37,6 +37,7 @@ class Rule:
     hf: str
     op: str  # key of TRANSFORMS
     stage: str  # FIRST | LAYER | LAST
+    mcore: str  # Megatron-core GPTModel's name (the same tensor, the same layout)
 
     @property
     def tp(self) -> str:
@@ -44,35 +45,55 @@ class Rule:
         return sharding.kind(self.megatron.replace("{i}", "0"))
 
 
-def _layer(megatron: str, hf: str, op: str) -> Rule:
-    return Rule(ENCODER + "layers.{i}." + megatron, "transformer.h.{i}." + hf, op, LAYER)
+def _layer(megatron: str, hf: str, op: str, mcore: str) -> Rule:
+    return Rule(ENCODER + "layers.{i}." + megatron, "transformer.h.{i}." + hf, op, LAYER,
+                MCORE_LAYERS + "{i}." + mcore)
 
+
+MCORE_LAYERS = "decoder.layers."
+MCORE_HEAD = "output_layer.weight"  # mcore's tied head copy on a last stage without the embedding
 
 RULES: tuple[Rule, ...] = (
-    Rule(WORD_EMBEDDINGS, "transformer.wte.weight", "vocab", FIRST),
-    Rule(POSITION_EMBEDDINGS, "transformer.wpe.weight", "copy", FIRST),
-    _layer("input_layernorm.weight", "ln_1.weight", "copy"),
-    _layer("input_layernorm.bias", "ln_1.bias", "copy"),
-    _layer("self_attention.query_key_value.weight", "attn.c_attn.weight", "qkv_weight"),
-    _layer("self_attention.query_key_value.bias", "attn.c_attn.bias", "qkv_bias"),
-    _layer("self_attention.dense.weight", "attn.c_proj.weight", "transpose"),
-    _layer("self_attention.dense.bias", "attn.c_proj.bias", "copy"),
-    _layer("post_attention_layernorm.weight", "ln_2.weight", "copy"),
-    _layer("post_attention_layernorm.bias", "ln_2.bias", "copy"),
-    _layer("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight", "transpose"),
-    _layer("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias", "copy"),
-    _layer("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", "transpose"),
-    _layer("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", "copy"),
-    Rule(ENCODER + "final_layernorm.weight", "transformer.ln_f.weight", "copy", LAST),
-    Rule(ENCODER + "final_layernorm.bias", "transformer.ln_f.bias", "copy", LAST),
+    Rule(WORD_EMBEDDINGS, "transformer.wte.weight", "vocab", FIRST, "embedding.word_embeddings.weight"),
+    Rule(POSITION_EMBEDDINGS, "transformer.wpe.weight", "copy", FIRST,
+         "embedding.position_embeddings.weight"),
+    _layer("input_layernorm.weight", "ln_1.weight", "copy", "input_layernorm.weight"),
+    _layer("input_layernorm.bias", "ln_1.bias", "copy", "input_layernorm.bias"),
+    _layer("self_attention.query_key_value.weight", "attn.c_attn.weight", "qkv_weight",
+           "self_attention.linear_qkv.weight"),
+    _layer("self_attention.query_key_value.bias", "attn.c_attn.bias", "qkv_bias",
+           "self_attention.linear_qkv.bias"),
+    _layer("self_attention.dense.weight", "attn.c_proj.weight", "transpose",
+           "self_attention.linear_proj.weight"),
+    _layer("self_attention.dense.bias", "attn.c_proj.bias", "copy", "self_attention.linear_proj.bias"),
+    _layer("post_attention_layernorm.weight", "ln_2.weight", "copy", "pre_mlp_layernorm.weight"),
+    _layer("post_attention_layernorm.bias", "ln_2.bias", "copy", "pre_mlp_layernorm.bias"),
+    _layer("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight", "transpose", "mlp.linear_fc1.weight"),
+    _layer("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias", "copy", "mlp.linear_fc1.bias"),
+    _layer("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", "transpose", "mlp.linear_fc2.weight"),
+    _layer("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", "copy", "mlp.linear_fc2.bias"),
+    Rule(ENCODER + "final_layernorm.weight", "transformer.ln_f.weight", "copy", LAST,
+         "decoder.final_layernorm.weight"),
+    Rule(ENCODER + "final_layernorm.bias", "transformer.ln_f.bias", "copy", LAST,
+         "decoder.final_layernorm.bias"),
 )
 
-# Older Megatron releases call the encoder "transformer" and the attention block "attention"; newer
-# legacy-format ones may hold Transformer Engine bookkeeping. Normalised on read, never written.
+# Naming eras of Megatron's legacy model, normalised on read, never written: older releases call the
+# encoder "transformer" and the attention block "attention"; since core_v0.4.0 the norms are
+# input_norm / post_attention_norm / final_norm.
 ALIASES: tuple[tuple[str, str], ...] = (
     ("language_model.transformer.", ENCODER),
     (".attention.query_key_value.", ".self_attention.query_key_value."),
     (".attention.dense.", ".self_attention.dense."),
+    (".input_norm.", ".input_layernorm."),
+    (".post_attention_norm.", ".post_attention_layernorm."),
+    (ENCODER + "final_norm.", ENCODER + "final_layernorm."),
+)
+# Megatron-core with Transformer-Engine-style names (torch_dist checkpoints of the local spec too): the
+# layer norms are stored inside the linear they feed. Normalised to mcore's own names on read.
+MCORE_ALIASES: tuple[tuple[str, str], ...] = (
+    (".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
+    (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."),
 )
 IGNORED_SUFFIXES = ("._extra_state", ".attn.bias", ".attn.masked_bias")
 
@@ -135,6 +156,7 @@ def _pattern(template: str) -> re.Pattern:
 
 _BY_MEGATRON = [(_pattern(r.megatron), r) for r in RULES]
 _BY_HF = [(_pattern(r.hf), r) for r in RULES]
+_BY_MCORE = [(_pattern(r.mcore), r) for r in RULES]
 
 
 def match(name: str, hf: bool = False) -> tuple[Rule, int | None] | None:
@@ -153,6 +175,33 @@ def normalize(name: str) -> str | None:
     for old, new in ALIASES:
         name = name.replace(old, new)
     return name
+
+
+def from_mcore(name: str) -> str | None:
+    """A Megatron-core name in Slipway's (legacy) spelling; None for bookkeeping (``_extra_state``) and
+    for names the table does not know (the caller reports those)."""
+    if name.endswith(IGNORED_SUFFIXES):
+        return None
+    for old, new in MCORE_ALIASES:
+        name = name.replace(old, new)
+    if name == MCORE_HEAD:
+        return HEAD_EMBEDDINGS
+    for pattern, rule in _BY_MCORE:
+        m = pattern.match(name)
+        if m:
+            return rule.megatron.format(i=m.group("i")) if "i" in m.groupdict() else rule.megatron
+    return None
+
+
+def to_mcore(name: str) -> str:
+    """Slipway's (legacy) flat name in Megatron-core's spelling (the inverse of :func:`from_mcore`)."""
+    if name == HEAD_EMBEDDINGS:
+        return MCORE_HEAD
+    found = match(name)
+    if found is None:
+        raise KeyError(f"no Megatron-core name for {name!r}")
+    rule, i = found
+    return rule.mcore.format(i=i)
 
 
 def megatron_to_hf(state: dict[str, torch.Tensor], shapes: Shapes) -> dict[str, torch.Tensor]:

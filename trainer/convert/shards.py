@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.layout import CHECKPOINT_VERSION, iter_dir_name
-from trainer.convert import names
+from trainer.convert import dist, names
 from trainer.convert.layout import (
     SHARD_FILE,
     CheckpointError,
@@ -59,19 +59,45 @@ def _stage_model(shard: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
         keys = sorted(shard)[:8] if isinstance(shard, dict) else type(shard).__name__
         raise CheckpointError(f"{path} has no 'model' entry (found {keys}): not a Megatron/Slipway "
                               "checkpoint")
+    model = shard["model"]
+    mcore = not ({"language_model", "word_embeddings_for_head"} & set(model))
+    return normalise_names(model if mcore else flatten(model), mcore, path)
+
+
+def normalise_names(flat: dict[str, Any], mcore: bool, where: Path) -> dict[str, torch.Tensor]:
+    """Flat parameter names of any era (legacy, legacy ≥ core_v0.4, Megatron-core, TE-style) → Slipway's
+    legacy names, bookkeeping entries dropped; unknown names refused with the feature they suggest."""
     out, unknown = {}, []
-    for raw, tensor in flatten(shard["model"]).items():
-        name = names.normalize(raw)
-        if name is None:
+    for raw, tensor in flat.items():
+        if raw.endswith(names.IGNORED_SUFFIXES):
             continue
-        if name != names.HEAD_EMBEDDINGS and names.match(name) is None:
+        name = names.from_mcore(raw) if mcore else names.normalize(raw)
+        if name is None or (name != names.HEAD_EMBEDDINGS and names.match(name) is None):
             unknown.append(raw)
+            continue
         out[name] = tensor
     if unknown:
-        raise CheckpointError(f"{path} is not a GPT checkpoint Slipway can convert (GPT-2 architecture: "
-                              f"learned positions, LayerNorm, GeLU MLP, tied head); unexpected parameters: "
+        raise CheckpointError(f"{where} is not a GPT checkpoint Slipway can convert "
+                              f"({unsupported(unknown)}); unexpected parameters: "
                               f"{unknown[:6]}{' …' if len(unknown) > 6 else ''}")
     return out
+
+
+# Parameter-name hints of Megatron models that are not a GPT-2-architecture GPT (mcore GPTs have no
+# "encoder.", legacy GPTs no "decoder." once normalised: either in the unknown names means T5).
+_VARIANTS = ((".experts.", "a mixture-of-experts (MoE) model"),
+             (".router.", "a mixture-of-experts (MoE) model"),
+             ("binary_head", "a BERT model"), ("lm_head.dense", "a BERT model"),
+             ("encoder.", "an encoder-decoder (T5) model"), ("decoder.", "an encoder-decoder (T5) model"),
+             ("linear_q_down_proj", "a multi-latent-attention model"))
+
+
+def unsupported(unknown: list[str]) -> str:
+    """What the unexpected names say the model is (the README lists what Slipway converts)."""
+    for hint, what in _VARIANTS:
+        if any(hint in n for n in unknown):
+            return f"it looks like {what}, which Slipway does not convert"
+    return "GPT-2 architecture: learned positions, LayerNorm, GeLU MLP, tied head"
 
 
 def _merge_tp(parts: list[dict[str, torch.Tensor]], path: Path) -> dict[str, torch.Tensor]:
@@ -112,8 +138,30 @@ def _renumber(state: dict[str, torch.Tensor], offset: int) -> dict[str, torch.Te
 
 
 def load_merged(iter_dir: Path, iteration: int | str, trust_pickle: bool = False) -> MergedCheckpoint:
-    """Read every shard of one iteration folder and merge TP and PP into a single full state."""
-    tp_size, pp_size = discover_layout(iter_dir)
+    """Read one iteration folder — the torch format (legacy or Megatron-core names, any tp × pp) or
+    Megatron-core's torch_dist — and merge TP and PP into a single full state in Slipway's names."""
+    if dist.is_dist(iter_dir):
+        flat, meta = dist.load_dist(iter_dir, trust_pickle)
+        state = normalise_names(flat, mcore=True, where=iter_dir)
+        tp_size, pp_size = (int(getattr(meta["args"], k, 1)) for k in ("tensor_model_parallel_size",
+                                                                           "pipeline_model_parallel_size"))
+        head = state.pop(names.HEAD_EMBEDDINGS, None)
+    else:
+        tp_size, pp_size = discover_layout(iter_dir)
+        state, meta, head = _merge_stages(iter_dir, tp_size, pp_size, trust_pickle)
+    num_layers = 1 + max((i for n in state if (i := layer_index(n)) is not None), default=-1)
+    missing = [n for n in names.expected_megatron_names(num_layers) if n not in state]
+    if missing:
+        raise CheckpointError(f"{iter_dir} is incomplete: no {missing[:4]}{' …' if len(missing) > 4 else ''}"
+                              f" in any of its {tp_size * pp_size} shards")
+    _check_head(state, head, iter_dir)
+    version = float(meta["checkpoint_version"] or 0.0)
+    return MergedCheckpoint(state, meta["args"], meta["iteration"] or iteration, version, tp_size, pp_size)
+
+
+def _merge_stages(iter_dir: Path, tp_size: int, pp_size: int, trust_pickle: bool
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any], torch.Tensor | None]:
+    """The torch format: every shard read (memory-mapped), TP merged per stage, stages renumbered."""
     stages, meta = [], None
     for pp in range(pp_size):
         parts = []
@@ -131,14 +179,7 @@ def load_merged(iter_dir: Path, iteration: int | str, trust_pickle: bool = False
     for stage, offset in zip(stages, _layer_offsets(layers), strict=True):
         head = stage.pop(names.HEAD_EMBEDDINGS, head)
         state.update(_renumber(stage, offset))
-    num_layers = sum(len(s) for s in layers)
-    missing = [n for n in names.expected_megatron_names(num_layers) if n not in state]
-    if missing:
-        raise CheckpointError(f"{iter_dir} is incomplete: no {missing[:4]}{' …' if len(missing) > 4 else ''}"
-                              f" in any of its {tp_size * pp_size} shards")
-    _check_head(state, head, iter_dir)
-    version = float(meta["checkpoint_version"] or 0.0)
-    return MergedCheckpoint(state, meta["args"], meta["iteration"] or iteration, version, tp_size, pp_size)
+    return state, meta, head
 
 
 def _check_head(state: dict[str, torch.Tensor], head: torch.Tensor | None, where: Path) -> None:

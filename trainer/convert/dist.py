@@ -1,0 +1,89 @@
+"""Reading Megatron-core's ``torch_dist`` checkpoints with ``torch.distributed.checkpoint`` alone.
+
+The default format of current Megatron-LM (``--use-dist-ckpt``, ``--dist-ckpt-format torch_dist``)::
+
+    iter_0000007/.metadata        torch.distributed.checkpoint metadata: every tensor's global shape
+    iter_0000007/__R_I.distcp     the chunks, written by each rank
+    iter_0000007/common.pt        args, iteration, checkpoint_version (a plain torch file)
+    iter_0000007/metadata.json    {"sharded_backend": "torch_dist", ...}
+
+Tensors are stored *global* (tp shards and pp stages already assembled by the format), with the layers
+of ``decoder.layers`` stacked along a leading dimension and, for the local spec too, Transformer-Engine
+names for the layer norms (``self_attention.linear_qkv.layer_norm_weight``). :func:`load_dist` reads the
+tensors with no process group and no Megatron import, unstacks the layers, and returns Megatron-core
+flat names (``decoder.layers.{i}.…``) for :func:`trainer.convert.shards.normalise_names`.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.convert.layout import CheckpointError, load_shard
+
+METADATA = ".metadata"
+COMMON = "common.pt"
+STACKED = "decoder.layers."
+
+
+def is_dist(iter_dir: Path) -> bool:
+    return (iter_dir / METADATA).is_file() and (iter_dir / COMMON).is_file()
+
+
+def _backend(iter_dir: Path) -> None:
+    info = iter_dir / "metadata.json"
+    backend = json.loads(info.read_text()).get("sharded_backend") if info.is_file() else "torch_dist"
+    if backend != "torch_dist":
+        raise CheckpointError(f"{iter_dir} is a Megatron distributed checkpoint in the {backend!r} format; "
+                              "Slipway reads torch_dist (re-save with --dist-ckpt-format torch_dist, or in "
+                              "the torch format with --ckpt-format torch)")
+
+
+def _read_tensors(iter_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at its global shape (objects such as RNG states are skipped)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(str(iter_dir))
+    try:
+        meta = reader.read_metadata()
+    except Exception as e:  # noqa: BLE001 - reported with the folder and what to check
+        raise CheckpointError(f"{iter_dir}/{METADATA} cannot be read ({type(e).__name__}: {e}): the "
+                              "checkpoint is incomplete or not a torch.distributed.checkpoint") from e
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype)
+             for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state
+
+
+def unstack(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """``decoder.layers.X`` [L, ...] → ``decoder.layers.{i}.X`` [...] for i < L."""
+    out = {}
+    for name, tensor in state.items():
+        if not name.startswith(STACKED) or name[len(STACKED):].split(".", 1)[0].isdigit():
+            out[name] = tensor
+            continue
+        if tensor.shape[0] != num_layers:
+            raise CheckpointError(f"{name} stacks {tensor.shape[0]} layers but args.num_layers is "
+                                  f"{num_layers}: the checkpoint and its args do not belong together")
+        rest = name[len(STACKED):]
+        out.update({f"{STACKED}{i}.{rest}": tensor[i].clone() for i in range(num_layers)})
+    return out
+
+
+def load_dist(iter_dir: Path, trust_pickle: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """(Megatron-core flat state with per-layer names, the common metadata: args, iteration, version)."""
+    _backend(iter_dir)
+    common = load_shard(iter_dir / COMMON, trust_pickle)
+    args = common.get("args")
+    num_layers = getattr(args, "num_layers", None) if args is not None else None
+    if num_layers is None:
+        raise CheckpointError(f"{iter_dir / COMMON} has no args.num_layers: cannot unstack the layers")
+    state = unstack(_read_tensors(iter_dir), int(num_layers))
+    return state, {k: common.get(k) for k in ("args", "checkpoint_version", "iteration")}
