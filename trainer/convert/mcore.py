@@ -1,0 +1,75 @@
+"""The ``model`` entry of a Megatron-core checkpoint shard (torch format), written and read.
+
+Megatron-core's ``GPTModel`` (the default of current Megatron-LM, ``--use-mcore-models``) saves one flat
+``OrderedDict`` per shard: ``embedding.*`` on the first stage, ``decoder.layers.{i}.*`` (local numbers),
+``decoder.final_layernorm.*`` and ``output_layer.*`` on the last, plus an ``_extra_state`` entry (None)
+for every linear module of the local spec. The names come from the one rules table
+(:mod:`trainer.convert.names`, its ``mcore`` column); this module adds the order and the bookkeeping
+entries so a Slipway shard has exactly the keys Megatron writes, and turns either format back into the
+GPT's flat parameter names (legacy names without ``language_model.``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from trainer.convert import names
+from trainer.model.names import flatten as flatten_legacy
+from trainer.model.names import layer_index
+
+LEGACY_PREFIX = "language_model."
+LINEARS = ("self_attention.linear_proj", "self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2")
+EXTRA = "._extra_state"
+# Megatron-core's order within a layer (its module registration order in the local spec).
+_LAYER_ORDER = ("input_layernorm", "self_attention.linear_proj", "self_attention.linear_qkv",
+                "pre_mlp_layernorm", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def _legacy(gpt_name: str) -> str:
+    return gpt_name if gpt_name == names.HEAD_EMBEDDINGS else LEGACY_PREFIX + gpt_name
+
+
+_LEAF_ORDER = ("weight", "bias", "_extra_state")
+
+
+def _sort_key(mcore_name: str) -> tuple:
+    leaf = _LEAF_ORDER.index(mcore_name.rsplit(".", 1)[1])
+    if mcore_name.startswith("embedding."):
+        return (0, "position" in mcore_name, 0, leaf)  # word embeddings first
+    if mcore_name.startswith(names.MCORE_LAYERS):
+        i, rest = mcore_name[len(names.MCORE_LAYERS):].split(".", 1)
+        module = next(k for k, m in enumerate(_LAYER_ORDER) if rest.startswith(m + "."))
+        return (1, int(i), module, leaf)
+    return (2, mcore_name.startswith("output_layer"), 0, leaf)
+
+
+def to_mcore_model(flat: dict[str, torch.Tensor], post_process: bool) -> OrderedDict:
+    """A stage's flat GPT parameters (``named_parameters`` names) → Megatron-core's shard ``model``."""
+    out: dict[str, Any] = {names.to_mcore(_legacy(n)): t for n, t in flat.items()}
+    for layer in {layer_index(n) for n in out} - {None}:
+        out.update({f"{names.MCORE_LAYERS}{layer}.{m}{EXTRA}": None for m in LINEARS})
+    if post_process:
+        out["output_layer" + EXTRA] = None
+    return OrderedDict(sorted(out.items(), key=lambda kv: _sort_key(kv[0])))
+
+
+def is_mcore_model(model: dict) -> bool:
+    return not ({"language_model", "word_embeddings_for_head"} & set(model))
+
+
+def gpt_flat(model: dict) -> dict[str, torch.Tensor]:
+    """A shard's ``model`` in either format → the GPT's flat parameter names (bookkeeping dropped)."""
+    if not is_mcore_model(model):
+        return flatten_legacy(model)
+    out = {}
+    for key, tensor in model.items():
+        if key.endswith(names.IGNORED_SUFFIXES):
+            continue
+        name = names.from_mcore(key)
+        if name is None:
+            raise KeyError(f"{key!r} is not a Megatron-core GPT parameter Slipway knows")
+        out[name.removeprefix(LEGACY_PREFIX)] = tensor
+    return out
