@@ -1,28 +1,36 @@
 """What a training checkpoint holds and how it is put back: the bridge between the loop and
 ``trainer.checkpoint`` (file layout, atomic protocol) and ``trainer.checkpoint.reshard`` (layout changes).
 
-``args`` (plain types; read by the converters and the orchestrator) uses Megatron's names:
+``args`` is an ``argparse.Namespace`` of plain values under Megatron's names
+(:func:`trainer.checkpoint.megatron_args.megatron_args`: what Megatron-LM and transformers read, plus the
+architecture's fixed values), with the run's own facts added:
 
     num_layers, hidden_size, ffn_hidden_size, num_attention_heads, kv_channels, seq_length,
     max_position_embeddings, vocab_size (the tokenizer's), padded_vocab_size, make_vocab_size_divisible_by,
-    layernorm_epsilon, hidden_dropout, attention_dropout, init_method_std, position_embedding_type,
-    normalization, untie_embeddings_and_output_weights, tensor_model_parallel_size,
+    layernorm_epsilon, hidden_dropout, attention_dropout, init_method_std, tensor_model_parallel_size,
     pipeline_model_parallel_size, data_parallel_size, world_size, sequence_parallel, micro_batch_size,
     global_batch_size, train_iters, iteration, consumed_train_samples, consumed_valid_samples, fp16, bf16,
-    params_dtype, seed, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters, weight_decay,
-    adam_beta1, adam_beta2, adam_eps, clip_grad, tokenizer_type, vocab_file, merge_file, eod_token_id,
-    data_path, split, kernels, attention_backend, run_id, run_dir, slipway_version.
+    seed, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters, weight_decay, adam_beta1,
+    adam_beta2, adam_eps, clip_grad, tokenizer_type, vocab_file, merge_file, eod_token_id, data_path,
+    split, kernels, attention_backend, run_id, run_dir, slipway_version.
+
+Checkpoints of older Slipway versions carry a dict; everything here reads args through
+:func:`trainer.checkpoint.layout.arg`, which takes both.
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 import trainer
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import reshard
+from trainer.checkpoint.layout import arg
+from trainer.checkpoint.megatron_args import megatron_args
 from trainer.log import get_logger
 from trainer.model.config import GPTConfig
 from trainer.model.names import nest
@@ -44,11 +52,12 @@ class RunFacts:
     run_id: str | None
 
 
-def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts, state: TrainState) -> dict:
-    """Megatron-named ``args`` (plain types only)."""
+def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
+                    state: TrainState) -> argparse.Namespace:
+    """Megatron-named ``args`` (plain values; see the module docstring)."""
     c, ps = facts.config, model.pstate
     t, o, tok = c["train"], c["optim"], c["tokenizer"]
-    return {
+    return megatron_args({
         "num_layers": gpt.num_layers, "hidden_size": gpt.hidden_size, "ffn_hidden_size": gpt.ffn_hidden_size,
         "num_attention_heads": gpt.num_attention_heads, "kv_channels": gpt.head_dim,
         "seq_length": gpt.seq_length, "max_position_embeddings": gpt.max_position_embeddings,
@@ -56,8 +65,6 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts, state
         "make_vocab_size_divisible_by": gpt.make_vocab_size_divisible_by,
         "layernorm_epsilon": gpt.layernorm_epsilon, "hidden_dropout": gpt.hidden_dropout,
         "attention_dropout": gpt.attention_dropout, "init_method_std": gpt.init_std,
-        "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
-        "untie_embeddings_and_output_weights": False,
         "tensor_model_parallel_size": ps.tp_size, "pipeline_model_parallel_size": ps.pp_size,
         "data_parallel_size": ps.dp_size, "world_size": ps.world_size,
         "sequence_parallel": bool(c["parallel"]["sequence_parallel"]),
@@ -65,7 +72,7 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts, state
         "train_iters": t["iters"], "iteration": state.iteration,
         "consumed_train_samples": state.consumed_train_samples,
         "consumed_valid_samples": state.consumed_valid_samples,
-        "fp16": t["precision"] == "fp16", "bf16": t["precision"] == "bf16", "params_dtype": "float32",
+        "fp16": t["precision"] == "fp16", "bf16": t["precision"] == "bf16",
         "seed": t["seed"], "lr": o["lr"], "min_lr": o["min_lr"], "lr_decay_style": o["decay_style"],
         "lr_warmup_iters": o["warmup_iters"], "lr_decay_iters": o["decay_iters"] or t["iters"],
         "weight_decay": o["weight_decay"], "adam_beta1": o["adam_beta1"], "adam_beta2": o["adam_beta2"],
@@ -74,7 +81,7 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts, state
         "data_path": list(c["data"]["paths"]), "split": c["data"]["split"], "kernels": c["kernels"],
         "attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
         "slipway_version": trainer.__version__,
-    }
+    })
 
 
 def param_names(model: ParallelModel, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -92,7 +99,7 @@ class Restorable:
     scaler: LossScaler
 
 
-def build_state(model: ParallelModel, parts: Restorable, args: dict, state: TrainState, config: dict) -> dict:
+def build_state(model: ParallelModel, parts: Restorable, args: Any, state: TrainState, config: dict) -> dict:
     """This rank's ``model_optim_rng.pt`` contents (RNG states gathered over data-parallel ranks)."""
     ps = model.pstate
     return {
@@ -108,10 +115,10 @@ def build_state(model: ParallelModel, parts: Restorable, args: dict, state: Trai
 
 
 def train_state_from(shard: dict) -> TrainState:
-    args, extra = shard["args"], shard.get("slipway", {})
+    args, extra = shard.get("args"), shard.get("slipway", {})
     return TrainState(iteration=int(shard["iteration"]),
-                      consumed_train_samples=int(args.get("consumed_train_samples", 0)),
-                      consumed_valid_samples=int(args.get("consumed_valid_samples", 0)),
+                      consumed_train_samples=int(arg(args, "consumed_train_samples", 0)),
+                      consumed_valid_samples=int(arg(args, "consumed_valid_samples", 0)),
                       skipped_iters=int(extra.get("skipped_iters", 0)),
                       nan_iters=int(extra.get("nan_iters", 0)),
                       log_window=dict(extra.get("log_window") or {}))
@@ -157,13 +164,13 @@ def _restore_common(shard: dict, parts: Restorable) -> None:
         parts.scaler.load_state_dict(scaler_state)
 
 
-def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, dict], model: ParallelModel,
+def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any], model: ParallelModel,
                       parts: Restorable | None) -> TrainState:
     """Load from a checkpoint saved with another (tp, pp) layout: merge, re-slice (weights and Adam
     moments); RNG states are not carried over (they belong to the old layout's ranks)."""
     src_tp, src_pp, args = saved
     ps, module = model.pstate, model.module
-    src = reshard.SourceCheckpoint(ckpt_dir, iteration, src_tp, src_pp, int(args["num_layers"]))
+    src = reshard.SourceCheckpoint(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")))
     target = reshard.Target(ps.tp_rank, ps.tp_size, module.stage.layer_start, module.stage.layer_end,
                             module.stage.pre_process, module.stage.post_process, module.padded_vocab_size)
     local = [n for n, _ in model.named_parameters()]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from trainer import formulas, health, metrics, testing_hooks
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
+from trainer.checkpoint.layout import arg
 from trainer.ckpt_state import (
     Restorable,
     RunFacts,
@@ -158,7 +159,7 @@ def load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Parallel
     """Restore from ``plan`` (see resolve_load), resharding when the saved (tp, pp) differ."""
     ckpt_dir, iteration, model_only = plan
     tp, pp, args = ckpt.saved_layout(ckpt_dir, iteration)
-    wrong = {k: (args.get(k), getattr(gpt, k)) for k in _MODEL_KEYS if args.get(k) != getattr(gpt, k)}
+    wrong = {k: (arg(args, k), getattr(gpt, k)) for k in _MODEL_KEYS if arg(args, k) != getattr(gpt, k)}
     if wrong:
         raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} iteration {iteration} is a different model "
                                    f"(saved, configured): {wrong}; fix the model section or load another")

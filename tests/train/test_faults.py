@@ -54,7 +54,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, reference, fail
     committed = ckpt.read_tracker(ckpt_dir)
     assert committed == (10 if failpoint == "after_tracker" else 5)
     shard = ckpt.load_file(ckpt.shard_path(ckpt_dir, committed, 0, 0, 1))  # loadable, weights-only
-    assert shard["iteration"] == committed and shard["args"]["consumed_train_samples"] == committed * 4
+    assert shard["iteration"] == committed and shard["args"].consumed_train_samples == committed * 4
     spawn(1, str(tmp_path), _resume, d, str(tmp_path / "resumed.json"))
     resumed = load_json(str(tmp_path / "resumed.json"))
     assert resumed["code"] == EXIT_OK

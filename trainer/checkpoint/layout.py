@@ -13,12 +13,24 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 CHECKPOINT_VERSION = 3.0  # Megatron's: QKV rows per head as [heads, 3, head_dim]
 TRACKER = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
 SHARD_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
+
+
+def arg(args: Any, key: str, default: Any = None) -> Any:
+    """``args.key`` of a checkpoint, else ``default``: Slipway's checkpoints before the Namespace form
+    (``megatron_args``) carry a dict, Megatron-LM's and newer Slipway ones an ``argparse.Namespace``."""
+    if args is None:
+        return default
+    if isinstance(args, dict):
+        return args.get(key, default)
+    return getattr(args, key, default)
+
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded; the message says what is wrong and how to fix it."""

@@ -1,11 +1,12 @@
 """Megatron legacy checkpoints (``formats.md`` §4), written atomically, loaded exactly.
 
 The folder layout and the tracker are :mod:`trainer.checkpoint.layout`'s. Each shard holds Megatron's
-top-level keys ``args`` (plain types only), ``checkpoint_version`` (3.0),
-``iteration``, ``model`` (legacy nested GPT names), ``optimizer`` (``{"optimizer": torch state,
-"grad_scaler": ..., "param_names": [...]}``), ``opt_param_scheduler``, ``rng_state`` (a list indexed by
-data-parallel rank, as Megatron), plus ``slipway`` (the full run config and counters). Everything loads
-with ``torch.load(weights_only=True)``.
+top-level keys ``args`` (an ``argparse.Namespace`` of plain values: :mod:`trainer.checkpoint.megatron_args`),
+``checkpoint_version`` (3.0), ``iteration``, ``model`` (legacy nested GPT names), ``optimizer``
+(``{"optimizer": torch state, "grad_scaler": ..., "param_names": [...]}``), ``opt_param_scheduler``,
+``rng_state`` (a list indexed by data-parallel rank, as Megatron), plus ``slipway`` (the full run config
+and counters). Everything loads with ``torch.load(weights_only=True)`` once ``argparse.Namespace`` is
+allowed (``torch.serialization.safe_globals``); :func:`load_file` does that.
 
 Atomicity (the protocol, in order):
 1. every writing rank (data-parallel rank 0 of each (tp, pp)) writes its file into a private temporary
@@ -38,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import testing_hooks
+from trainer.checkpoint import pickles
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.layout import (  # noqa: F401 (the layout's names, re-exported for the trainer)
     CHECKPOINT_VERSION,
@@ -45,6 +47,7 @@ from trainer.checkpoint.layout import (  # noqa: F401 (the layout's names, re-ex
     TRACKER,
     CheckpointError,
     CheckpointSpaceError,
+    arg,
     iter_dir_name,
     iter_path,
     list_iterations,
@@ -294,21 +297,28 @@ def select_latest(ckpt_dir: str, *, act: bool = True) -> ckpt_verify.Choice:
     return out[0]
 
 
-def load_file(path: str) -> dict:
-    """One shard, safely (``weights_only=True``: plain types and tensors only), onto the CPU."""
+def load_file(path: str, *, mmap: bool = False) -> dict:
+    """One shard, safely, onto the CPU: ``torch.load(weights_only=True)`` plus ``argparse.Namespace``
+    (the ``args``), numpy RNG pieces and inert stand-ins for Megatron's classes
+    (:mod:`trainer.checkpoint.pickles`); no code from the file runs."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} does not exist: the checkpoint is incomplete or was saved with a "
                               "different layout")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return pickles.load(path, mmap=mmap)
+    except pickles.UnsafePickle as e:
+        raise CheckpointError(f"{path} cannot be read safely: it pickles {', '.join(e.names)}, which is "
+                              "neither a tensor, plain data nor Megatron-LM's (not a Slipway or Megatron "
+                              "checkpoint?); convert it with trainer.convert first") from e
     except Exception as e:  # noqa: BLE001 - re-raised with the file and the fix
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); it is corrupt or holds "
                               "pickled objects (a Megatron-LM checkpoint: convert it with "
                               "trainer.convert first)") from e
 
 
-def saved_layout(ckpt_dir: str, iteration: int) -> tuple[int, int, dict]:
-    """(tp_size, pp_size, args) of a saved checkpoint, read from its first shard's ``args``."""
+def saved_layout(ckpt_dir: str, iteration: int) -> tuple[int, int, Any]:
+    """(tp_size, pp_size, args) of a saved checkpoint, read from its first shard's ``args`` (a Namespace,
+    or a dict in older Slipway checkpoints: read it with :func:`~trainer.checkpoint.layout.arg`)."""
     base = _iter_dir(ckpt_dir, iteration)
     if not os.path.isdir(base):
         raise CheckpointError(f"{base} does not exist; available iterations in {ckpt_dir}: "
@@ -316,8 +326,14 @@ def saved_layout(ckpt_dir: str, iteration: int) -> tuple[int, int, dict]:
     first = [n for n in sorted(os.listdir(base)) if n.startswith("mp_rank_00")]
     if not first:
         raise CheckpointError(f"{base} holds no mp_rank_* shard: incomplete checkpoint")
-    args = load_file(os.path.join(base, first[0], SHARD_FILE))["args"]
-    return int(args["tensor_model_parallel_size"]), int(args["pipeline_model_parallel_size"]), args
+    path = os.path.join(base, first[0], SHARD_FILE)
+    args = load_file(path).get("args")
+    sizes = [arg(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")]
+    if None in sizes:
+        raise CheckpointError(f"{path} has no args.tensor_model_parallel_size/pipeline_model_parallel_size: "
+                              "its layout is unknown (not a Slipway checkpoint?); convert it with "
+                              "trainer.convert or load another")
+    return int(sizes[0]), int(sizes[1]), args
 
 
 # ---------------------------------------------------------------------------------------- RNG states

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.checkpoint.layout import SHARD_FILE, CheckpointError, iter_dir_name, shard_dir_name
+from trainer.checkpoint.protocol import load_file
 from trainer.model.names import flatten, layer_index, renumber
 from trainer.parallel.sharding import VOCAB, kind, stage_of_layer, tp_dim
 
@@ -54,7 +55,7 @@ class SourceCheckpoint:
                 path = os.path.join(self.base, shard_dir_name(t, pp_rank, self.pp_size), SHARD_FILE)
                 if not os.path.isfile(path):
                     raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
-                raw = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                raw = load_file(path, mmap=True)
                 shards.append({"model": flatten(raw["model"]), "moments": _moments_by_name(raw),
                                "raw": raw})
             self._stages[pp_rank] = shards

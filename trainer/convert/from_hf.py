@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint.megatron_args import megatron_args
 from trainer.convert import hf_io, names
 from trainer.convert.layout import TRACKER, CheckpointError, prepare_output
 from trainer.convert.reference import make_source
@@ -115,9 +116,10 @@ def copy_tokenizer(model_dir: Path, out: Path) -> RunTokenizer | None:
     return RunTokenizer(out / "vocab.json", out / "merges.txt")
 
 
-def checkpoint_args(spec: GPTSpec, cfg: FromHFConfig, tok: RunTokenizer | None) -> dict[str, Any]:
-    """Plain-typed args with Megatron names, as Slipway's checkpoints carry them."""
-    return {
+def checkpoint_args(spec: GPTSpec, cfg: FromHFConfig, tok: RunTokenizer | None) -> argparse.Namespace:
+    """The ``args`` Slipway's own checkpoints carry (Megatron's names, plain values; the architecture's
+    fixed fields, tanh GeLU included, come from ``megatron_args``)."""
+    return megatron_args({
         "num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
         "num_attention_heads": spec.num_attention_heads, "ffn_hidden_size": spec.ffn_hidden_size,
         "seq_length": spec.max_position_embeddings, "max_position_embeddings": spec.max_position_embeddings,
@@ -127,9 +129,9 @@ def checkpoint_args(spec: GPTSpec, cfg: FromHFConfig, tok: RunTokenizer | None) 
         "layernorm_epsilon": spec.layernorm_epsilon, "tokenizer_type": "GPT2BPETokenizer",
         "vocab_file": str(tok.vocab_file.resolve()) if tok else None,
         "merge_file": str(tok.merge_file.resolve()) if tok else None,
-        "iteration": cfg.iteration, "consumed_train_samples": 0,
+        "iteration": cfg.iteration, "consumed_train_samples": 0, "consumed_valid_samples": 0,
         "converted_from": str(cfg.model_dir.resolve()),
-    }
+    })
 
 
 def convert_hf_model(cfg: FromHFConfig) -> VerifyReport:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint.layout import arg  # the one accessor; convert/ modules also import it from here
 from trainer.convert import names
 from trainer.convert.layout import CheckpointError
 
@@ -60,15 +61,6 @@ class GPTSpec:
     def shapes(self) -> names.Shapes:
         return names.Shapes(self.num_attention_heads, self.vocab_size, self.padded_vocab_size,
                             self.checkpoint_version)
-
-
-def arg(args: Any, key: str, default: Any = None) -> Any:
-    """``args[key]`` for a dict or a Namespace, else ``default``."""
-    if args is None:
-        return default
-    if isinstance(args, dict):
-        return args.get(key, default)
-    return getattr(args, key, default)
 
 
 def _activation(args: Any) -> str:
