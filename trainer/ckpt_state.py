@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,9 @@ from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import reshard
 from trainer.checkpoint.layout import arg
 from trainer.checkpoint.megatron_args import megatron_args
+from trainer.convert import dist
+from trainer.convert.mcore import LEGACY_PREFIX, gpt_flat, to_mcore_model
+from trainer.convert.shards import normalise_names
 from trainer.log import get_logger
 from trainer.model.config import GPTConfig
 from trainer.model.names import nest
@@ -81,6 +85,8 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
         "data_path": list(c["data"]["paths"]), "split": c["data"]["split"], "kernels": c["kernels"],
         "attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
         "slipway_version": trainer.__version__,
+        # Megatron-core names in the shard: current Megatron-LM loads it without --use-legacy-models.
+        "use_legacy_models": c["checkpoint"].get("format", "legacy") != "mcore",
     })
 
 
@@ -104,7 +110,7 @@ def build_state(model: ParallelModel, parts: Restorable, args: Any, state: Train
     ps = model.pstate
     return {
         "args": args, "checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": state.iteration,
-        "model": model.megatron_state_dict(),
+        "model": _model_entry(model, config["checkpoint"].get("format", "legacy")),
         "optimizer": {"optimizer": parts.optimizer.state_dict(), "grad_scaler": parts.scaler.state_dict(),
                       "param_names": param_names(model, parts.optimizer)},
         "opt_param_scheduler": parts.scheduler.state_dict(),
@@ -112,6 +118,19 @@ def build_state(model: ParallelModel, parts: Restorable, args: Any, state: Train
         "slipway": {"skipped_iters": state.skipped_iters, "nan_iters": state.nan_iters, "config": config,
                     "log_window": state.log_window},
     }
+
+
+def _model_entry(model: ParallelModel, fmt: str) -> dict:
+    """This shard's weights in the configured naming (checkpoint.format)."""
+    if fmt == "mcore":
+        flat = {n: p.detach() for n, p in model.named_parameters()}
+        return to_mcore_model(flat, model.module.stage.post_process)
+    return model.megatron_state_dict()
+
+
+def load_model_entry(model: ParallelModel, entry: dict) -> None:
+    """Weights from a shard's ``model`` in either naming (and any Megatron naming era)."""
+    model.load_megatron_state_dict(nest(gpt_flat(entry)))
 
 
 def train_state_from(shard: dict) -> TrainState:
@@ -135,7 +154,7 @@ def _require_training_state(shard: dict) -> None:
 
 def restore_same_layout(shard: dict, model: ParallelModel, parts: Restorable | None) -> TrainState:
     """Load this rank's own shard: exact resume (``parts`` None: weights only)."""
-    model.load_megatron_state_dict(shard["model"])
+    load_model_entry(model, shard["model"])
     if parts is None:
         return TrainState()
     _require_training_state(shard)
@@ -164,16 +183,36 @@ def _restore_common(shard: dict, parts: Restorable) -> None:
         parts.scaler.load_state_dict(scaler_state)
 
 
+def restore_merged(iter_dir: Path, model: ParallelModel) -> TrainState:
+    """Weights from a Megatron-core torch_dist checkpoint (full tensors in the file), sliced for this
+    rank at any layout; the optimizer, schedule and iteration start fresh (checkpoint.load=model-only)."""
+    flat, meta = dist.load_dist(iter_dir)
+    legacy = normalise_names(flat, mcore=True, where=iter_dir)
+    src = reshard.MergedSource({n.removeprefix(LEGACY_PREFIX): t for n, t in legacy.items()})
+    model.load_megatron_state_dict(nest(reshard.reshard_model(src, _local_names(model), _target(model))))
+    log.warning("loaded the weights of torch_dist checkpoint %s (iteration %s) at tp=%d pp=%d", iter_dir,
+                meta["iteration"], model.pstate.tp_size, model.pstate.pp_size)
+    return TrainState()
+
+
+def _local_names(model: ParallelModel) -> list[str]:
+    return [n for n, _ in model.named_parameters()]
+
+
+def _target(model: ParallelModel) -> reshard.Target:
+    ps, stage = model.pstate, model.module.stage
+    return reshard.Target(ps.tp_rank, ps.tp_size, stage.layer_start, stage.layer_end, stage.pre_process,
+                          stage.post_process, model.module.padded_vocab_size)
+
+
 def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any], model: ParallelModel,
                       parts: Restorable | None) -> TrainState:
     """Load from a checkpoint saved with another (tp, pp) layout: merge, re-slice (weights and Adam
     moments); RNG states are not carried over (they belong to the old layout's ranks)."""
     src_tp, src_pp, args = saved
-    ps, module = model.pstate, model.module
+    ps = model.pstate
     src = reshard.SourceCheckpoint(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")))
-    target = reshard.Target(ps.tp_rank, ps.tp_size, module.stage.layer_start, module.stage.layer_end,
-                            module.stage.pre_process, module.stage.post_process, module.padded_vocab_size)
-    local = [n for n, _ in model.named_parameters()]
+    target, local = _target(model), _local_names(model)
     model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)))
     log.warning("resharded checkpoint iteration %d from tp=%d pp=%d to tp=%d pp=%d", iteration, src_tp,
                 src_pp, ps.tp_size, ps.pp_size)

@@ -21,6 +21,8 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,10 +36,13 @@ from trainer.ckpt_state import (
     RunFacts,
     build_state,
     checkpoint_args,
+    restore_merged,
     restore_resharded,
     restore_same_layout,
 )
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig, TokenizerConfig
+from trainer.convert import dist as dist_ckpt
+from trainer.convert.layout import load_shard
 from trainer.log import get_logger
 from trainer.main_data import DataShape, build_data
 from trainer.metrics_file import metrics_path
@@ -158,11 +163,15 @@ def load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Parallel
                     parts: Restorable) -> TrainState:
     """Restore from ``plan`` (see resolve_load), resharding when the saved (tp, pp) differ."""
     ckpt_dir, iteration, model_only = plan
+    iter_dir = Path(ckpt.iter_path(ckpt_dir, iteration))
+    if dist_ckpt.is_dist(iter_dir):  # Megatron-core's torch_dist: weights only
+        if not model_only:
+            raise ckpt.CheckpointError(f"{iter_dir} is a Megatron-core torch_dist checkpoint: Slipway starts "
+                                       "from its weights only; set checkpoint.load=model-only")
+        _check_model(load_shard(iter_dir / dist_ckpt.COMMON).get("args"), gpt, ckpt_dir, iteration)
+        return restore_merged(iter_dir, model)
     tp, pp, args = ckpt.saved_layout(ckpt_dir, iteration)
-    wrong = {k: (arg(args, k), getattr(gpt, k)) for k in _MODEL_KEYS if arg(args, k) != getattr(gpt, k)}
-    if wrong:
-        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} iteration {iteration} is a different model "
-                                   f"(saved, configured): {wrong}; fix the model section or load another")
+    _check_model(args, gpt, ckpt_dir, iteration)
     ps = model.pstate
     restore = None if model_only else parts
     if (tp, pp) == (ps.tp_size, ps.pp_size):
@@ -173,6 +182,15 @@ def load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Parallel
     log.info("loaded %s from %s iteration %d (consumed samples %d)", "weights" if model_only else
              "checkpoint", ckpt_dir, iteration, state.consumed_train_samples)
     return state
+
+
+def _check_model(args: Any, gpt: GPTConfig, ckpt_dir: str, iteration: int) -> None:
+    """The saved shape must be the configured one (keys the args leave out are not compared)."""
+    wrong = {k: (arg(args, k), getattr(gpt, k)) for k in _MODEL_KEYS
+             if arg(args, k) is not None and arg(args, k) != getattr(gpt, k)}
+    if wrong:
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} iteration {iteration} is a different model "
+                                   f"(saved, configured): {wrong}; fix the model section or load another")
 
 
 def _saver(cfg: RunConfig, gpt: GPTConfig, model: ParallelModel, parts: Restorable,

@@ -18,6 +18,8 @@ from typing import Any
 CHECKPOINT_VERSION = 3.0  # Megatron's: QKV rows per head as [heads, 3, head_dim]
 TRACKER = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
+# Megatron-core torch_dist: torch.distributed.checkpoint metadata and Megatron's common (non-tensor) part.
+DIST_METADATA, DIST_COMMON = ".metadata", "common.pt"
 SHARD_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
 

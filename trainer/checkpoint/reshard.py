@@ -17,7 +17,8 @@ import torch
 
 from trainer.checkpoint.layout import SHARD_FILE, CheckpointError, iter_dir_name, shard_dir_name
 from trainer.checkpoint.protocol import load_file
-from trainer.model.names import flatten, layer_index, renumber
+from trainer.convert.mcore import gpt_flat
+from trainer.model.names import layer_index, renumber
 from trainer.parallel.sharding import VOCAB, kind, stage_of_layer, tp_dim
 
 WORD = "embedding.word_embeddings.weight"
@@ -56,7 +57,7 @@ class SourceCheckpoint:
                 if not os.path.isfile(path):
                     raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
                 raw = load_file(path, mmap=True)
-                shards.append({"model": flatten(raw["model"]), "moments": _moments_by_name(raw),
+                shards.append({"model": gpt_flat(raw["model"]), "moments": _moments_by_name(raw),
                                "raw": raw})
             self._stages[pp_rank] = shards
         return self._stages[pp_rank]
@@ -90,6 +91,23 @@ class SourceCheckpoint:
         return torch.cat(parts, dim=dim)
 
 
+class MergedSource:
+    """A checkpoint already merged into full tensors (GPT names, global layers): Megatron-core's
+    torch_dist format stores them so. Weights only: it carries no optimizer state Slipway reads."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def full(self, global_name: str, key: str | None = None) -> torch.Tensor:
+        if key is not None:
+            raise CheckpointError("this checkpoint's optimizer state is not read (torch_dist): load it "
+                                  "with checkpoint.load=model-only")
+        name = WORD if global_name == HEAD else global_name
+        if name not in self.state:
+            raise CheckpointError(f"{global_name} is not in the checkpoint: it does not match this model")
+        return self.state[name]
+
+
 def _moments_by_name(raw: dict) -> dict[str, dict[str, torch.Tensor]]:
     """The optimizer state of one shard keyed by parameter name (needs ``param_names``)."""
     opt = raw.get("optimizer") or {}
@@ -119,7 +137,8 @@ def target_slice(full: torch.Tensor, local_name: str, target: Target) -> torch.T
     return torch.chunk(full, target.tp_size, dim=dim)[target.tp_rank].clone()
 
 
-def reshard_model(src: SourceCheckpoint, local_names: list[str], target: Target) -> dict[str, torch.Tensor]:
+def reshard_model(src: SourceCheckpoint | MergedSource, local_names: list[str], target: Target
+                  ) -> dict[str, torch.Tensor]:
     """Flat local-name → tensor dict for the target rank's parameters."""
     return {n: target_slice(src.full(renumber(n, target.layer_start)), n, target) for n in local_names}
 

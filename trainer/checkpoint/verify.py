@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass, field
 
 from trainer.checkpoint.layout import (
+    DIST_COMMON,
+    DIST_METADATA,
     SHARD_DIR_RE,
     SHARD_FILE,
     TRACKER,
@@ -94,7 +96,10 @@ def read_manifest(iter_dir: str) -> dict | None:
 
 
 def _completeness(iter_dir: str, file_name: str) -> list[str]:
-    """A checkpoint without a manifest: every (tp, pp) shard its folders imply, present and non-empty."""
+    """A checkpoint without a manifest: every (tp, pp) shard its folders imply, present and non-empty
+    (Megatron-core's torch_dist: its metadata, common.pt and data files)."""
+    if os.path.isfile(os.path.join(iter_dir, DIST_METADATA)):
+        return _dist_completeness(iter_dir)
     ranks = [(int(m.group(1)), int(m.group(2) or 0))
              for n in os.listdir(iter_dir) if (m := SHARD_DIR_RE.match(n))]
     if not ranks:
@@ -107,6 +112,19 @@ def _completeness(iter_dir: str, file_name: str) -> list[str]:
             path = os.path.join(iter_dir, shard, file_name)
             if not os.path.isfile(path) or os.path.getsize(path) == 0:
                 out.append(f"{path} is missing or empty")
+    return out
+
+
+def _dist_completeness(iter_dir: str) -> list[str]:
+    names = os.listdir(iter_dir)
+    out = []
+    for n in (DIST_METADATA, DIST_COMMON):
+        path = os.path.join(iter_dir, n)
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            out.append(f"{path} is missing or empty")
+    data = [n for n in names if n.endswith(".distcp")]
+    if not data or any(os.path.getsize(os.path.join(iter_dir, n)) == 0 for n in data):
+        out.append(f"{iter_dir} has no (or an empty) .distcp data file: the torch_dist save is incomplete")
     return out
 
 

@@ -36,6 +36,7 @@ __all__ = ["CheckpointConfig", "CorpusConfig", "DataConfig", "LoggingConfig", "M
 
 WANDB_MODES = ("online", "offline", "disabled")
 ON_ERROR = ("fail", "skip")
+CHECKPOINT_FORMATS = ("legacy", "mcore")
 KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile")
 
 
@@ -138,8 +139,13 @@ class CheckpointConfig(Section):
     schedule and iteration count). Once dir holds a checkpoint and load_dir is another folder, every
     restart resumes from dir (so a requeued fine-tuning run does not start over)."""
     load_dir: str | None = None
-    """Where load looks when it is not dir: another run's checkpoints, or one written by
-    trainer.convert.from_hf; null: dir."""
+    """Where load looks when it is not dir: another run's checkpoints, one written by
+    trainer.convert.from_hf, or Megatron-LM's own (legacy or Megatron-core names, torch or torch_dist
+    format; torch_dist only with load=model-only); null: dir."""
+    format: str = "legacy"
+    """Parameter names of the saved shards: legacy (Megatron's language_model.encoder.*, read by
+    Megatron-LM --use-legacy-models and transformers' converter) or mcore (Megatron-core's
+    decoder.layers.*, what current Megatron-LM loads by default). Either format resumes."""
 
     def _normalise(self) -> None:
         if self.load is None:  # "resume when there is something to resume"
@@ -155,7 +161,7 @@ class CheckpointConfig(Section):
         if self.keep is not None and self.keep < 0:
             out.append(issue("positive", "checkpoint.keep", self.keep, "must be 0 or more",
                              "set checkpoint.keep to a count, or 0 to keep all"))
-        return out
+        return out + choice("checkpoint.format", self.format, CHECKPOINT_FORMATS)
 
 
 @dataclass

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint.layout import DIST_COMMON, DIST_METADATA
 from trainer.convert.layout import CheckpointError, load_shard
 
-METADATA = ".metadata"
-COMMON = "common.pt"
+METADATA, COMMON = DIST_METADATA, DIST_COMMON
 STACKED = "decoder.layers."
 
 

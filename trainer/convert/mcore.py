@@ -61,15 +61,16 @@ def is_mcore_model(model: dict) -> bool:
 
 
 def gpt_flat(model: dict) -> dict[str, torch.Tensor]:
-    """A shard's ``model`` in either format → the GPT's flat parameter names (bookkeeping dropped)."""
-    if not is_mcore_model(model):
-        return flatten_legacy(model)
+    """A shard's ``model`` in either format and any naming era → the GPT's flat parameter names
+    (bookkeeping entries dropped)."""
+    mcore = is_mcore_model(model)
+    flat = model if mcore else {_legacy(n): t for n, t in flatten_legacy(model).items()}
     out = {}
-    for key, tensor in model.items():
+    for key, tensor in flat.items():
         if key.endswith(names.IGNORED_SUFFIXES):
             continue
-        name = names.from_mcore(key)
-        if name is None:
-            raise KeyError(f"{key!r} is not a Megatron-core GPT parameter Slipway knows")
+        name = names.from_mcore(key) if mcore else names.normalize(key)
+        if name is None or (name != names.HEAD_EMBEDDINGS and names.match(name) is None):
+            raise KeyError(f"{key!r} is not a GPT parameter Slipway knows")
         out[name.removeprefix(LEGACY_PREFIX)] = tensor
     return out
