@@ -181,3 +181,23 @@ def test_tokenizer_found_beside_checkpoint(tmp_path, tokenizer_dir):
     shutil.copytree(tokenizer_dir, ckpt / "tokenizer")
     result = convert_checkpoint(ToHFConfig(ckpt, tmp_path / "hf"))
     assert result.report.passed and result.spec.vocab_size == 1000
+
+
+def test_fp8_and_moe_args_are_refused_with_the_feature_named():
+    from trainer.convert.spec import check_gpt2_args
+
+    with pytest.raises(CheckpointError, match="fp8"):
+        check_gpt2_args(argparse.Namespace(fp8="hybrid"))
+    with pytest.raises(CheckpointError, match="mixture of experts"):
+        check_gpt2_args(argparse.Namespace(num_experts=8))
+
+
+def test_uneven_pipeline_stages_are_numbered_from_zero_each():
+    """Newer Megatron splits layers unevenly (--decoder-first/last-pipeline-num-layers): each stage still
+    numbers its layers from 0, so global = local + the layers of the stages before."""
+    from trainer.convert.shards import _layer_offsets
+
+    assert _layer_offsets([[0, 1, 2], [0], [0, 1]]) == [0, 3, 4]
+    assert _layer_offsets([[0, 1, 2], [3], [4, 5]]) == [0, 0, 0]  # already global
+    with pytest.raises(CheckpointError, match="inconsistent"):
+        _layer_offsets([[0, 1], [1, 2]])

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.layout import CHECKPOINT_VERSION, iter_dir_name
+from trainer.checkpoint.layout import CHECKPOINT_VERSION, arg, iter_dir_name
 from trainer.convert import dist, names
 from trainer.convert.layout import (
     SHARD_FILE,
@@ -143,7 +143,7 @@ def load_merged(iter_dir: Path, iteration: int | str, trust_pickle: bool = False
     if dist.is_dist(iter_dir):
         flat, meta = dist.load_dist(iter_dir, trust_pickle)
         state = normalise_names(flat, mcore=True, where=iter_dir)
-        tp_size, pp_size = (int(getattr(meta["args"], k, 1)) for k in ("tensor_model_parallel_size",
+        tp_size, pp_size = (int(arg(meta["args"], k, 1)) for k in ("tensor_model_parallel_size",
                                                                            "pipeline_model_parallel_size"))
         head = state.pop(names.HEAD_EMBEDDINGS, None)
     else:
@@ -227,7 +227,7 @@ def _split_tp(tensor: torch.Tensor, name: str, tp_size: int) -> list[torch.Tenso
     return [c.clone() for c in torch.chunk(tensor, tp_size, dim=dim)]
 
 
-def write_checkpoint(checkpoint_dir: Path, state: dict[str, torch.Tensor], args: dict[str, Any],
+def write_checkpoint(checkpoint_dir: Path, state: dict[str, torch.Tensor], args: Any,
                      iteration: int, layout: tuple[int, int]) -> Path:
     """Write ``state`` as a Megatron legacy checkpoint at ``layout`` = (tp, pp); returns its iteration dir."""
     tp_size, pp_size = layout

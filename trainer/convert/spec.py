@@ -1,9 +1,10 @@
 """The architecture of a checkpointed GPT, read from its args and checked against its weights.
 
-Slipway stores ``args`` as a dict of plain types with Megatron's names; Megatron-LM stores an argparse
-Namespace (read only with ``--trust-pickle``). Either way the same keys are read here. Options that make
-a Megatron model something other than GPT-2 (rotary positions, RMSNorm, SwiGLU, grouped-query attention,
-an untied head, post-LN residuals) are refused with the option named.
+Slipway and Megatron-LM both store ``args`` as an ``argparse.Namespace`` with Megatron's names (older
+Slipway checkpoints: a dict; :func:`trainer.checkpoint.layout.arg` reads either). Options that make a
+Megatron model something other than GPT-2 (rotary positions, RMSNorm, SwiGLU, grouped-query attention,
+an untied head, post-LN residuals, mixture of experts, fp8 Transformer Engine weights) are refused with
+the option named.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ _GPT2_ONLY = (
     ("apply_residual_connection_post_layernorm", False, "post-LayerNorm residual"),
     ("add_bias_linear", True, "linear biases"),
     ("num_experts", None, "mixture of experts"),
+    ("fp8", None, "fp8 (Transformer Engine) training"),
 )
 
 
@@ -114,5 +116,5 @@ def spec_from_checkpoint(args: Any, state: dict[str, torch.Tensor], version: flo
     return GPTSpec(num_layers=num_layers, hidden_size=wpe.shape[1], num_attention_heads=heads,
                    ffn_hidden_size=h_to_4h.shape[0], max_position_embeddings=wpe.shape[0],
                    vocab_size=int(vocab_size), padded_vocab_size=wte.shape[0],
-                   layernorm_epsilon=float(arg(args, "layernorm_epsilon", 1e-5)),
+                   layernorm_epsilon=float(arg(args, "norm_epsilon", arg(args, "layernorm_epsilon", 1e-5))),
                    activation=_activation(args), checkpoint_version=version)
