@@ -96,3 +96,23 @@ def test_an_mcore_format_run_resumes_exactly(tmp_path):
     assert shard["args"].use_legacy_models is False
     run_cfg({**half, "train": {**half["train"], "iters": 12}})
     assert series(half["run_dir"], TRAIN_LOSS) == series(full["run_dir"], TRAIN_LOSS)
+
+
+def test_a_saved_mcore_shard_has_megatron_cores_keys_and_shapes(tmp_path):
+    """What a real run writes with checkpoint.format=mcore, against the genuine Megatron-core shard."""
+    from trainer.checkpoint import pickles
+
+    d = _config(tmp_path, "mcore_tp1_pp1", 1, 1, lr=1e-30, iters=1)
+    d["checkpoint"]["format"] = "mcore"
+    run_cfg(d)
+    ours = pickles.load(os.path.join(d["run_dir"], "checkpoints", "iter_0000001", "mp_rank_00",
+                                     "model_optim_rng.pt"))
+    theirs = pickles.load(str(FIXTURES / "mcore_tp1_pp1" / "iter_0000007" / "mp_rank_00" /
+                              "model_optim_rng.pt"))
+
+    def shapes(model: dict) -> dict:
+        return {k: None if v is None else tuple(v.shape) for k, v in model.items()}
+
+    assert shapes(ours["model"]) == shapes(theirs["model"])
+    assert set(theirs) - {"num_floating_point_operations_so_far"} <= set(ours)
+    assert ours["checkpoint_version"] == theirs["checkpoint_version"] == 3.0
