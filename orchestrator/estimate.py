@@ -1,14 +1,16 @@
 """Per-device memory and run-time estimates (pure arithmetic on the typed config).
 
 Memory follows Megatron's accounting: mixed precision keeps 16-bit weights, fp32 main gradients, an fp32
-master copy and two fp32 Adam moments (2 + 4 + 4 + 8 = 18 bytes per parameter); fp32 training keeps
-4 + 4 + 8 = 16. Activations per transformer layer follow Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models", table 2): s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes with tensor
-parallelism t, s·b·h·(34 + 5·a·s/h)/t with sequence parallelism, 2·s·b·h (/t with SP) with full
-recomputation; 1F1B keeps up to p micro-batches in flight on the first stage, so that stage holds the
-activations of L layers in total. Run time uses Megatron's FLOPs formula (performance.md), the trainer's
-own definition (:func:`trainer.formulas.flops_per_iteration`, padded vocabulary), so the ETA and the
-trainer's logged TFLOP/s count the same work.
+master copy and two fp32 Adam moments (2 + 4 + 4 + 8 = 18 bytes per parameter); fp32 training keeps 4 + 4
++ 8 = 16. Activations per transformer layer follow Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", table 2; :func:`trainer.formulas.stage_activation_bytes`,
+which follows train.recompute_*): s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes with tensor parallelism t,
+s·b·h·(34 + 5·a·s/h)/t with sequence parallelism, without the attention term with selective
+recomputation, 2·s·b·h (/t with SP) per recomputed layer input with full recomputation; 1F1B keeps up to
+p micro-batches in flight on the first stage, so that stage holds the activations of L layers in total.
+Run time uses Megatron's FLOPs formula (performance.md), the trainer's own definition
+(:func:`trainer.formulas.flops_per_iteration`, padded vocabulary), so the ETA and the trainer's logged
+TFLOP/s count the same work.
 """
 
 from __future__ import annotations
@@ -71,23 +73,20 @@ def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstima
     half = t.precision in ("fp16", "bf16")
     w_bytes, g_bytes, o_bytes = (2, 4, 12) if half else (4, 4, 8)
     act_el = 1 if half else 2  # the formula counts 16-bit activations; fp32 doubles them
-    s, b, h, a = m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads
     tp, pp = max(p.tp_size, 1), max(p.pp_size, 1)
-    if p.sequence_parallel:
-        per_layer = s * b * h * (34 + 5 * a * s / h) / tp
-    else:
-        per_layer = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
     in_flight = min(pp, lay.num_microbatches or pp)
-    layers_held = (m.num_layers // pp) * in_flight
+    per_microbatch = formulas.stage_activation_bytes(
+        m.num_layers // pp, m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, tp,
+        p.sequence_parallel, t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
     # fp32 logits for the vocab-parallel cross-entropy (last stage; counted on the same device when pp=1).
     v = formulas.padded_vocab_size(vocab, tp, m.make_vocab_size_divisible_by)
-    logits = 4 * s * b * v // tp if pp == 1 else 0
+    logits = 4 * m.seq_length * t.micro_batch_size * v // tp if pp == 1 else 0
     return MemoryEstimate(
         params=params,
         weights_bytes=params * w_bytes,
         grads_bytes=params * g_bytes,
         optimizer_bytes=params * o_bytes,
-        activations_bytes=int(per_layer * layers_held * act_el),
+        activations_bytes=int(per_microbatch * in_flight * act_el),
         logits_bytes=logits,
         reserved_bytes=int(cfg.cluster.reserved_memory_gb * GIB),
         device_bytes=int(cfg.cluster.device_memory_gb * GIB),

@@ -66,3 +66,28 @@ def test_one_definition():
     assert not hasattr(estimate, "flops_per_iteration") and not hasattr(estimate, "padded_vocab")
     assert not hasattr(spec, "padded_vocab")
     assert estimate.formulas is formulas
+
+
+def test_activation_bytes_follow_korthikanti_table_2():
+    s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B, the paper's example
+    sbh = s * b * h
+    assert formulas.activation_bytes_per_layer(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert formulas.activation_bytes_per_layer(s, b, h, a, tp=8) == sbh * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, True) == sbh * (34 + 5 * a * s / h) / 8
+    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, True, "selective") == 34 * sbh / 8
+    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, False, "selective") == sbh * (10 + 24 / 8)
+    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, True, "full") == 2 * sbh / 8
+    full = formulas.activation_bytes_per_layer(s, b, h, a, recompute="full")
+    none = formulas.activation_bytes_per_layer(s, b, h, a)
+    assert formulas.stage_activation_bytes(8, s, b, h, a, granularity="full", recompute_layers=2) == 4 * full
+    assert formulas.stage_activation_bytes(8, s, b, h, a, granularity="full", method="block",
+                                           recompute_layers=3) == 3 * full + 5 * none
+
+
+@pytest.mark.parametrize("granularity", ["selective", "full"])
+def test_the_plans_memory_follows_train_recompute(granularity):
+    def activations(extra):
+        cfg = compose_cfg(CP + extra)
+        return estimate.estimate_memory(cfg, 32768, layout_of(cfg)).activations_bytes
+
+    assert activations([f"train.recompute_granularity={granularity}"]) < activations([])

@@ -28,3 +28,39 @@ def flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: i
     Megatron's logs), and for such a model the reported TFLOP/s and MFU are off by the MLP's share.
     """
     return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+
+
+def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Bytes one transformer layer keeps for backward per micro-batch with 16-bit activations
+    (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", table 2):
+    ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with tensor parallelism t, ``s·b·h·(34 + 5·a·s/h)/t`` with
+    sequence parallelism too; selective recomputation drops the ``5·a·s/h`` attention term; full keeps
+    only the layer's input, ``2·s·b·h`` (``/t`` with sequence parallelism)."""
+    sbh = seq * micro_batch * hidden
+    attention = 5 * heads * seq / hidden
+    if recompute == "full":
+        return 2 * sbh / (tp if sequence_parallel else 1)
+    if recompute == "selective":
+        attention = 0.0
+    if sequence_parallel:
+        return sbh * (34 + attention) / tp
+    return sbh * (10 + 24 / tp + attention / tp)
+
+
+def stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
+                           sequence_parallel: bool = False, granularity: str = "none",
+                           method: str = "uniform", recompute_layers: int = 1) -> float:
+    """One pipeline stage's ``layers`` for one micro-batch, by Megatron's recompute methods: full
+    ``uniform`` keeps the input of each group of ``recompute_layers`` layers, ``block`` recomputes the
+    first ``recompute_layers`` layers and stores the rest in full. (The layers being recomputed during
+    backward need one layer group's full activations transiently; not counted, as in the paper.)"""
+    def per(kind: str) -> float:
+        return activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp, sequence_parallel, kind)
+
+    if granularity != "full":
+        return layers * per(granularity)
+    k = max(1, min(recompute_layers, layers))
+    if method == "uniform":
+        return -(-layers // k) * per("full")
+    return k * per("full") + (layers - k) * per("none")

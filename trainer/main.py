@@ -47,6 +47,7 @@ from trainer.log import get_logger
 from trainer.main_data import DataShape, build_data
 from trainer.metrics_file import metrics_path
 from trainer.model.config import GPTConfig
+from trainer.model.recompute import Recompute
 from trainer.optim.lr import LRSchedule, OptimizerParamScheduler
 from trainer.optim.optimizer import build_optimizer
 from trainer.optim.precision import ScalerSettings, make_scaler
@@ -223,7 +224,8 @@ def build_components(cfg: RunConfig, pstate: ParallelState) -> Components:
     gbs = t.global_batch_size or t.micro_batch_size * pstate.dp_size
     vocab_size, eod = resolve_vocab(cfg.model, cfg.tokenizer)
     gpt = gpt_config(cfg.model, vocab_size)
-    model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=cfg.kernels)
+    recompute = Recompute(t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
+    model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=cfg.kernels, recompute=recompute)
     _apply_autocast(model, t.precision)
     optimizer, _ = build_optimizer(model.named_parameters(), cfg.optim, pstate.device.type, cfg.kernels)
     scheduler = OptimizerParamScheduler(optimizer, LRSchedule.from_iters(cfg.optim, t.iters, gbs))

@@ -12,6 +12,8 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
 OPTIM_IMPLS = ("auto", "apex", "csrc", "torch_fused", "foreach", "for_loop")
 DEVICES = ("auto", "cpu", "cuda")
+RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 @dataclass
@@ -53,6 +55,16 @@ class TrainConfig(HealthConfig):
     """fp16: overflows tolerated before the loss scale halves."""
     min_loss_scale: float = 1.0
     """fp16: the loss scale never goes below this."""
+    recompute_granularity: str = "none"
+    """Activation recomputation (Megatron's --recompute-granularity): none; selective (the core attention
+    — scores, softmax, dropout, ·V — recomputed in backward; little gain with SDPA's flash/efficient GPU
+    kernels, which never store those); full (whole layers, see recompute_method). Same math: losses are
+    bit-identical to none."""
+    recompute_method: str = "uniform"
+    """full: uniform (the stage's layers in groups of recompute_num_layers, each keeping only its input) or
+    block (only the first recompute_num_layers layers of each stage recomputed)."""
+    recompute_num_layers: int = 1
+    """full: the group size (uniform) or the number of recomputed layers per stage (block)."""
 
     def problems(self) -> list[ConfigIssue]:
         out = super().problems()
@@ -65,6 +77,9 @@ class TrainConfig(HealthConfig):
                              "set train.eval_iters to 0 or more"))
         out += choice("train.precision", self.precision, PRECISIONS)
         out += choice("train.device", self.device, DEVICES)
+        out += choice("train.recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
+        out += choice("train.recompute_method", self.recompute_method, RECOMPUTE_METHODS)
+        out += positive("train.recompute_num_layers", self.recompute_num_layers)
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
             out.append(issue("loss_scale", "train.min_loss_scale", self.min_loss_scale,
                              f"must be in (0, initial_loss_scale={self.initial_loss_scale}]",

@@ -27,6 +27,7 @@ bias is fused into bias-GeLU / bias-dropout-add and a row-parallel bias is added
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ from torch import nn
 
 from trainer.model.config import GPTConfig
 from trainer.model.names import renumber
+from trainer.model.recompute import Recompute, recomputed
 from trainer.ops import KernelSet, resolve
 
 Tensor = torch.Tensor
@@ -131,22 +133,30 @@ class SelfAttention(nn.Module):
         self.kernels = kernels
         # Attention probabilities are sharded by head under TP, so TP sets this to the RNG tracker's fork.
         self.dropout_rng = contextlib.nullcontext
+        # Selective recomputation (trainer.model.recompute.apply) and the extra RNG states it restores.
+        self.recompute, self.recompute_rng = False, None
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         qkv, qkv_bias = self.query_key_value(x)                # [s, b, 3·h_local] (h_local = h / tp)
         s, b, _ = qkv.shape  # not x's: under sequence parallelism x holds s/tp positions
         qkv = (qkv + qkv_bias).view(s, b, -1, 3, self.head_dim)  # [s, b, heads_local, 3, d]
         q, k, v = qkv.permute(3, 1, 2, 0, 4).unbind(0)         # each [b, heads_local, s, d]
+        if self.recompute:  # selective recomputation: keep q, k, v only
+            ctx = recomputed(self.core_attention, q, k, v, rng=self.recompute_rng)
+        else:
+            ctx = self.core_attention(q, k, v)
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)        # [s, b, h_local]
+        return self.dense(ctx)                                 # ([s, b, h], bias)
+
+    def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """softmax(q·kᵀ·scale, causal) → dropout → ·v; each [b, heads_local, s, d]."""
         p = self.dropout_p if self.training else 0.0
         scale = self.head_dim ** -0.5
         with self.dropout_rng():
             if self.backend == "sdpa":
-                ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
-            else:
-                probs = self.kernels.scaled_causal_softmax(q @ k.transpose(-2, -1), scale)  # [b, n, s, s]
-                ctx = F.dropout(probs, p=p, training=self.training) @ v
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)        # [s, b, h_local]
-        return self.dense(ctx)                                 # ([s, b, h], bias)
+                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
+            probs = self.kernels.scaled_causal_softmax(q @ k.transpose(-2, -1), scale)  # [b, n, s, s]
+            return F.dropout(probs, p=p, training=self.training) @ v
 
 
 class MLP(nn.Module):
@@ -217,11 +227,19 @@ class Encoder(nn.Module):
                                     for _ in range(stage.layer_start, stage.layer_end))
         if stage.post_process:
             self.final_layernorm = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+        self.recompute, self.recompute_rng = Recompute(), None  # full recomputation: set by apply()
 
     def forward(self, x: Tensor) -> Tensor:
-        for layer in self.layers:
-            x = layer(x)
+        for start, end, again in self.recompute.groups(len(self.layers)):
+            run = functools.partial(_run_layers, self.layers[start:end])
+            x = recomputed(run, x, rng=self.recompute_rng) if again else run(x)
         return self.final_layernorm(x) if hasattr(self, "final_layernorm") else x
+
+
+def _run_layers(layers: nn.ModuleList, x: Tensor) -> Tensor:
+    for layer in layers:
+        x = layer(x)
+    return x
 
 
 class GPT(nn.Module):

@@ -35,6 +35,8 @@ from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT, masked_mean
 from trainer.model.init import init_weights, materialize
 from trainer.model.names import load_megatron_state_dict, megatron_state_dict
+from trainer.model.recompute import NO_RECOMPUTE, Recompute
+from trainer.model.recompute import apply as recompute_model
 from trainer.ops import resolve
 from trainer.parallel import comm
 from trainer.parallel.apply import (
@@ -93,11 +95,13 @@ class ParallelModel:
 
 
 def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, seed: int,
-                dtype: torch.dtype = torch.float32, kernels: str = "auto") -> ParallelModel:
+                dtype: torch.dtype = torch.float32, kernels: str = "auto",
+                recompute: Recompute = NO_RECOMPUTE) -> ParallelModel:
     """This rank's stage and TP shard, initialised from the full weights for ``seed`` (the same in every
     layout), on ``pstate.device`` with parameters (and gradients) in ``dtype``; also seeds the dropout
     RNGs (trainer.parallel.random). For bf16 training prefer fp32 parameters and ``model.autocast``.
-    ``kernels``: the kernel set (the top-level ``kernels`` key, trainer.ops.resolve)."""
+    ``kernels``: the kernel set (the top-level ``kernels`` key, trainer.ops.resolve); ``recompute``: what
+    to recompute in backward (trainer.model.recompute; the tracker's states are restored around it)."""
     check_compatible(cfg, pcfg)
     if (pcfg.tp_size, pcfg.pp_size) != (pstate.tp_size, pstate.pp_size):
         raise ValueError(f"ParallelConfig tp={pcfg.tp_size}, pp={pcfg.pp_size} != ParallelState "
@@ -108,6 +112,7 @@ def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, see
         module = GPT(cfg, stage_spec(cfg.num_layers, pstate.pp_rank, pstate.pp_size),
                      cfg.padded_vocab_size(pstate.tp_size), kernel_set)
         apply_tensor_parallel(module, pstate, pcfg.sequence_parallel, tracker)
+    recompute_model(module, recompute, tracker)
     materialize(module, pstate.device, dtype)
     init_weights(module, seed)
     return ParallelModel(module, pstate, pcfg, tracker)

@@ -59,6 +59,13 @@ class RNGTracker:
             self.states[name] = _get_state(self.device)
             _set_state(outer, self.device)
 
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """The named states (for activation recomputation, trainer.model.recompute)."""
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def restore(self, state: dict[str, torch.Tensor]) -> None:
+        self.states = {k: v.clone() for k, v in state.items()}
+
     def state_dict(self) -> dict:
         """For checkpoints: the tracker's states and the default generator's (CPU and device)."""
         out = {"tracker": {k: v.clone() for k, v in self.states.items()}, "cpu": torch.get_rng_state()}
