@@ -20,6 +20,7 @@ BENCHES = [
     ["preprocess.py"],
     ["pipeline.py"],
     ["health.py"],
+    ["recompute.py"],
     ["convert.py"],
     ["train.py"],
 ]
