@@ -216,12 +216,29 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
     return stages
 
 
-def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimate) -> list[Problem]:
+def _memory_options(cfg: SlipwayConfig, vocab: int, lay: Layout) -> str:
+    """What activation recomputation would bring the per-device total to (the plan's own estimate)."""
+    out = []
+    for key, value in (("selective", {"recompute_granularity": "selective"}),
+                       ("full", {"recompute_granularity": "full", "recompute_method": "uniform",
+                                 "recompute_num_layers": 1})):
+        if cfg.train.recompute_granularity == key:
+            continue
+        alt = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **value))
+        mem = estimate_memory(alt, vocab, lay)
+        fits = "fits" if mem.fits else "still too much"
+        out.append(f"train.recompute_granularity={key} → {mem.total_bytes / GIB:.1f} GiB ({fits})")
+    return "; ".join(out)
+
+
+def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimate, vocab: int,
+                       lay: Layout) -> list[Problem]:
     out = []
     if not mem.fits:
-        # Activation recomputation is not offered: the trainer cannot do it yet, so the plan neither
-        # counts it nor advises it.
         hint = "raise parallel.tp_size/pp_size or lower train.micro_batch_size"
+        options = _memory_options(cfg, vocab, lay)
+        if options:
+            hint += f", or recompute activations: {options}"
         acts = mem.total_bytes - mem.weights_bytes - mem.grads_bytes - mem.optimizer_bytes
         parts = (
             f"weights {mem.weights_bytes / GIB:.1f} + grads {mem.grads_bytes / GIB:.1f} + optimizer "
@@ -263,7 +280,7 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
     mem = estimate_memory(cfg, vocab, lay)
     est = estimate_time(cfg, vocab, lay)
     if lay.dp and lay.num_microbatches:
-        problems += _estimate_problems(cfg, mem, est)
+        problems += _estimate_problems(cfg, mem, est, vocab, lay)
     corpus = _corpus_stage(cfg, facts)
     prep = _preprocess_stage(cfg, facts, corpus)
     stages = ([corpus] if corpus else []) + [prep] + _run_stages(cfg, facts, prep)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
+from orchestrator.estimate import GIB
 from orchestrator.flow import launch
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.validate import PlanError
@@ -67,13 +68,17 @@ def test_clean_configs_have_no_problems():
     assert _plan(CP, exists=lambda p: True)[1].problems == []
 
 
-def test_memory_problem_advises_only_what_the_trainer_can_do():
-    _, plan = _plan(CP + ["train.micro_batch_size=72", "train.global_batch_size=576"], exists=lambda p: True)
+def test_memory_problem_names_the_recompute_options_with_their_figures():
+    too_big = CP + ["train.micro_batch_size=72", "train.global_batch_size=576"]
+    _, plan = _plan(too_big, exists=lambda p: True)
     mem = [p for p in plan.problems if p.code == "memory"]
     assert mem and "weights" in mem[0].message and "optimizer" in mem[0].message
     assert "parallel.tp_size" in mem[0].fix and "train.micro_batch_size" in mem[0].fix
-    assert "recompute" not in str(mem[0]).lower()  # until the trainer recomputes ("Training at scale")
-    with pytest.raises(ConfigCompositionException):  # the planning-only key is gone, not silently ignored
+    for granularity in ("selective", "full"):  # each option, with the total the plan computes for it
+        _, alt = _plan(too_big + [f"train.recompute_granularity={granularity}"], exists=lambda p: True)
+        figure = f"train.recompute_granularity={granularity} → {alt.memory.total_bytes / GIB:.1f} GiB"
+        assert figure in mem[0].fix, mem[0].fix
+    with pytest.raises(ConfigCompositionException):  # the old planning-only key is gone, not ignored
         compose_cfg(CP + ["train.recompute_activations=true"])
 
 
