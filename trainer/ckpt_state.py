@@ -33,8 +33,7 @@ from trainer.checkpoint import reshard
 from trainer.checkpoint.layout import arg
 from trainer.checkpoint.megatron_args import megatron_args
 from trainer.convert import dist
-from trainer.convert.mcore import LEGACY_PREFIX, gpt_flat, to_mcore_model
-from trainer.convert.shards import normalise_names
+from trainer.convert.mcore import LEGACY_PREFIX, gpt_flat, normalise_names, to_mcore_model
 from trainer.log import get_logger
 from trainer.model.config import GPTConfig
 from trainer.model.names import nest

@@ -57,7 +57,7 @@ class SourceCheckpoint:
                 if not os.path.isfile(path):
                     raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
                 raw = load_file(path, mmap=True)
-                shards.append({"model": gpt_flat(raw["model"]), "moments": _moments_by_name(raw),
+                shards.append({"model": gpt_flat(raw["model"], path), "moments": _moments_by_name(raw),
                                "raw": raw})
             self._stages[pp_rank] = shards
         return self._stages[pp_rank]

@@ -11,7 +11,7 @@ Tensors are stored *global* (tp shards and pp stages already assembled by the fo
 of ``decoder.layers`` stacked along a leading dimension and, for the local spec too, Transformer-Engine
 names for the layer norms (``self_attention.linear_qkv.layer_norm_weight``). :func:`load_dist` reads the
 tensors with no process group and no Megatron import, unstacks the layers, and returns Megatron-core
-flat names (``decoder.layers.{i}.…``) for :func:`trainer.convert.shards.normalise_names`.
+flat names (``decoder.layers.{i}.…``) for :func:`trainer.convert.mcore.normalise_names`.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ Megatron-core's ``GPTModel`` (the default of current Megatron-LM, ``--use-mcore-
 ``decoder.final_layernorm.*`` and ``output_layer.*`` on the last, plus an ``_extra_state`` entry (None)
 for every linear module of the local spec. The names come from the one rules table
 (:mod:`trainer.convert.names`, its ``mcore`` column); this module adds the order and the bookkeeping
-entries so a Slipway shard has exactly the keys Megatron writes, and turns either format back into the
-GPT's flat parameter names (legacy names without ``language_model.``).
+entries so a Slipway shard has exactly the keys Megatron writes, and turns either format, in any naming
+era, back into Slipway's names (:func:`normalise_names`, :func:`gpt_flat`), refusing other models with
+the feature named.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint.layout import CheckpointError
 from trainer.convert import names
 from trainer.model.names import flatten as flatten_legacy
 from trainer.model.names import layer_index
@@ -60,17 +62,45 @@ def is_mcore_model(model: dict) -> bool:
     return not ({"language_model", "word_embeddings_for_head"} & set(model))
 
 
-def gpt_flat(model: dict) -> dict[str, torch.Tensor]:
+def normalise_names(flat: dict[str, Any], mcore: bool, where: object) -> dict[str, torch.Tensor]:
+    """Flat parameter names of any era (legacy, legacy ≥ core_v0.4, Megatron-core, TE-style) → Slipway's
+    legacy names, bookkeeping entries dropped; unknown names refused with the feature they suggest."""
+    out, unknown = {}, []
+    for raw, tensor in flat.items():
+        if raw.endswith(names.IGNORED_SUFFIXES):
+            continue
+        name = names.from_mcore(raw) if mcore else names.normalize(raw)
+        if name is None or (name != names.HEAD_EMBEDDINGS and names.match(name) is None):
+            unknown.append(raw)
+            continue
+        out[name] = tensor
+    if unknown:
+        raise CheckpointError(f"{where} is not a GPT checkpoint Slipway can convert "
+                              f"({unsupported(unknown)}); unexpected parameters: "
+                              f"{unknown[:6]}{' …' if len(unknown) > 6 else ''}")
+    return out
+
+
+# Parameter-name hints of Megatron models that are not a GPT-2-architecture GPT (mcore GPTs have no
+# "encoder.", legacy GPTs no "decoder." once normalised: either in the unknown names means T5).
+_VARIANTS = ((".experts.", "a mixture-of-experts (MoE) model"),
+             (".router.", "a mixture-of-experts (MoE) model"),
+             ("binary_head", "a BERT model"), ("lm_head.dense", "a BERT model"),
+             ("encoder.", "an encoder-decoder (T5) model"), ("decoder.", "an encoder-decoder (T5) model"),
+             ("linear_q_down_proj", "a multi-latent-attention model"))
+
+
+def unsupported(unknown: list[str]) -> str:
+    """What the unexpected names say the model is (the README lists what Slipway converts)."""
+    for hint, what in _VARIANTS:
+        if any(hint in n for n in unknown):
+            return f"it looks like {what}, which Slipway does not convert"
+    return "GPT-2 architecture: learned positions, LayerNorm, GeLU MLP, tied head"
+
+
+def gpt_flat(model: dict, where: str = "checkpoint") -> dict[str, torch.Tensor]:
     """A shard's ``model`` in either format and any naming era → the GPT's flat parameter names
-    (bookkeeping entries dropped)."""
+    (bookkeeping entries dropped; unknown names refused as :func:`normalise_names` does)."""
     mcore = is_mcore_model(model)
     flat = model if mcore else {_legacy(n): t for n, t in flatten_legacy(model).items()}
-    out = {}
-    for key, tensor in flat.items():
-        if key.endswith(names.IGNORED_SUFFIXES):
-            continue
-        name = names.from_mcore(key) if mcore else names.normalize(key)
-        if name is None or (name != names.HEAD_EMBEDDINGS and names.match(name) is None):
-            raise KeyError(f"{key!r} is not a GPT parameter Slipway knows")
-        out[name.removeprefix(LEGACY_PREFIX)] = tensor
-    return out
+    return {n.removeprefix(LEGACY_PREFIX): t for n, t in normalise_names(flat, mcore, where).items()}

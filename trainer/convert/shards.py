@@ -30,6 +30,7 @@ from trainer.convert.layout import (
     shard_dir_name,
     write_tracker,
 )
+from trainer.convert.mcore import is_mcore_model, normalise_names
 from trainer.log import get_logger
 from trainer.model.names import layer_index, renumber
 from trainer.parallel import sharding
@@ -60,44 +61,8 @@ def _stage_model(shard: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} has no 'model' entry (found {keys}): not a Megatron/Slipway "
                               "checkpoint")
     model = shard["model"]
-    mcore = not ({"language_model", "word_embeddings_for_head"} & set(model))
+    mcore = is_mcore_model(model)
     return normalise_names(model if mcore else flatten(model), mcore, path)
-
-
-def normalise_names(flat: dict[str, Any], mcore: bool, where: Path) -> dict[str, torch.Tensor]:
-    """Flat parameter names of any era (legacy, legacy ≥ core_v0.4, Megatron-core, TE-style) → Slipway's
-    legacy names, bookkeeping entries dropped; unknown names refused with the feature they suggest."""
-    out, unknown = {}, []
-    for raw, tensor in flat.items():
-        if raw.endswith(names.IGNORED_SUFFIXES):
-            continue
-        name = names.from_mcore(raw) if mcore else names.normalize(raw)
-        if name is None or (name != names.HEAD_EMBEDDINGS and names.match(name) is None):
-            unknown.append(raw)
-            continue
-        out[name] = tensor
-    if unknown:
-        raise CheckpointError(f"{where} is not a GPT checkpoint Slipway can convert "
-                              f"({unsupported(unknown)}); unexpected parameters: "
-                              f"{unknown[:6]}{' …' if len(unknown) > 6 else ''}")
-    return out
-
-
-# Parameter-name hints of Megatron models that are not a GPT-2-architecture GPT (mcore GPTs have no
-# "encoder.", legacy GPTs no "decoder." once normalised: either in the unknown names means T5).
-_VARIANTS = ((".experts.", "a mixture-of-experts (MoE) model"),
-             (".router.", "a mixture-of-experts (MoE) model"),
-             ("binary_head", "a BERT model"), ("lm_head.dense", "a BERT model"),
-             ("encoder.", "an encoder-decoder (T5) model"), ("decoder.", "an encoder-decoder (T5) model"),
-             ("linear_q_down_proj", "a multi-latent-attention model"))
-
-
-def unsupported(unknown: list[str]) -> str:
-    """What the unexpected names say the model is (the README lists what Slipway converts)."""
-    for hint, what in _VARIANTS:
-        if any(hint in n for n in unknown):
-            return f"it looks like {what}, which Slipway does not convert"
-    return "GPT-2 architecture: learned positions, LayerNorm, GeLU MLP, tied head"
 
 
 def _merge_tp(parts: list[dict[str, torch.Tensor]], path: Path) -> dict[str, torch.Tensor]:
