@@ -64,3 +64,37 @@ def stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int,
     if method == "uniform":
         return -(-layers // k) * per("full")
     return k * per("full") + (layers - k) * per("none")
+
+
+def state_bytes_per_param(precision: str, distributed: bool = False,
+                          dp: int = 1) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer state) bytes per parameter on one device, as Slipway keeps them.
+
+    Without ``optim.distributed`` every precision keeps fp32 parameters (they are the master weights;
+    bf16/fp16 run under autocast, trainer.optim.precision), fp32 gradients and two fp32 Adam moments:
+    4 + 4 + 8 = 16. With ``optim.distributed`` (ZeRO-1, Megatron's ``--use-distributed-optimizer``) the
+    optimizer state is sharded over the ``dp`` data-parallel ranks, as in Megatron's table
+    (docs/source/api-guide/dist_optimizer.md): fp32 keeps 4 + 4 + 8/d; bf16/fp16 keep 16-bit parameters,
+    fp32 gradient buffers and an fp32 master copy beside the moments, 2 + 4 + 12/d (18 → 6 + 12/d)."""
+    if not distributed:
+        return 4.0, 4.0, 8.0
+    d = max(int(dp), 1)
+    if precision == "fp32":
+        return 4.0, 4.0, 8.0 / d
+    return 2.0, 4.0, 12.0 / d
+
+
+def bubble_fraction(pp: int, num_microbatches: int, virtual_pp: int = 1) -> float:
+    """Idle fraction of a pipelined step, ``(p − 1)/(v·m)`` of the ideal time (Narayanan et al. 2021,
+    §2.2.1–2.2.2): the step takes ``(1 + (p − 1)/(v·m))`` times the work of one stage's micro-batches."""
+    if pp <= 1:
+        return 0.0
+    return (pp - 1) / (max(virtual_pp, 1) * max(num_microbatches, 1))
+
+
+def interleaved_memory_factor(pp: int, virtual_pp: int = 1) -> float:
+    """How much more activation memory the first stage holds with the interleaved schedule than with
+    1F1B: ``1 + (p − 1)/(p·v)`` (Megatron's ``report_theoretical_memory``); 1 without interleaving."""
+    if virtual_pp <= 1 or pp <= 1:
+        return 1.0
+    return 1 + (pp - 1) / (pp * virtual_pp)
