@@ -1,16 +1,18 @@
 """Per-device memory and run-time estimates (pure arithmetic on the typed config).
 
-Memory follows Megatron's accounting: mixed precision keeps 16-bit weights, fp32 main gradients, an fp32
-master copy and two fp32 Adam moments (2 + 4 + 4 + 8 = 18 bytes per parameter); fp32 training keeps 4 + 4
-+ 8 = 16. Activations per transformer layer follow Korthikanti et al. 2022 ("Reducing Activation
-Recomputation in Large Transformer Models", table 2; :func:`trainer.formulas.stage_activation_bytes`,
-which follows train.recompute_*): s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes with tensor parallelism t,
-s·b·h·(34 + 5·a·s/h)/t with sequence parallelism, without the attention term with selective
-recomputation, 2·s·b·h (/t with SP) per recomputed layer input with full recomputation; 1F1B keeps up to
-p micro-batches in flight on the first stage, so that stage holds the activations of L layers in total.
+Memory: weights, gradients and optimizer state per parameter are
+:func:`trainer.formulas.state_bytes_per_param`
+(Slipway's autocast layout keeps 4 + 4 + 8 = 16 bytes in every precision; ``optim.distributed`` gives
+Megatron's 4 + 4 + 8/d in fp32 and 2 + 4 + 12/d in bf16/fp16). Activations per transformer layer follow
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", table 2;
+:func:`trainer.formulas.stage_activation_bytes`, which follows train.recompute_*) with the coefficients of
+the run's kernels (:func:`trainer.formulas.activation_profile`: measured on CPU, the paper's on GPU, where
+flash SDPA keeps no s×s scores); 1F1B keeps up to p micro-batches in flight on the first stage, so that
+stage holds the activations of L layers in total, times ``1 + (p − 1)/(p·v)`` when interleaved.
 Run time uses Megatron's FLOPs formula (performance.md), the trainer's own definition
 (:func:`trainer.formulas.flops_per_iteration`, padded vocabulary), so the ETA and the trainer's logged
-TFLOP/s count the same work.
+TFLOP/s count the same work; recomputation adds its forward FLOPs
+(:func:`trainer.formulas.recompute_time_factor`) and the pipeline its bubble ``(p − 1)/(v·m)``.
 """
 
 from __future__ import annotations
@@ -67,26 +69,33 @@ def stage_params(cfg: SlipwayConfig, vocab: int) -> tuple[int, int]:
     return first, total
 
 
+def activation_profile(cfg: SlipwayConfig) -> formulas.ActivationProfile:
+    """The measured (CPU) or published (GPU) activation coefficients for this run's kernels."""
+    device = "cuda" if cfg.cluster.gpus_per_node else "cpu"
+    return formulas.activation_profile(device, cfg.kernels, cfg.model.attention_backend, cfg.train.precision)
+
+
 def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstimate:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     params, _ = stage_params(cfg, vocab)
-    half = t.precision in ("fp16", "bf16")
-    w_bytes, g_bytes, o_bytes = (2, 4, 12) if half else (4, 4, 8)
-    act_el = 1 if half else 2  # the formula counts 16-bit activations; fp32 doubles them
+    w_bytes, g_bytes, o_bytes = formulas.state_bytes_per_param(t.precision, cfg.optim.distributed,
+                                                               max(lay.dp, 1))
     tp, pp = max(p.tp_size, 1), max(p.pp_size, 1)
     in_flight = min(pp, lay.num_microbatches or pp)
     per_microbatch = formulas.stage_activation_bytes(
         m.num_layers // pp, m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, tp,
-        p.sequence_parallel, t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
+        p.sequence_parallel, t.recompute_granularity, t.recompute_method, t.recompute_num_layers,
+        activation_profile(cfg))
+    interleave = formulas.interleaved_memory_factor(pp, p.virtual_pp_size)
     # fp32 logits for the vocab-parallel cross-entropy (last stage; counted on the same device when pp=1).
     v = formulas.padded_vocab_size(vocab, tp, m.make_vocab_size_divisible_by)
     logits = 4 * m.seq_length * t.micro_batch_size * v // tp if pp == 1 else 0
     return MemoryEstimate(
         params=params,
-        weights_bytes=params * w_bytes,
-        grads_bytes=params * g_bytes,
-        optimizer_bytes=params * o_bytes,
-        activations_bytes=int(per_microbatch * in_flight * act_el),
+        weights_bytes=int(params * w_bytes),
+        grads_bytes=int(params * g_bytes),
+        optimizer_bytes=int(params * o_bytes),
+        activations_bytes=int(per_microbatch * in_flight * interleave),
         logits_bytes=logits,
         reserved_bytes=int(cfg.cluster.reserved_memory_gb * GIB),
         device_bytes=int(cfg.cluster.device_memory_gb * GIB),
@@ -111,8 +120,12 @@ def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
     flops = formulas.flops_per_iteration(lay.global_batch, m.seq_length, m.num_layers, m.hidden_size, v)
     rate = max(lay.world, 1) * c.device_peak_tflops * 1e12 * max(c.mfu, 1e-6)
     mb = max(lay.num_microbatches, 1)
-    bubble = (lay.pp - 1) / (mb + lay.pp - 1) if lay.pp > 1 else 0.0
-    step = flops / rate / (1 - bubble)
+    # The step takes (1 + bubble) times the ideal compute (performance.md), interleaving included.
+    bubble = formulas.bubble_fraction(lay.pp, mb, cfg.parallel.virtual_pp_size)
+    t, layers = cfg.train, m.num_layers // max(cfg.parallel.pp_size, 1)
+    recompute = formulas.recompute_time_factor(t.recompute_granularity, m.seq_length, m.hidden_size, layers,
+                                               t.recompute_method, t.recompute_num_layers)
+    step = flops * recompute / rate * (1 + bubble)
     eta = step * cfg.train.iters
     return TimeEstimate(
         flops,
@@ -152,3 +165,26 @@ def memory_table(mem: MemoryEstimate, device_name: str) -> str:
     cap = fmt_bytes(mem.device_bytes) if mem.device_bytes else "   unknown"
     rows.append((f"device ({device_name})", cap, "fits" if mem.fits else "DOES NOT FIT"))
     return "\n".join(f"  {a:<26}{b:>14}  {c}".rstrip() for a, b, c in rows)
+
+
+@dataclass(frozen=True)
+class MemoryOption:
+    """One way to lower the memory (orchestrator.plan.MEMORY_OPTIONS) and what it would give."""
+
+    name: str  # the override, e.g. optim.distributed=true
+    memory: MemoryEstimate
+    step_ratio: float  # its step time over the configured one
+
+
+def options_table(mem: MemoryEstimate, options: list[MemoryOption]) -> list[str]:
+    """The dry run's "what each memory option would give" lines (plan.memory_options), beside the
+    configured total: same math, different memory (and for recomputation, more time)."""
+    if not options:
+        return []
+    lines = ["  with (same math; per-device total, change, step time):"]
+    for o in options:
+        delta = (o.memory.total_bytes - mem.total_bytes) / GIB
+        fits = "" if o.memory.fits else "  does not fit"
+        lines.append(f"    {o.name:<40}{fmt_bytes(o.memory.total_bytes)}  {delta:+7.2f} GiB  "
+                     f"×{o.step_ratio:.2f}{fits}")
+    return lines

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import queue, redaction
-from orchestrator.estimate import fmt_duration, memory_table
+from orchestrator.estimate import fmt_duration, memory_table, options_table
 from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.guards import known_secrets
 from orchestrator.input_checks import input_problems
@@ -110,6 +110,7 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         "",
         "Memory per device (first pipeline stage):",
         memory_table(plan.memory, cfg.cluster.device_name),
+        *options_table(plan.memory, plan.memory_options),
         "",
         f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {cfg.cluster.mfu:.0%} MFU of "
         f"{cfg.cluster.device_peak_tflops:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}: "

@@ -16,12 +16,20 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.estimate import GIB, MemoryEstimate, TimeEstimate, estimate_memory, estimate_time
+from orchestrator.estimate import (
+    GIB,
+    MemoryEstimate,
+    MemoryOption,
+    TimeEstimate,
+    estimate_memory,
+    estimate_time,
+)
 from orchestrator.guards import guard_problems
 from orchestrator.jobs import ConvertJob, CorpusJob, PreprocessJob, TrainJob
 from orchestrator.layout import Layout, layout_of
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import Problem, validate
+from trainer.checks import deferred
 from trainer.config import RunConfig
 
 
@@ -75,6 +83,7 @@ class Plan:
     problems: list[Problem]
     sweep: SweepInfo | None = None
     warnings: list[str] = field(default_factory=list)  # said before submitting; nothing is refused
+    memory_options: list[MemoryOption] = field(default_factory=list)  # memory_options()
 
     def stage(self, name: str) -> StagePlan:
         return next(s for s in self.stages if s.name == name)
@@ -216,19 +225,68 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
     return stages
 
 
-def _memory_options(cfg: SlipwayConfig, vocab: int, lay: Layout) -> str:
-    """What activation recomputation would bring the per-device total to (the plan's own estimate)."""
-    out = []
-    for key, value in (("selective", {"recompute_granularity": "selective"}),
-                       ("full", {"recompute_granularity": "full", "recompute_method": "uniform",
-                                 "recompute_num_layers": 1})):
-        if cfg.train.recompute_granularity == key:
+# The options that trade memory for time or communication without changing the math, as
+# (key, section, field, values): the dry run's table shows the run at each value it is not using, and the
+# advice for a memory problem names those that would lower the total. One list for both.
+MEMORY_OPTIONS = (
+    ("train.recompute_granularity", "train", "recompute_granularity", ("none", "selective", "full")),
+    ("optim.distributed", "optim", "distributed", (False, True)),
+    ("parallel.sequence_parallel", "parallel", "sequence_parallel", (False, True)),
+    ("parallel.virtual_pp_size", "parallel", "virtual_pp_size", (1, 2)),
+)
+
+
+def _applies(key: str, lay: Layout) -> bool:
+    """Options that do nothing at this layout are not offered (no DP shards, no TP group, one stage)."""
+    return {"optim.distributed": lay.dp > 1, "parallel.sequence_parallel": lay.tp > 1,
+            "parallel.virtual_pp_size": lay.pp > 1}.get(key, True)
+
+
+def _value_text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def with_option(cfg: SlipwayConfig, section: str, fields: dict) -> SlipwayConfig:
+    """``cfg`` with one section's fields changed; the plan reports the config's problems itself, so a
+    config that already has some is still estimated (checks deferred, as when it was composed)."""
+    with deferred():
+        return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)})
+
+
+def memory_options(cfg: SlipwayConfig, vocab: int, lay: Layout) -> list[MemoryOption]:
+    """The run at every other value of each of MEMORY_OPTIONS (one change at a time), then with all the
+    memory-saving values together, each with the plan's own per-device estimate and step time."""
+    step = estimate_time(cfg, vocab, lay).step_s
+
+    def option(name: str, alt: SlipwayConfig) -> MemoryOption:
+        ratio = estimate_time(alt, vocab, lay).step_s / step
+        return MemoryOption(name, estimate_memory(alt, vocab, lay), ratio)
+
+    out, lowest, saving = [], cfg, 0
+    for key, section, name, values in MEMORY_OPTIONS:
+        if not _applies(key, lay):
             continue
-        alt = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **value))
-        mem = estimate_memory(alt, vocab, lay)
-        fits = "fits" if mem.fits else "still too much"
-        out.append(f"train.recompute_granularity={key} → {mem.total_bytes / GIB:.1f} GiB ({fits})")
-    return "; ".join(out)
+        current = getattr(getattr(cfg, section), name)
+        for value in values:
+            if value != current and not (name == "virtual_pp_size" and current > 1):
+                out.append(option(f"{key}={_value_text(value)}", with_option(cfg, section, {name: value})))
+        if name == "virtual_pp_size" and current > 1:  # interleaving costs memory: show it off
+            out.append(option(f"{key}=1", with_option(cfg, section, {name: 1})))
+    for key, section, name, values in MEMORY_OPTIONS[:3]:  # the three that only save memory
+        best = values[-1]
+        if _applies(key, lay) and getattr(getattr(cfg, section), name) != best:
+            lowest, saving = with_option(lowest, section, {name: best}), saving + 1
+    if saving > 1:
+        out.append(option("all memory savers", lowest))
+    return out
+
+
+def _memory_advice(cfg: SlipwayConfig, vocab: int, lay: Layout) -> str:
+    here = estimate_memory(cfg, vocab, lay).total_bytes
+    options = [f"{o.name} → {o.memory.total_bytes / GIB:.1f} GiB "
+               f"({'fits' if o.memory.fits else 'still too much'})" for o in memory_options(cfg, vocab, lay)
+               if o.memory.total_bytes < here]
+    return "; ".join(options)
 
 
 def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimate, vocab: int,
@@ -236,9 +294,9 @@ def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimat
     out = []
     if not mem.fits:
         hint = "raise parallel.tp_size/pp_size or lower train.micro_batch_size"
-        options = _memory_options(cfg, vocab, lay)
+        options = _memory_advice(cfg, vocab, lay)
         if options:
-            hint += f", or recompute activations: {options}"
+            hint += f", or (same math, the plan's figure for each): {options}"
         acts = mem.total_bytes - mem.weights_bytes - mem.grads_bytes - mem.optimizer_bytes
         parts = (
             f"weights {mem.weights_bytes / GIB:.1f} + grads {mem.grads_bytes / GIB:.1f} + optimizer "
@@ -285,5 +343,6 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
     prep = _preprocess_stage(cfg, facts, corpus)
     stages = ([corpus] if corpus else []) + [prep] + _run_stages(cfg, facts, prep)
     return Plan(
-        facts.run_id, facts.run_dir, cfg.experiment, lay, vocab, mem, est, stages, problems, facts.sweep
+        facts.run_id, facts.run_dir, cfg.experiment, lay, vocab, mem, est, stages, problems, facts.sweep,
+        memory_options=memory_options(cfg, vocab, lay) if lay.dp and lay.num_microbatches else [],
     )

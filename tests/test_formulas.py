@@ -90,4 +90,15 @@ def test_the_plans_memory_follows_train_recompute(granularity):
         cfg = compose_cfg(CP + extra)
         return estimate.estimate_memory(cfg, 32768, layout_of(cfg)).activations_bytes
 
-    assert activations([f"train.recompute_granularity={granularity}"]) < activations([])
+    softmax = ["model.attention_backend=softmax"]
+    assert activations([f"train.recompute_granularity={granularity}"] + softmax) < activations(softmax)
+
+
+def test_selective_recompute_saves_nothing_with_flash_attention_on_gpu():
+    """SDPA's flash/efficient kernels on CUDA already keep no s×s scores: selective changes nothing."""
+    def activations(extra):
+        cfg = compose_cfg(CP + ["model.attention_backend=sdpa"] + extra)
+        assert cfg.cluster.gpus_per_node
+        return estimate.estimate_memory(cfg, 32768, layout_of(cfg)).activations_bytes
+
+    assert activations(["train.recompute_granularity=selective"]) == activations([])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 def padded_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128) -> int:
     """Megatron's rule: round the vocab up to a multiple of ``divisible_by · tp_size``.
@@ -30,33 +32,101 @@ def flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: i
     return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
 
 
+@dataclass(frozen=True)
+class ActivationProfile:
+    """What one transformer layer keeps for backward, per micro-batch, in bytes:
+    ``s·b·h·linear + a·s²·b·attention`` without recomputation, ``s·b·h·selective`` with selective
+    recomputation (the attention scores, softmax and dropout are recomputed; SDPA's math backend also
+    drops what it saves beyond q, k, v). ``replicated``: the part of ``linear`` that tensor parallelism
+    without sequence parallelism does not split (the LayerNorm/dropout regions). ``source`` says where the
+    numbers come from."""
+
+    linear: float
+    attention: float
+    selective: float
+    replicated: float
+    source: str
+    element: int = 2
+    """Bytes per activation element: what full recomputation keeps per element of the layer's input."""
+    sp_gathered: float = 4
+    """Under sequence parallelism, bytes per s·b·h kept at the full sequence length: Slipway saves the
+    all-gathered inputs of the QKV and first MLP matmuls (2 × 2 bytes) for their weight gradients, where
+    Megatron all-gathers them again in backward. Unsplit, so ``sp_gathered·(1 − 1/t)`` more than 1/t."""
+
+
+PAPER = ActivationProfile(34, 5, 34, 10, "Korthikanti et al. 2022, table 2 (Megatron's GPU kernels)",
+                          sp_gathered=0)
+"""The published figures, which assume Megatron's fused GPU kernels (1-byte dropout masks)."""
+
+# Measured on CPU with bench/recompute.py (saved_tensors_hooks, tp=1; tp=2 with and without sequence
+# parallelism for ``replicated``) and re-checked within 10 % by tests/model/test_activation_memory.py; in
+# bytes, so the fp32 rows are about twice the 16-bit ones. They differ from the paper because CPU dropout
+# keeps its mask in the activation dtype (not 1 byte), the csrc GeLU and bias-dropout-add kernels save
+# less than Megatron's unfused ones, and SDPA's CPU math backend saves its own scores and output. On
+# CUDA, SDPA's flash/efficient kernels keep only q, k, v, the output and the log-sum-exp, so the
+# attention term vanishes without any recomputation (the paper's figures otherwise; unmeasured here).
+_MEASURED = "measured, bench/results/recompute.json"
+ACTIVATION_PROFILES: dict[tuple[str, str, str, int], ActivationProfile] = {
+    ("cpu", "csrc", "softmax", 16): ActivationProfile(32, 6, 32, 8, _MEASURED),
+    ("cpu", "csrc", "sdpa", 16): ActivationProfile(38, 12, 32, 8, _MEASURED),
+    ("cpu", "eager", "softmax", 16): ActivationProfile(40, 8, 40, 10, _MEASURED),
+    ("cpu", "eager", "sdpa", 16): ActivationProfile(46, 12, 40, 10, _MEASURED),
+    ("cpu", "csrc", "softmax", 32): ActivationProfile(64, 12, 64, 16, _MEASURED, 4, 8),
+    ("cpu", "csrc", "sdpa", 32): ActivationProfile(72, 12, 64, 16, _MEASURED, 4, 8),
+    ("cpu", "eager", "softmax", 32): ActivationProfile(72, 12, 72, 20, _MEASURED, 4, 8),
+    ("cpu", "eager", "sdpa", 32): ActivationProfile(80, 12, 72, 20, _MEASURED, 4, 8),
+    ("cuda", "fused", "softmax", 16): PAPER,
+    ("cuda", "fused", "sdpa", 16): ActivationProfile(34, 0, 34, 10, "the paper without the attention term "
+                                                     "(flash/efficient SDPA on CUDA; unmeasured)",
+                                                     sp_gathered=0),
+    ("cuda", "fused", "softmax", 32): ActivationProfile(68, 10, 68, 20, "the paper at 4-byte activations",
+                                                        4, 0),
+    ("cuda", "fused", "sdpa", 32): ActivationProfile(68, 0, 68, 20, "the paper at 4-byte activations, "
+                                                     "without the attention term (unmeasured)", 4, 0),
+}
+
+
+def activation_profile(device: str, kernels: str, attention_backend: str,
+                       precision: str = "bf16") -> ActivationProfile:
+    """The profile for a run: ``device`` cpu|cuda, the ``kernels`` key, ``model.attention_backend`` and
+    ``train.precision``. On CPU ``auto`` means csrc (what `make install` builds); on CUDA every kernel
+    set uses the paper's figures (Megatron's kernels are the ones it measured)."""
+    width = 32 if precision == "fp32" else 16
+    if device == "cuda":
+        return ACTIVATION_PROFILES[("cuda", "fused", attention_backend, width)]
+    family = "eager" if kernels in ("eager", "compile") else "csrc"
+    return ACTIVATION_PROFILES[("cpu", family, attention_backend, width)]
+
+
 def activation_bytes_per_layer(seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none") -> float:
-    """Bytes one transformer layer keeps for backward per micro-batch with 16-bit activations
-    (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", table 2):
+                               sequence_parallel: bool = False, recompute: str = "none",
+                               profile: ActivationProfile = PAPER) -> float:
+    """Bytes one transformer layer keeps for backward per micro-batch (Korthikanti et al. 2022,
+    table 2, with ``profile``'s coefficients; the paper's, for 16-bit activations, are
     ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` with tensor parallelism t, ``s·b·h·(34 + 5·a·s/h)/t`` with
-    sequence parallelism too; selective recomputation drops the ``5·a·s/h`` attention term; full keeps
-    only the layer's input, ``2·s·b·h`` (``/t`` with sequence parallelism)."""
+    sequence parallelism too); selective recomputation keeps ``s·b·h·selective`` (split alike); full
+    keeps only the layer's input, ``2·s·b·h`` in 16 bits (``/t`` with sequence parallelism)."""
     sbh = seq * micro_batch * hidden
-    attention = 5 * heads * seq / hidden
     if recompute == "full":
-        return 2 * sbh / (tp if sequence_parallel else 1)
-    if recompute == "selective":
-        attention = 0.0
+        return profile.element * sbh / (tp if sequence_parallel else 1)
+    linear = profile.selective if recompute == "selective" else profile.linear
+    attention = 0.0 if recompute == "selective" else profile.attention * heads * seq / hidden
     if sequence_parallel:
-        return sbh * (34 + attention) / tp
-    return sbh * (10 + 24 / tp + attention / tp)
+        return sbh * ((linear + attention) / tp + profile.sp_gathered * (1 - 1 / tp))
+    return sbh * (profile.replicated + (linear - profile.replicated) / tp + attention / tp)
 
 
 def stage_activation_bytes(layers: int, seq: int, micro_batch: int, hidden: int, heads: int, tp: int = 1,
                            sequence_parallel: bool = False, granularity: str = "none",
-                           method: str = "uniform", recompute_layers: int = 1) -> float:
+                           method: str = "uniform", recompute_layers: int = 1,
+                           profile: ActivationProfile = PAPER) -> float:
     """One pipeline stage's ``layers`` for one micro-batch, by Megatron's recompute methods: full
     ``uniform`` keeps the input of each group of ``recompute_layers`` layers, ``block`` recomputes the
     first ``recompute_layers`` layers and stores the rest in full. (The layers being recomputed during
     backward need one layer group's full activations transiently; not counted, as in the paper.)"""
     def per(kind: str) -> float:
-        return activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp, sequence_parallel, kind)
+        return activation_bytes_per_layer(seq, micro_batch, hidden, heads, tp, sequence_parallel, kind,
+                                          profile)
 
     if granularity != "full":
         return layers * per(granularity)
@@ -98,3 +168,18 @@ def interleaved_memory_factor(pp: int, virtual_pp: int = 1) -> float:
     if virtual_pp <= 1 or pp <= 1:
         return 1.0
     return 1 + (pp - 1) / (pp * virtual_pp)
+
+
+def recompute_time_factor(granularity: str, seq: int, hidden: int, layers: int = 1, method: str = "uniform",
+                          recompute_layers: int = 1) -> float:
+    """How much longer a step takes with recomputation, by FLOPs (a compute-bound GPU): a recomputed
+    layer runs its forward twice, and the forward is 1/3 of forward + backward (Megatron counts full
+    recomputation as 4/3 of the model FLOPs). Selective recomputes only the core attention, ``4·b·s²·h``
+    of the layer's ``24·b·s·h² + 4·b·s²·h`` forward FLOPs. On CPU, where the recomputed softmax and
+    dropout are memory-bound, bench/recompute.py measures more (1.4–1.8× per layer)."""
+    if granularity == "selective":
+        return 1 + seq / (6 * hidden + seq) / 3
+    if granularity == "full":
+        share = 1.0 if method == "uniform" else min(recompute_layers, layers) / max(layers, 1)
+        return 1 + share / 3
+    return 1.0

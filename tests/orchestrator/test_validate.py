@@ -40,7 +40,8 @@ CASES = [
     (SMOKE, ["+cluster.env.WANDB_API_KEY=abcd1234secret"], "secret_in_config", "cluster.env.WANDB_API_KEY"),
     (CP, ["data.paths=[/nonexistent/train.jsonl]"], "file_missing", "data.paths"),
     (CP, ["tokenizer.vocab_file=/nonexistent/vocab.json"], "file_missing", "tokenizer.vocab_file"),
-    (CP, ["train.micro_batch_size=96", "train.global_batch_size=768"], "memory", "train.micro_batch_size"),
+    (CP, ["train.micro_batch_size=96", "train.global_batch_size=768", "model.attention_backend=softmax"],
+     "memory", "train.micro_batch_size"),
     (CP, ["cluster.time_limit_min=5"], "time_limit", "cluster.time_limit_min"),
     (CP, ["train.precision=bf16", "cluster.device_bf16=false"], "precision", "train.precision"),
 ]
@@ -68,16 +69,19 @@ def test_clean_configs_have_no_problems():
     assert _plan(CP, exists=lambda p: True)[1].problems == []
 
 
-def test_memory_problem_names_the_recompute_options_with_their_figures():
-    too_big = CP + ["train.micro_batch_size=72", "train.global_batch_size=576"]
+def test_memory_problem_names_the_options_with_their_figures():
+    too_big = CP + ["train.micro_batch_size=72", "train.global_batch_size=576",
+                    "model.attention_backend=softmax"]
     _, plan = _plan(too_big, exists=lambda p: True)
     mem = [p for p in plan.problems if p.code == "memory"]
     assert mem and "weights" in mem[0].message and "optimizer" in mem[0].message
     assert "parallel.tp_size" in mem[0].fix and "train.micro_batch_size" in mem[0].fix
-    for granularity in ("selective", "full"):  # each option, with the total the plan computes for it
-        _, alt = _plan(too_big + [f"train.recompute_granularity={granularity}"], exists=lambda p: True)
-        figure = f"train.recompute_granularity={granularity} → {alt.memory.total_bytes / GIB:.1f} GiB"
+    for option in ("train.recompute_granularity=selective", "train.recompute_granularity=full",
+                   "optim.distributed=true"):  # each option, with the total the plan computes for it
+        _, alt = _plan(too_big + [option], exists=lambda p: True)
+        figure = f"{option} → {alt.memory.total_bytes / GIB:.1f} GiB"
         assert figure in mem[0].fix, mem[0].fix
+    assert "parallel.sequence_parallel" not in mem[0].fix  # tp = 1: nothing to split
     with pytest.raises(ConfigCompositionException):  # the old planning-only key is gone, not ignored
         compose_cfg(CP + ["train.recompute_activations=true"])
 

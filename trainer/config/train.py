@@ -118,6 +118,9 @@ class OptimConfig(Section):
     impl: str = "auto"
     """AdamW implementation: auto (apex FusedAdam on CUDA when importable, else torch fused on CUDA,
     else Slipway's csrc kernel or foreach), apex, csrc, torch_fused, foreach or for_loop."""
+    distributed: bool = False
+    """Shard the optimizer state over the data-parallel ranks (ZeRO-1, Megatron's
+    --use-distributed-optimizer)."""
 
     def problems(self) -> list[ConfigIssue]:
         out = positive("optim.lr", self.lr)
