@@ -1,11 +1,12 @@
 """Activation memory kept for backward, per transformer layer and micro-batch, measured against
 Korthikanti et al. 2022 (table 2), and the time recomputation costs.
 
-The count is exact and device-independent: a ``saved_tensors_hooks`` pack hook records every tensor
-autograd saves during one layer's forward (each storage once; the parameters' storages excluded, they
-are weights, not activations). The model runs in bf16 (16-bit activations, as the paper counts them) on
-CPU, one layer, no tensor parallelism. The time is forward + backward of the layer, median of the runs,
-next to no recomputation measured in the same run.
+The count is exact and device-independent (trainer.model.memory: a ``saved_tensors_hooks`` pack hook
+records every tensor autograd saves during one layer's forward, each storage once, the parameters'
+storages excluded). The model runs in bf16 (16-bit activations, as the paper counts them) on CPU, one
+layer, no tensor parallelism. Each row is compared with the paper's coefficients and with the kernel
+set's profile (trainer.formulas.ACTIVATION_PROFILES, what the plan uses). The time is forward + backward
+of the layer, median of the runs, next to no recomputation measured in the same run.
 
     python bench/recompute.py [--out bench/results/recompute.json]
 """
@@ -24,10 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.meta import run_meta  # noqa: E402
-from trainer.formulas import activation_bytes_per_layer  # noqa: E402
+from trainer.formulas import activation_bytes_per_layer, activation_profile  # noqa: E402
 from trainer.model import GPTConfig  # noqa: E402
 from trainer.model import recompute as R  # noqa: E402
 from trainer.model.gpt import build_gpt  # noqa: E402
+from trainer.model.memory import saved_activation_bytes  # noqa: E402
 
 SHAPES = [(512, 2, 256, 8), (1024, 1, 512, 8), (256, 4, 512, 16)]  # (s, b, h, a)
 SETTINGS = ["none", "selective", "full"]
@@ -54,31 +56,18 @@ def measure(kernels: str, backend: str, shape: tuple[int, int, int, int], repeat
         layer = model.encoder.layers[0]
         run = functools.partial(R.recomputed, layer) if granularity == "full" else layer
         x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
-        measured = _layer_bytes(model, run, x)
+        measured = saved_activation_bytes(model.parameters(), functools.partial(run, x))
         secs = step_seconds(run, x, repeats)
         base_time = base_time or secs
         formula = activation_bytes_per_layer(s, b, h, a, recompute=granularity)
+        planned = activation_bytes_per_layer(s, b, h, a, recompute=granularity,
+                                             profile=activation_profile("cpu", kernels, backend, "bf16"))
         rows.append({"kernels": kernels, "attention_backend": backend, "s": s, "b": b, "h": h, "a": a,
                      "recompute": granularity, "measured_bytes": measured, "formula_bytes": formula,
-                     "ratio": round(measured / formula, 3), "step_s": secs,
+                     "ratio": round(measured / formula, 3), "plan_bytes": planned,
+                     "ratio_to_plan": round(measured / planned, 3), "step_s": secs,
                      "time_vs_none": round(secs / base_time, 3)})
     return rows
-
-
-def _layer_bytes(model: torch.nn.Module, run, x: torch.Tensor) -> int:
-    """Bytes autograd saves while ``run(x)`` runs (each storage once, parameters excluded)."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run(x)
-    return sum(seen.values())
 
 
 def main() -> None:
@@ -91,7 +80,8 @@ def main() -> None:
             for r in measure(kernels, backend, shape, args.repeats)]
     for r in rows:
         print(f"{r['kernels']:5} {r['attention_backend']:7} s={r['s']:4} b={r['b']} h={r['h']:3} "
-              f"a={r['a']:2} {r['recompute']:9} measured/formula {r['ratio']:5.2f}  "
+              f"a={r['a']:2} {r['recompute']:9} measured/paper {r['ratio']:5.2f}  "
+              f"measured/plan {r['ratio_to_plan']:5.2f}  "
               f"time vs none {r['time_vs_none']:4.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": run_meta(), "rows": rows}, indent=1) + "\n")
