@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trainer.config import KERNEL_SETS
 from trainer.log import get_logger
 from trainer.ops import _ext, reference
 
 log = get_logger(__name__)
 
-KERNEL_MODES = ("auto", "csrc", "apex", "eager", "compile")
+KERNEL_MODES = KERNEL_SETS  # the `kernels` key's values: defined once, with the config
 OPS = ("bias_gelu", "bias_dropout_add", "scaled_causal_softmax", "layer_norm", "cross_entropy", "adamw_step")
 _LOGGED: set[tuple[str, str]] = set()
 _WARNED: set[str] = set()
