@@ -29,7 +29,8 @@ from trainer.ops import _ext, reference
 log = get_logger(__name__)
 
 KERNEL_MODES = KERNEL_SETS  # the `kernels` key's values: defined once, with the config
-OPS = ("bias_gelu", "bias_dropout_add", "scaled_causal_softmax", "layer_norm", "cross_entropy", "adamw_step")
+OPS = ("bias_gelu", "bias_dropout_add", "scaled_causal_softmax", "layer_norm", "cross_entropy", "adamw_step",
+       "rms_norm", "swiglu", "rotary")
 _LOGGED: set[tuple[str, str]] = set()
 _WARNED: set[str] = set()
 
@@ -41,8 +42,9 @@ class KernelSet:
     Signatures are those of :mod:`trainer.ops.reference`: ``bias_gelu(x, bias)``,
     ``bias_dropout_add(x, bias, residual, p, training)``, ``scaled_causal_softmax(scores, scale)``,
     ``layer_norm(x, weight, bias, eps)``, ``cross_entropy(logits, target)`` (per-token fp32 loss of
-    unsharded logits; the vocab-parallel primitives are in :mod:`trainer.ops.cross_entropy`) and
-    ``adamw_step(tensors, hyper, step)`` (:mod:`trainer.ops.adamw`).
+    unsharded logits; the vocab-parallel primitives are in :mod:`trainer.ops.cross_entropy`),
+    ``adamw_step(tensors, hyper, step)`` (:mod:`trainer.ops.adamw`), and for Llama-style models
+    ``rms_norm(x, weight, eps)``, ``swiglu(x)`` and ``rotary(x, cos, sin)``.
     """
 
     bias_gelu: Callable
@@ -51,6 +53,9 @@ class KernelSet:
     layer_norm: Callable
     cross_entropy: Callable = reference.cross_entropy
     adamw_step: Callable = reference.adamw_step
+    rms_norm: Callable = reference.rms_norm
+    swiglu: Callable = reference.swiglu
+    rotary: Callable = reference.rotary
     names: dict = field(default_factory=dict)
 
 

@@ -39,6 +39,32 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (Zhang & Sennrich 2019; Megatron's ``--normalization RMSNorm``): fp32
+    statistics, normalised in fp32 and cast back before the weight multiplies, in HF Llama's order."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) · up for ``x = [gate | up]`` along the last dim (Megatron's ``--swiglu``: the first MLP
+    matmul produces both halves; Shazeer 2020)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (Su et al. 2021) in the rotate-half layout (Megatron-core's default and
+    HF Llama's): ``x`` [..., s, d]; ``cos``/``sin`` [s, d_rot] (each angle repeated for both halves),
+    d_rot ≤ d (``rotary_percent``); dims past d_rot pass through. Computed in fp32, cast back."""
+    d_rot = cos.shape[-1]
+    rot, rest = x[..., :d_rot].float(), x[..., d_rot:]
+    first, second = rot.chunk(2, dim=-1)
+    out = rot * cos.float() + torch.cat((-second, first), dim=-1) * sin.float()
+    return torch.cat((out.to(x.dtype), rest), dim=-1)
+
+
 def attention_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
