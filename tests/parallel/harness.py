@@ -111,14 +111,14 @@ def snapshot(model, what: str) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         t = p if what == "params" else p.grad
-        out[model.module.global_name(name)] = t.detach().clone()
+        out[model.global_name(name)] = t.detach().clone()
     return out
 
 
 def train_and_record(model, steps: int = STEPS) -> dict:
     ps = model.pstate
     rec = {"coords": (ps.tp_rank, ps.pp_rank, ps.dp_rank), "losses": [], "norms": [], "overlap": [],
-           "dims": {model.module.global_name(n): d for n, d in model.partition_dims.items()},
+           "dims": {model.global_name(n): d for n, d in model.partition_dims.items()},
            "init": snapshot(model, "params"), "n_buckets": len(model.grads.buckets)}
     state: dict = {}
     for step in range(steps):
