@@ -33,9 +33,6 @@ def check_compatible(cfg: GPTConfig, pcfg: ParallelConfig) -> None:
     tp, pp, v = pcfg.tp_size, pcfg.pp_size, pcfg.virtual_pp_size
     if cfg.num_layers % pp:
         raise ValueError(f"model.num_layers={cfg.num_layers} does not divide by parallel.pp_size={pp}")
-    if v > 1 and pp < 2:
-        raise ValueError(f"parallel.virtual_pp_size={v} (interleaved schedule) needs parallel.pp_size > 1, "
-                         f"not {pp}: set parallel.virtual_pp_size=1 or use several pipeline stages")
     if cfg.num_layers % (pp * v):
         raise ValueError(f"model.num_layers={cfg.num_layers} does not divide by parallel.pp_size × "
                          f"parallel.virtual_pp_size = {pp}×{v}: every model chunk needs equal layers; "
