@@ -1,8 +1,8 @@
 """Interleaved checkpoints (parallel.virtual_pp_size=2): Megatron's layout (``model0``/``model1`` per
 shard, chunk-local layer numbers, ``args.virtual_pipeline_model_parallel_size``) in both namings; they
-load at v=1 and other (tp, pp) with the same eval loss, a v=1 checkpoint loads at v=2, full resumes
-across v continue with the saved Adam moments (losses equal to the uninterrupted run), and to_hf
-converts and verifies them."""
+load at v=1 and other (tp, pp) — tp=2 included — with the same eval loss, a v=1 checkpoint loads at
+v=2, full resumes across v continue with the saved Adam moments (losses equal to the run resumed at its
+own layout), and to_hf converts and verifies them (tp=1 and tp=2)."""
 
 import copy
 from pathlib import Path
@@ -18,7 +18,7 @@ from trainer.main import build_components, load_checkpoint, resolve_load
 from trainer.model.names import layer_index
 from trainer.parallel import ParallelState, eval_step, init_distributed
 
-pytestmark = pytest.mark.slow  # ~40 s on 2 cores: eight 2-process gloo runs of a 4-layer GPT
+pytestmark = pytest.mark.slow  # ~30 s on 2 cores: ten 2- or 4-process gloo runs of a 4-layer GPT
 
 ITERS, MORE = 6, 9
 TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron" / "tokenizer"
@@ -72,6 +72,7 @@ def _resumed(src: dict, tmp_path, name: str, parallel: dict, model_only: bool = 
 
 V2 = {"tp_size": 1, "pp_size": 2, "virtual_pp_size": 2}
 V1 = {"tp_size": 1, "pp_size": 2}
+TP2_V2 = {"tp_size": 2, "pp_size": 2, "virtual_pp_size": 2}
 
 
 def _ckpt_dir(d: dict) -> str:
@@ -83,10 +84,11 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vpp_ckpt")
     data = write_dataset(str(tmp / "data"))
     out = {"tmp": tmp, "data": data}
-    for name, parallel in [("v2", V2), ("v1", V1)]:
+    for name, parallel in [("v2", V2), ("v1", V1), ("tp2_v2", TP2_V2)]:
         out[name] = _config(tmp, name, data, parallel)
-        spawn(2, str(tmp), _train, out[name], str(tmp / name))
-        out[name + "_result"] = load_json(f"{tmp}/{name}.1")
+        world = parallel["tp_size"] * parallel["pp_size"]
+        spawn(world, str(tmp), _train, out[name], str(tmp / name))
+        out[name + "_result"] = load_json(f"{tmp}/{name}.{world - 1}")
     return out
 
 
@@ -103,13 +105,15 @@ def test_shards_use_megatrons_interleaved_layout(runs):
     assert "word_embeddings_for_head" in shard["model1"] and "word_embeddings_for_head" not in shard["model0"]
 
 
-def test_v2_checkpoint_loads_at_other_layouts(runs):
-    tmp, src, probe = runs["tmp"], runs["v2"], runs["v2_result"]["probe"]
-    one = _resumed(src, tmp, "v2_at_11", {"tp_size": 1, "pp_size": 1}, model_only=True)
+@pytest.mark.parametrize("source", ["v2", "tp2_v2"])
+def test_v2_checkpoint_loads_at_other_layouts(runs, source):
+    tmp, src, probe = runs["tmp"], runs[source], runs[f"{source}_result"]["probe"]
+    one = _resumed(src, tmp, f"{source}_at_11", {"tp_size": 1, "pp_size": 1}, model_only=True)
     assert abs(_eval(one, ParallelState.single()) - probe) <= 1e-5 * probe
-    v1 = _resumed(src, tmp, "v2_at_v1", V1, model_only=True)
-    spawn(2, str(tmp), _load_only, v1, str(tmp / "v2_at_v1"))
-    assert abs(load_json(f"{tmp}/v2_at_v1.1")["probe"] - probe) <= 1e-5 * probe
+    other = V1 if source == "v2" else V2  # v=1 at pp=2; tp=2 → tp=1 keeping v=2
+    name = f"{source}_at_other"
+    spawn(2, str(tmp), _load_only, _resumed(src, tmp, name, other, model_only=True), str(tmp / name))
+    assert abs(load_json(f"{tmp}/{name}.1")["probe"] - probe) <= 1e-5 * probe
 
 
 def _close(a: dict, b: dict, steps) -> None:
@@ -147,8 +151,8 @@ def test_mcore_naming_and_hf_conversion(runs):
     one = _resumed(mc, tmp, "mcore_at_11", {"tp_size": 1, "pp_size": 1}, model_only=True)
     probe = load_json(f"{tmp}/v2_mcore.1")["probe"]
     assert abs(_eval(one, ParallelState.single()) - probe) <= 1e-5 * probe
-    for d, name in ((runs["v2"], "hf_legacy"), (mc, "hf_mcore")):
+    for d, name, tp in ((runs["v2"], "hf_legacy", 1), (mc, "hf_mcore", 1), (runs["tp2_v2"], "hf_tp2", 2)):
         result = convert_checkpoint(ToHFConfig(_ckpt_dir(d), tmp / name, vocab_file=TOKENIZER / "vocab.json",
                                                merge_file=TOKENIZER / "merges.txt"))
         assert result.report.passed and result.report.greedy_identical
-        assert (result.provenance.tp_size, result.provenance.pp_size) == (1, 2)
+        assert (result.provenance.tp_size, result.provenance.pp_size) == (tp, 2)
