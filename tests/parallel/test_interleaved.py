@@ -134,3 +134,18 @@ def test_gradients_match_afab_and_single_process(grads, p, v, m):
         if r == p - 1:
             assert len(one["losses"]) == m and one["losses"] == afab["losses"]
     assert seen - {H.HEAD} == set(ref)  # every layer of the model is held by exactly one chunk
+
+
+def test_chunked_model_names_are_global_and_module_is_refused():
+    from trainer.model.gpt import GPT
+    from trainer.parallel.random import seed_everything
+
+    ps, cfg = ParallelState.single(), dataclasses.replace(H.CFG, num_layers=8)
+    chunks = [GPT(cfg, stage_spec(8, 1, 2, 2, c)) for c in range(2)]  # rank 1: layers 2,3 and 6,7
+    model = E.ParallelModel(chunks, ps, ParallelConfig(pp_size=2, virtual_pp_size=2), seed_everything(0, ps))
+    layers = sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if ".layers." in n})
+    assert layers == [2, 3, 6, 7] and set(model.partition_dims) == {n for n, _ in model.named_parameters()}
+    name = "encoder.layers.6.mlp.dense_4h_to_h.bias"
+    assert model.global_name(name) == name  # already global: not renumbered again
+    with pytest.raises(AttributeError, match="use ParallelModel.chunks"):
+        model.module  # noqa: B018
