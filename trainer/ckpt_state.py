@@ -93,9 +93,9 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
 def _virtual_args(gpt: GPTConfig, model: ParallelModel) -> dict:
     """Megatron's interleaving fields: None without it (as Megatron writes them)."""
     v = len(model.chunks)
+    per_chunk = gpt.num_layers // (model.pstate.pp_size * v)
     return {"virtual_pipeline_model_parallel_size": v if v > 1 else None,
-            "num_layers_per_virtual_pipeline_stage": gpt.num_layers // (model.pstate.pp_size * v) if v > 1
-            else None}
+            "num_layers_per_virtual_pipeline_stage": per_chunk if v > 1 else None}
 
 
 def param_names(model: ParallelModel, optimizer: torch.optim.Optimizer) -> list[str]:
