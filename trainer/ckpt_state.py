@@ -8,14 +8,17 @@ architecture's fixed values), with the run's own facts added:
     num_layers, hidden_size, ffn_hidden_size, num_attention_heads, kv_channels, seq_length,
     max_position_embeddings, vocab_size (the tokenizer's), padded_vocab_size, make_vocab_size_divisible_by,
     layernorm_epsilon, hidden_dropout, attention_dropout, init_method_std, tensor_model_parallel_size,
-    pipeline_model_parallel_size, data_parallel_size, world_size, sequence_parallel, micro_batch_size,
-    global_batch_size, train_iters, iteration, consumed_train_samples, consumed_valid_samples, fp16, bf16,
+    pipeline_model_parallel_size, virtual_pipeline_model_parallel_size and
+    num_layers_per_virtual_pipeline_stage (None without interleaving), data_parallel_size, world_size,
+    sequence_parallel, micro_batch_size, global_batch_size, train_iters, iteration,
+    consumed_train_samples, consumed_valid_samples, fp16, bf16,
     seed, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters, weight_decay, adam_beta1,
     adam_beta2, adam_eps, clip_grad, tokenizer_type, vocab_file, merge_file, eod_token_id, data_path,
     split, kernels, attention_backend, run_id, run_dir, slipway_version.
 
-Checkpoints of older Slipway versions carry a dict; everything here reads args through
-:func:`trainer.checkpoint.layout.arg`, which takes both.
+With interleaving the shard holds ``model0`` … ``model{v-1}`` instead of ``model`` (Megatron's layout,
+:mod:`trainer.checkpoint.chunks`). Checkpoints of older Slipway versions carry a dict; everything here
+reads args through :func:`trainer.checkpoint.layout.arg`, which takes both.
 """
 
 from __future__ import annotations
