@@ -1,7 +1,8 @@
 """The interleaved 1F1B schedule (parallel.virtual_pp_size > 1): Megatron's layer assignment and chunk
 order, refusals with fixes, and on real gloo groups gradients equal to the all-forward-all-backward
 order over the same chunks and to the single-process model, with at most Megatron's warm-up count of
-micro-batches in flight (1F1B's memory bound, not AFAB's m·v)."""
+micro-batches in flight (1F1B's memory bound, not AFAB's m·v) — on the first stage the
+``formulas.interleaved_memory_factor`` × 1F1B's activations."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from tests.parallel import harness as H
+from trainer.formulas import interleaved_memory_factor
 from trainer.parallel import ParallelConfig, ParallelState, build_model, finish_grad_sync, sharding
 from trainer.parallel import engine as E
 from trainer.parallel.apply import check_compatible, stage_spec
@@ -131,6 +133,8 @@ def test_gradients_match_afab_and_single_process(grads, p, v, m):
         bound = num_warmup(p, r, v, m) + (num_warmup(p, r, v, m) < m * v)
         assert one["peak"] == min(bound, m * v), (r, one["peak"])
         assert afab["peak"] == m * v
+        if r == 0 and m > p:  # the first stage's activations vs 1F1B's p micro-batches of a whole stage
+            assert one["peak"] / v / p == pytest.approx(interleaved_memory_factor(p, v))
         if r == p - 1:
             assert len(one["losses"]) == m and one["losses"] == afab["losses"]
     assert seen - {H.HEAD} == set(ref)  # every layer of the model is held by exactly one chunk
