@@ -18,7 +18,8 @@ def test_interleaved_layout_validates():
 
 
 def test_layers_and_microbatches_are_refused_together():
-    found = _problems(["parallel.virtual_pp_size=3", "train.micro_batch_size=4", "train.global_batch_size=12"])
+    found = _problems(["parallel.virtual_pp_size=3", "train.micro_batch_size=4",
+                       "train.global_batch_size=12"])
     layers, batch = found["vpp_layers"], found["vpp_microbatches"]
     assert (layers.key, layers.value) == ("parallel.virtual_pp_size", 3)
     assert "num_layers=4" in layers.message and "2·3 = 6" in layers.message
