@@ -88,6 +88,7 @@ def _divisibility(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
                 f"use a multiple of {need}, e.g. {max(need, (t.global_batch_size // need) * need)}",
             )
         )
+    out += _virtual_pipeline(cfg, lay)
     if p.sequence_parallel and p.tp_size < 2:
         out.append(
             Problem(
@@ -98,6 +99,31 @@ def _divisibility(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
                 "set parallel.sequence_parallel=false or parallel.tp_size>1",
             )
         )
+    return out
+
+
+def _virtual_pipeline(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
+    """The interleaved schedule's constraints (Megatron's): equal chunks of layers, and micro-batches in
+    groups of pp_size (the schedule runs each chunk on a group of p micro-batches in turn). v > 1 with
+    pp_size 1 is ParallelConfig's own problem."""
+    m, p, v, out = cfg.model, cfg.parallel, cfg.parallel.virtual_pp_size, []
+    if not isinstance(v, int) or v < 2 or p.pp_size < 2:
+        return out
+    if m.num_layers % (p.pp_size * v):
+        fit = [k for k in range(2, v + 3) if m.num_layers % (p.pp_size * k) == 0]
+        out.append(Problem("vpp_layers", "parallel.virtual_pp_size", v,
+                           f"model.num_layers={m.num_layers} is not divisible by pp_size·virtual_pp_size = "
+                           f"{p.pp_size}·{v} = {p.pp_size * v} (each model chunk needs equal layers)",
+                           f"use parallel.virtual_pp_size={fit[0]}" if fit else
+                           "use parallel.virtual_pp_size=1, or a num_layers divisible by "
+                           "pp_size·virtual_pp_size"))
+    if lay.num_microbatches and lay.num_microbatches % p.pp_size:
+        need = cfg.train.micro_batch_size * lay.dp * p.pp_size
+        out.append(Problem("vpp_microbatches", "train.global_batch_size", cfg.train.global_batch_size,
+                           f"gives {lay.num_microbatches} micro-batches per step, not a multiple of "
+                           f"parallel.pp_size={p.pp_size} as the interleaved schedule needs",
+                           f"use a multiple of micro_batch_size × dp × pp_size = {need}, e.g. "
+                           f"{max(need, (lay.global_batch // need) * need)}, or parallel.virtual_pp_size=1"))
     return out
 
 

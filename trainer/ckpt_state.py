@@ -8,14 +8,17 @@ architecture's fixed values), with the run's own facts added:
     num_layers, hidden_size, ffn_hidden_size, num_attention_heads, kv_channels, seq_length,
     max_position_embeddings, vocab_size (the tokenizer's), padded_vocab_size, make_vocab_size_divisible_by,
     layernorm_epsilon, hidden_dropout, attention_dropout, init_method_std, tensor_model_parallel_size,
-    pipeline_model_parallel_size, data_parallel_size, world_size, sequence_parallel, micro_batch_size,
-    global_batch_size, train_iters, iteration, consumed_train_samples, consumed_valid_samples, fp16, bf16,
+    pipeline_model_parallel_size, virtual_pipeline_model_parallel_size and
+    num_layers_per_virtual_pipeline_stage (None without interleaving), data_parallel_size, world_size,
+    sequence_parallel, micro_batch_size, global_batch_size, train_iters, iteration,
+    consumed_train_samples, consumed_valid_samples, fp16, bf16,
     seed, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters, weight_decay, adam_beta1,
     adam_beta2, adam_eps, clip_grad, tokenizer_type, vocab_file, merge_file, eod_token_id, data_path,
     split, kernels, attention_backend, run_id, run_dir, slipway_version.
 
-Checkpoints of older Slipway versions carry a dict; everything here reads args through
-:func:`trainer.checkpoint.layout.arg`, which takes both.
+With interleaving the shard holds ``model0`` … ``model{v-1}`` instead of ``model`` (Megatron's layout,
+:mod:`trainer.checkpoint.chunks`). Checkpoints of older Slipway versions carry a dict; everything here
+reads args through :func:`trainer.checkpoint.layout.arg`, which takes both.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 import trainer
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import reshard
+from trainer.checkpoint.chunks import chunk_entries, model_keys, virtual_size
 from trainer.checkpoint.layout import arg
 from trainer.checkpoint.megatron_args import megatron_args
 from trainer.convert import dist
@@ -69,7 +73,7 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
         "layernorm_epsilon": gpt.layernorm_epsilon, "hidden_dropout": gpt.hidden_dropout,
         "attention_dropout": gpt.attention_dropout, "init_method_std": gpt.init_std,
         "tensor_model_parallel_size": ps.tp_size, "pipeline_model_parallel_size": ps.pp_size,
-        "data_parallel_size": ps.dp_size, "world_size": ps.world_size,
+        **_virtual_args(gpt, model), "data_parallel_size": ps.dp_size, "world_size": ps.world_size,
         "sequence_parallel": bool(c["parallel"]["sequence_parallel"]),
         "micro_batch_size": t["micro_batch_size"], "global_batch_size": facts.global_batch_size,
         "train_iters": t["iters"], "iteration": state.iteration,
@@ -87,6 +91,14 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
         # Megatron-core names in the shard: current Megatron-LM loads it without --use-legacy-models.
         "use_legacy_models": c["checkpoint"].get("format", "legacy") != "mcore",
     })
+
+
+def _virtual_args(gpt: GPTConfig, model: ParallelModel) -> dict:
+    """Megatron's interleaving fields: None without it (as Megatron writes them)."""
+    v = len(model.chunks)
+    per_chunk = gpt.num_layers // (model.pstate.pp_size * v)
+    return {"virtual_pipeline_model_parallel_size": v if v > 1 else None,
+            "num_layers_per_virtual_pipeline_stage": per_chunk if v > 1 else None}
 
 
 def param_names(model: ParallelModel, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -109,7 +121,7 @@ def build_state(model: ParallelModel, parts: Restorable, args: Any, state: Train
     ps = model.pstate
     return {
         "args": args, "checkpoint_version": ckpt.CHECKPOINT_VERSION, "iteration": state.iteration,
-        "model": _model_entry(model, config["checkpoint"].get("format", "legacy")),
+        **_model_entries(model, config["checkpoint"].get("format", "legacy")),
         "optimizer": {"optimizer": parts.optimizer.state_dict(), "grad_scaler": parts.scaler.state_dict(),
                       "param_names": param_names(model, parts.optimizer)},
         "opt_param_scheduler": parts.scheduler.state_dict(),
@@ -119,17 +131,28 @@ def build_state(model: ParallelModel, parts: Restorable, args: Any, state: Train
     }
 
 
-def _model_entry(model: ParallelModel, fmt: str) -> dict:
-    """This shard's weights in the configured naming (checkpoint.format)."""
-    if fmt == "mcore":
-        flat = {n: p.detach() for n, p in model.named_parameters()}
-        return to_mcore_model(flat, model.module.stage.post_process)
-    return model.megatron_state_dict()
+def _model_entries(model: ParallelModel, fmt: str) -> dict:
+    """This shard's weights in the configured naming (checkpoint.format): ``model``, or one entry per
+    chunk ``model0`` … with interleaving (trainer.checkpoint.chunks), layer numbers local to each."""
+    out = {}
+    for c, (key, chunk) in enumerate(zip(model_keys(len(model.chunks)), model.chunks, strict=True)):
+        if fmt == "mcore":
+            flat = {n: p.detach() for n, p in chunk.named_parameters()}
+            out[key] = to_mcore_model(flat, chunk.stage.post_process)
+        else:
+            out[key] = model.megatron_state_dict(c)
+    return out
 
 
-def load_model_entry(model: ParallelModel, entry: dict) -> None:
-    """Weights from a shard's ``model`` in either naming (and any Megatron naming era)."""
-    model.load_megatron_state_dict(nest(gpt_flat(entry)))
+def load_model_entries(model: ParallelModel, shard: dict) -> None:
+    """Weights from a shard's ``model`` (or ``model0`` … per chunk) in either naming (and any Megatron
+    naming era)."""
+    entries = chunk_entries(shard, "the checkpoint shard")
+    if len(entries) != len(model.chunks):
+        raise ckpt.CheckpointError(f"the shard holds {len(entries)} model chunk(s), this model "
+                                   f"{len(model.chunks)} (parallel.virtual_pp_size): load it resharded")
+    for c, entry in enumerate(entries):
+        model.load_megatron_state_dict(nest(gpt_flat(entry)), c)
 
 
 def train_state_from(shard: dict) -> TrainState:
@@ -153,7 +176,7 @@ def _require_training_state(shard: dict) -> None:
 
 def restore_same_layout(shard: dict, model: ParallelModel, parts: Restorable | None) -> TrainState:
     """Load this rank's own shard: exact resume (``parts`` None: weights only)."""
-    load_model_entry(model, shard["model"])
+    load_model_entries(model, shard)
     if parts is None:
         return TrainState()
     _require_training_state(shard)
@@ -188,20 +211,22 @@ def restore_merged(iter_dir: Path, model: ParallelModel) -> TrainState:
     flat, meta = dist.load_dist(iter_dir)
     legacy = normalise_names(flat, mcore=True, where=iter_dir)
     src = reshard.MergedSource({n.removeprefix(LEGACY_PREFIX): t for n, t in legacy.items()})
-    model.load_megatron_state_dict(nest(reshard.reshard_model(src, _local_names(model), _target(model))))
+    for c, (local, target) in enumerate(_targets(model)):
+        model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)), c)
     log.warning("loaded the weights of torch_dist checkpoint %s (iteration %s) at tp=%d pp=%d", iter_dir,
                 meta["iteration"], model.pstate.tp_size, model.pstate.pp_size)
     return TrainState()
 
 
-def _local_names(model: ParallelModel) -> list[str]:
-    return [n for n, _ in model.named_parameters()]
-
-
-def _target(model: ParallelModel) -> reshard.Target:
-    ps, stage = model.pstate, model.module.stage
-    return reshard.Target(ps.tp_rank, ps.tp_size, stage.layer_start, stage.layer_end, stage.pre_process,
-                          stage.post_process, model.module.padded_vocab_size)
+def _targets(model: ParallelModel) -> list[tuple[list[str], reshard.Target]]:
+    """Per model chunk: its (chunk-local) parameter names and what it holds."""
+    ps, out = model.pstate, []
+    for chunk in model.chunks:
+        stage = chunk.stage
+        out.append(([n for n, _ in chunk.named_parameters()],
+                    reshard.Target(ps.tp_rank, ps.tp_size, stage.layer_start, stage.layer_end,
+                                   stage.pre_process, stage.post_process, chunk.padded_vocab_size)))
+    return out
 
 
 def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any], model: ParallelModel,
@@ -209,17 +234,21 @@ def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any]
     """Load from a checkpoint saved with another (tp, pp) layout: merge, re-slice (weights and Adam
     moments); RNG states are not carried over (they belong to the old layout's ranks)."""
     src_tp, src_pp, args = saved
-    ps = model.pstate
-    src = reshard.SourceCheckpoint(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")))
-    target, local = _target(model), _local_names(model)
-    model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)))
-    log.warning("resharded checkpoint iteration %d from tp=%d pp=%d to tp=%d pp=%d", iteration, src_tp,
-                src_pp, ps.tp_size, ps.pp_size)
+    ps, src_v = model.pstate, virtual_size(args)
+    src = reshard.SourceCheckpoint(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")), src_v)
+    targets = _targets(model)
+    for c, (local, target) in enumerate(targets):
+        model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)), c)
+    log.warning("resharded checkpoint iteration %d from tp=%d pp=%d v=%d to tp=%d pp=%d v=%d", iteration,
+                src_tp, src_pp, src_v, ps.tp_size, ps.pp_size, len(model.chunks))
     if parts is None:
         return TrainState()
     first = src.stage(0)[0]["raw"]
     _require_training_state(first)
-    moments = reshard.reshard_moments(src, local, target)
+    moments = {}  # keyed by the model's parameter names (global with chunks: ParallelModel)
+    for c, (local, target) in enumerate(targets):
+        name = (lambda n: n) if len(targets) == 1 else model.chunks[c].global_name
+        moments.update({name(n): m for n, m in reshard.reshard_moments(src, local, target).items()})
     names = param_names(model, parts.optimizer)
     sd = parts.optimizer.state_dict()
     sd["state"] = {i: moments[n] for i, n in enumerate(names) if moments.get(n)}

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from trainer import formulas, health, metrics, testing_hooks
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
+from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.layout import arg
 from trainer.ckpt_state import (
     Restorable,
@@ -52,6 +53,7 @@ from trainer.optim.lr import LRSchedule, OptimizerParamScheduler
 from trainer.optim.optimizer import build_optimizer
 from trainer.optim.precision import ScalerSettings, make_scaler
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed, num_microbatches
+from trainer.parallel.interleaved import check_microbatches
 from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, STOP_SIGNALS, StopRequest
 from trainer.training import Cadence, Loop, NonFiniteError, Throughput, TrainState, train
 
@@ -111,7 +113,8 @@ def _apply_autocast(model: ParallelModel, precision: str) -> None:
     from trainer.optim.precision import DTYPES
 
     device_type = model.pstate.device.type
-    model.module.forward = torch.autocast(device_type, dtype=DTYPES[precision])(model.module.forward)
+    for chunk in model.chunks:
+        chunk.forward = torch.autocast(device_type, dtype=DTYPES[precision])(chunk.forward)
 
 
 def _configure_determinism(deterministic: bool) -> None:
@@ -175,7 +178,7 @@ def load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Parallel
     _check_model(args, gpt, ckpt_dir, iteration)
     ps = model.pstate
     restore = None if model_only else parts
-    if (tp, pp) == (ps.tp_size, ps.pp_size):
+    if (tp, pp, virtual_size(args)) == (ps.tp_size, ps.pp_size, len(model.chunks)):
         shard = ckpt.load_file(ckpt.shard_path(ckpt_dir, iteration, ps.tp_rank, ps.pp_rank, pp))
         state = restore_same_layout(shard, model, restore)
     else:
@@ -238,6 +241,8 @@ def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, fac
           monitor: health.Monitor) -> Loop:
     ps, t = b.model.pstate, cfg.train
     m = num_microbatches(b.global_batch_size, t.micro_batch_size, ps.dp_size)
+    if len(b.model.chunks) > 1:  # refuse at start-up, not at the first step
+        check_microbatches(m, ps.pp_size)
     shape = DataShape(b.gpt.seq_length, b.global_batch_size, cfg.run_dir)
     train_data, valid_data = build_data(cfg.data, cfg.train, shape, ps, state)
     wandb_config = {**cfg.to_dict(), "derived": {"world_size": ps.world_size, "dp_size": ps.dp_size,

@@ -7,6 +7,7 @@ its ranks. Jobs write their results with torch.save; the test process compares.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -111,14 +112,14 @@ def snapshot(model, what: str) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         t = p if what == "params" else p.grad
-        out[model.module.global_name(name)] = t.detach().clone()
+        out[model.global_name(name)] = t.detach().clone()
     return out
 
 
 def train_and_record(model, steps: int = STEPS) -> dict:
     ps = model.pstate
     rec = {"coords": (ps.tp_rank, ps.pp_rank, ps.dp_rank), "losses": [], "norms": [], "overlap": [],
-           "dims": {model.module.global_name(n): d for n, d in model.partition_dims.items()},
+           "dims": {model.global_name(n): d for n, d in model.partition_dims.items()},
            "init": snapshot(model, "params"), "n_buckets": len(model.grads.buckets)}
     state: dict = {}
     for step in range(steps):
@@ -133,27 +134,32 @@ def train_and_record(model, steps: int = STEPS) -> dict:
     return rec
 
 
-def parity_job(ranks: list[int], tp: int, pp: int, sp: bool, schedule: str, outdir: str) -> None:
-    """Train one layout over ``ranks`` and save this rank's record."""
+def parity_job(ranks: list[int], tp: int, pp: int, sp: bool, schedule: str, outdir: str, vp: int = 1,
+               num_layers: int = CFG.num_layers) -> None:
+    """Train one layout over ``ranks`` (``vp`` model chunks per stage, a ``num_layers`` GPT) and save this
+    rank's record."""
     pstate = ParallelState.build(tp, pp, ranks)
-    pcfg = ParallelConfig(tp_size=tp, pp_size=pp, sequence_parallel=sp, schedule=schedule,
-                          bucket_size_mb=0.01)
-    rec = train_and_record(build_model(CFG, pcfg, pstate, SEED, kernels=KERNELS))
-    torch.save(rec, os.path.join(outdir, f"{layout_tag(tp, pp, len(ranks) // (tp * pp), sp)}"
-                                         f".{position(ranks)}.pt"))
+    pcfg = ParallelConfig(tp_size=tp, pp_size=pp, virtual_pp_size=vp, sequence_parallel=sp,
+                          schedule=schedule, bucket_size_mb=0.01)
+    cfg = dataclasses.replace(CFG, num_layers=num_layers)
+    rec = train_and_record(build_model(cfg, pcfg, pstate, SEED, kernels=KERNELS))
+    tag = layout_tag(tp, pp, len(ranks) // (tp * pp), sp, vp, num_layers)
+    torch.save(rec, os.path.join(outdir, f"{tag}.{position(ranks)}.pt"))
     pstate.destroy()
 
 
-def layout_tag(tp: int, pp: int, dp: int, sp: bool) -> str:
-    return f"tp{tp}_pp{pp}_dp{dp}" + ("_sp" if sp else "")
+def layout_tag(tp: int, pp: int, dp: int, sp: bool, vp: int = 1, num_layers: int = CFG.num_layers) -> str:
+    return (f"tp{tp}_pp{pp}_dp{dp}" + ("_sp" if sp else "") + (f"_v{vp}" if vp > 1 else "")
+            + (f"_L{num_layers}" if num_layers != CFG.num_layers else ""))
 
 
-def reference_record() -> dict:
+def reference_record(num_layers: int = CFG.num_layers) -> dict:
     """The single-process run, with no torch.distributed at all (one thread, like the workers)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        single = build_model(CFG, ParallelConfig(), ParallelState.single(), SEED, kernels=KERNELS)
+        cfg = dataclasses.replace(CFG, num_layers=num_layers)
+        single = build_model(cfg, ParallelConfig(), ParallelState.single(), SEED, kernels=KERNELS)
         return train_and_record(single)
     finally:
         torch.set_num_threads(threads)
@@ -180,3 +186,38 @@ def assemble(records: list[dict], key: str) -> dict[str, torch.Tensor]:
 
 def rel_diff(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12) if math.isfinite(a) else math.inf
+
+
+EMB, HEAD = "embedding.word_embeddings.weight", "word_embeddings_for_head.weight"
+
+
+def params_close(full: dict, ref: dict, what: str, rtol: float, atol: float) -> None:
+    """Compare assembled tensors with the reference; the head's copy of the tied embedding included."""
+    assert set(full) - {HEAD} == set(ref), f"{what}: parameter sets differ"
+    vocab = CFG.vocab_size
+    for name, t in full.items():
+        r = ref[EMB if name == HEAD else name]
+        if name in (EMB, HEAD):
+            assert t[vocab:].abs().max() == 0, f"{what}: padded vocabulary rows of {name} are not zero"
+            t, r = t[:vocab], r[:vocab]
+        torch.testing.assert_close(t, r, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}")
+
+
+def assert_parity(records: list[dict], ref: dict, world: int, pp: int) -> float:
+    """A layout's records against the single-process run (losses, grad norms, eval within 1e-5 rel.;
+    initial weights exact; gradients close); returns the largest relative loss/norm difference."""
+    assert len(records) == world
+    last = records[[r["coords"][1] for r in records].index(pp - 1)]
+    worst = 0.0
+    for i, (loss, ref_loss) in enumerate(zip(last["losses"], ref["losses"], strict=True)):
+        worst = max(worst, rel_diff(loss, ref_loss))
+        assert rel_diff(loss, ref_loss) < 1e-5, f"step {i}: loss {loss} vs single-process {ref_loss}"
+    assert all(r["losses"] == last["losses"] for r in records), "ranks report different losses"
+    for i, (norm, ref_norm) in enumerate(zip(last["norms"], ref["norms"], strict=True)):
+        worst = max(worst, rel_diff(norm, ref_norm))
+        assert rel_diff(norm, ref_norm) < 1e-5, f"step {i}: grad norm {norm} vs {ref_norm}"
+    assert rel_diff(last["eval"], ref["eval"]) < 1e-5
+    params_close(assemble(records, "init"), ref["init"], "initial weights", 0, 0)
+    params_close(assemble(records, "grads0"), ref["grads0"], "step-0 grads", 1e-5, 1e-7)
+    params_close(assemble(records, f"grads{STEPS - 1}"), ref[f"grads{STEPS - 1}"], "last grads", 1e-3, 1e-6)
+    return worst

@@ -49,36 +49,9 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
     return records
 
 
-EMB, HEAD = "embedding.word_embeddings.weight", "word_embeddings_for_head.weight"
-
-
-def _params_close(full: dict, ref: dict, what: str, rtol: float, atol: float) -> None:
-    """Compare assembled tensors with the reference; the head's copy of the tied embedding included."""
-    assert set(full) - {HEAD} == set(ref), f"{what}: parameter sets differ"
-    vocab = H.CFG.vocab_size
-    for name, t in full.items():
-        r = ref[EMB if name == HEAD else name]
-        if name in (EMB, HEAD):
-            assert t[vocab:].abs().max() == 0, f"{what}: padded vocabulary rows of {name} are not zero"
-            t, r = t[:vocab], r[:vocab]
-        torch.testing.assert_close(t, r, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what} {n}: {m}")
-
-
 @pytest.mark.parametrize("tp,pp,dp,sp", LAYOUTS, ids=[H.layout_tag(*lay) for lay in LAYOUTS])
 def test_layout_matches_single_process(runs, tp, pp, dp, sp):
-    records, ref = runs[H.layout_tag(tp, pp, dp, sp)], runs["ref"][0]
-    assert len(records) == tp * pp * dp
-    last = records[[r["coords"][1] for r in records].index(pp - 1)]
-    for i, (loss, ref_loss) in enumerate(zip(last["losses"], ref["losses"], strict=True)):
-        assert H.rel_diff(loss, ref_loss) < 1e-5, f"step {i}: loss {loss} vs single-process {ref_loss}"
-    assert all(r["losses"] == last["losses"] for r in records), "ranks report different losses"
-    for i, (norm, ref_norm) in enumerate(zip(last["norms"], ref["norms"], strict=True)):
-        assert H.rel_diff(norm, ref_norm) < 1e-5, f"step {i}: grad norm {norm} vs {ref_norm}"
-    assert H.rel_diff(last["eval"], ref["eval"]) < 1e-5
-    _params_close(H.assemble(records, "init"), ref["init"], "initial weights", 0, 0)
-    _params_close(H.assemble(records, "grads0"), ref["grads0"], "step-0 grads", 1e-5, 1e-7)
-    _params_close(H.assemble(records, f"grads{H.STEPS - 1}"), ref[f"grads{H.STEPS - 1}"], "last grads",
-                  1e-3, 1e-6)
+    H.assert_parity(runs[H.layout_tag(tp, pp, dp, sp)], runs["ref"][0], tp * pp * dp, pp)
 
 
 def test_losses_actually_move(runs):

@@ -3,6 +3,8 @@
 For each tensor this rank needs, the source shards are merged into the full tensor (by the one sharding
 table, ``trainer.parallel.sharding``) with layer indices made global, the vocabulary padding is
 adapted to the target's padded size (rows trimmed or zero-filled), and the target shard is sliced out.
+Interleaved checkpoints (v model chunks per stage, ``model0`` … entries: ``trainer.checkpoint.chunks``)
+are read as well as written; the target's chunks are loaded one :class:`Target` at a time.
 Adam's moment tensors are resharded by the same rules (they are stored with their parameters' names), so
 a resharded run continues with its optimizer state. RNG states are layout-specific and are not carried
 over. Only the source stages that hold this rank's layers are read, memory-mapped.
@@ -15,11 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.checkpoint.chunks import chunk_entries
 from trainer.checkpoint.layout import SHARD_FILE, CheckpointError, iter_dir_name, shard_dir_name
 from trainer.checkpoint.protocol import load_file
 from trainer.convert.mcore import gpt_flat
 from trainer.model.names import layer_index, renumber
-from trainer.parallel.sharding import VOCAB, kind, stage_of_layer, tp_dim
+from trainer.parallel.sharding import VOCAB, chunk_of_layer, kind, layers_per_stage, stage_layers, tp_dim
 
 WORD = "embedding.word_embeddings.weight"
 HEAD = "word_embeddings_for_head.weight"
@@ -27,7 +30,7 @@ HEAD = "word_embeddings_for_head.weight"
 
 @dataclass(frozen=True)
 class Target:
-    """The rank being loaded: its shard coordinates and what its model stage holds."""
+    """The rank (model chunk) being loaded: its shard coordinates and what its stage or chunk holds."""
 
     tp_rank: int
     tp_size: int
@@ -39,17 +42,23 @@ class Target:
 
 
 class SourceCheckpoint:
-    """The shards of one saved iteration, loaded lazily per pipeline stage (memory-mapped)."""
+    """The shards of one saved iteration, loaded lazily per pipeline stage (memory-mapped), with
+    ``virtual_pp_size`` model chunks per stage. Tensors and moments are keyed by global names."""
 
-    def __init__(self, ckpt_dir: str, iteration: int, tp_size: int, pp_size: int, num_layers: int) -> None:
-        if num_layers % pp_size:
-            raise CheckpointError(f"saved num_layers={num_layers} is not divisible by its pp={pp_size}")
+    def __init__(self, ckpt_dir: str, iteration: int, tp_size: int, pp_size: int, num_layers: int,
+                 virtual_pp_size: int = 1) -> None:
+        try:
+            layers_per_stage(num_layers, pp_size, virtual_pp_size)
+        except ValueError as e:
+            raise CheckpointError(f"saved checkpoint layout: {e}") from None
         self.base = os.path.join(ckpt_dir, iter_dir_name(iteration))
         self.tp_size, self.pp_size, self.num_layers = tp_size, pp_size, num_layers
+        self.virtual_pp_size = virtual_pp_size
         self._stages: dict[int, list[dict]] = {}
 
     def stage(self, pp_rank: int) -> list[dict]:
-        """The tp shards of one stage: ``{"model": flat, "moments": {name: {key: tensor}}, "raw": shard}``."""
+        """The tp shards of one stage: ``{"model": flat, "moments": {name: {key: tensor}}, "raw": shard}``
+        (global layer numbers in both)."""
         if pp_rank not in self._stages:
             shards = []
             for t in range(self.tp_size):
@@ -57,17 +66,33 @@ class SourceCheckpoint:
                 if not os.path.isfile(path):
                     raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
                 raw = load_file(path, mmap=True)
-                shards.append({"model": gpt_flat(raw["model"], path), "moments": _moments_by_name(raw),
-                               "raw": raw})
+                shards.append({"model": self._global_weights(raw, pp_rank, path),
+                               "moments": self._global_moments(raw, pp_rank), "raw": raw})
             self._stages[pp_rank] = shards
         return self._stages[pp_rank]
 
+    def _global_weights(self, raw: dict, pp_rank: int, path: str) -> dict[str, torch.Tensor]:
+        entries = chunk_entries(raw, path)
+        if len(entries) != self.virtual_pp_size:
+            raise CheckpointError(f"{path} holds {len(entries)} model chunk(s), its args say "
+                                  f"virtual_pipeline_model_parallel_size={self.virtual_pp_size}")
+        flat: dict[str, torch.Tensor] = {}
+        for c, entry in enumerate(entries):  # stored numbers are local to the chunk (Megatron's)
+            offset = stage_layers(self.num_layers, self.pp_size, pp_rank, self.virtual_pp_size, c).start
+            flat.update({renumber(n, offset): t for n, t in gpt_flat(entry, path).items()})
+        return flat
+
+    def _global_moments(self, raw: dict, pp_rank: int) -> dict[str, dict[str, torch.Tensor]]:
+        # Slipway names the optimizer's parameters as ParallelModel.named_parameters: local to the stage
+        # without interleaving, already global with it.
+        offset = 0 if self.virtual_pp_size > 1 else stage_layers(self.num_layers, self.pp_size, pp_rank).start
+        return {renumber(n, offset): m for n, m in _moments_by_name(raw).items()}
+
     def locate(self, global_name: str) -> tuple[int, str]:
-        """(source pp rank, local name) of a parameter given its global name."""
+        """(source pp rank, name in its tables) of a parameter given its global name."""
         index = layer_index(global_name)
         if index is not None:
-            stage, local = stage_of_layer(index, self.num_layers, self.pp_size)
-            return stage, renumber(global_name, local - index)
+            return chunk_of_layer(index, self.num_layers, self.pp_size, self.virtual_pp_size)[0], global_name
         if global_name.startswith("embedding."):
             return 0, global_name
         if global_name == HEAD:  # the head copy equals the word embeddings: read those

@@ -101,6 +101,13 @@ class ParallelConfig(Section):
     """Tensor-parallel ranks per layer (keep them inside one node: they all-reduce in every layer)."""
     pp_size: int = 1
     """Pipeline stages (model.num_layers must divide evenly)."""
+    virtual_pp_size: int = 1
+    """Model chunks per pipeline stage for the interleaved 1F1B schedule (Megatron's
+    virtual_pipeline_model_parallel_size = num_layers / (pp_size · --num-layers-per-virtual-pipeline-stage)):
+    stage r holds chunks r, r+p, r+2p, … of num_layers / (pp_size·v) layers each, which divides the
+    pipeline bubble by v for v times the point-to-point traffic (Narayanan et al. 2021, §2.2.2).
+    1: no interleaving. v > 1 needs pp_size > 1, num_layers divisible by pp_size·v and the micro-batches
+    per step a multiple of pp_size."""
     sequence_parallel: bool = False
     """Shard the LayerNorm/dropout regions along the sequence across the tensor-parallel group (saves
     activation memory, same math; needs tp_size > 1 and seq_length divisible by it)."""
@@ -115,6 +122,14 @@ class ParallelConfig(Section):
     """Launch each bucket's all-reduce from backward hooks as soon as its gradients are final."""
 
     def problems(self) -> list[ConfigIssue]:
-        return (positive("parallel.tp_size", self.tp_size) + positive("parallel.pp_size", self.pp_size)
-                + choice("parallel.schedule", self.schedule, SCHEDULES)
-                + positive("parallel.bucket_size_mb", self.bucket_size_mb))
+        out = (positive("parallel.tp_size", self.tp_size) + positive("parallel.pp_size", self.pp_size)
+               + positive("parallel.virtual_pp_size", self.virtual_pp_size)
+               + choice("parallel.schedule", self.schedule, SCHEDULES)
+               + positive("parallel.bucket_size_mb", self.bucket_size_mb))
+        if not out and self.virtual_pp_size > 1 and self.pp_size < 2:
+            # Megatron (initialize_model_parallel): "pipeline-model-parallel size should be greater than 1
+            # with interleaved schedule" — with one stage there is no bubble to shrink.
+            out.append(issue("virtual_pp", "parallel.virtual_pp_size", self.virtual_pp_size,
+                             f"interleaving needs several pipeline stages; parallel.pp_size={self.pp_size}",
+                             "set parallel.virtual_pp_size=1, or parallel.pp_size>=2"))
+        return out

@@ -5,8 +5,10 @@ Merging follows ``formats.md`` §4 by the trainer's one sharding table (``traine
 column-parallel tensors (QKV, h→4h, word embeddings) concatenate on
 dim 0, row-parallel weights on dim 1, everything else is replicated. Megatron numbers layers locally
 within each pipeline stage (stage k holds global layers k·L/p… as local 0…L/p−1); checkpoints that use
-global numbers are accepted too. Stages are read one at a time and memory-mapped, so merging needs about
-one copy of the model in memory.
+global numbers are accepted too. Interleaved checkpoints (v model chunks per stage: ``model0`` …
+entries, ``trainer.checkpoint.chunks``) number layers locally within each chunk; chunk c of stage r holds
+``sharding.stage_layers(L, p, r, v, c)``. Stages are read one at a time and memory-mapped, so merging
+needs about one copy of the model in memory.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint.chunks import chunk_entries
 from trainer.checkpoint.layout import CHECKPOINT_VERSION, arg, iter_dir_name
 from trainer.convert import dist, names
 from trainer.convert.layout import (
@@ -50,19 +53,29 @@ class MergedCheckpoint:
     pp_size: int
 
 
-def _stage_model(shard: dict[str, Any], path: Path) -> dict[str, torch.Tensor]:
-    """The flat, normalised model entries of one shard, refusing what is not a GPT."""
-    if not isinstance(shard, dict) or "model" not in shard:
-        if isinstance(shard, dict) and "model0" in shard:
-            raise CheckpointError(f"{path} uses interleaved (virtual) pipeline stages; re-save it without "
-                                  "--num-layers-per-virtual-pipeline-stage, or convert it with Megatron's "
-                                  "tools/checkpoint first")
-        keys = sorted(shard)[:8] if isinstance(shard, dict) else type(shard).__name__
-        raise CheckpointError(f"{path} has no 'model' entry (found {keys}): not a Megatron/Slipway "
-                              "checkpoint")
-    model = shard["model"]
+def _entry_model(model: Any, path: Path) -> dict[str, torch.Tensor]:
+    """The flat, normalised names of one model entry (legacy nested or Megatron-core flat)."""
     mcore = is_mcore_model(model)
     return normalise_names(model if mcore else flatten(model), mcore, path)
+
+
+def _stage_model(shard: dict[str, Any], path: Path, pp_rank: int, pp_size: int) -> tuple[dict, bool]:
+    """One shard's flat model and whether it is interleaved; an interleaved shard's chunks are merged
+    with their layers made global (they are numbered locally per chunk), refusing what is not a GPT."""
+    entries = chunk_entries(shard, path)
+    if len(entries) == 1:
+        return _entry_model(entries[0], path), False
+    chunks = [_entry_model(e, path) for e in entries]
+    v = len(chunks)
+    per = len({i for n in chunks[0] if (i := layer_index(n)) is not None})
+    merged: dict[str, torch.Tensor] = {}
+    for c, chunk in enumerate(chunks):
+        if sorted({i for n in chunk if (i := layer_index(n)) is not None}) != list(range(per)):
+            raise CheckpointError(f"{path}: model{c} does not hold layers 0…{per - 1} like model0 (Megatron "
+                                  "numbers each chunk's layers locally): inconsistent interleaved checkpoint")
+        offset = sharding.stage_layers(per * pp_size * v, pp_size, pp_rank, v, c).start
+        merged.update(_renumber(chunk, offset))
+    return merged, True
 
 
 def _merge_tp(parts: list[dict[str, torch.Tensor]], path: Path) -> dict[str, torch.Tensor]:
@@ -127,7 +140,7 @@ def load_merged(iter_dir: Path, iteration: int | str, trust_pickle: bool = False
 def _merge_stages(iter_dir: Path, tp_size: int, pp_size: int, trust_pickle: bool
                   ) -> tuple[dict[str, torch.Tensor], dict[str, Any], torch.Tensor | None]:
     """The torch format: every shard read (memory-mapped), TP merged per stage, stages renumbered."""
-    stages, meta = [], None
+    stages, meta, interleaved = [], None, False
     for pp in range(pp_size):
         parts = []
         for tp in range(tp_size):
@@ -135,13 +148,15 @@ def _merge_stages(iter_dir: Path, tp_size: int, pp_size: int, trust_pickle: bool
             shard = load_shard(path, trust_pickle)
             if meta is None:  # keep only what is needed: the rest (optimizer state) stays unread on disk
                 meta = {k: shard.get(k) for k in ("args", "checkpoint_version", "iteration")}
-            parts.append(_stage_model(shard, path))
+            part, interleaved = _stage_model(shard, path, pp, pp_size)
+            parts.append(part)
             del shard
         stages.append(_merge_tp(parts, iter_dir / shard_dir_name(0, pp, pp_size)))
     layers = [sorted({i for n in s if (i := layer_index(n)) is not None}) for s in stages]
+    offsets = [0] * pp_size if interleaved else _layer_offsets(layers)  # interleaved: already global
     state: dict[str, torch.Tensor] = {}
     head = None
-    for stage, offset in zip(stages, _layer_offsets(layers), strict=True):
+    for stage, offset in zip(stages, offsets, strict=True):
         head = stage.pop(names.HEAD_EMBEDDINGS, head)
         state.update(_renumber(stage, offset))
     return state, meta, head

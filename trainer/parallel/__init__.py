@@ -5,7 +5,9 @@ The training loop's API (see trainer.parallel.engine for a worked loop):
 - ``init_distributed(pcfg) -> ParallelState`` — from torchrun/Slurm env, or a world of one.
 - ``build_model(gpt_cfg, pcfg, pstate, seed) -> ParallelModel`` — this rank's stage and TP shard.
 - ``num_microbatches(global_batch, micro_batch, dp_size)``.
-- ``train_step(model, batches) -> loss`` — forward+backward (1F1B or AFAB) and full gradient sync.
+- ``train_step(model, batches) -> loss`` — forward+backward (1F1B or AFAB; interleaved over v model
+  chunks per stage with ``parallel.virtual_pp_size`` > 1, trainer.parallel.interleaved) and full
+  gradient sync.
 - ``clip_grad_norm(model, max_norm) -> norm``; ``grad_norm(model)``.
 - ``eval_step(model, batches) -> loss``; ``finish_grad_sync(model)`` for custom schedules.
 """

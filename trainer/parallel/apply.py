@@ -30,9 +30,13 @@ from trainer.parallel.tensor_parallel import (
 
 def check_compatible(cfg: GPTConfig, pcfg: ParallelConfig) -> None:
     """The model's shape must split evenly under the layout; errors say which field to change."""
-    tp, pp = pcfg.tp_size, pcfg.pp_size
+    tp, pp, v = pcfg.tp_size, pcfg.pp_size, pcfg.virtual_pp_size
     if cfg.num_layers % pp:
         raise ValueError(f"model.num_layers={cfg.num_layers} does not divide by parallel.pp_size={pp}")
+    if cfg.num_layers % (pp * v):
+        raise ValueError(f"model.num_layers={cfg.num_layers} does not divide by parallel.pp_size × "
+                         f"parallel.virtual_pp_size = {pp}×{v}: every model chunk needs equal layers; "
+                         "choose a virtual_pp_size that divides num_layers / pp_size")
     if cfg.num_attention_heads % tp:
         raise ValueError(f"model.num_attention_heads={cfg.num_attention_heads} does not divide by "
                          f"parallel.tp_size={tp}")
@@ -44,10 +48,14 @@ def check_compatible(cfg: GPTConfig, pcfg: ParallelConfig) -> None:
                          f"parallel.tp_size={tp}")
 
 
-def stage_spec(num_layers: int, pp_rank: int, pp_size: int) -> StageSpec:
-    """This stage's contiguous block of num_layers / pp_size layers."""
-    layers = sharding.stage_layers(num_layers, pp_size, pp_rank)
-    return StageSpec(layers.start, layers.stop, pre_process=pp_rank == 0, post_process=pp_rank == pp_size - 1)
+def stage_spec(num_layers: int, pp_rank: int, pp_size: int, virtual_pp_size: int = 1,
+               chunk: int = 0) -> StageSpec:
+    """This stage's (chunk's) block of num_layers / (pp_size·v) layers (``sharding.stage_layers``): the
+    model's first chunk (rank 0, chunk 0) holds the embedding, its last (rank p−1, chunk v−1) the final
+    LayerNorm, head and loss."""
+    layers = sharding.stage_layers(num_layers, pp_size, pp_rank, virtual_pp_size, chunk)
+    return StageSpec(layers.start, layers.stop, pre_process=pp_rank == 0 and chunk == 0,
+                     post_process=pp_rank == pp_size - 1 and chunk == virtual_pp_size - 1)
 
 
 # The layer's Linear modules; the sharding table says how each one splits.

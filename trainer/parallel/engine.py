@@ -48,6 +48,7 @@ from trainer.parallel.apply import (
 )
 from trainer.parallel.config import ParallelConfig
 from trainer.parallel.data_parallel import GradBuffers
+from trainer.parallel.interleaved import INTERLEAVED_SCHEDULES, RingP2P, interleaved_forward_only
 from trainer.parallel.pipeline import P2P, SCHEDULES, forward_only
 from trainer.parallel.random import RNGTracker, seed_everything
 from trainer.parallel.state import ParallelState
@@ -57,41 +58,69 @@ Batch = Mapping[str, Tensor]
 
 
 class ParallelModel:
-    """One rank's share of the GPT (``module``: its pipeline stage, TP-sharded) and what steps need."""
+    """One rank's share of the GPT (``module``: its pipeline stage, TP-sharded) and what steps need.
 
-    def __init__(self, module: GPT, pstate: ParallelState, pcfg: ParallelConfig, tracker: RNGTracker) -> None:
-        self.module, self.pstate, self.pcfg, self.tracker = module, pstate, pcfg, tracker
-        self.partition_dims = tp_partition_dims(module)
+    With interleaving (``pcfg.virtual_pp_size`` v > 1) the rank holds v stages, ``chunks`` (chunk c:
+    ``sharding.stage_layers(..., chunk=c)``), and ``module`` is refused; the model's parameter names then
+    carry global layer numbers, so that they are unique across chunks (with v = 1 they are the stage's
+    own, local numbers, as in Megatron's checkpoint)."""
+
+    def __init__(self, module: GPT | list[GPT], pstate: ParallelState, pcfg: ParallelConfig,
+                 tracker: RNGTracker) -> None:
+        self.chunks: list[GPT] = list(module) if isinstance(module, list) else [module]
+        self.pstate, self.pcfg, self.tracker = pstate, pcfg, tracker
+        own = (lambda chunk, n: chunk.global_name(n)) if len(self.chunks) > 1 else (lambda chunk, n: n)
+        self.partition_dims = {own(chunk, n): d for chunk in self.chunks
+                               for n, d in tp_partition_dims(chunk).items()}
         """Parameter name → dim split across TP (None: replicated); see formats.md §4."""
-        sp = pcfg.sequence_parallel and pstate.tp_size > 1
-        named = dict(module.named_parameters())
-        sp_names = sequence_parallel_param_names(module) if sp else []
-        self.sequence_parallel_params = [named[n] for n in sp_names]
-        self.grads = GradBuffers(list(module.parameters()), pstate.dp_group, pcfg.bucket_size_mb,
+        self.sequence_parallel_params = []
+        if pcfg.sequence_parallel and pstate.tp_size > 1:
+            for chunk in self.chunks:
+                named = dict(chunk.named_parameters())
+                self.sequence_parallel_params += [named[n] for n in sequence_parallel_param_names(chunk)]
+        # One set of buckets over all chunks: parameters in chunk order, so that the buckets (filled in
+        # reverse) start with the last chunk, whose backwards finish first.
+        self.grads = GradBuffers(self.parameters(), pstate.dp_group, pcfg.bucket_size_mb,
                                  pcfg.overlap_grad_reduce)
         self.loss_scale = 1.0
         """Multiplies the loss before backward (fp16 dynamic loss scaling); grads come out scaled."""
         self.autocast: torch.dtype | None = None
         """Run forwards under ``torch.autocast(device, autocast)`` (e.g. torch.bfloat16): mixed precision
         with fp32 parameters, gradients and loss."""
-        self.p2p_class: type[P2P] = P2P
-        """The pipeline's point-to-point exchange (a subclass can instrument it, as bench/pipeline.py)."""
-        self.activation_dtype = next(module.parameters()).dtype
+        self.p2p_class: type[P2P] = RingP2P if len(self.chunks) > 1 else P2P
+        """The pipeline's point-to-point exchange (a subclass can instrument it, as bench/pipeline.py);
+        interleaving needs the ring (``RingP2P``)."""
+        self.activation_dtype = next(self.chunks[0].parameters()).dtype
         """dtype of the hidden states passed between pipeline stages: the parameters' dtype (under
         autocast the residual stream stays in it too)."""
 
+    @property
+    def module(self) -> GPT:
+        """This rank's stage (without interleaving; with it, use ``chunks``)."""
+        if len(self.chunks) > 1:
+            raise AttributeError(f"this rank holds {len(self.chunks)} model chunks "
+                                 "(parallel.virtual_pp_size > 1): use ParallelModel.chunks")
+        return self.chunks[0]
+
+    def global_name(self, name: str) -> str:
+        """A name from :meth:`named_parameters` with a global layer number (with v > 1 it has one)."""
+        return name if len(self.chunks) > 1 else self.chunks[0].global_name(name)
+
     def parameters(self) -> list[nn.Parameter]:
-        return list(self.module.parameters())
+        return [p for chunk in self.chunks for p in chunk.parameters()]
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return list(self.module.named_parameters())
+        if len(self.chunks) == 1:
+            return list(self.chunks[0].named_parameters())
+        return [(chunk.global_name(n), p) for chunk in self.chunks for n, p in chunk.named_parameters()]
 
-    def megatron_state_dict(self) -> dict:
-        """This rank's shard in Megatron's nested ``model`` layout (trainer.model.names)."""
-        return megatron_state_dict(self.module)
+    def megatron_state_dict(self, chunk: int = 0) -> dict:
+        """This rank's shard (of one chunk) in Megatron's nested ``model`` layout (trainer.model.names);
+        layer numbers local to the chunk, as Megatron writes ``model0``, ``model1``, …"""
+        return megatron_state_dict(self.chunks[chunk])
 
-    def load_megatron_state_dict(self, nested: dict) -> None:
-        load_megatron_state_dict(self.module, nested)
+    def load_megatron_state_dict(self, nested: dict, chunk: int = 0) -> None:
+        load_megatron_state_dict(self.chunks[chunk], nested)
 
 
 def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, seed: int,
@@ -108,43 +137,49 @@ def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, see
                          f"tp={pstate.tp_size}, pp={pstate.pp_size}")
     tracker = seed_everything(seed, pstate)
     kernel_set = resolve(kernels, pstate.device.type)  # outside the meta-device context
-    with torch.device("meta"):  # no memory until this rank's shard is materialised
-        module = GPT(cfg, stage_spec(cfg.num_layers, pstate.pp_rank, pstate.pp_size),
-                     cfg.padded_vocab_size(pstate.tp_size), kernel_set)
-        apply_tensor_parallel(module, pstate, pcfg.sequence_parallel, tracker)
-    recompute_model(module, recompute, tracker)
-    materialize(module, pstate.device, dtype)
-    init_weights(module, seed)
-    return ParallelModel(module, pstate, pcfg, tracker)
+    chunks = []
+    for chunk in range(pcfg.virtual_pp_size):
+        with torch.device("meta"):  # no memory until this rank's shard is materialised
+            spec = stage_spec(cfg.num_layers, pstate.pp_rank, pstate.pp_size, pcfg.virtual_pp_size, chunk)
+            module = GPT(cfg, spec, cfg.padded_vocab_size(pstate.tp_size), kernel_set)
+            apply_tensor_parallel(module, pstate, pcfg.sequence_parallel, tracker)
+        recompute_model(module, recompute, tracker)
+        materialize(module, pstate.device, dtype)
+        init_weights(module, seed)
+        chunks.append(module)
+    return ParallelModel(chunks if len(chunks) > 1 else chunks[0], pstate, pcfg, tracker)
 
 
 class _Runner:
-    """Runs micro-batches through this stage for a schedule (trainer.parallel.pipeline.StageRunner)."""
+    """Runs micro-batches through this stage's chunks for a schedule (trainer.parallel.pipeline.StageRunner,
+    trainer.parallel.interleaved.ChunkRunner): each chunk takes the micro-batches in order."""
 
     def __init__(self, model: ParallelModel, batches: Sequence[Batch]) -> None:
         self.model, self.batches, self.m = model, batches, len(batches)
         self.losses: list[Tensor] = []
-        self._forwards = self._backwards = 0
+        self._forwards = [0] * len(model.chunks)
+        self._backwards = [0] * len(model.chunks)
 
-    def forward(self, x: Tensor | None) -> Tensor:
-        ps, device = self.model.pstate, self.model.pstate.device
-        batch = self.batches[self._forwards]
-        self._forwards += 1
-        tokens = batch["tokens"].to(device) if ps.is_first_stage else None
-        labels = batch["labels"].to(device) if ps.is_last_stage else None
+    def forward(self, x: Tensor | None, chunk: int = 0) -> Tensor:
+        device, module = self.model.pstate.device, self.model.chunks[chunk]
+        batch = self.batches[self._forwards[chunk]]
+        self._forwards[chunk] += 1
+        tokens = batch["tokens"].to(device) if module.stage.pre_process else None
+        labels = batch["labels"].to(device) if module.stage.post_process else None
         precision = self.model.autocast
         with torch.autocast(device.type, dtype=precision) if precision else contextlib.nullcontext():
-            y = self.model.module(tokens=tokens, hidden=x, labels=labels)
-        if not ps.is_last_stage:
+            y = module(tokens=tokens, hidden=x, labels=labels)
+        if not module.stage.post_process:
             return y
         mask = batch.get("loss_mask")
         loss = masked_mean(y, None if mask is None else mask.to(device))
         self.losses.append(loss.detach())
         return loss / self.m  # each micro-batch's mean loss counts 1/m of the step's loss
 
-    def backward(self, x: Tensor | None, y: Tensor, dy: Tensor | None) -> Tensor | None:
-        self._backwards += 1
-        self.model.grads.sync_enabled = self._backwards == self.m  # DP hooks fire on the last backward
+    def backward(self, x: Tensor | None, y: Tensor, dy: Tensor | None, chunk: int = 0) -> Tensor | None:
+        self._backwards[chunk] += 1
+        # DP hooks fire on a chunk's last backward: its parameters' gradients are then final.
+        self.model.grads.sync_enabled = self._backwards[chunk] == self.m
         if dy is None:
             torch.autograd.backward(y * self.model.loss_scale)
         else:
@@ -156,7 +191,7 @@ def _p2p(model: ParallelModel, batches: Sequence[Batch]) -> P2P:
     b, s = batches[0]["tokens"].shape
     if model.pcfg.sequence_parallel and model.pstate.tp_size > 1:
         s //= model.pstate.tp_size
-    return model.p2p_class(model.pstate, (s, b, model.module.cfg.hidden_size), model.activation_dtype)
+    return model.p2p_class(model.pstate, (s, b, model.chunks[0].cfg.hidden_size), model.activation_dtype)
 
 
 def _mean_loss(model: ParallelModel, losses: list[Tensor]) -> Tensor:
@@ -172,9 +207,13 @@ def train_step(model: ParallelModel, batches: Sequence[Batch]) -> Tensor:
     if not batches:
         raise ValueError("train_step needs at least one micro-batch")
     model.grads.zero()
-    model.module.train()
-    runner = _Runner(model, batches)
-    SCHEDULES[model.pcfg.schedule](runner, _p2p(model, batches), len(batches))
+    for chunk in model.chunks:
+        chunk.train()
+    runner, v = _Runner(model, batches), len(model.chunks)
+    if v > 1:
+        INTERLEAVED_SCHEDULES[model.pcfg.schedule](runner, _p2p(model, batches), len(batches), v)
+    else:
+        SCHEDULES[model.pcfg.schedule](runner, _p2p(model, batches), len(batches))
     finish_grad_sync(model)
     return _mean_loss(model, runner.losses)
 
@@ -182,11 +221,16 @@ def train_step(model: ParallelModel, batches: Sequence[Batch]) -> Tensor:
 @torch.no_grad()
 def eval_step(model: ParallelModel, batches: Sequence[Batch]) -> Tensor:
     """Mean loss over ``batches`` (and DP ranks) without dropout or gradients, on every rank."""
-    was_training = model.module.training
-    model.module.eval()
-    runner = _Runner(model, batches)
-    forward_only(runner, _p2p(model, batches), len(batches))
-    model.module.train(was_training)
+    was_training = model.chunks[0].training
+    for chunk in model.chunks:
+        chunk.eval()
+    runner, v = _Runner(model, batches), len(model.chunks)
+    if v > 1:
+        interleaved_forward_only(runner, _p2p(model, batches), len(batches), v)
+    else:
+        forward_only(runner, _p2p(model, batches), len(batches))
+    for chunk in model.chunks:
+        chunk.train(was_training)
     return _mean_loss(model, runner.losses)
 
 
@@ -201,5 +245,6 @@ def finish_grad_sync(model: ParallelModel) -> None:
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))
     if ps.pp_size > 1 and (ps.is_first_stage or ps.is_last_stage):  # tied embedding: first + last stage
-        comm.all_reduce(model.module.head_weight().grad if ps.is_last_stage
-                        else model.module.embedding.word_embeddings.weight.grad, ps.embedding_group)
+        # (the first chunk of the first stage and the last chunk of the last stage)
+        comm.all_reduce(model.chunks[-1].head_weight().grad if ps.is_last_stage
+                        else model.chunks[0].embedding.word_embeddings.weight.grad, ps.embedding_group)

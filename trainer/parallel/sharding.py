@@ -16,9 +16,11 @@ Megatron's split of a transformer layer (``formats.md`` §4):
 | replicated  | LayerNorms, position embeddings, row-parallel biases         | —                     |
 
 Names are the GPT's flat names (``encoder.layers.{i}.…``); Megatron's checkpoint names (a
-``language_model.`` prefix) are accepted too. Pipeline stages hold contiguous, equal blocks of layers and
-number them from 0 in checkpoints (Megatron's convention); :func:`stage_of_layer` is that rule
-(``trainer.model.names.renumber`` turns local numbers into global ones).
+``language_model.`` prefix) are accepted too. Pipeline stages hold equal blocks of layers — one
+contiguous block, or with interleaving (virtual pipeline stages) v chunks dealt round-robin — and number
+them from 0 within each block in checkpoints (Megatron's convention); :func:`stage_layers` and its
+inverse :func:`chunk_of_layer` are that rule (``trainer.model.names.renumber`` turns local numbers into
+global ones).
 """
 
 from __future__ import annotations
@@ -71,20 +73,43 @@ def tp_dim(name: str) -> int | None:
     return DIM[kind(name)]
 
 
-def layers_per_stage(num_layers: int, pp_size: int) -> int:
-    if num_layers % pp_size:
-        raise ValueError(f"num_layers={num_layers} does not divide by pp_size={pp_size}; choose a "
-                         "pipeline size that divides the number of layers")
-    return num_layers // pp_size
+def layers_per_stage(num_layers: int, pp_size: int, virtual_pp_size: int = 1) -> int:
+    """Layers in one model chunk: num_layers / (pp_size · virtual_pp_size) (one chunk per stage when v=1)."""
+    chunks = pp_size * virtual_pp_size
+    if num_layers % chunks:
+        what = (f"pp_size={pp_size}" if virtual_pp_size == 1
+                else f"pp_size·virtual_pp_size={pp_size}·{virtual_pp_size}={chunks}")
+        raise ValueError(f"num_layers={num_layers} does not divide by {what}; choose sizes whose product "
+                         "divides the number of layers")
+    return num_layers // chunks
 
 
-def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> range:
-    """The global layer numbers pipeline stage ``pp_rank`` holds."""
-    per = layers_per_stage(num_layers, pp_size)
-    return range(pp_rank * per, (pp_rank + 1) * per)
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int, virtual_pp_size: int = 1,
+                 chunk: int = 0) -> range:
+    """The global layer numbers model chunk ``chunk`` of pipeline stage ``pp_rank`` holds.
+
+    Megatron's interleaved assignment (Narayanan et al. 2021, §2.2.2): the layers are cut into p·v equal
+    chunks and dealt round-robin, so chunk c of rank r holds chunk number c·p + r, i.e. layers
+    [(c·p + r)·L/(p·v), (c·p + r + 1)·L/(p·v)). With v=1 that is the contiguous block of stage r.
+    """
+    if not 0 <= chunk < virtual_pp_size:
+        raise ValueError(f"chunk={chunk} is outside [0, virtual_pp_size={virtual_pp_size})")
+    per = layers_per_stage(num_layers, pp_size, virtual_pp_size)
+    start = (chunk * pp_size + pp_rank) * per
+    return range(start, start + per)
+
+
+def chunk_of_layer(index: int, num_layers: int, pp_size: int, virtual_pp_size: int = 1
+                   ) -> tuple[int, int, int]:
+    """(stage, chunk, local layer number within the chunk) of global layer ``index``: the inverse of
+    :func:`stage_layers` (Megatron numbers layers from 0 within each chunk in checkpoints)."""
+    per = layers_per_stage(num_layers, pp_size, virtual_pp_size)
+    position, local = divmod(index, per)
+    chunk, stage = divmod(position, pp_size)
+    return stage, chunk, local
 
 
 def stage_of_layer(index: int, num_layers: int, pp_size: int) -> tuple[int, int]:
-    """(stage, local layer number) of global layer ``index``."""
-    per = layers_per_stage(num_layers, pp_size)
-    return index // per, index % per
+    """(stage, local layer number) of global layer ``index`` without interleaving."""
+    stage, _, local = chunk_of_layer(index, num_layers, pp_size)
+    return stage, local
