@@ -114,8 +114,6 @@ class ParallelConfig(Section):
     schedule: str = "1f1b"
     """Pipeline schedule: 1f1b (one forward, one backward; less activation memory) or afab (all forward,
     then all backward)."""
-    virtual_pp_size: int = 1
-    """Model chunks per pipeline rank for the interleaved 1F1B schedule (1: not interleaved)."""
     bucket_size_mb: float = 25.0
     """Data-parallel gradient all-reduce bucket size (MiB of gradients)."""
     overlap_grad_reduce: bool = True
