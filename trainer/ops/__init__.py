@@ -65,7 +65,8 @@ def csrc_available(device_type: str) -> bool:
         return False
     key = "CUDA" if device_type == "cuda" else "CPU"
     return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"slipway::{op}", key)
-               for op in ("bias_gelu", "layer_norm", "ce_local_stats", "adamw_step_"))
+               for op in ("bias_gelu", "layer_norm", "ce_local_stats", "adamw_step_", "rms_norm", "swiglu",
+                          "rotary"))
 
 
 def _csrc_table() -> dict[str, Callable]:
@@ -73,7 +74,8 @@ def _csrc_table() -> dict[str, Callable]:
 
     return {"bias_gelu": fused.bias_gelu, "bias_dropout_add": fused.bias_dropout_add,
             "scaled_causal_softmax": fused.scaled_causal_softmax, "layer_norm": fused.layer_norm,
-            "cross_entropy": cross_entropy.cross_entropy, "adamw_step": adamw.adamw_step}
+            "cross_entropy": cross_entropy.cross_entropy, "adamw_step": adamw.adamw_step,
+            "rms_norm": fused.rms_norm, "swiglu": fused.swiglu, "rotary": fused.rotary}
 
 
 def _apex_table(fallbacks: dict[str, Callable]) -> dict[str, Callable]:
