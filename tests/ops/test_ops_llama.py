@@ -1,0 +1,181 @@
+"""RMSNorm, SwiGLU and the rotary apply: csrc ops against the eager reference, gradcheck, opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.ops.helpers import DEVICES, DTYPES, assert_close, non_contiguous, rand
+from trainer.ops import _ext, reference
+
+pytestmark = pytest.mark.skipif(not _ext.load(),
+                                reason="trainer._C not built (tests/ops/test_dispatch.py fails)")
+if _ext.load():
+    from trainer.ops import fused
+
+RMS_SHAPES = [(3, 5), (2, 7, 33), (16, 768), (1, 2)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", RMS_SHAPES)
+def test_rms_norm_matches_reference(device, dtype, shape):
+    h = shape[-1]
+    x = (rand(shape, torch.float32, device) * 3 + 2).to(dtype).requires_grad_()  # a mean far from 0
+    w = rand((h,), dtype, device, requires_grad=True)
+    y = fused.rms_norm(x, w, 1e-5)
+    xr, wr = (t.detach().float().requires_grad_() for t in (x, w))
+    yr = reference.rms_norm(xr, wr, 1e-5)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, yr, dtype)
+    g = rand(shape, dtype, device)
+    y.backward(g)
+    yr.backward(g.float())
+    assert_close(x.grad, xr.grad, dtype)
+    assert_close(w.grad, wr.grad, dtype, scale=4.0)  # a sum over rows of rounded terms
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_fp32_weight_low_precision_x_like_autocast(dtype):
+    """Under autocast the weight (a parameter) is fp32 and x bf16: the reference promotes to fp32 after
+    rounding the normalised row to x's dtype, and the fused op gives the same dtype and values."""
+    x = non_contiguous(torch.randn(6, 40).to(dtype)).requires_grad_()
+    w = torch.randn(40, requires_grad=True)
+    y = fused.rms_norm(x, w, 1e-6)
+    yr = reference.rms_norm(x, w, 1e-6)
+    assert y.dtype == yr.dtype == torch.float32
+    assert_close(y, yr, dtype)
+    g = torch.randn(6, 40)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    gxr, gwr = torch.autograd.grad(yr, (x, w), g)
+    assert gx.dtype == dtype and gw.dtype == torch.float32
+    assert_close(gx, gxr, dtype)
+    assert_close(gw, gwr, dtype, scale=4.0)
+
+
+def test_rms_norm_saves_fp32_rstd():
+    x = torch.randn(4, 24).bfloat16()
+    y, rstd = torch.ops.slipway.rms_norm(x, torch.ones(24, dtype=torch.bfloat16), 1e-5)
+    assert rstd.dtype == torch.float32 and rstd.shape == (4,)
+    torch.testing.assert_close(rstd, torch.rsqrt(x.float().pow(2).mean(-1) + 1e-5))
+
+
+def test_rms_norm_gradcheck_double():
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *a: fused.rms_norm(*a, 1e-5), (x, w))
+
+
+SWIGLU_SHAPES = [(3, 10), (2, 7, 66), (4, 2 * 2048), (1, 2)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES)
+def test_swiglu_matches_reference(device, dtype, shape):
+    g = torch.Generator().manual_seed(hash(shape) % 1000)
+    x = rand(shape, dtype, device, requires_grad=True, gen=g)
+    y = fused.swiglu(x)
+    xr = x.detach().float().requires_grad_()
+    yr = reference.swiglu(xr)
+    assert y.dtype == dtype and y.shape == (*shape[:-1], shape[-1] // 2)
+    assert_close(y, yr, dtype)
+    gy = rand(y.shape, dtype, device, gen=g)
+    y.backward(gy)
+    yr.backward(gy.float())
+    assert_close(x.grad, xr.grad, dtype)
+
+
+def test_swiglu_non_contiguous_and_extreme_gates():
+    """Far into both tails of the gate the value and gradient are the reference's (autograd in fp64)."""
+    gate = torch.tensor([[-200.0, -90.0, -20.0, -1.0, 0.0, 1.0, 20.0, 90.0, 200.0]])
+    x = non_contiguous(torch.cat((gate, torch.full_like(gate, 1.5)), dim=-1)).requires_grad_()
+    y = fused.swiglu(x)
+    x64 = x.detach().double().requires_grad_()
+    y64 = reference.swiglu(x64)
+    torch.testing.assert_close(y, y64.float(), atol=1e-6, rtol=1e-6)
+    (gx,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    (gx64,) = torch.autograd.grad(y64, x64, torch.ones_like(y64))
+    assert torch.isfinite(gx).all()
+    torch.testing.assert_close(gx, gx64.float(), atol=1e-6, rtol=1e-6)
+
+
+def test_swiglu_gradcheck_double():
+    x = torch.randn(4, 10, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(fused.swiglu, (x,))
+
+
+def rope_tables(s: int, d_rot: int, device: str = "cpu", base: float = 10000.0):
+    """cos, sin [s, d_rot] fp32 as the model builds them: each angle repeated for both halves."""
+    inv_freq = 1.0 / base ** (torch.arange(0, d_rot, 2, dtype=torch.float32) / d_rot)
+    freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1).to(device)
+    return emb.cos(), emb.sin()
+
+
+# (x shape [..., s, d], d_rot): q/k as the model calls it ([b, heads, s, d]), partial rotary
+# (rotary_percent 0.5), a 3-D input, one position.
+ROTARY_CASES = [((2, 4, 9, 16), 16), ((2, 3, 17, 64), 32), ((5, 12, 8), 8), ((1, 1, 1, 4), 4)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("shape", "d_rot"), ROTARY_CASES)
+def test_rotary_matches_reference(device, dtype, shape, d_rot):
+    cos, sin = rope_tables(shape[-2], d_rot, device)
+    x = rand(shape, dtype, device, requires_grad=True)
+    y = fused.rotary(x, cos, sin)
+    xr = x.detach().float().requires_grad_()
+    yr = reference.rotary(xr, cos, sin)
+    assert y.dtype == dtype and y.shape == x.shape
+    assert_close(y, yr, dtype)
+    assert torch.equal(y[..., d_rot:], x.detach()[..., d_rot:])  # dims past d_rot pass through exactly
+    g = rand(shape, dtype, device)
+    y.backward(g)
+    yr.backward(g.float())
+    assert_close(x.grad, xr.grad, dtype)
+
+
+def test_rotary_on_transposed_heads_and_tables_get_no_grad():
+    """q as attention makes it: [b, s, heads, d] transposed to [b, heads, s, d] (not contiguous)."""
+    q = torch.randn(2, 9, 4, 16).transpose(1, 2).requires_grad_()
+    assert not q.is_contiguous()
+    cos, sin = (t.requires_grad_() for t in rope_tables(9, 16))
+    y = fused.rotary(q, cos, sin)
+    torch.testing.assert_close(y, reference.rotary(q, cos, sin))
+    y.sum().backward()
+    assert q.grad is not None and cos.grad is None and sin.grad is None
+
+
+def test_rotary_gradcheck_double_with_general_tables():
+    """Random cos/sin (the halves differ): checks the transposed rotation in general, not just for
+    tables whose halves repeat."""
+    cos, sin = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 6, dtype=torch.float64)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: fused.rotary(t, cos, sin), (x,))
+
+
+def test_rotary_rejects_mismatched_tables():
+    cos, sin = rope_tables(8, 16)
+    with pytest.raises(RuntimeError, match="cos and sin must both be"):
+        fused.rotary(torch.randn(2, 9, 16), cos, sin)  # 9 positions, tables for 8
+    with pytest.raises(RuntimeError, match="cos and sin must both be"):
+        fused.rotary(torch.randn(2, 8, 8), cos, sin)  # d_rot 16 > d 8
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_llama(device):
+    ops = torch.ops.slipway
+    x = torch.randn(5, 12, device=device, requires_grad=True)
+    w = torch.randn(12, device=device, requires_grad=True)
+    torch.library.opcheck(ops.rms_norm, (x, w, 1e-5))
+    torch.library.opcheck(ops.rms_norm, (x.detach().bfloat16().requires_grad_(), w, 1e-5))  # mixed dtypes
+    _, rstd = ops.rms_norm(x.detach(), w.detach(), 1e-5)
+    torch.library.opcheck(ops.rms_norm_backward, (torch.randn(5, 12, device=device), x.detach(), w.detach(),
+                                                  rstd))
+    torch.library.opcheck(ops.swiglu, (x,))
+    torch.library.opcheck(ops.swiglu_backward, (torch.randn(5, 6, device=device), x.detach()))
+    q = torch.randn(2, 3, 7, 16, device=device, requires_grad=True)
+    cos, sin = rope_tables(7, 8, device)
+    torch.library.opcheck(ops.rotary, (q, cos, sin))
+    torch.library.opcheck(ops.rotary_backward, (torch.randn(2, 3, 7, 16, device=device), cos, sin))
