@@ -140,14 +140,20 @@ def test_rotary_matches_reference(device, dtype, shape, d_rot):
 
 
 def test_rotary_on_transposed_heads_and_tables_get_no_grad():
-    """q as attention makes it: [b, s, heads, d] transposed to [b, heads, s, d] (not contiguous)."""
-    q = torch.randn(2, 9, 4, 16).transpose(1, 2).requires_grad_()
-    assert not q.is_contiguous()
+    """q as attention makes it: [b, s, heads, d] transposed to [b, heads, s, d] (read where it lies), and
+    a last dim with stride 2 (copied first); gradients through both, none to the tables."""
     cos, sin = (t.requires_grad_() for t in rope_tables(9, 16))
-    y = fused.rotary(q, cos, sin)
-    torch.testing.assert_close(y, reference.rotary(q, cos, sin))
-    y.sum().backward()
-    assert q.grad is not None and cos.grad is None and sin.grad is None
+    for q in (torch.randn(2, 9, 4, 16).transpose(1, 2), non_contiguous(torch.randn(2, 4, 9, 16))):
+        q.requires_grad_()
+        assert not q.is_contiguous()
+        y = fused.rotary(q, cos, sin)
+        yr = reference.rotary(q, cos, sin)
+        torch.testing.assert_close(y, yr)
+        g = torch.randn(2, 9, 4, 16).transpose(1, 2)  # a non-contiguous incoming gradient too
+        torch.testing.assert_close(torch.autograd.grad(y, q, g)[0], torch.autograd.grad(yr, q, g)[0])
+    fused.rotary(q, cos, sin).sum().backward()  # an expanded (stride-0) gradient
+    torch.testing.assert_close(q.grad, torch.autograd.grad(reference.rotary(q, cos, sin).sum(), q)[0])
+    assert cos.grad is None and sin.grad is None
 
 
 def test_rotary_gradcheck_double_with_general_tables():
