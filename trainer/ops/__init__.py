@@ -110,10 +110,12 @@ def _choose(mode: str, device_type: str) -> tuple[dict[str, Callable], dict[str,
         for op, fn in _csrc_table().items():
             table[op], names[op] = fn, "csrc"
     elif _ext.load():
+        # CPU kernels are always built, so a miss on CPU is a build older than csrc/ (an op added since).
+        why = ("built without a CUDA toolkit/torch" if device_type == "cuda"
+               else "built before some of csrc/'s ops were added")
         _warn_once(f"nocuda-{device_type}",
-                   f"trainer._C has no {device_type.upper()} kernels (built without a CUDA toolkit/torch); "
-                   "kernels fall back to eager. Fix: `make install` where nvcc and a CUDA build of torch "
-                   "are present.")
+                   f"trainer._C has no {device_type.upper()} kernels for every op ({why}); kernels fall "
+                   "back to eager. Fix: `make install` (for CUDA where nvcc and a CUDA torch are present).")
     if mode == "apex" or (mode == "auto" and device_type == "cuda"):
         for op, fn in _apex_table(dict(table)).items():
             table[op], names[op] = fn, "apex"
