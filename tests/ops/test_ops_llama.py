@@ -56,6 +56,37 @@ def test_rms_norm_fp32_weight_low_precision_x_like_autocast(dtype):
     assert_close(gw, gwr, dtype, scale=4.0)
 
 
+def test_rms_norm_weight_dtype_promotes_like_eager():
+    """x fp32 with a bf16 weight gives fp32 (x's dtype); bf16 x with an fp16 weight promotes to fp32; a
+    promotion the kernels do not produce (fp64 weight, bf16 x) is refused with the fix."""
+    x, w = torch.randn(3, 16, requires_grad=True), torch.randn(16).bfloat16().requires_grad_()
+    y = fused.rms_norm(x, w, 1e-5)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, reference.rms_norm(x, w, 1e-5))
+    y.sum().backward()
+    assert w.grad.dtype == torch.bfloat16 and x.grad.dtype == torch.float32
+    xb, wh = torch.randn(3, 16).bfloat16(), torch.randn(16).half()
+    assert fused.rms_norm(xb, wh, 1e-5).dtype == reference.rms_norm(xb, wh, 1e-5).dtype == torch.float32
+    with pytest.raises(RuntimeError, match="Fix: pass a weight"):
+        fused.rms_norm(xb, torch.randn(16, dtype=torch.float64), 1e-5)
+
+
+def test_ops_under_cpu_autocast_match_the_reference_under_autocast():
+    """Inside torch.autocast the custom ops see the tensors as they come (bf16 activations, fp32 weight and
+    tables) and give the reference's dtypes."""
+    x, lin, w = torch.randn(2, 8, 32), torch.randn(64, 32), torch.randn(64)
+    cos, sin = rope_tables(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x @ lin.t()  # bf16 under autocast
+        assert h.dtype == torch.bfloat16
+        q = h.view(2, 8, 4, 16).transpose(1, 2)  # [b, heads, s, d]
+        calls = (("rms_norm", (h, w, 1e-6)), ("swiglu", (h,)), ("rotary", (q, cos, sin)))
+        for op, args in calls:
+            got, want = getattr(fused, op)(*args), getattr(reference, op)(*args)
+            assert got.dtype == want.dtype, op
+            assert_close(got, want, torch.bfloat16)
+
+
 def test_rms_norm_saves_fp32_rstd():
     x = torch.randn(4, 24).bfloat16()
     y, rstd = torch.ops.slipway.rms_norm(x, torch.ones(24, dtype=torch.bfloat16), 1e-5)
