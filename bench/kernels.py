@@ -81,6 +81,9 @@ DTYPES = {
     "scaled_causal_softmax": "scores {dt}",
     "layer_norm": "x, weight, bias {dt}; statistics fp32",
     "cross_entropy": "logits {dt}; loss fp32",
+    "rms_norm": "x, weight {dt}; statistics fp32",
+    "swiglu": "x {dt} [tokens, 2·2048] (gate | up)",
+    "rotary": "q {dt} [b, 12 heads, s, 64]; cos, sin fp32 [s, 64]",
     "adamw_step": "25 tensors. fp32 row: params, grads, moments fp32. bf16 row: model params and grads "
                   "bf16, fp32 master weights and fp32 moments (the kernel updates the master and writes the "
                   "bf16 copy)",
@@ -105,6 +108,12 @@ def cases(device: str, dtype: torch.dtype, tokens: int) -> list[Case]:
     logits = torch.randn(tokens, vocab, **kw).requires_grad_()
     target = torch.randint(0, vocab, (tokens,), device=device)
     n_params = 4 * tokens * h
+    ffn, head_dim = 2048, h // heads  # Llama's SwiGLU width for h = 768 (8h/3) and the head size
+    xn = torch.randn(tokens, h, **kw).requires_grad_()
+    wn = torch.randn(h, **kw).requires_grad_()
+    xg = torch.randn(tokens, 2 * ffn, **kw).requires_grad_()
+    q = torch.randn(max(1, tokens // seq), heads, seq, head_dim, **kw).requires_grad_()
+    cos, sin = torch.randn(seq, head_dim, device=device), torch.randn(seq, head_dim, device=device)
     return [
         Case("bias_gelu", lambda: fused.bias_gelu(x4, b4), lambda: reference.bias_gelu(x4, b4)),
         Case("bias_dropout_add", lambda: fused.bias_dropout_add(x, b, res, 0.1, True),
@@ -115,6 +124,9 @@ def cases(device: str, dtype: torch.dtype, tokens: int) -> list[Case]:
              lambda: reference.layer_norm(xr, w, lb, 1e-5)),
         Case("cross_entropy", lambda: cross_entropy.cross_entropy(logits, target),
              lambda: reference.cross_entropy(logits, target)),
+        Case("rms_norm", lambda: fused.rms_norm(xn, wn, 1e-5), lambda: reference.rms_norm(xn, wn, 1e-5)),
+        Case("swiglu", lambda: fused.swiglu(xg), lambda: reference.swiglu(xg)),
+        Case("rotary", lambda: fused.rotary(q, cos, sin), lambda: reference.rotary(q, cos, sin)),
         _adamw_case(device, dtype, n_params, adamw),
     ]
 
@@ -138,10 +150,10 @@ def _adamw_case(device: str, dtype: torch.dtype, n_params: int, adamw) -> Case:
                 lambda: reference.adamw_step(ref, hp, 3), backward=False)
 
 
-def run(device: str, dtype: torch.dtype, tokens: int, reps: int) -> list[tuple]:
-    """(name, fused fwd, eager fwd, fused fwd+bwd, eager fwd+bwd) seconds per case."""
+def run(device: str, dtype: torch.dtype, tokens: int, reps: int, only: tuple[str, ...] = ()) -> list[tuple]:
+    """(name, fused fwd, eager fwd, fused fwd+bwd, eager fwd+bwd) seconds per case (those in ``only``)."""
     rows = []
-    for c in cases(device, dtype, tokens):
+    for c in (c for c in cases(device, dtype, tokens) if not only or c.name in only):
         tf, te = timed_pair(c.fused, c.eager, device, reps)
         if c.backward:
             bf, be = timed_pair(_fwd_bwd(c.fused), _fwd_bwd(c.eager), device, reps)
@@ -181,6 +193,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads (default 1: timed in thread CPU time, robust on a shared box)")
+    ap.add_argument("--ops", default="", help="comma-separated op names to time (default: all)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     if not _ext.load():
@@ -189,6 +202,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
+    only = tuple(op for op in args.ops.split(",") if op)
     for device in devices:
         scale = args.scale if args.scale is not None else (0.5 if device == "cpu" else 8.0)
         reps = args.reps if args.reps is not None else (15 if device == "cpu" else 20)
@@ -196,10 +210,12 @@ def main() -> int:
         text = ""
         for name in args.dtypes.split(","):
             dtype = getattr(torch, name)
-            text += render(device, dtype, tokens, run(device, dtype, tokens, reps)) + "\n"
+            text += render(device, dtype, tokens, run(device, dtype, tokens, reps, only)) + "\n"
         sys.stdout.write(text)
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"kernels_{device}.txt"), "w") as f:
+        # A subset run (--ops) keeps the full table's file: it goes to kernels_<device>_<ops>.txt.
+        suffix = "_" + "-".join(only) if only else ""
+        with open(os.path.join(args.out, f"kernels_{device}{suffix}.txt"), "w") as f:
             f.write(text)
     return 0
 

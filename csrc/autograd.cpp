@@ -1,5 +1,5 @@
 // Autograd kernels of the model's fused ops (bias_gelu, bias_dropout_add, scaled_causal_softmax,
-// layer_norm), registered at the Autograd dispatch key so they serve CPU and CUDA alike.
+// layer_norm, and the Llama-style rms_norm, swiglu, rotary), registered at the Autograd dispatch key so they serve CPU and CUDA alike.
 //
 // Why C++ and not torch.library.register_autograd in Python: the Python route costs ~25 us of interpreter
 // time per op call (forward + backward), which is a third of a LayerNorm over 1024×768 on a CPU and
@@ -113,6 +113,61 @@ class LayerNorm : public torch::autograd::Function<LayerNorm> {
   }
 };
 
+using Tensor2 = std::tuple<Tensor, Tensor>;
+
+class RmsNorm : public torch::autograd::Function<RmsNorm> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const Tensor& x, const Tensor& weight, double eps) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fwd = op<Tensor2(const Tensor&, const Tensor&, double)>("slipway::rms_norm");
+    auto [y, rstd] = fwd.call(x, weight, eps);
+    ctx->save_for_backward({x, weight, rstd});
+    ctx->mark_non_differentiable({rstd});
+    return {y, rstd};
+  }
+  // grads[0] arrives in the output's dtype (fp32 for a bf16 x with an fp32 weight); the kernel reads it as is.
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = op<Tensor2(const Tensor&, const Tensor&, const Tensor&, const Tensor&)>(
+        "slipway::rms_norm_backward");
+    const auto s = ctx->get_saved_variables();
+    auto [gx, gw] = bwd.call(grads[0], s[0], s[1], s[2]);
+    return {gx, gw, Tensor()};
+  }
+};
+
+class Swiglu : public torch::autograd::Function<Swiglu> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fwd = op<Tensor(const Tensor&)>("slipway::swiglu");
+    ctx->save_for_backward({x});
+    return fwd.call(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = op<Tensor(const Tensor&, const Tensor&)>("slipway::swiglu_backward");
+    const Tensor x = ctx->get_saved_variables()[0];
+    return {bwd.call(grads[0].to(x.scalar_type()), x)};
+  }
+};
+
+// cos and sin are the position tables (buffers, not parameters): no gradient flows to them.
+class Rotary : public torch::autograd::Function<Rotary> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& cos, const Tensor& sin) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto fwd = op<Tensor(const Tensor&, const Tensor&, const Tensor&)>("slipway::rotary");
+    ctx->save_for_backward({cos, sin});
+    ctx->saved_data["x_dtype"] = x.scalar_type();
+    return fwd.call(x, cos, sin);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto bwd = op<Tensor(const Tensor&, const Tensor&, const Tensor&)>("slipway::rotary_backward");
+    const auto s = ctx->get_saved_variables();
+    const at::ScalarType xt = ctx->saved_data["x_dtype"].toScalarType();
+    return {bwd.call(grads[0].to(xt), s[0], s[1]), Tensor(), Tensor()};
+  }
+};
+
 Tensor bias_gelu_autograd(const Tensor& x, const Tensor& bias) { return BiasGelu::apply(x, bias); }
 
 Tensor bias_dropout_add_autograd(const Tensor& x, const std::optional<Tensor>& bias, const Tensor& residual,
@@ -129,6 +184,15 @@ Tensor3 layer_norm_autograd(const Tensor& x, const Tensor& weight, const Tensor&
   return {out[0], out[1], out[2]};
 }
 
+Tensor2 rms_norm_autograd(const Tensor& x, const Tensor& weight, double eps) {
+  auto out = RmsNorm::apply(x, weight, eps);
+  return {out[0], out[1]};
+}
+
+Tensor swiglu_autograd(const Tensor& x) { return Swiglu::apply(x); }
+
+Tensor rotary_autograd(const Tensor& x, const Tensor& cos, const Tensor& sin) { return Rotary::apply(x, cos, sin); }
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(slipway, Autograd, m) {
@@ -136,6 +200,9 @@ TORCH_LIBRARY_IMPL(slipway, Autograd, m) {
   m.impl("bias_dropout_add", &bias_dropout_add_autograd);
   m.impl("scaled_causal_softmax", &scaled_causal_softmax_autograd);
   m.impl("layer_norm", &layer_norm_autograd);
+  m.impl("rms_norm", &rms_norm_autograd);
+  m.impl("swiglu", &swiglu_autograd);
+  m.impl("rotary", &rotary_autograd);
 }
 
 }  // namespace slipway

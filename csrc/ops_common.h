@@ -69,4 +69,36 @@ inline void check_adamw(at::TensorList params, at::TensorList grads, at::TensorL
   }
 }
 
+// RMSNorm's output dtype is eager's promotion of x and weight; the kernels store it either in x's dtype or
+// in fp32 from a bf16/fp16 x (an fp32 weight under autocast). True for the second ("mixed") case.
+inline bool mixed_low_to_f32(at::ScalarType x, at::ScalarType out) {
+  return x != out && out == at::kFloat && (x == at::kBFloat16 || x == at::kHalf);
+}
+
+inline at::ScalarType rms_out_dtype(const at::Tensor& x, const at::Tensor& weight, const char* op) {
+  const at::ScalarType out = at::promote_types(x.scalar_type(), weight.scalar_type());
+  TORCH_CHECK(out == x.scalar_type() || mixed_low_to_f32(x.scalar_type(), out), "slipway::", op, ": x ",
+              x.scalar_type(), " with weight ", weight.scalar_type(), " promotes to ", out, ", which the kernel "
+              "does not produce. Fix: pass a weight of x's dtype or fp32 (x bf16/fp16).");
+  return out;
+}
+
+// SwiGLU input: [..., 2f], gate then up along the last dim.
+inline void check_swiglu(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "slipway::", op, ": x must be [..., 2·ffn] (gate | up), got "
+              "shape ", x.sizes(), ". Fix: the first MLP matmul must produce both halves.");
+}
+
+// Rotary arguments: x [..., s, d]; cos, sin [s, d_rot] (leading size-1 dims allowed), d_rot even and ≤ d.
+// Returns d_rot.
+inline int64_t check_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const char* op) {
+  TORCH_CHECK(x.dim() >= 2, "slipway::", op, ": x must be [..., s, d], got shape ", x.sizes(), ".");
+  bool ok = cos.dim() >= 2 && cos.sizes() == sin.sizes() && cos.size(-2) == x.size(-2) &&
+            cos.size(-1) % 2 == 0 && cos.size(-1) <= x.size(-1) && cos.numel() == cos.size(-2) * cos.size(-1);
+  TORCH_CHECK(ok, "slipway::", op, ": cos and sin must both be [s, d_rot] with s = x.size(-2) = ", x.size(-2),
+              " and an even d_rot <= x.size(-1) = ", x.size(-1), "; got ", cos.sizes(), " and ", sin.sizes(),
+              ". Fix: slice the tables to the sequence (cos[:s]).");
+  return cos.size(-1);
+}
+
 }  // namespace slipway

@@ -11,6 +11,7 @@
 
 #include "../ops_common.h"
 #include "../slipway_rng.h"
+#include "bindings_common.h"
 #include "kernels.h"
 
 namespace slipway {
@@ -18,27 +19,11 @@ namespace {
 
 using at::Tensor;
 using cuda::DType;
-
-DType dtype_of(at::ScalarType t, const char* op) {
-  switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kHalf: return DType::kFloat16;
-    default: break;
-  }
-  TORCH_CHECK(false, "slipway::", op, " on CUDA supports float32, bfloat16 and float16; got ", t, ".");
-  return DType::kFloat32;  // unreachable: TORCH_CHECK(false) throws
-}
-
-void check_launch(cudaError_t err, const char* op) {
-  TORCH_CHECK(err == cudaSuccess, "slipway::", op, ": CUDA kernel launch failed: ", cudaGetErrorString(err));
-}
-
-cudaStream_t stream_of(const Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.get_device()).stream(); }
-
-Tensor f32(const Tensor& t) { return t.to(at::kFloat).contiguous(); }
-
-int64_t rows_of(const Tensor& t, int64_t width) { return width == 0 ? 0 : t.numel() / width; }
+using cuda::check_launch;
+using cuda::dtype_of;
+using cuda::f32;
+using cuda::rows_of;
+using cuda::stream_of;
 
 Tensor bias_gelu_cuda(const Tensor& x, const Tensor& bias) {
   check_vec(x, bias, "bias_gelu", "bias");

@@ -76,6 +76,13 @@ cudaError_t dispatch(DType t, F&& f) {
   return cudaErrorInvalidValue;
 }
 
+// Opts a kernel into more than the default 48 KiB of dynamic shared memory (rows of wide hidden sizes).
+template <typename K>
+cudaError_t allow_smem(K kernel, size_t smem) {
+  if (smem <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+}
+
 inline unsigned grid_for(int64_t rows) {
   return static_cast<unsigned>(rows < 1 ? 1 : (rows > 0x7fffffffLL ? 0x7fffffffLL : rows));
 }

@@ -48,6 +48,25 @@ cudaError_t ce_stats(DType t, const void* logits, int64_t ld, const int64_t* tar
 cudaError_t ce_grad(DType t, const void* logits, int64_t ld, void* out, const int64_t* target, int64_t vocab_start,
                     const float* lse, const float* grad_loss, int64_t rows, int64_t v, cudaStream_t stream);
 
+// RMSNorm: x (type tx) → y (type ty: tx, or fp32 from a bf16/fp16 x), rstd fp32, one per row.
+cudaError_t rms_norm_fwd(DType tx, DType ty, const void* x, const float* w, void* y, float* rstd, int64_t rows,
+                         int64_t h, float eps, cudaStream_t stream);
+// Number of floats of scratch memory rms_norm_bwd needs (per-block dw partial sums).
+int64_t rms_norm_bwd_workspace(int64_t rows, int64_t h);
+// grad in the output's type tg (tx, or fp32 from a bf16/fp16 x), dx in tx, gw fp32 [h].
+cudaError_t rms_norm_bwd(DType tx, DType tg, const void* grad, const void* x, const float* w, const float* rstd,
+                         void* dx, float* gw, float* workspace, int64_t rows, int64_t h, cudaStream_t stream);
+
+// SwiGLU on rows of 2f (gate | up) → rows of f; backward → rows of 2f.
+cudaError_t swiglu_fwd(DType t, const void* x, void* y, int64_t rows, int64_t f, cudaStream_t stream);
+cudaError_t swiglu_bwd(DType t, const void* grad, const void* x, void* dx, int64_t rows, int64_t f,
+                       cudaStream_t stream);
+
+// Rotary apply (rotate-half layout) on rows of d, row r at sequence position r mod s; cos/sin fp32 [s, d_rot];
+// dims past d_rot are copied. transpose: the backward (the transposed rotation applied to the gradient).
+cudaError_t rotary_apply(DType t, const void* x, const float* cos, const float* sin, void* out, int64_t rows,
+                         int64_t s, int64_t d, int64_t d_rot, bool transpose, cudaStream_t stream);
+
 // Multi-tensor AdamW, one launch. `meta` is a device buffer of int64 laid out as
 // [params, grads, exp_avgs, exp_avg_sqs, model_params (or 0), numel] × n_tensors (pointers as int64),
 // then [tensor index, start] × n_chunks. Each chunk is at most adamw_chunk_size() elements.

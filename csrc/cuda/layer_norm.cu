@@ -84,12 +84,6 @@ __global__ void column_sum_kernel(const float* __restrict__ partial, int64_t par
 
 int64_t parts_for(int64_t rows) { return rows < kPartialBlocks ? (rows < 1 ? 1 : rows) : kPartialBlocks; }
 
-template <typename K>
-cudaError_t allow_smem(K kernel, size_t smem) {
-  if (smem <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-}
-
 }  // namespace
 
 cudaError_t layer_norm_fwd(DType t, const void* x, const float* w, const float* b, void* y, float* mean,

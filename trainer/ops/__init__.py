@@ -65,7 +65,8 @@ def csrc_available(device_type: str) -> bool:
         return False
     key = "CUDA" if device_type == "cuda" else "CPU"
     return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"slipway::{op}", key)
-               for op in ("bias_gelu", "layer_norm", "ce_local_stats", "adamw_step_"))
+               for op in ("bias_gelu", "layer_norm", "ce_local_stats", "adamw_step_", "rms_norm", "swiglu",
+                          "rotary"))
 
 
 def _csrc_table() -> dict[str, Callable]:
@@ -73,7 +74,8 @@ def _csrc_table() -> dict[str, Callable]:
 
     return {"bias_gelu": fused.bias_gelu, "bias_dropout_add": fused.bias_dropout_add,
             "scaled_causal_softmax": fused.scaled_causal_softmax, "layer_norm": fused.layer_norm,
-            "cross_entropy": cross_entropy.cross_entropy, "adamw_step": adamw.adamw_step}
+            "cross_entropy": cross_entropy.cross_entropy, "adamw_step": adamw.adamw_step,
+            "rms_norm": fused.rms_norm, "swiglu": fused.swiglu, "rotary": fused.rotary}
 
 
 def _apex_table(fallbacks: dict[str, Callable]) -> dict[str, Callable]:
@@ -108,10 +110,12 @@ def _choose(mode: str, device_type: str) -> tuple[dict[str, Callable], dict[str,
         for op, fn in _csrc_table().items():
             table[op], names[op] = fn, "csrc"
     elif _ext.load():
+        # CPU kernels are always built, so a miss on CPU is a build older than csrc/ (an op added since).
+        why = ("built without a CUDA toolkit/torch" if device_type == "cuda"
+               else "built before some of csrc/'s ops were added")
         _warn_once(f"nocuda-{device_type}",
-                   f"trainer._C has no {device_type.upper()} kernels (built without a CUDA toolkit/torch); "
-                   "kernels fall back to eager. Fix: `make install` where nvcc and a CUDA build of torch "
-                   "are present.")
+                   f"trainer._C has no {device_type.upper()} kernels for every op ({why}); kernels fall "
+                   "back to eager. Fix: `make install` (for CUDA where nvcc and a CUDA torch are present).")
     if mode == "apex" or (mode == "auto" and device_type == "cuda"):
         for op, fn in _apex_table(dict(table)).items():
             table[op], names[op] = fn, "apex"

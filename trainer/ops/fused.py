@@ -7,7 +7,8 @@ torch imports it whenever it needs a fake kernel. Autograd is registered in C++ 
 call over ``torch.library.register_autograd``). Import this module only after ``_ext.load()`` succeeded.
 
 The functions at the bottom have the same signatures as their eager references in
-``trainer/ops/reference.py``; ``trainer.ops.resolve`` hands them to the model.
+``trainer/ops/reference.py``; ``trainer.ops.resolve`` hands them to the model (the Llama-style ops
+``rms_norm``, ``swiglu`` and ``rotary`` included: csrc/ops_llama.cpp).
 
 Dropout (``bias_dropout_add``): the mask is *regenerated*, not stored. Forward draws one int64 seed with
 torch's generator for the tensor's device (``torch.randint``), so the model-parallel RNG tracker, which
@@ -102,6 +103,37 @@ def _adamw_fake(params, grads, exp_avgs, exp_avg_sqs, model_params, lr, beta1, b
     return None
 
 
+@torch.library.register_fake("slipway::rms_norm")
+def _rms_norm_fake(x, weight, eps):
+    out = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return out, x.new_empty(x.shape[:-1], dtype=_acc(x.dtype))
+
+
+@torch.library.register_fake("slipway::rms_norm_backward")
+def _rms_norm_backward_fake(grad, x, weight, rstd):
+    return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+
+@torch.library.register_fake("slipway::swiglu")
+def _swiglu_fake(x):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.register_fake("slipway::swiglu_backward")
+def _swiglu_backward_fake(grad, x):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("slipway::rotary")
+def _rotary_fake(x, cos, sin):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("slipway::rotary_backward")
+def _rotary_backward_fake(grad, cos, sin):
+    return grad.new_empty(grad.shape)
+
+
 # ---- the functions the model calls (signatures of trainer/ops/reference.py) ------------------------------
 
 def dropout_seed(device: torch.device) -> torch.Tensor:
@@ -133,3 +165,20 @@ def scaled_causal_softmax(scores: torch.Tensor, scale: float) -> torch.Tensor:
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm over the last dim, fp32 statistics, x's dtype out."""
     return _ops.layer_norm(x, weight, bias, float(eps))[0]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, fp32 statistics; the reference's dtype (x's, or fp32 for a bf16/fp16 x
+    with an fp32 weight) and rounding order (normalised row rounded to x's dtype, then times the weight)."""
+    return _ops.rms_norm(x, weight, float(eps))[0]
+
+
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) · up for ``x = [gate | up]`` on the last dim, fp32 math, x's dtype out."""
+    return _ops.swiglu(x)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary apply, rotate-half layout, over the first ``cos.shape[-1]`` dims of x [..., s, d]; fp32 math,
+    x's dtype out. cos/sin [s, d_rot] get no gradient (position tables)."""
+    return _ops.rotary(x, cos, sin)
