@@ -268,10 +268,8 @@ def memory_options(cfg: SlipwayConfig, vocab: int, lay: Layout) -> list[MemoryOp
             continue
         current = getattr(getattr(cfg, section), name)
         for value in values:
-            if value != current and not (name == "virtual_pp_size" and current > 1):
+            if value != current:
                 out.append(option(f"{key}={_value_text(value)}", with_option(cfg, section, {name: value})))
-        if name == "virtual_pp_size" and current > 1:  # interleaving costs memory: show it off
-            out.append(option(f"{key}=1", with_option(cfg, section, {name: 1})))
     for key, section, name, values in MEMORY_OPTIONS[:3]:  # the three that only save memory
         best = values[-1]
         if _applies(key, lay) and getattr(getattr(cfg, section), name) != best:
@@ -281,20 +279,20 @@ def memory_options(cfg: SlipwayConfig, vocab: int, lay: Layout) -> list[MemoryOp
     return out
 
 
-def _memory_advice(cfg: SlipwayConfig, vocab: int, lay: Layout) -> str:
-    here = estimate_memory(cfg, vocab, lay).total_bytes
+def _memory_advice(mem: MemoryEstimate, options: list[MemoryOption]) -> str:
+    """The options that would lower ``mem``, each with its total."""
     options = [f"{o.name} → {o.memory.total_bytes / GIB:.1f} GiB "
-               f"({'fits' if o.memory.fits else 'still too much'})" for o in memory_options(cfg, vocab, lay)
-               if o.memory.total_bytes < here]
+               f"({'fits' if o.memory.fits else 'still too much'})" for o in options
+               if o.memory.total_bytes < mem.total_bytes]
     return "; ".join(options)
 
 
-def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimate, vocab: int,
-                       lay: Layout) -> list[Problem]:
+def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimate,
+                       choices: list[MemoryOption]) -> list[Problem]:
     out = []
     if not mem.fits:
         hint = "raise parallel.tp_size/pp_size or lower train.micro_batch_size"
-        options = _memory_advice(cfg, vocab, lay)
+        options = _memory_advice(mem, choices)
         if options:
             hint += f", or (same math, the plan's figure for each): {options}"
         acts = mem.total_bytes - mem.weights_bytes - mem.grads_bytes - mem.optimizer_bytes
@@ -337,12 +335,13 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
     vocab = resolve_vocab(cfg, facts)
     mem = estimate_memory(cfg, vocab, lay)
     est = estimate_time(cfg, vocab, lay)
+    choices = memory_options(cfg, vocab, lay) if lay.dp and lay.num_microbatches else []
     if lay.dp and lay.num_microbatches:
-        problems += _estimate_problems(cfg, mem, est, vocab, lay)
+        problems += _estimate_problems(cfg, mem, est, choices)
     corpus = _corpus_stage(cfg, facts)
     prep = _preprocess_stage(cfg, facts, corpus)
     stages = ([corpus] if corpus else []) + [prep] + _run_stages(cfg, facts, prep)
     return Plan(
         facts.run_id, facts.run_dir, cfg.experiment, lay, vocab, mem, est, stages, problems, facts.sweep,
-        memory_options=memory_options(cfg, vocab, lay) if lay.dp and lay.num_microbatches else [],
+        memory_options=choices,
     )
