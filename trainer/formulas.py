@@ -89,8 +89,9 @@ ACTIVATION_PROFILES: dict[tuple[str, str, str, int], ActivationProfile] = {
 def activation_profile(device: str, kernels: str, attention_backend: str,
                        precision: str = "bf16") -> ActivationProfile:
     """The profile for a run: ``device`` cpu|cuda, the ``kernels`` key, ``model.attention_backend`` and
-    ``train.precision``. On CPU ``auto`` means csrc (what `make install` builds); on CUDA every kernel
-    set uses the paper's figures (Megatron's kernels are the ones it measured)."""
+    ``train.precision``. On CPU ``auto`` means csrc (what `make install` builds) and ``compile`` is
+    counted as eager (not measured: torch.compile may save less); on CUDA every kernel set uses the
+    paper's figures (Megatron's kernels are the ones it measured)."""
     width = 32 if precision == "fp32" else 16
     if device == "cuda":
         return ACTIVATION_PROFILES[("cuda", "fused", attention_backend, width)]
