@@ -30,6 +30,7 @@ import torch
 import trainer
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import reshard
+from trainer.checkpoint.distrib_optim import DistribSource, is_distributed, load_optimizer, load_resharded
 from trainer.checkpoint.layout import arg
 from trainer.checkpoint.megatron_args import megatron_args
 from trainer.convert import dist
@@ -84,6 +85,10 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
         "data_path": list(c["data"]["paths"]), "split": c["data"]["split"], "kernels": c["kernels"],
         "attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
         "slipway_version": trainer.__version__,
+        "use_distributed_optimizer": bool(o.get("distributed", False)),
+        # The distributed optimizer keeps 16-bit weights (the fp32 masters are in distrib_optim.pt).
+        "params_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(t["precision"], "float32")
+        if o.get("distributed") else "float32",
         # Megatron-core names in the shard: current Megatron-LM loads it without --use-legacy-models.
         "use_legacy_models": c["checkpoint"].get("format", "legacy") != "mcore",
     })
@@ -151,8 +156,10 @@ def _require_training_state(shard: dict) -> None:
                                    "checkpoint.load=model-only and checkpoint.load_dir=<its directory>")
 
 
-def restore_same_layout(shard: dict, model: ParallelModel, parts: Restorable | None) -> TrainState:
-    """Load this rank's own shard: exact resume (``parts`` None: weights only)."""
+def restore_same_layout(shard: dict, model: ParallelModel, parts: Restorable | None,
+                        distrib: dict | None = None) -> TrainState:
+    """Load this rank's own shard: exact resume (``parts`` None: weights only); ``distrib``: the
+    ``distrib_optim.pt`` beside it, if any (either optimizer loads either form, at any dp)."""
     load_model_entry(model, shard["model"])
     if parts is None:
         return TrainState()
@@ -163,7 +170,7 @@ def restore_same_layout(shard: dict, model: ParallelModel, parts: Restorable | N
         raise ckpt.CheckpointError("the checkpoint's optimizer covers different parameters than this "
                                    "model (changed model or optimizer grouping?); load with "
                                    "checkpoint.load=model-only")
-    parts.optimizer.load_state_dict(saved["optimizer"])
+    load_optimizer(parts.optimizer, saved, names, distrib, model, gpt_flat(shard["model"]))
     _restore_common(shard, parts)
     rng = shard.get("rng_state") or []
     ps = model.pstate
@@ -210,7 +217,8 @@ def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any]
     moments); RNG states are not carried over (they belong to the old layout's ranks)."""
     src_tp, src_pp, args = saved
     ps = model.pstate
-    src = reshard.SourceCheckpoint(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")))
+    # DistribSource: a SourceCheckpoint that also reads distrib_optim.pt (distributed optimizer)
+    src = DistribSource(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")))
     target, local = _target(model), _local_names(model)
     model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)))
     log.warning("resharded checkpoint iteration %d from tp=%d pp=%d to tp=%d pp=%d", iteration, src_tp,
@@ -221,8 +229,11 @@ def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any]
     _require_training_state(first)
     moments = reshard.reshard_moments(src, local, target)
     names = param_names(model, parts.optimizer)
-    sd = parts.optimizer.state_dict()
-    sd["state"] = {i: moments[n] for i, n in enumerate(names) if moments.get(n)}
-    parts.optimizer.load_state_dict(sd)
+    if is_distributed(parts.optimizer) or first["optimizer"]["optimizer"].get("distributed"):
+        load_resharded(parts.optimizer, names, moments, model)
+    else:
+        sd = parts.optimizer.state_dict()
+        sd["state"] = {i: moments[n] for i, n in enumerate(names) if moments.get(n)}
+        parts.optimizer.load_state_dict(sd)
     _restore_common(first, parts)
     return train_state_from(first)
