@@ -99,3 +99,28 @@ def job(ranks: list[int], tp: int, pp: int, specs: list[tuple[str, Spec]], outdi
         rec = train_record(pstate, tp, pp, spec)
         torch.save(rec, os.path.join(outdir, f"{tag}.{H.position(ranks)}.pt"))
     pstate.destroy()
+
+
+def comm_job(ranks: list[int], outdir: str) -> None:
+    """The shard collectives, native and emulated, sync and async, fp32 and bf16, on a DP group."""
+    pstate = ParallelState.build(1, 1, ranks)
+    from trainer.parallel import comm
+
+    g, out = pstate.dp_group, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for emulate in (False, True):
+            for async_op in (False, True):
+                x = contribution(g.index, dtype)
+                comm.reduce_scatter_shard(x, g, async_op=async_op, emulate=emulate).wait()
+                start, end = comm.shard_range(x.numel(), g.size, g.index)
+                y = torch.full_like(x, -1.0)
+                y[start:end] = x[start:end]
+                comm.all_gather_shard(y, g, async_op=async_op, emulate=emulate).wait()
+                out[(str(dtype), emulate, async_op)] = (x[start:end].clone(), y)
+    torch.save(out, os.path.join(outdir, f"comm.{g.index}.pt"))
+    pstate.destroy()
+
+
+def contribution(index: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rank ``index``'s buffer for comm_job: 4·6 small integers (exact in bf16 when summed)."""
+    return (torch.arange(24, dtype=torch.float32) * (index + 1) % 7).to(dtype)
