@@ -30,7 +30,7 @@ import torch.distributed as dist
 from trainer import formulas, health, metrics, testing_hooks
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
-from trainer.checkpoint.distrib_optim import extra_files, read_beside
+from trainer.checkpoint.distrib_optim import extra_files, is_distributed, read_beside
 from trainer.checkpoint.layout import arg
 from trainer.ckpt_state import (
     Restorable,
@@ -165,6 +165,14 @@ def _latest(ckpt_dir: str, run_dir: str | None, act: bool) -> int | None:
 def load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: ParallelModel,
                     parts: Restorable) -> TrainState:
     """Restore from ``plan`` (see resolve_load), resharding when the saved (tp, pp) differ."""
+    state = _load_checkpoint(plan, gpt, model, parts)
+    if plan[2] and is_distributed(parts.optimizer):  # weights only: the 16-bit masters follow them
+        parts.optimizer.reload_model_params()
+    return state
+
+
+def _load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: ParallelModel,
+                     parts: Restorable) -> TrainState:
     ckpt_dir, iteration, model_only = plan
     iter_dir = Path(ckpt.iter_path(ckpt_dir, iteration))
     if dist_ckpt.is_dist(iter_dir):  # Megatron-core's torch_dist: weights only

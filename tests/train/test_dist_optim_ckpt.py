@@ -81,3 +81,52 @@ def test_distributed_checkpoint_loads_at_any_dp_and_across_the_option(tmp_path):
     ref_plain = _losses(tmp_path, 2, plain2, "plain2")
     to_dist = _resume_from(_cfg(tmp_path, "todist", data, True, 1), plain2)
     _close(_losses(tmp_path, 1, to_dist, "todist"), ref_plain, 1e-5)
+
+
+def test_bf16_distributed_resumes_exactly(tmp_path):
+    """16-bit weights in the model entry, fp32 masters in distrib_optim.pt: a resume is bit-exact."""
+    data = write_dataset(str(tmp_path / "data"))
+    src = _cfg(tmp_path, "bf16", data, True, 2)
+    src["train"]["precision"] = "bf16"
+    ref = _losses(tmp_path, 2, src, "bf16")
+    ckpt = os.path.join(src["run_dir"], "checkpoints")
+    shard = load_file(shard_path(ckpt, SAVE_AT, 0, 0, 1))
+    assert shard["args"].params_dtype == "bfloat16"
+    assert shard["model"]["language_model"]["embedding"]["word_embeddings"]["weight"].dtype == torch.bfloat16
+    resumed = _resume_from(_cfg(tmp_path, "bf16b", data, True, 2), src)
+    resumed["train"]["precision"] = "bf16"
+    got = _losses(tmp_path, 2, resumed, "bf16b")
+    assert got == {k: ref[k] for k in got} and sorted(map(int, got)) == [5, 6, 7, 8]
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "fixtures", "megatron")
+
+
+def test_megatron_weights_become_the_masters(tmp_path):
+    """A model-only start from Megatron-LM's own checkpoint (it has no distrib_optim.pt: written with
+    --no-save-optim) with bf16 + optim.distributed: the fp32 masters follow the loaded weights (Megatron's
+    reload_model_params), not the initialisation."""
+    from trainer.convert.mcore import gpt_flat
+
+    fixture = os.path.join(FIXTURES, "legacy_tp1_pp1")
+    tok = os.path.join(FIXTURES, "tokenizer")
+    d = tiny_config(str(tmp_path / "run"), write_dataset(str(tmp_path / "data")),
+                    model={"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
+                           "max_position_embeddings": 64, "vocab_size": 1024, "hidden_dropout": 0.0,
+                           "attention_dropout": 0.0},
+                    optim={"lr": 1e-30, "min_lr": 0.0, "warmup_iters": 0, "weight_decay": 0.0,
+                           "distributed": True},
+                    train={"iters": 2, "save_interval": 2, "eval_interval": None, "precision": "bf16",
+                           "device": "cpu", "deterministic": True, "micro_batch_size": 1,
+                           "global_batch_size": 2},
+                    tokenizer={"vocab_file": os.path.join(tok, "vocab.json"),
+                               "merge_file": os.path.join(tok, "merges.txt")},
+                    checkpoint={"load": "model-only", "load_dir": fixture, "keep": 1})
+    spawn(2, str(tmp_path), _run, d, str(tmp_path / "fixture"))
+    saved = load_file(os.path.join(d["run_dir"], "checkpoints", "iter_0000002", "mp_rank_00",
+                                   "distrib_optim.pt"))["state"]
+    megatron = gpt_flat(load_file(os.path.join(fixture, "iter_0000007", "mp_rank_00",
+                                               "model_optim_rng.pt"))["model"])
+    for name in ("encoder.layers.0.mlp.dense_h_to_4h.weight", "embedding.word_embeddings.weight"):
+        want = megatron[name].float()
+        torch.testing.assert_close(saved[name]["param"], want, rtol=1e-2, atol=2e-3 * want.abs().max().item())

@@ -196,6 +196,16 @@ class DistributedOptimizer:
         for w in works:
             w.wait()
 
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Masters from the model's weights, after weights were loaded into the model alone (a
+        model-only or resharded start: Megatron's ``reload_model_params``; 16-bit weights give
+        16-bit-exact masters). fp32: the master is the weights' own shard, nothing to do."""
+        if not self.low_precision:
+            return
+        for sh in self.shards:
+            sh.master.copy_(sh.params[sh.start:sh.end])
+
     def zero_grad(self, set_to_none: bool = False) -> None:
         self.model.grads.zero()  # gradients live in the buckets; never dropped
 
