@@ -130,3 +130,24 @@ def test_megatron_weights_become_the_masters(tmp_path):
     for name in ("encoder.layers.0.mlp.dense_h_to_4h.weight", "embedding.word_embeddings.weight"):
         want = megatron[name].float()
         torch.testing.assert_close(saved[name]["param"], want, rtol=1e-2, atol=2e-3 * want.abs().max().item())
+
+
+def test_distributed_checkpoint_reshards_across_tp_and_pp(tmp_path):
+    """Saved at (tp, pp, dp) = (1, 2, 2) with the option; continued at (2, 1, 1) without it and at
+    (1, 1, 2) with it: the reshard path reads distrib_optim.pt's masters and moments by name. A damaged
+    distrib_optim.pt fails verification."""
+    data = write_dataset(str(tmp_path / "data"))
+    src = _cfg(tmp_path, "pp2", data, True, 2)
+    src["parallel"] = {"tp_size": 1, "pp_size": 2}
+    ref = _losses(tmp_path, 4, src, "pp2")
+    tp2 = _resume_from(_cfg(tmp_path, "tp2", data, False, 1), src)
+    tp2["parallel"] = {"tp_size": 2, "pp_size": 1}
+    _close(_losses(tmp_path, 2, tp2, "tp2"), ref, 1e-4)
+    _close(_losses(tmp_path, 2, _resume_from(_cfg(tmp_path, "dp2", data, True, 2), src), "dp2"), ref, 1e-4)
+
+    iter_dir = os.path.join(src["run_dir"], "checkpoints", f"iter_{ITERS:07d}")
+    assert ckpt_verify.problems(iter_dir, "model_optim_rng.pt") == []
+    path = os.path.join(iter_dir, "mp_rank_00_001", "distrib_optim.pt")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    assert any("distrib_optim.pt" in p for p in ckpt_verify.problems(iter_dir, "model_optim_rng.pt"))
