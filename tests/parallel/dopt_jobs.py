@@ -29,10 +29,12 @@ class Spec:
     precision: str = "fp32"
     overflow_at: int | None = None  # put an inf into DP rank 1's gradient shard at this step
     harness_groups: bool = False  # one decayed group (the reference record's plain AdamW)
+    sequence_parallel: bool = False
 
 
 def _loop(pstate: ParallelState, tp: int, pp: int, spec: Spec) -> Loop:
-    pcfg = ParallelConfig(tp_size=tp, pp_size=pp, bucket_size_mb=0.01)
+    pcfg = ParallelConfig(tp_size=tp, pp_size=pp, bucket_size_mb=0.01,
+                          sequence_parallel=spec.sequence_parallel)
     model = build_model(H.CFG, pcfg, pstate, H.SEED, kernels=H.KERNELS)
     groups = [{"params": model.parameters(), "wd_mult": 1.0, "lr_mult": 1.0}] if spec.harness_groups \
         else None

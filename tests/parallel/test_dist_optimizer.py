@@ -2,11 +2,12 @@
 
 The harness's tiny GPT trains 20 steps through trainer.training.step (csrc kernels, gradient clipping
 active) with the plain optimizer and with the distributed one on the same ranks, at (tp, pp, dp) =
-(1,1,2), (1,1,4), (2,1,2), (1,2,2): losses and gradient norms equal within 1e-6 relative, final weights
-close, and the reduce-scatter starts inside backward. With one decayed group the distributed run also
-matches the single-process reference record of test_layout_parity (1e-5, its tolerance). bf16 and fp16
-with the option keep 16-bit weights, train, stay close to fp32, and an inf in one DP rank's shard skips
-the step on every rank. The shard collectives (native and emulated) agree with the arithmetic.
+(1,1,2), (1,1,4), (2,1,2), (1,2,2) and (2,1,2) with sequence parallelism: losses and gradient norms
+equal within 1e-6 relative, final weights close, and the reduce-scatter starts inside backward. With
+one decayed group the distributed run also matches the single-process reference record of
+test_layout_parity (1e-5, its tolerance). bf16 and fp16 with the option keep 16-bit weights, train,
+stay close to fp32, and an inf in one DP rank's shard skips the step on every rank. The shard
+collectives (native and emulated) agree with the arithmetic.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from tests.parallel import harness as H
 
 LAYOUTS = [(1, 1, 2), (1, 1, 4), (2, 1, 2), (1, 2, 2)]
 PAIR = [("plain", J.Spec(False)), ("dist", J.Spec(True))]
+SP_PAIR = [("sp_plain", J.Spec(False, sequence_parallel=True)),
+           ("sp_dist", J.Spec(True, sequence_parallel=True))]
 SIXTEEN = [("bf16", J.Spec(True, "bf16")), ("fp16", J.Spec(True, "fp16")),
            ("fp16_overflow", J.Spec(True, "fp16", overflow_at=5))]
 OVERFLOW_AT = 5
@@ -44,7 +47,8 @@ def runs(tmp_path_factory) -> dict[str, list[dict]]:
         [([0, 1, 2, 3], J.comm_job, (d,)),
          ([0, 1], J.job, (1, 1, _specs(LAYOUTS[0], first), d)),
          ([2, 3], J.job, (1, 1, _specs(LAYOUTS[0], SIXTEEN), d))],
-        *[[([0, 1, 2, 3], J.job, (tp, pp, _specs((tp, pp, dp), PAIR), d))] for tp, pp, dp in LAYOUTS[1:]],
+        *[[([0, 1, 2, 3], J.job, (tp, pp, _specs((tp, pp, dp), PAIR + (SP_PAIR if tp > 1 else [])), d))]
+          for tp, pp, dp in LAYOUTS[1:]],
     ]
     H.run_rounds(4, rounds, out)
     records = {"ref": [H.reference_record()]}
@@ -57,9 +61,12 @@ def _last_stage(records: list[dict], pp: int) -> dict:
     return records[[r["coords"][1] for r in records].index(pp - 1)]
 
 
-@pytest.mark.parametrize("lay", LAYOUTS, ids=[H.layout_tag(*lay, False) for lay in LAYOUTS])
-def test_distributed_matches_plain_optimizer(runs, lay):
-    plain, dist = runs[_tag(lay, "plain")], runs[_tag(lay, "dist")]
+CASES = [(lay, "") for lay in LAYOUTS] + [((2, 1, 2), "sp_")]
+
+
+@pytest.mark.parametrize("lay,sp", CASES, ids=[H.layout_tag(*lay, bool(sp)) for lay, sp in CASES])
+def test_distributed_matches_plain_optimizer(runs, lay, sp):
+    plain, dist = runs[_tag(lay, sp + "plain")], runs[_tag(lay, sp + "dist")]
     assert len(dist) == lay[0] * lay[1] * lay[2]
     p, d = _last_stage(plain, lay[1]), _last_stage(dist, lay[1])
     for i, (a, b) in enumerate(zip(d["losses"], p["losses"], strict=True)):
