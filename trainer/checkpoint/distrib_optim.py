@@ -75,7 +75,7 @@ def extra_files(optimizer: object) -> dict[str, dict]:
 def read_beside(shard_file: str) -> dict | None:
     """``distrib_optim.pt`` of the shard folder holding ``shard_file``; None when it has none."""
     path = os.path.join(os.path.dirname(shard_file), DISTRIB_FILE)
-    return load_file(path) if os.path.isfile(path) else None
+    return load_file(path, mmap=True) if os.path.isfile(path) else None  # each rank reads its shard
 
 
 @torch.no_grad()

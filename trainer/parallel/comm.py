@@ -17,11 +17,11 @@ gradient synchronisation. Nothing here touches torch.cuda: the same code runs on
 
 The distributed optimizer's flat-buffer collectives (:func:`reduce_scatter_shard`,
 :func:`all_gather_shard`) work in place on a buffer padded to a multiple of the group size, where rank r
-owns :func:`shard_range` (Megatron's rule). NCCL and gloo (torch ≥ 2.1; checked on torch 2.13 CPU, async
-and with the output aliasing the input) both have the native ``reduce_scatter_tensor`` /
-``all_gather_into_tensor``; ``emulate=True`` gives the same result from ``all_reduce`` (every rank
-reduces all, keeps its shard) and a list ``all_gather`` into the buffer's chunks, for backends without
-them (gloo before torch 2.1, MPI).
+owns :func:`shard_range` (Megatron's rule). NCCL and gloo both have the native ``reduce_scatter_tensor``
+/ ``all_gather_into_tensor`` here (gloo checked on torch 2.13 CPU: sync, async, and with the output a
+view of the input), so both use them; ``emulate=True`` gives the same result from ``all_reduce`` (every
+rank reduces all, keeps its shard) and a list ``all_gather`` into the buffer's chunks, for a backend
+without them (gloo of older torch releases, MPI). Tests compare the two on gloo and on NCCL.
 """
 
 from __future__ import annotations

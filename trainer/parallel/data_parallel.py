@@ -104,8 +104,9 @@ class GradBuffers:
     def _build(self, params: list[nn.Parameter], bucket_bytes: int) -> None:
         current: list[nn.Parameter] = []
         for p in reversed(params):
+            size = torch.empty((), dtype=self.grad_dtype or p.dtype).element_size()  # of the buffer
             if current and (p.dtype != current[0].dtype or p.device != current[0].device
-                            or sum(q.numel() for q in current) * p.element_size() >= bucket_bytes):
+                            or sum(q.numel() for q in current) * size >= bucket_bytes):
                 self._add_bucket(current)
                 current = []
             current.append(p)
