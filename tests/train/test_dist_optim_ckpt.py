@@ -151,3 +151,14 @@ def test_distributed_checkpoint_reshards_across_tp_and_pp(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     assert any("distrib_optim.pt" in p for p in ckpt_verify.problems(iter_dir, "model_optim_rng.pt"))
+
+
+def test_a_missing_distrib_optim_file_is_named():
+    import pytest
+
+    from trainer.checkpoint.distrib_optim import load_optimizer
+    from trainer.checkpoint.layout import CheckpointError
+
+    saved = {"optimizer": {"state": {}, "param_groups": [], "distributed": True, "file": "distrib_optim.pt"}}
+    with pytest.raises(CheckpointError, match="distrib_optim.pt is missing.*checkpoint.load=model-only"):
+        load_optimizer(None, saved, [], None, None, {})
