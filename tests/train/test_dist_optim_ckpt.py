@@ -162,3 +162,17 @@ def test_a_missing_distrib_optim_file_is_named():
     saved = {"optimizer": {"state": {}, "param_groups": [], "distributed": True, "file": "distrib_optim.pt"}}
     with pytest.raises(CheckpointError, match="distrib_optim.pt is missing.*checkpoint.load=model-only"):
         load_optimizer(None, saved, [], None, None, {})
+
+
+def test_a_foreign_distrib_optim_file_is_refused(tmp_path):
+    """Megatron-LM's own distrib_optim.pt (per-bucket buffers; none of its fixtures has one) is not
+    misread as Slipway's: the error says to start from the weights."""
+    import pytest
+
+    from trainer.checkpoint.distrib_optim import read_beside
+    from trainer.checkpoint.layout import CheckpointError
+
+    torch.save({"per_bucket_numel": [[10]], "0": {"param": torch.zeros(10)}}, tmp_path / "distrib_optim.pt")
+    assert read_beside(str(tmp_path / "elsewhere" / "model_optim_rng.pt")) is None
+    with pytest.raises(CheckpointError, match="not Slipway's distributed-optimizer state.*model-only"):
+        read_beside(str(tmp_path / "model_optim_rng.pt"))

@@ -72,10 +72,19 @@ def extra_files(optimizer: object) -> dict[str, dict]:
     return {} if content is None else {DISTRIB_FILE: content}
 
 
+def _read(path: str) -> dict:
+    content = load_file(path, mmap=True)  # each rank copies only its shard out of it
+    if not isinstance(content, dict) or content.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not Slipway's distributed-optimizer state (Megatron-LM's own "
+                              "distrib_optim.pt, per-bucket flat buffers, is not read): start from the "
+                              "checkpoint's weights with checkpoint.load=model-only")
+    return content
+
+
 def read_beside(shard_file: str) -> dict | None:
     """``distrib_optim.pt`` of the shard folder holding ``shard_file``; None when it has none."""
     path = os.path.join(os.path.dirname(shard_file), DISTRIB_FILE)
-    return load_file(path, mmap=True) if os.path.isfile(path) else None  # each rank reads its shard
+    return _read(path) if os.path.isfile(path) else None
 
 
 @torch.no_grad()
@@ -133,6 +142,9 @@ def load_optimizer(optimizer: object, saved: dict, names: list[str], distrib: di
                                   f"{DISTRIB_FILE} is missing beside model_optim_rng.pt: it is incomplete; "
                                   "load another iteration, or its weights with checkpoint.load=model-only")
         by_name, step = distrib["state"], int(distrib["step"])
+    elif "state" not in saved["optimizer"]:
+        raise CheckpointError("the checkpoint's optimizer entry is not a torch optimizer's state (another "
+                              "tool's optimizer?): start from its weights with checkpoint.load=model-only")
     else:
         state = saved["optimizer"]["state"]
         by_name = {n: {**state[i], "param": weights[n]} for i, n in enumerate(names) if i in state}
@@ -169,7 +181,7 @@ class DistribSource(SourceCheckpoint):
                 path = os.path.join(folder, DISTRIB_FILE)
                 if not os.path.isfile(path):
                     continue
-                content = load_file(path, mmap=True)
+                content = _read(path)
                 for name, entry in content["state"].items():
                     shard["moments"][name] = {**entry, "step": int(content["step"])}
                     shard["model"][name] = entry["param"]
