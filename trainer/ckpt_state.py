@@ -34,6 +34,7 @@ import trainer
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import reshard
 from trainer.checkpoint.chunks import chunk_entries, model_keys, virtual_size
+from trainer.checkpoint.distrib_optim import DistribSource, is_distributed, load_optimizer, load_resharded
 from trainer.checkpoint.layout import arg
 from trainer.checkpoint.megatron_args import megatron_args
 from trainer.convert import dist
@@ -88,6 +89,10 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
         "data_path": list(c["data"]["paths"]), "split": c["data"]["split"], "kernels": c["kernels"],
         "attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
         "slipway_version": trainer.__version__,
+        "use_distributed_optimizer": bool(o.get("distributed", False)),
+        # The distributed optimizer keeps 16-bit weights (the fp32 masters are in distrib_optim.pt).
+        "params_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(t["precision"], "float32")
+        if o.get("distributed") else "float32",
         # Megatron-core names in the shard: current Megatron-LM loads it without --use-legacy-models.
         "use_legacy_models": c["checkpoint"].get("format", "legacy") != "mcore",
     })
@@ -155,6 +160,15 @@ def load_model_entries(model: ParallelModel, shard: dict) -> None:
         model.load_megatron_state_dict(nest(gpt_flat(entry)), c)
 
 
+def named_weights(model: ParallelModel, shard: dict) -> dict[str, torch.Tensor]:
+    """A shard's weights flat, by the model's parameter names (global layer numbers with chunks)."""
+    entries = chunk_entries(shard, "the checkpoint shard")
+    if len(entries) == 1:
+        return gpt_flat(entries[0])
+    return {chunk.global_name(n): t for chunk, entry in zip(model.chunks, entries, strict=True)
+            for n, t in gpt_flat(entry).items()}
+
+
 def train_state_from(shard: dict) -> TrainState:
     args, extra = shard.get("args"), shard.get("slipway", {})
     return TrainState(iteration=int(shard["iteration"]),
@@ -174,8 +188,10 @@ def _require_training_state(shard: dict) -> None:
                                    "checkpoint.load=model-only and checkpoint.load_dir=<its directory>")
 
 
-def restore_same_layout(shard: dict, model: ParallelModel, parts: Restorable | None) -> TrainState:
-    """Load this rank's own shard: exact resume (``parts`` None: weights only)."""
+def restore_same_layout(shard: dict, model: ParallelModel, parts: Restorable | None,
+                        distrib: dict | None = None) -> TrainState:
+    """Load this rank's own shard: exact resume (``parts`` None: weights only); ``distrib``: the
+    ``distrib_optim.pt`` beside it, if any (either optimizer loads either form, at any dp)."""
     load_model_entries(model, shard)
     if parts is None:
         return TrainState()
@@ -186,7 +202,7 @@ def restore_same_layout(shard: dict, model: ParallelModel, parts: Restorable | N
         raise ckpt.CheckpointError("the checkpoint's optimizer covers different parameters than this "
                                    "model (changed model or optimizer grouping?); load with "
                                    "checkpoint.load=model-only")
-    parts.optimizer.load_state_dict(saved["optimizer"])
+    load_optimizer(parts.optimizer, saved, names, distrib, model, named_weights(model, shard))
     _restore_common(shard, parts)
     rng = shard.get("rng_state") or []
     ps = model.pstate
@@ -235,7 +251,8 @@ def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any]
     moments); RNG states are not carried over (they belong to the old layout's ranks)."""
     src_tp, src_pp, args = saved
     ps, src_v = model.pstate, virtual_size(args)
-    src = reshard.SourceCheckpoint(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")), src_v)
+    # DistribSource: a SourceCheckpoint that also reads distrib_optim.pt (distributed optimizer)
+    src = DistribSource(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")), src_v)
     targets = _targets(model)
     for c, (local, target) in enumerate(targets):
         model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)), c)
@@ -250,8 +267,11 @@ def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any]
         name = (lambda n: n) if len(targets) == 1 else model.chunks[c].global_name
         moments.update({name(n): m for n, m in reshard.reshard_moments(src, local, target).items()})
     names = param_names(model, parts.optimizer)
-    sd = parts.optimizer.state_dict()
-    sd["state"] = {i: moments[n] for i, n in enumerate(names) if moments.get(n)}
-    parts.optimizer.load_state_dict(sd)
+    if is_distributed(parts.optimizer) or first["optimizer"]["optimizer"].get("distributed"):
+        load_resharded(parts.optimizer, names, moments, model)
+    else:
+        sd = parts.optimizer.state_dict()
+        sd["state"] = {i: moments[n] for i, n in enumerate(names) if moments.get(n)}
+        parts.optimizer.load_state_dict(sd)
     _restore_common(first, parts)
     return train_state_from(first)

@@ -31,6 +31,7 @@ from trainer import formulas, health, metrics, testing_hooks
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import virtual_size
+from trainer.checkpoint.distrib_optim import extra_files, is_distributed, read_beside
 from trainer.checkpoint.layout import arg
 from trainer.ckpt_state import (
     Restorable,
@@ -53,6 +54,7 @@ from trainer.optim.lr import LRSchedule, OptimizerParamScheduler
 from trainer.optim.optimizer import build_optimizer
 from trainer.optim.precision import ScalerSettings, make_scaler
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed, num_microbatches
+from trainer.parallel.dist_optimizer import build_distributed_optimizer
 from trainer.parallel.interleaved import check_microbatches
 from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, STOP_SIGNALS, StopRequest
 from trainer.training import Cadence, Loop, NonFiniteError, Throughput, TrainState, train
@@ -166,6 +168,14 @@ def _latest(ckpt_dir: str, run_dir: str | None, act: bool) -> int | None:
 def load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: ParallelModel,
                     parts: Restorable) -> TrainState:
     """Restore from ``plan`` (see resolve_load), resharding when the saved (tp, pp) differ."""
+    state = _load_checkpoint(plan, gpt, model, parts)
+    if plan[2] and is_distributed(parts.optimizer):  # weights only: the 16-bit masters follow them
+        parts.optimizer.reload_model_params()
+    return state
+
+
+def _load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: ParallelModel,
+                     parts: Restorable) -> TrainState:
     ckpt_dir, iteration, model_only = plan
     iter_dir = Path(ckpt.iter_path(ckpt_dir, iteration))
     if dist_ckpt.is_dist(iter_dir):  # Megatron-core's torch_dist: weights only
@@ -179,8 +189,9 @@ def load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Parallel
     ps = model.pstate
     restore = None if model_only else parts
     if (tp, pp, virtual_size(args)) == (ps.tp_size, ps.pp_size, len(model.chunks)):
-        shard = ckpt.load_file(ckpt.shard_path(ckpt_dir, iteration, ps.tp_rank, ps.pp_rank, pp))
-        state = restore_same_layout(shard, model, restore)
+        path = ckpt.shard_path(ckpt_dir, iteration, ps.tp_rank, ps.pp_rank, pp)
+        distrib = read_beside(path) if restore is not None else None  # distributed optimizer state
+        state = restore_same_layout(ckpt.load_file(path), model, restore, distrib)
     else:
         state = restore_resharded(ckpt_dir, iteration, (tp, pp, args), model, restore)
     log.info("loaded %s from %s iteration %d (consumed samples %d)", "weights" if model_only else
@@ -205,7 +216,8 @@ def _saver(cfg: RunConfig, gpt: GPTConfig, model: ParallelModel, parts: Restorab
     def save(state: TrainState) -> None:
         args = checkpoint_args(gpt, model, facts, state)
         shard = build_state(model, parts, args, state, facts.config)
-        ckpt.save_checkpoint(cfg.checkpoint.dir, state.iteration, shard, layout, cfg.checkpoint.keep)
+        beside = extra_files(parts.optimizer)  # distrib_optim.pt (collective over dp) or nothing
+        ckpt.save_checkpoint(cfg.checkpoint.dir, state.iteration, shard, layout, cfg.checkpoint.keep, beside)
 
     return save
 
@@ -230,7 +242,10 @@ def build_components(cfg: RunConfig, pstate: ParallelState) -> Components:
     recompute = Recompute(t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
     model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=cfg.kernels, recompute=recompute)
     _apply_autocast(model, t.precision)
-    optimizer, _ = build_optimizer(model.named_parameters(), cfg.optim, pstate.device.type, cfg.kernels)
+    if cfg.optim.distributed:  # re-lays the model's parameters and gradient buckets (ZeRO-1)
+        optimizer, _ = build_distributed_optimizer(model, cfg.optim, t.precision, cfg.kernels)
+    else:
+        optimizer, _ = build_optimizer(model.named_parameters(), cfg.optim, pstate.device.type, cfg.kernels)
     scheduler = OptimizerParamScheduler(optimizer, LRSchedule.from_iters(cfg.optim, t.iters, gbs))
     scaler = make_scaler(t.precision, ScalerSettings(t.initial_loss_scale, t.loss_scale_window,
                                                      t.hysteresis, t.min_loss_scale))

@@ -23,8 +23,9 @@ from trainer import metrics
 from trainer.health import Monitor
 from trainer.log import get_logger
 from trainer.optim.lr import OptimizerParamScheduler
-from trainer.optim.precision import LossScaler, unscale_grads_
+from trainer.optim.precision import LossScaler
 from trainer.parallel import ParallelModel, clip_grad_norm, eval_step, train_step
+from trainer.parallel.grad_norm import unscale_main_grads_
 from trainer.signals import EXIT_OK, EXIT_REQUEUE, StopRequest
 
 log = get_logger(__name__)
@@ -107,7 +108,7 @@ def step(loop: Loop, batches: list[dict]) -> StepOutcome:
     model = loop.model
     model.loss_scale = loop.scaler.scale
     loss = train_step(model, batches).item()
-    unscale_grads_(model.parameters(), loop.scaler.scale)
+    unscale_main_grads_(model, loop.scaler.scale)  # the distributed optimizer's are its shards
     norm = clip_grad_norm(model, loop.clip_grad)
     finite = math.isfinite(norm) and math.isfinite(loss)
     if loop.scaler.dynamic:

@@ -88,6 +88,7 @@ def grads_job(ranks: list[int], v: int, m: int, outdir: str) -> None:
     for schedule in ("1f1b", "afab"):
         model = build_model(cfg, ParallelConfig(pp_size=p, virtual_pp_size=v), pstate, H.SEED)
         runner = _CountingRunner(model, _batches(m))
+        model.grads.zero()  # as train_step: .grad are the bucket views finish_grad_sync reduces
         INTERLEAVED_SCHEDULES[schedule](runner, E._p2p(model, runner.batches), m, v)
         finish_grad_sync(model)
         out[schedule] = {"grads": {n: q.grad.clone() for n, q in model.named_parameters()},

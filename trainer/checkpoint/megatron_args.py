@@ -61,6 +61,8 @@ _GPT2_ARCHITECTURE: dict[str, Any] = {
     "virtual_pipeline_model_parallel_size": None, "num_layers_per_virtual_pipeline_stage": None,
     "data_parallel_random_init": False, "tokenizer_type": "GPT2BPETokenizer",
     "fp16": False, "bf16": False,
+    # optim.distributed: the optimizer state is in distrib_optim.pt beside each shard (as Megatron's).
+    "use_distributed_optimizer": False,
     # Megatron pickles a torch dtype here; a string keeps args plain. Neither reader compares it:
     # check_checkpoint_args skips it, load_args_from_checkpoint does not copy it, validate_args recomputes
     # it from fp16/bf16, transformers never reads it. It names the dtype of the saved `model` tensors

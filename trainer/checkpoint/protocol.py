@@ -146,8 +146,10 @@ def _enospc_message(final_dir: str, iteration: int, state: dict) -> str:
             "checkpoint.keep, or set checkpoint.dir elsewhere")
 
 
-def _write_shard(state: dict, final_dir: str, iteration: int) -> None:
-    """Step 1 of the protocol for this rank's shard."""
+def _write_shard(state: dict, final_dir: str, iteration: int, extra_files: dict[str, dict] | None = None
+                 ) -> None:
+    """Step 1 of the protocol for this rank's shard (and the files written beside it, e.g. the
+    distributed optimizer's ``distrib_optim.pt``: same folder, same fsync and rename)."""
     parent = os.path.dirname(final_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f"{_TMP_PREFIX}{os.path.basename(final_dir)}-{os.getpid()}")
@@ -155,18 +157,21 @@ def _write_shard(state: dict, final_dir: str, iteration: int) -> None:
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     _failpoint("before_write", iteration)
+    files = {SHARD_FILE: state, **(extra_files or {})}
     try:
-        with open(os.path.join(tmp, SHARD_FILE), "wb") as f:
-            torch.save(state, f)
-            _failpoint("mid_write", iteration)
-            f.flush()
-            os.fsync(f.fileno())
+        for name, content in files.items():
+            with open(os.path.join(tmp, name), "wb") as f:
+                torch.save(content, f)
+                _failpoint("mid_write", iteration)
+                f.flush()
+                os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:  # torch.save wraps the OSError in a RuntimeError
         if not out_of_space(e):
             raise
         _discard(tmp, parent)
-        raise CheckpointSpaceError(_enospc_message(final_dir, iteration, state)) from e
-    ckpt_verify.write_digest(tmp, SHARD_FILE)  # for the manifest; hashed from what is on disk
+        raise CheckpointSpaceError(_enospc_message(final_dir, iteration, files)) from e
+    for name in files:
+        ckpt_verify.write_digest(tmp, name)  # for the manifest; hashed from what is on disk
     _fsync_dir(tmp)
     _failpoint("before_rename", iteration)
     if os.path.exists(final_dir):  # an uncommitted leftover of this iteration (see save_checkpoint)
@@ -244,19 +249,19 @@ def check_space(ckpt_dir: str, iteration: int, state: dict, layout: ShardLayout)
 
 
 def save_checkpoint(ckpt_dir: str, iteration: int, state: dict, layout: ShardLayout,
-                    keep: int | None) -> bool:
+                    keep: int | None, extra_files: dict[str, dict] | None = None) -> bool:
     """Collective over all ranks: check the space, write this rank's shard, commit, prune. Returns False
     when the iteration was already committed (then nothing is rewritten: the state at an iteration is
-    unique)."""
+    unique). ``extra_files``: name → content written beside this rank's shard (``distrib_optim.pt``)."""
     if read_tracker(ckpt_dir) == iteration and os.path.isdir(_iter_dir(ckpt_dir, iteration)):
         log.info("checkpoint at iteration %d already committed in %s", iteration, ckpt_dir)
         _barrier()
         return False
-    check_space(ckpt_dir, iteration, state, layout)
+    check_space(ckpt_dir, iteration, {SHARD_FILE: state, **(extra_files or {})}, layout)
     if layout.writes:
         final = os.path.join(ckpt_dir, iter_dir_name(iteration),
                              shard_dir_name(layout.tp_rank, layout.pp_rank, layout.pp_size))
-        _write_shard(state, final, iteration)
+        _write_shard(state, final, iteration, extra_files)
     _barrier()  # step 2: every shard of this iteration is complete on disk
     if global_rank() == 0:
         missing = [p for t in range(layout.tp_size) for p in range(layout.pp_size)

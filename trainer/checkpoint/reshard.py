@@ -83,10 +83,13 @@ class SourceCheckpoint:
         return flat
 
     def _global_moments(self, raw: dict, pp_rank: int) -> dict[str, dict[str, torch.Tensor]]:
-        # Slipway names the optimizer's parameters as ParallelModel.named_parameters: local to the stage
-        # without interleaving, already global with it.
+        return {self.global_param_name(n, pp_rank): m for n, m in _moments_by_name(raw).items()}
+
+    def global_param_name(self, name: str, pp_rank: int) -> str:
+        """A saved optimizer name (ParallelModel.named_parameters: local to the stage without
+        interleaving, already global with it) with its global layer number."""
         offset = 0 if self.virtual_pp_size > 1 else stage_layers(self.num_layers, self.pp_size, pp_rank).start
-        return {renumber(n, offset): m for n, m in _moments_by_name(raw).items()}
+        return renumber(name, offset)
 
     def locate(self, global_name: str) -> tuple[int, str]:
         """(source pp rank, name in its tables) of a parameter given its global name."""

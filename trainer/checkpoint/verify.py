@@ -49,11 +49,17 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def _digest_name(file_name: str) -> str:
+    """The shard file's digest is ``DIGEST_FILE``; another file's beside it (the distributed optimizer's
+    ``distrib_optim.pt``) is ``DIGEST_FILE.<name>``."""
+    return DIGEST_FILE if file_name == SHARD_FILE else f"{DIGEST_FILE}.{file_name}"
+
+
 def write_digest(shard_dir: str, file_name: str) -> None:
-    """The writing rank's half: ``{size} {sha256}`` of its shard file, beside it (fsynced)."""
+    """The writing rank's half: ``{size} {sha256}`` of one file of its shard folder, beside it (fsynced)."""
     path = os.path.join(shard_dir, file_name)
     line = f"{os.path.getsize(path)} {sha256_file(path)}\n"
-    with open(os.path.join(shard_dir, DIGEST_FILE), "w", encoding="utf-8") as f:
+    with open(os.path.join(shard_dir, _digest_name(file_name)), "w", encoding="utf-8") as f:
         f.write(line)
         f.flush()
         os.fsync(f.fileno())
@@ -72,9 +78,12 @@ def write_manifest(iter_dir: str, iteration: int, tp_size: int, pp_size: int, fi
     """Rank 0's half, after the barrier: collect every shard's digest into the manifest."""
     files = {}
     for shard in sorted(n for n in os.listdir(iter_dir) if SHARD_DIR_RE.match(n)):
-        with open(os.path.join(iter_dir, shard, DIGEST_FILE), encoding="utf-8") as f:
-            size, digest = f.read().split()
-        files[f"{shard}/{file_name}"] = {"size": int(size), "sha256": digest}
+        beside = sorted(n.removeprefix(f"{DIGEST_FILE}.") for n in os.listdir(os.path.join(iter_dir, shard))
+                        if n.startswith(f"{DIGEST_FILE}."))
+        for name in [file_name, *beside]:
+            with open(os.path.join(iter_dir, shard, _digest_name(name)), encoding="utf-8") as f:
+                size, digest = f.read().split()
+            files[f"{shard}/{name}"] = {"size": int(size), "sha256": digest}
     _atomic_json(os.path.join(iter_dir, MANIFEST), {
         "version": MANIFEST_VERSION, "iteration": iteration, "tp_size": tp_size, "pp_size": pp_size,
         "files": files, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")})

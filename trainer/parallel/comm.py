@@ -14,6 +14,14 @@ part of the network between a column-parallel and a row-parallel layer, where ac
 
 On a one-rank group every function is the identity. Plain (non-autograd) helpers are exported for
 gradient synchronisation. Nothing here touches torch.cuda: the same code runs on gloo and NCCL.
+
+The distributed optimizer's flat-buffer collectives (:func:`reduce_scatter_shard`,
+:func:`all_gather_shard`) work in place on a buffer padded to a multiple of the group size, where rank r
+owns :func:`shard_range` (Megatron's rule). NCCL and gloo both have the native ``reduce_scatter_tensor``
+/ ``all_gather_into_tensor`` here (gloo checked on torch 2.13 CPU: sync, async, and with the output a
+view of the input), so both use them; ``emulate=True`` gives the same result from ``all_reduce`` (every
+rank reduces all, keeps its shard) and a list ``all_gather`` into the buffer's chunks, for a backend
+without them (gloo of older torch releases, MPI). Tests compare the two on gloo and on NCCL.
 """
 
 from __future__ import annotations
@@ -53,6 +61,52 @@ def reduce_scatter_dim0(x: Tensor, group: Group) -> Tensor:
     out = torch.empty((x.shape[0] // group.size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter(out, x.contiguous(), group=group.pg)
     return out
+
+
+def shard_range(numel: int, size: int, index: int) -> tuple[int, int]:
+    """The one shard rule of the distributed optimizer: a flat buffer of ``numel`` elements (a multiple
+    of ``size``, see :func:`padded_numel`) is split evenly; rank ``index`` owns
+    ``[index·n/size, (index+1)·n/size)``."""
+    if numel % size:
+        raise ValueError(f"a sharded buffer of {numel} elements does not divide by the group size {size}; "
+                         "pad it with padded_numel")
+    per = numel // size
+    return index * per, (index + 1) * per
+
+
+def padded_numel(numel: int, size: int) -> int:
+    """``numel`` rounded up to a multiple of ``size`` (Megatron pads each bucket so)."""
+    return -(-numel // size) * size
+
+
+class _Done:
+    """The handle of a collective that has already completed (one-rank groups)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def reduce_scatter_shard(buffer: Tensor, group: Group, async_op: bool = True, emulate: bool = False):
+    """Sum ``buffer`` over ``group`` into this rank's shard of it (in place; the rest of the buffer is
+    left undefined). Returns the work handle (``.wait()``)."""
+    if group.size == 1:
+        return _Done()
+    start, end = shard_range(buffer.numel(), group.size, group.index)
+    if emulate:
+        return dist.all_reduce(buffer, group=group.pg, async_op=async_op) or _Done()
+    return _reduce_scatter(buffer[start:end], buffer, group=group.pg, async_op=async_op) or _Done()
+
+
+def all_gather_shard(buffer: Tensor, group: Group, async_op: bool = True, emulate: bool = False):
+    """Fill ``buffer`` with every rank's shard (each rank's own part is its input, in place)."""
+    if group.size == 1:
+        return _Done()
+    start, end = shard_range(buffer.numel(), group.size, group.index)
+    if emulate:  # a list all_gather whose outputs are the buffer's chunks: no extra copy of the buffer
+        mine = buffer[start:end].clone()  # the input must not alias an output being written
+        return dist.all_gather(list(buffer.chunk(group.size)), mine, group=group.pg, async_op=async_op) \
+            or _Done()
+    return _all_gather(buffer, buffer[start:end], group=group.pg, async_op=async_op) or _Done()
 
 
 def split_dim(x: Tensor, group: Group, dim: int) -> Tensor:

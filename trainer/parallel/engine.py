@@ -238,13 +238,16 @@ def eval_step(model: ParallelModel, batches: Sequence[Batch]) -> Tensor:
 def finish_grad_sync(model: ParallelModel) -> None:
     """Complete gradient synchronisation after the last backward (train_step calls it)."""
     ps = model.pstate
-    model.grads.finish()  # DP average
+    model.grads.finish()  # DP average (distributed optimizer: of this rank's shard only)
     if model.sequence_parallel_params:  # each TP rank saw only its positions: sum the partial grads
-        grads = [p.grad for p in model.sequence_parallel_params]
+        # (sharded: TP ranks share one bucket layout, so their shards line up and the sum holds there)
+        grads = [model.grads.main_grad(p) for p in model.sequence_parallel_params]
         flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), ps.tp_group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))
     if ps.pp_size > 1 and (ps.is_first_stage or ps.is_last_stage):  # tied embedding: first + last stage
-        # (the first chunk of the first stage and the last chunk of the last stage)
-        comm.all_reduce(model.chunks[-1].head_weight().grad if ps.is_last_stage
-                        else model.chunks[0].embedding.word_embeddings.weight.grad, ps.embedding_group)
+        # (the first chunk of the first stage and the last chunk of the last stage). The stages' buckets
+        # differ, so their DP shards do not line up: gather the full reduced gradient.
+        tied = (model.chunks[-1].head_weight() if ps.is_last_stage
+                else model.chunks[0].embedding.word_embeddings.weight)
+        comm.all_reduce(model.grads.gather_full(tied), ps.embedding_group)

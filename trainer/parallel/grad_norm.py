@@ -5,6 +5,10 @@ replicated across TP (LayerNorms, row-parallel biases, position embeddings) coun
 last stage's copy of the tied word embeddings (``word_embeddings_for_head``) is counted on the first
 stage only; DP replicas hold identical (averaged) gradients, so the sum runs over the TP and PP groups of
 one DP replica. Call after gradient synchronisation (train_step does it).
+
+With the distributed optimizer (``model.grads.shard``) each DP rank holds the reduced gradient of its
+shard only: the sum of squares runs over the shard segments (each element on exactly one DP rank) and is
+all-reduced over the DP group as well; clipping and unscaling scale the shards.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainer.optim.precision import unscale_grads_
 from trainer.parallel import comm
 
 if TYPE_CHECKING:
@@ -30,14 +35,36 @@ def _counted_here(model: ParallelModel, name: str) -> bool:
 def grad_norm(model: ParallelModel) -> torch.Tensor:
     """The L2 norm (fp32 scalar on the model's device) of the whole model's gradient, on every rank."""
     ps = model.pstate
-    grads = [p.grad for name, p in model.named_parameters()
-             if p.grad is not None and _counted_here(model, name)]
     sq = torch.zeros((), dtype=torch.float32, device=ps.device)
-    for g in grads:
-        sq += g.float().pow(2).sum()
+    if model.grads.shard:
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        for bucket in model.grads.buckets:
+            for p, start, end in model.grads.shard_segments(bucket):
+                if _counted_here(model, name_of[id(p)]):
+                    sq += bucket.buffer[start:end].float().pow(2).sum()
+        comm.all_reduce(sq, ps.dp_group)
+    else:
+        grads = [p.grad for name, p in model.named_parameters()
+                 if p.grad is not None and _counted_here(model, name)]
+        for g in grads:
+            sq += g.float().pow(2).sum()
     comm.all_reduce(sq, ps.tp_group)
     comm.all_reduce(sq, ps.pp_group)
     return sq.sqrt()
+
+
+def _shards(model: ParallelModel) -> list[torch.Tensor]:
+    grads = model.grads
+    return [b.buffer[slice(*grads.shard_range(b))] for b in grads.buckets]
+
+
+@torch.no_grad()
+def unscale_main_grads_(model: ParallelModel, scale: float) -> None:
+    """Divide the gradients by the loss scale (sharded: this rank's shards; non-finite values stay so)."""
+    if not model.grads.shard:
+        unscale_grads_(model.parameters(), scale)
+    elif scale != 1.0:
+        torch._foreach_mul_(_shards(model), 1.0 / scale)
 
 
 @torch.no_grad()
@@ -46,7 +73,9 @@ def clip_grad_norm(model: ParallelModel, max_norm: float) -> float:
     max_norm / (norm + 1e-6), applied only when below 1); returns the norm before clipping."""
     norm = grad_norm(model)
     coeff = max_norm / (norm.item() + 1e-6)
-    if max_norm > 0 and coeff < 1.0:
+    if max_norm > 0 and coeff < 1.0 and model.grads.shard:
+        torch._foreach_mul_(_shards(model), coeff)
+    elif max_norm > 0 and coeff < 1.0:
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(coeff)
