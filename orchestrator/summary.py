@@ -10,6 +10,7 @@ from pathlib import Path
 from orchestrator.estimate import fmt_duration
 from orchestrator.runs import RUN_JSON, read_json
 from trainer.checkpoint.verify import read_warnings
+from trainer.eval.results import describe, read_results, results_path
 from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, series
 
 LOSS_PNG = "loss.png"
@@ -29,6 +30,7 @@ class RunOutcome:
     sample_how: str = "greedy"  # how the sample was decoded
     wandb_dir: str | None = None
     checkpoint_warnings: list[str] = field(default_factory=list)  # checkpoints skipped at load (damaged)
+    evaluation: dict | None = None  # <run_dir>/eval/results.json (trainer/eval/results.py)
 
 
 def _losses(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -71,7 +73,7 @@ def outcome(run_dir: str) -> RunOutcome:
     hf, verdict = _convert_result(run, read_json(run / RUN_JSON))
     sample, how = _sample(run)
     return RunOutcome(run_dir, train, valid, hf, verdict, sample, how, _wandb_dir(run),
-                      read_warnings(run_dir))
+                      read_warnings(run_dir), read_results(run_dir))
 
 
 def plot_losses(o: RunOutcome, out: Path) -> Path | None:
@@ -117,6 +119,11 @@ def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = No
     if o.verification:
         lines.append(f"                   {o.verification}")
     lines += [f"  checkpoint       WARNING: {w}" for w in o.checkpoint_warnings]
+    if o.evaluation:
+        found = describe(o.evaluation) or ["n/a (nothing evaluated)"]
+        lines.append(f"  evaluation       {found[0]}")
+        lines += [f"                   {x}" for x in found[1:]]
+        lines.append(f"                   ({results_path(o.run_dir)})")
     if o.sample:
         sample = o.sample.splitlines() or [""]
         lines.append(f"  sample           {sample[0]}")

@@ -61,10 +61,11 @@ class HFCompleter:
         enc = self.tok(prompts, return_tensors="pt", padding=True)
         ids, mask = enc["input_ids"][:, -(self.n_pos - new):], enc["attention_mask"][:, -(self.n_pos - new):]
         ids, mask = ids.to(self.device), mask.to(self.device)
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": self.cfg.top_p} if temperature > 0 \
-            else {"do_sample": False}
+        sampling = ({"do_sample": True, "temperature": temperature, "top_p": self.cfg.top_p}
+                    if temperature > 0 else {"do_sample": False})
         stop = _StopWhenAllStopped(self.tok, ids.shape[1], STOP_SEQUENCES)
-        got = self.model.generate(ids, attention_mask=mask, max_new_tokens=new, pad_token_id=self.tok.pad_token_id,
+        got = self.model.generate(ids, attention_mask=mask, max_new_tokens=new,
+                                  pad_token_id=self.tok.pad_token_id,
                                   stopping_criteria=StoppingCriteriaList([stop]), **sampling)
         self.generated_tokens += int((got[:, ids.shape[1]:] != self.tok.pad_token_id).sum())
         return self.tok.batch_decode(got[:, ids.shape[1]:], skip_special_tokens=True)

@@ -15,11 +15,11 @@ from typing import Any
 
 from trainer.eval.config import STOP_SEQUENCES, EvalConfig
 from trainer.eval.humaneval import evaluate, load_problems
+from trainer.eval.results import RESULTS_FILE, flat_metrics
 from trainer.eval.sandbox import Limits, isolation
 from trainer.log import get_logger
 
 log = get_logger(__name__)
-RESULTS_FILE = "results.json"
 
 
 @dataclass
@@ -101,17 +101,6 @@ def run_eval(run: EvalRun) -> dict[str, Any]:
     _to_card(run.hf_dir, results)
     _to_wandb(run, results)
     return results
-
-
-def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
-    """The headline figures as ``eval/...`` metrics (W&B, the summary and status read the same names)."""
-    m = {f"eval/humaneval_{k.replace('@', '_at_')}": v
-         for k, v in results.get("humaneval", {}).get("pass_at", {}).items()}
-    for name, p in results.get("perplexity", {}).items():
-        if p:
-            label = "heldout" if name == "heldout" else Path(name).stem
-            m[f"eval/{label}_perplexity"] = p["perplexity"]
-    return m
 
 
 def _to_card(hf_dir: str, results: dict[str, Any]) -> None:

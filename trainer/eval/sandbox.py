@@ -100,7 +100,8 @@ def _set_limits(limits: Limits) -> None:
     mb = 1024 * 1024
     for what, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, limits.memory_mb * mb),
                         (resource.RLIMIT_FSIZE, limits.file_size_mb * mb), (resource.RLIMIT_CORE, 0),
-                        (resource.RLIMIT_NPROC, limits.processes), (resource.RLIMIT_NOFILE, limits.open_files)):
+                        (resource.RLIMIT_NPROC, limits.processes),
+                        (resource.RLIMIT_NOFILE, limits.open_files)):
         resource.setrlimit(what, (value, value))
 
 
@@ -136,4 +137,5 @@ def run_program(program: str, limits: Limits) -> Outcome:
         tail = err.read()[-STDERR_TAIL:].decode("utf-8", errors="replace")
     if proc.returncode == 0:
         return Outcome(True, "passed")
-    return Outcome(False, "failed", tail.strip().splitlines()[-1] if tail.strip() else f"exit {proc.returncode}")
+    last = tail.strip().splitlines()[-1] if tail.strip() else f"exit status {proc.returncode}"
+    return Outcome(False, "failed", last)
