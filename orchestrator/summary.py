@@ -29,6 +29,7 @@ class RunOutcome:
     sample: str | None = None
     sample_how: str = "greedy"  # how the sample was decoded
     wandb_dir: str | None = None
+    wandb_dirs: list[str] = field(default_factory=list)  # every offline folder of the run (train, eval)
     checkpoint_warnings: list[str] = field(default_factory=list)  # checkpoints skipped at load (damaged)
     evaluation: dict | None = None  # <run_dir>/eval/results.json (trainer/eval/results.py)
 
@@ -58,13 +59,14 @@ def _sample(run_dir: Path) -> tuple[str | None, str]:
     return "\n".join(lines).rstrip() or None, how.group(1) if how else "greedy"
 
 
-def _wandb_dir(run_dir: Path) -> str | None:
+def _wandb_dirs(run_dir: Path) -> list[str]:
+    """The offline folders of the run's W&B id, oldest first: each job that resumed the run (a requeued
+    training, the eval stage) wrote its own, and ``wandb sync`` uploads them into the one run."""
     state = run_dir / "wandb_run.json"
     run_id = read_json(state).get("id") if state.exists() else None
     if not run_id:
-        return None
-    found = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
-    return str(found[-1]) if found else None
+        return []
+    return [str(p) for p in sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}*")) if p.is_dir()]
 
 
 def outcome(run_dir: str) -> RunOutcome:
@@ -72,7 +74,8 @@ def outcome(run_dir: str) -> RunOutcome:
     train, valid = _losses(run)
     hf, verdict = _convert_result(run, read_json(run / RUN_JSON))
     sample, how = _sample(run)
-    return RunOutcome(run_dir, train, valid, hf, verdict, sample, how, _wandb_dir(run),
+    dirs = _wandb_dirs(run)
+    return RunOutcome(run_dir, train, valid, hf, verdict, sample, how, dirs[-1] if dirs else None, dirs,
                       read_warnings(run_dir), read_results(run_dir))
 
 
@@ -130,7 +133,8 @@ def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = No
         lines += [f"                   {s}" for s in sample[1:]]
         lines.append(f"                   ({o.sample_how}; the model's text continues the prompt)")
     if o.wandb_dir:
-        lines += [f"  W&B (offline)    {o.wandb_dir}", f"  upload to W&B    wandb sync {o.wandb_dir}"]
+        dirs = " ".join(o.wandb_dirs or [o.wandb_dir])
+        lines += [f"  W&B (offline)    {o.wandb_dir}", f"  upload to W&B    wandb sync {dirs}"]
     if o.hf_dir:
         # max_new_tokens: the pipeline's default (256) runs past a small model's positions.
         lines.append(

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -128,7 +127,8 @@ def test_a_forked_daemon_does_not_outlive_its_program(problems):
     token = f"slipway-daemon-{uuid.uuid4().hex}"
     p = problems[0]
     daemon = ("import os, sys\nif os.fork() == 0:\n    os.setsid()\n"
-              f"    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', {token!r}])")
+              "    os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', "
+              f"{token!r}])")
     out = run_program(program(p, _hostile(p, daemon)), LIMITS)
     time.sleep(0.5)
     level = isolation()[0]

@@ -99,8 +99,8 @@ def eval_section(results: dict[str, Any]) -> str:
     ppl = {k: v for k, v in results.get("perplexity", {}).items() if v}
     if ppl:
         lines += ["| perplexity on | tokens | loss | perplexity |", "|---|---|---|---|"]
-        lines += [f"| {'held-out ' + v['split'] + ' split' if k == 'heldout' else f'`{k}`'} | {v['tokens']:,} | "
-                  f"{v['loss']:.4f} | {v['perplexity']:.3f} |" for k, v in ppl.items()]
+        lines += [f"| {'held-out ' + v['split'] + ' split' if k == 'heldout' else f'`{k}`'} | "
+                  f"{v['tokens']:,} | {v['loss']:.4f} | {v['perplexity']:.3f} |" for k, v in ppl.items()]
         lines.append("")
     return "\n".join(lines) or "No evaluation was configured.\n"
 
