@@ -357,7 +357,10 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
     corpus = _corpus_stage(cfg, facts)
     prep = _preprocess_stage(cfg, facts, corpus)
     stages = ([corpus] if corpus else []) + [prep] + _run_stages(cfg, facts, prep)
+    warnings = ["no eval stage: convert.enabled=false leaves no converted model to evaluate (eval=none says "
+                "so without this warning)"] if cfg.eval.enabled and not cfg.convert.enabled else []
     return Plan(
         facts.run_id, facts.run_dir, cfg.experiment, lay, vocab, mem, est, stages, problems, facts.sweep,
+        warnings=warnings,
         memory_options=memory_options(cfg, vocab, lay) if lay.dp and lay.num_microbatches else [],
     )

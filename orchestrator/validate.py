@@ -230,12 +230,8 @@ def _data(cfg: SlipwayConfig) -> list[Problem]:
 def _evaluation(cfg: SlipwayConfig) -> list[Problem]:
     """The eval stage's rules that need other sections (its own are EvalConfig.problems())."""
     e, out = cfg.eval, []
-    if not e.enabled:
+    if not e.enabled or not cfg.convert.enabled:  # no conversion, no eval stage (the plan warns)
         return out
-    if not cfg.convert.enabled:
-        out.append(Problem("eval_needs_convert", "convert.enabled", False,
-                           "the eval stage evaluates the converted model in <run_dir>/hf",
-                           "set convert.enabled=true, or eval=none"))
     if e.device == "cuda" and cfg.cluster.gpus_per_node == 0:
         out.append(Problem("eval_device", "eval.device", e.device,
                            f"cluster {cfg.cluster.name} has no GPUs (cluster.gpus_per_node=0)",

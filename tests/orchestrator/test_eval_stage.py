@@ -58,10 +58,12 @@ def test_the_plan_names_the_consent_key_and_the_other_eval_problems():
     assert p.code == "code_execution" and p.key == "eval.allow_code_execution"
     assert "set eval.allow_code_execution=true" in p.fix and "eval=none" in p.fix
     assert _plan(SMOKE + ["eval.allow_code_execution=false", "eval.humaneval_problems=0"])[1].problems == []
-    _, plan = _plan(SMOKE + ["eval.device=cuda", "convert.enabled=false", "eval.pass_at_k=[1,5]"])
-    assert {(p.code, p.key) for p in plan.problems} == {
-        ("eval_device", "eval.device"), ("eval_needs_convert", "convert.enabled"),
-        ("eval_k", "eval.pass_at_k")}
+    _, plan = _plan(SMOKE + ["eval.device=cuda", "eval.pass_at_k=[1,5]"])
+    found = {(p.code, p.key) for p in plan.problems}
+    assert found == {("eval_device", "eval.device"), ("eval_k", "eval.pass_at_k")}
+    _, plan = _plan(SMOKE + ["convert.enabled=false"])  # nothing to evaluate: no stage, a warning
+    assert plan.problems == [] and plan.stages[-1].name == "train"
+    assert "convert.enabled=false" in plan.warnings[0]
 
 
 def _results(pass1: float) -> dict:
