@@ -5,7 +5,7 @@ open sockets or read the environment. Each runs in its own subprocess with
 
 - a wall-clock limit (killed with its whole process group, and with its PID namespace where there is one)
   and RLIMIT_CPU, RLIMIT_AS (memory), RLIMIT_FSIZE (file size), RLIMIT_NPROC (processes), RLIMIT_NOFILE,
-  no core dumps;
+  no core dumps (set by ``prlimit`` before exec);
 - an empty temporary working directory (the program comes on stdin) and ``python -I -S -B`` (no user
   site, no PYTHON* variables, no bytecode written);
 - a clean environment: PATH, LANG and HOME only, so no secret of the job's reaches it;
@@ -94,14 +94,26 @@ def _clean_env(home: str) -> dict[str, str]:
     return {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": home}
 
 
-def _set_limits(limits: Limits) -> None:
-    """In the child before exec (async-signal-safe enough: setrlimit only)."""
-    cpu = int(limits.timeout_s) + 1
+def _limit_values(limits: Limits) -> list[tuple[str, int, int]]:
+    """(prlimit flag, resource, value): soft = hard, so the program cannot raise them."""
     mb = 1024 * 1024
-    for what, value in ((resource.RLIMIT_CPU, cpu), (resource.RLIMIT_AS, limits.memory_mb * mb),
-                        (resource.RLIMIT_FSIZE, limits.file_size_mb * mb), (resource.RLIMIT_CORE, 0),
-                        (resource.RLIMIT_NPROC, limits.processes),
-                        (resource.RLIMIT_NOFILE, limits.open_files)):
+    return [("--cpu", resource.RLIMIT_CPU, int(limits.timeout_s) + 1),
+            ("--as", resource.RLIMIT_AS, limits.memory_mb * mb),
+            ("--fsize", resource.RLIMIT_FSIZE, limits.file_size_mb * mb), ("--core", resource.RLIMIT_CORE, 0),
+            ("--nproc", resource.RLIMIT_NPROC, limits.processes),
+            ("--nofile", resource.RLIMIT_NOFILE, limits.open_files)]
+
+
+def _limits_prefix(limits: Limits) -> list[str]:
+    """``prlimit`` (util-linux) sets the limits and execs the rest: no Python code between fork and exec
+    in this multi-threaded process (a ``preexec_fn`` there can deadlock). [] where it is missing."""
+    prlimit = shutil.which("prlimit")
+    return [prlimit, *(f"{flag}={v}:{v}" for flag, _, v in _limit_values(limits)), "--"] if prlimit else []
+
+
+def _set_limits(limits: Limits) -> None:
+    """The fallback without prlimit: in the child before exec."""
+    for _, what, value in _limit_values(limits):
         resource.setrlimit(what, (value, value))
 
 
@@ -119,10 +131,11 @@ def run_program(program: str, limits: Limits) -> Outcome:
             tempfile.TemporaryFile(mode="w+b") as err:
         if level.endswith("+nobody"):
             os.chown(work, NOBODY, NOBODY)  # the program runs as nobody; its directory is its own
+        limit = _limits_prefix(limits)
         proc = subprocess.Popen(
-            [*prefix, python, "-I", "-S", "-B", "-"], cwd=work, env=_clean_env(work),
+            [*limit, *prefix, python, "-I", "-S", "-B", "-"], cwd=work, env=_clean_env(work),
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-            preexec_fn=functools.partial(_set_limits, limits))
+            preexec_fn=None if limit else functools.partial(_set_limits, limits))
         try:
             proc.communicate(program.encode(), timeout=limits.timeout_s)
         except subprocess.TimeoutExpired:
