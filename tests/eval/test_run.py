@@ -127,3 +127,22 @@ def test_code_execution_is_refused_without_consent(hf_dir, tmp_path):
         EvalConfig(**{**SMOKE, "pass_at_k": [1, 10]})
     with pytest.raises(ConfigError, match="one temperature per entry"):
         EvalConfig(**{**SMOKE, "temperatures": [0.2]})
+
+
+def test_the_command_line_refuses_without_consent_then_evaluates(hf_dir, data_prefix, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.orchestrator.conftest import REPO
+
+    base = [sys.executable, "-m", "trainer.eval", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "o"),
+            "--problems", "2", "--samples", "1", "--pass-at-k", "1", "--temperatures", "0.2",
+            "--max-new-tokens", "8", "--data-prefix", data_prefix, "--split", "80,20,0", "--seq-length", "32"]
+    refused = subprocess.run(base, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "eval.allow_code_execution" in refused.stderr
+    assert not (tmp_path / "o").exists()
+    ran = subprocess.run(base + ["--allow-code-execution"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert json.loads(ran.stdout)["pass_at"] == {"pass@1": 0.0}  # a random model solves nothing
+    assert json.loads((tmp_path / "o" / "results.json").read_text())["humaneval"]["problems"] == 2
