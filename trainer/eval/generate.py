@@ -40,7 +40,7 @@ class HFCompleter:
 
     def __init__(self, model, tokenizer, cfg: SamplingConfig, device: torch.device) -> None:
         self.model, self.tok, self.cfg, self.device = model, tokenizer, cfg, device
-        self.tok.padding_side = "left"
+        self.tok.padding_side = self.tok.truncation_side = "left"
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
         self.n_pos = int(getattr(model.config, "n_positions", 0) or model.config.max_position_embeddings)
@@ -58,9 +58,9 @@ class HFCompleter:
         from transformers import StoppingCriteriaList
 
         new = min(self.cfg.max_new_tokens, self.n_pos - 1)
-        enc = self.tok(prompts, return_tensors="pt", padding=True)
-        ids, mask = enc["input_ids"][:, -(self.n_pos - new):], enc["attention_mask"][:, -(self.n_pos - new):]
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        enc = self.tok(prompts, return_tensors="pt", padding=True, truncation=True,
+                       max_length=self.n_pos - new)
+        ids, mask = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
         sampling = ({"do_sample": True, "temperature": temperature, "top_p": self.cfg.top_p}
                     if temperature > 0 else {"do_sample": False})
         stop = _StopWhenAllStopped(self.tok, ids.shape[1], STOP_SEQUENCES)

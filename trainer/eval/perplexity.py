@@ -35,7 +35,8 @@ def _score(model, batch: torch.Tensor, device: torch.device) -> tuple[float, int
     """(summed NLL, tokens) of rows of S+1 tokens: inputs the first S, labels the last S."""
     batch = batch.to(device)
     with torch.no_grad():
-        logits = model(batch[:, :-1]).logits.float()
+        inputs = batch[:, :-1]  # whole rows, no padding: every position attends
+        logits = model(inputs, attention_mask=torch.ones_like(inputs)).logits.float()
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
                                             reduction="sum")
     return float(nll), int(batch[:, 1:].numel())
