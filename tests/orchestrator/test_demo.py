@@ -110,6 +110,8 @@ def test_demo_evaluates_the_smoke_model_in_budget(demo):
     assert results["model"] == str(run / "hf") and he["isolation"]  # which containment: recorded
     held = results["perplexity"]["heldout"]
     assert held["split"] == "valid" and held["tokens"] > 0
+    # The converted model on held-out samples, beside the trainer's own last validation loss.
+    assert held["training_valid_loss"]["iteration"] == ITERS
     assert results["seconds"] < EVAL_BUDGET_S, results["seconds"]
     text = (run / SUMMARY_TXT).read_text()
     assert "evaluation       pass@1 " in text and "on held-out valid split" in text

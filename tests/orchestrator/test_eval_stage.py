@@ -105,5 +105,5 @@ def test_summary_reports_pass_at_k_and_perplexity(tmp_path):
     run = _run(tmp_path, "r", 0.25)
     text = write_summary(str(run))
     assert "evaluation       pass@1 0.250 (T=0.2), pass@2 0.375 (T=0.8); 4 problems × 2 samples" in text
-    assert "perplexity 54.60 on held-out valid split (2,048 tokens)" in text
+    assert "perplexity 54.60 (loss 4.000) on held-out valid split (2,048 tokens)" in text
     assert str(results_path(run)) in text

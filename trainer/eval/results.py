@@ -54,5 +54,9 @@ def describe(results: dict[str, Any]) -> list[str]:
     for name, p in results.get("perplexity", {}).items():
         if p:
             what = f"held-out {p.get('split')} split" if name == "heldout" else name
-            out.append(f"perplexity {p['perplexity']:.2f} on {what} ({p['tokens']:,} tokens)")
+            tv = p.get("training_valid_loss")
+            ref = f"; training's validation loss {tv['loss']:.3f} at iteration {tv['iteration']}" if tv \
+                else ""
+            out.append(f"perplexity {p['perplexity']:.2f} (loss {p['loss']:.3f}) on {what} "
+                       f"({p['tokens']:,} tokens{ref})")
     return out

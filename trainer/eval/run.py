@@ -18,6 +18,7 @@ from trainer.eval.humaneval import evaluate, load_problems
 from trainer.eval.results import RESULTS_FILE, flat_metrics
 from trainer.eval.sandbox import Limits, isolation
 from trainer.log import get_logger
+from trainer.metrics_file import VALID_LOSS, series
 
 log = get_logger(__name__)
 
@@ -70,6 +71,9 @@ def _perplexity(run: EvalRun, model, tok, device) -> dict[str, Any]:
         cache = os.path.join(run.out_dir, "index-cache")
         data = HeldOut(run.heldout_prefix, run.split, run.seq_length, s.seed, cache)
         out["heldout"] = heldout_perplexity(model, data, s.heldout_samples, device, s.batch_size)
+        valid = series(run.run_dir, VALID_LOSS) if run.run_dir and out["heldout"] else []
+        if valid:  # the trainer's own figure on (other samples of) the validation split, for comparison
+            out["heldout"]["training_valid_loss"] = {"iteration": valid[-1][0], "loss": valid[-1][1]}
     for path in s.perplexity_files:
         out[path] = jsonl_perplexity(model, tok, path, run.json_key, s.perplexity_docs, device)
     return out
