@@ -63,10 +63,11 @@ def make_model(root: Path, name: str, seed: int = 0) -> Path:
     from trainer.convert.tokenizer import RunTokenizer, save_tokenizer
 
     shape = MODELS[name]
-    out = root / name
+    out, src = root / name, root / f"{name}-tokenizer"
     out.mkdir(parents=True)
-    synthetic_tokenizer(out, shape["vocab"])
-    tok = save_tokenizer(RunTokenizer(out / "vocab.json", out / "merges.txt"), out, shape["n_positions"])
+    src.mkdir()
+    synthetic_tokenizer(src, shape["vocab"])
+    tok = save_tokenizer(RunTokenizer(src / "vocab.json", src / "merges.txt"), out, shape["n_positions"])
     torch.manual_seed(seed)
     cfg = GPT2Config(vocab_size=len(tok), n_positions=shape["n_positions"], n_embd=shape["n_embd"],
                      n_layer=shape["n_layer"], n_head=shape["n_head"], bos_token_id=tok.eos_token_id,
