@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU check, under 8 minutes on one H200: build the CUDA kernels, run the `gpu` tests, time each fused
+# One GPU check, under 11 minutes on one H200: build the CUDA kernels, run the `gpu` tests, time each fused
 # op against its eager composition, and measure a CodeParrot-small bf16 training step (seq 1024) with
 # eager / csrc / apex kernels plus transformers' GPT-2 of the same shape. Everything printed is also
 # written to bench/results/gpu_check_<UTC date>.txt (commit it).
@@ -37,6 +37,11 @@ timeout 40 $PY bench/kernels.py --device cuda --dtypes bfloat16 --scale 8 || sta
 
 stage "training step: CodeParrot-small, bf16, seq 1024 (bench/train_gpu.py)"
 timeout 100 $PY bench/train_gpu.py --modes eager,csrc,apex,hf --budget-s 60 || status=1
+
+stage "eval.device=cuda: the gpu eval test, then HumanEval generation + execution (bench/eval.py)"
+timeout 60 $PY -m pytest tests/eval -m gpu -q -p no:cacheprovider || status=1
+timeout 90 $PY bench/eval.py --device cuda --model codeparrot --problems 8 --samples 8 --batch 32 \
+  --new-tokens 128 --workers 8 --threads 8 || status=1
 
 stage "done: status $status, ${SECONDS}s; output in $OUT"
 exit $status

@@ -22,6 +22,7 @@ BENCHES = [
     ["health.py"],
     ["recompute.py"],
     ["convert.py"],
+    ["eval.py"],
     ["train.py"],
 ]
 

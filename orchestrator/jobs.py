@@ -78,3 +78,17 @@ class ConvertJob:
     sample_tokens: int = 64  # the sample text generated from the HF model (must fit max positions)
     prompt: str = "def fibonacci("  # what the sample continues (greedy), written to <run_dir>/sample.txt
     repetition_penalty: float = 1.3  # keeps a tiny model's greedy sample from looping on one token
+
+
+@dataclass
+class EvalJob:
+    run_dir: str
+    hf_dir: str
+    output_dir: str  # <run_dir>/eval: results.json
+    settings: dict[str, Any]  # the eval section (trainer/eval/config.EvalConfig) as a dict
+    heldout_prefix: str | None = None  # the preprocessed dataset the held-out split is read from
+    split: str = "969,30,1"
+    seq_length: int = 1024
+    json_key: str = "content"
+    run_id: str | None = None
+    wandb: dict[str, Any] | None = None  # the run's logging.wandb (the eval logs into the same W&B run)

@@ -25,12 +25,13 @@ from orchestrator.estimate import (
     estimate_time,
 )
 from orchestrator.guards import guard_problems
-from orchestrator.jobs import ConvertJob, CorpusJob, PreprocessJob, TrainJob
+from orchestrator.jobs import ConvertJob, CorpusJob, EvalJob, PreprocessJob, TrainJob
 from orchestrator.layout import Layout, layout_of
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import Problem, validate
 from trainer.checks import deferred
 from trainer.config import RunConfig
+from trainer.eval.results import EVAL_DIR
 
 
 def stable_hash(obj: Any, n: int = 16) -> str:
@@ -222,7 +223,21 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
             sample_tokens=max(1, min(64, cfg.model.max_position_embeddings // 4)),
         )
         stages.append(StagePlan("convert", ckey, os.path.join(state, "convert"), False, ("train",), job))
+        if cfg.eval.enabled:
+            stages.append(_eval_stage(cfg, tcfg, ckey, job.output_dir, state))
     return stages
+
+
+def _eval_stage(cfg: SlipwayConfig, tcfg: dict[str, Any], ckey: str, hf_dir: str, state: str) -> StagePlan:
+    """HumanEval + perplexity of the converted model (afterok convert); keyed by the model and the settings
+    (how many sandboxes run at once changes no result)."""
+    settings = dataclasses.asdict(cfg.eval)
+    key = stable_hash({"convert": ckey, "eval": {k: v for k, v in settings.items() if k != "workers"}})
+    run_dir = tcfg["run_dir"]  # held-out perplexity reads the first dataset (several are merged for training)
+    job = EvalJob(run_dir, hf_dir, os.path.join(run_dir, EVAL_DIR), settings, tcfg["data"]["paths"][0],
+                  cfg.data.split, cfg.model.seq_length, cfg.data.json_key, tcfg["run_id"],
+                  tcfg["logging"]["wandb"])
+    return StagePlan("eval", key, os.path.join(state, "eval"), False, ("convert",), job)
 
 
 # The options that trade memory for time or communication without changing the math, as
@@ -341,7 +356,10 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
     corpus = _corpus_stage(cfg, facts)
     prep = _preprocess_stage(cfg, facts, corpus)
     stages = ([corpus] if corpus else []) + [prep] + _run_stages(cfg, facts, prep)
+    warnings = ["no eval stage: convert.enabled=false leaves no converted model to evaluate (eval=none says "
+                "so without this warning)"] if cfg.eval.enabled and not cfg.convert.enabled else []
     return Plan(
         facts.run_id, facts.run_dir, cfg.experiment, lay, vocab, mem, est, stages, problems, facts.sweep,
+        warnings=warnings,
         memory_options=choices,
     )

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from orchestrator.redaction import is_secret_name
 from orchestrator.schema import ClusterConfig, ContainerConfig
+from trainer.eval.config import EvalConfig
 from trainer.signals import EXIT_REQUEUE, FATAL_MARKER, STOPPED_MARKER
 
 
@@ -50,8 +51,10 @@ class JobResources:
     max_timeouts: int = 0
 
 
-def stage_resources(stage: str, cluster: ClusterConfig, experiment: str, tasks_per_node: int) -> JobResources:
-    """Training gets the GPU layout; corpus/preprocess/convert are single-task CPU jobs."""
+def stage_resources(stage: str, cluster: ClusterConfig, experiment: str, tasks_per_node: int,
+                    evaluation: EvalConfig | None = None) -> JobResources:
+    """Training gets the GPU layout; corpus/preprocess/convert are single-task CPU jobs; eval is one task,
+    with one GPU on the training partition when ``eval.device=cuda``."""
     c = cluster
     common = {
         "account": c.account,
@@ -76,6 +79,11 @@ def stage_resources(stage: str, cluster: ClusterConfig, experiment: str, tasks_p
             max_timeouts=c.max_timeouts,
             **common,
         )
+    if stage == "eval" and evaluation is not None:
+        gpu = evaluation.device == "cuda"
+        partition = c.partition if gpu else c.stage_partition or c.partition
+        limit = evaluation.time_limit_min
+        return JobResources(name, 1, 1, int(gpu), c.stage_cpus, limit, partition, **common)
     return JobResources(
         name, 1, 1, 0, c.stage_cpus, c.stage_time_limit_min, c.stage_partition or c.partition, **common
     )

@@ -22,6 +22,7 @@ from hydra.core.config_store import ConfigStore
 
 from trainer.checks import ConfigIssue, Section, choice, declared_defaults, deferred, positive
 from trainer.config import RunConfig
+from trainer.eval.config import EvalConfig
 
 EXECUTORS = ("local", "slurm")
 CONTAINER_KINDS = ("none", "apptainer")
@@ -156,6 +157,8 @@ class SlipwayConfig(RunConfig):
     """Container image."""
     convert: ConvertConfig = field(default_factory=ConvertConfig)
     """Post-training conversion."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation after conversion (trainer/eval/config.py): HumanEval pass@k and perplexity."""
     runs_root: str = "runs"
     """Folder that holds every run directory and the stage cache."""
     cache_dir: str | None = None
@@ -181,7 +184,8 @@ class SlipwayConfig(RunConfig):
         pass  # run_dir and checkpoint.dir stay null until the plan knows the run id (plan.py)
 
     def problems(self) -> list[ConfigIssue]:
-        return super().problems() + self.cluster.problems() + self.container.problems()
+        return (super().problems() + self.cluster.problems() + self.container.problems()
+                + self.eval.problems())
 
 
 def register() -> None:

@@ -21,7 +21,16 @@ from typing import Any
 
 import submitit
 
-from orchestrator.jobs import COMPLETE, FAILED, ConvertJob, CorpusJob, PreprocessJob, TrainJob, Upstream
+from orchestrator.jobs import (
+    COMPLETE,
+    FAILED,
+    ConvertJob,
+    CorpusJob,
+    EvalJob,
+    PreprocessJob,
+    TrainJob,
+    Upstream,
+)
 from orchestrator.queue import process_alive
 from trainer import testing_hooks
 from trainer.log import get_logger
@@ -38,8 +47,9 @@ log = get_logger(__name__)
 
 LOCAL_REQUEUE = 144  # submitit's local controller restarts the tasks on this exit code
 DATA_REPORT = "data_report.json"
-__all__ = ["COMPLETE", "FAILED", "ConvertJob", "CorpusJob", "PreprocessJob", "TrainJob", "Upstream",
-           "STAGE_CALLABLES", "wait_for"]  # the specs are re-exported: pickles of older runs name this module
+# The specs are re-exported: pickles of older runs name this module.
+__all__ = ["COMPLETE", "FAILED", "ConvertJob", "CorpusJob", "EvalJob", "PreprocessJob", "TrainJob",
+           "Upstream", "STAGE_CALLABLES", "wait_for"]
 
 
 def mark(output_dir: str, name: str, info: dict[str, Any]) -> None:
@@ -316,9 +326,24 @@ class ConvertStage(Stage):
         return {"hf": job.output_dir, "result": str(result)}
 
 
+class EvalStage(Stage):
+    """HumanEval and perplexity of <run_dir>/hf (trainer/eval); a failed sample is a result, not an error."""
+
+    def run(self) -> dict[str, Any]:
+        from trainer.eval.config import EvalConfig
+        from trainer.eval.results import flat_metrics
+        from trainer.eval.run import EvalRun, run_eval
+
+        job: EvalJob = self.job
+        run = EvalRun(job.hf_dir, job.output_dir, EvalConfig(**job.settings), job.heldout_prefix, job.split,
+                      job.seq_length, job.json_key, job.run_dir, job.run_id, job.wandb)
+        return {"results": os.path.join(job.output_dir, "results.json"), **flat_metrics(run_eval(run))}
+
+
 STAGE_CALLABLES = {
     "corpus": CorpusStage,
     "preprocess": PreprocessStage,
     "train": TrainStage,
     "convert": ConvertStage,
+    "eval": EvalStage,
 }

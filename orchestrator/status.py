@@ -14,6 +14,7 @@ from pathlib import Path
 from orchestrator.queue import local_state, query_slurm_checked
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
 from trainer.checkpoint.verify import read_warnings
+from trainer.eval.results import pass_at_1, read_results
 from trainer.health import RankHealth, read_heartbeats, summarize
 from trainer.metrics_file import TOKENS_PER_S, TRAIN_LOSS, read_metrics
 
@@ -39,6 +40,8 @@ class JobRow:
     ranks: list[RankHealth] = field(default_factory=list)
     checkpoint_warnings: list[str] = field(default_factory=list)  # damaged/skipped at load (trainer)
     slurm_error: str = ""  # squeue failed: slurmctld unreachable, the state is accounting's
+    pass_at_1: float | None = None  # eval rows: HumanEval pass@1 from <run_dir>/eval/results.json
+    name: str = ""  # the run's name (a sweep point's: run id and overrides)
 
 
 def metrics_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
@@ -130,7 +133,9 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
                 state, reason = sq[jid]
             else:
                 state, reason = sa.get(jid, {}).get("state", "UNKNOWN"), sa.get(jid, {}).get("reason", "")
-            row = JobRow(run_dir.name, stage, jid, state, reason)
+            row = JobRow(run_dir.name, stage, jid, state, reason, name=str(data.get("name") or run_dir.name))
+            if stage == "eval":
+                row.pass_at_1 = pass_at_1(read_results(run_dir))
             if squeue_error and e.get("executor") == "slurm":
                 row.slurm_error = squeue_error
             if stage == "train":
@@ -151,8 +156,8 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
 
 
 def format_rows(rows: list[JobRow]) -> str:
-    head = ("run", "stage", "job", "state", "reason", "restarts", "ckpt", "loss", "tok/s", "health", "wandb",
-            "log")
+    head = ("run", "stage", "job", "state", "reason", "restarts", "ckpt", "loss", "tok/s", "pass@1", "health",
+            "wandb", "log")
     table = [head] + [
         (
             r.run,
@@ -164,6 +169,7 @@ def format_rows(rows: list[JobRow]) -> str:
             "" if r.checkpoint_iter is None else str(r.checkpoint_iter),
             "" if r.loss is None else f"{r.loss:.4f}",
             "" if r.tokens_per_s is None else f"{r.tokens_per_s:.0f}",
+            "" if r.pass_at_1 is None else f"{r.pass_at_1:.4f}",
             r.health,
             r.wandb,
             r.log,
@@ -175,7 +181,16 @@ def format_rows(rows: list[JobRow]) -> str:
     errors = sorted({r.slurm_error for r in rows if r.slurm_error})
     warn = [f"SLURM: slurmctld did not answer ({e}); states above come from accounting (sacct) and may be "
             "stale" for e in errors]
-    return "\n".join(lines + rank_problems(rows) + ([""] + warn if warn else []))
+    return "\n".join(lines + best_point(rows) + rank_problems(rows) + ([""] + warn if warn else []))
+
+
+def best_point(rows: list[JobRow]) -> list[str]:
+    """A sweep's point with the highest HumanEval pass@1 (with its overrides), once two points have one."""
+    scored = [r for r in rows if r.pass_at_1 is not None]
+    if len(scored) < 2:
+        return []
+    best = max(scored, key=lambda r: r.pass_at_1)
+    return ["", f"BEST pass@1: {best.pass_at_1:.4f} run {best.run} ({best.name}) of {len(scored)} evaluated"]
 
 
 def rank_problems(rows: list[JobRow]) -> list[str]:

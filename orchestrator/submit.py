@@ -99,7 +99,7 @@ def stage_job(
     cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None
 ) -> StageJob:
     """The one builder of a stage's job spec (Slurm: the sbatch script's; local: the executor's)."""
-    res = render.stage_resources(stage.name, cfg.cluster, cfg.experiment, tasks_per_node(cfg))
+    res = render.stage_resources(stage.name, cfg.cluster, cfg.experiment, tasks_per_node(cfg), cfg.eval)
     py = python or render.python_command(
         cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable
     )

@@ -10,6 +10,7 @@ from pathlib import Path
 from orchestrator.estimate import fmt_duration
 from orchestrator.runs import RUN_JSON, read_json
 from trainer.checkpoint.verify import read_warnings
+from trainer.eval.results import describe, read_results, results_path
 from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, series
 
 LOSS_PNG = "loss.png"
@@ -28,7 +29,9 @@ class RunOutcome:
     sample: str | None = None
     sample_how: str = "greedy"  # how the sample was decoded
     wandb_dir: str | None = None
+    wandb_dirs: list[str] = field(default_factory=list)  # every offline folder of the run (train, eval)
     checkpoint_warnings: list[str] = field(default_factory=list)  # checkpoints skipped at load (damaged)
+    evaluation: dict | None = None  # <run_dir>/eval/results.json (trainer/eval/results.py)
 
 
 def _losses(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -56,13 +59,14 @@ def _sample(run_dir: Path) -> tuple[str | None, str]:
     return "\n".join(lines).rstrip() or None, how.group(1) if how else "greedy"
 
 
-def _wandb_dir(run_dir: Path) -> str | None:
+def _wandb_dirs(run_dir: Path) -> list[str]:
+    """The offline folders of the run's W&B id, oldest first: each job that resumed the run (a requeued
+    training, the eval stage) wrote its own, and ``wandb sync`` uploads them into the one run."""
     state = run_dir / "wandb_run.json"
     run_id = read_json(state).get("id") if state.exists() else None
     if not run_id:
-        return None
-    found = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
-    return str(found[-1]) if found else None
+        return []
+    return [str(p) for p in sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}*")) if p.is_dir()]
 
 
 def outcome(run_dir: str) -> RunOutcome:
@@ -70,8 +74,9 @@ def outcome(run_dir: str) -> RunOutcome:
     train, valid = _losses(run)
     hf, verdict = _convert_result(run, read_json(run / RUN_JSON))
     sample, how = _sample(run)
-    return RunOutcome(run_dir, train, valid, hf, verdict, sample, how, _wandb_dir(run),
-                      read_warnings(run_dir))
+    dirs = _wandb_dirs(run)
+    return RunOutcome(run_dir, train, valid, hf, verdict, sample, how, dirs[-1] if dirs else None, dirs,
+                      read_warnings(run_dir), read_results(run_dir))
 
 
 def plot_losses(o: RunOutcome, out: Path) -> Path | None:
@@ -117,13 +122,19 @@ def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = No
     if o.verification:
         lines.append(f"                   {o.verification}")
     lines += [f"  checkpoint       WARNING: {w}" for w in o.checkpoint_warnings]
+    if o.evaluation:
+        found = describe(o.evaluation) or ["n/a (nothing evaluated)"]
+        lines.append(f"  evaluation       {found[0]}")
+        lines += [f"                   {x}" for x in found[1:]]
+        lines.append(f"                   ({results_path(o.run_dir)})")
     if o.sample:
         sample = o.sample.splitlines() or [""]
         lines.append(f"  sample           {sample[0]}")
         lines += [f"                   {s}" for s in sample[1:]]
         lines.append(f"                   ({o.sample_how}; the model's text continues the prompt)")
     if o.wandb_dir:
-        lines += [f"  W&B (offline)    {o.wandb_dir}", f"  upload to W&B    wandb sync {o.wandb_dir}"]
+        dirs = " ".join(o.wandb_dirs or [o.wandb_dir])
+        lines += [f"  W&B (offline)    {o.wandb_dir}", f"  upload to W&B    wandb sync {dirs}"]
     if o.hf_dir:
         # max_new_tokens: the pipeline's default (256) runs past a small model's positions.
         lines.append(

@@ -253,6 +253,18 @@ def _data(cfg: SlipwayConfig) -> list[Problem]:
     return out
 
 
+def _evaluation(cfg: SlipwayConfig) -> list[Problem]:
+    """The eval stage's rules that need other sections (its own are EvalConfig.problems())."""
+    e, out = cfg.eval, []
+    if not e.enabled or not cfg.convert.enabled:  # no conversion, no eval stage (the plan warns)
+        return out
+    if e.device == "cuda" and cfg.cluster.gpus_per_node == 0:
+        out.append(Problem("eval_device", "eval.device", e.device,
+                           f"cluster {cfg.cluster.name} has no GPUs (cluster.gpus_per_node=0)",
+                           "set eval.device=cpu"))
+    return out
+
+
 # Names that become one path component (runs/<experiment>/<run_id>/) and job names: no separators, no
 # "..", no spaces or shell characters, so they cannot escape runs_root or split a script's argument.
 SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,127}$")
@@ -308,6 +320,7 @@ def validate(cfg: SlipwayConfig, exists: Callable[[str], bool] = os.path.exists)
         + _precision(cfg)
         + _cluster(cfg)
         + _data(cfg)
+        + _evaluation(cfg)
         + _names(cfg)
         + check_files(cfg, exists)
     )

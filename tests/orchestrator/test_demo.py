@@ -2,7 +2,8 @@
 command composes the smoke experiment; test_config pins that). Here it runs as a user runs it, in a
 subprocess, on a smaller budget (a 12-file corpus, a 300-entry BPE, 20 iterations) but with everything
 else as shipped: corpus → tokenizer → preprocess → training at tp=2 × pp=2 (4 gloo processes) → convert
-with verification → sample → summary, W&B offline.
+with verification → sample → eval of the smoke model (4 HumanEval problems, 2 samples at two temperatures,
+executed in the sandbox; held-out perplexity) → summary, W&B offline.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ def demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
 def test_demo_runs_every_stage_at_tp2_pp2(demo):
     _, run = demo
     meta = json.loads((run / "run.json").read_text())
-    assert set(meta["jobs"]) == {"corpus", "preprocess", "train", "convert"}
-    for stage in ("corpus", "preprocess", "train", "convert"):
+    assert set(meta["jobs"]) == {"corpus", "preprocess", "train", "convert", "eval"}
+    for stage in ("corpus", "preprocess", "train", "convert", "eval"):
         assert (run / "stages" / stage / "_COMPLETE").exists() or (Path(meta["stages"][stage]["dir"]) /
                                                                      "_COMPLETE").exists(), stage
     shards = sorted(p.name for p in (run / "checkpoints" / f"iter_{ITERS:07d}").iterdir())
@@ -88,8 +89,33 @@ def test_demo_hf_folder_loads_and_wandb_offline_run_has_every_iteration(demo):
     tok = AutoTokenizer.from_pretrained(hf)
     assert model.config.n_layer == 4 and model.config.n_embd == 128 and len(tok) <= model.config.vocab_size
     files = run_files(str(run))
-    assert len(files) == 1, files
+    assert len(files) == 2, files  # the training's, then the eval stage's (the same W&B run resumed)
     offline = Path(files[0]).parent
     assert f"wandb sync {offline}" in (run / SUMMARY_TXT).read_text()
     steps = sorted({r["_step"] for r in history(files[0]) if "train/lm_loss" in r})
     assert steps == list(range(5, ITERS + 1, 5)), steps
+
+
+EVAL_BUDGET_S = 120  # the smoke eval's share of the demo (measured: see bench/README.md)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_demo_evaluates_the_smoke_model_in_budget(demo):
+    res, run = demo
+    results = json.loads((run / "eval" / "results.json").read_text())
+    he = results["humaneval"]
+    assert he["problems"] == 4 and set(he["pass_at"]) == {"pass@1", "pass@2"}
+    assert [sum(r["statuses"].values()) for r in he["by_temperature"]] == [8, 8]
+    assert results["model"] == str(run / "hf") and he["isolation"]  # which containment: recorded
+    held = results["perplexity"]["heldout"]
+    assert held["split"] == "valid" and held["tokens"] > 0
+    # The converted model on held-out samples, beside the trainer's own last validation loss.
+    assert held["training_valid_loss"]["iteration"] == ITERS
+    assert results["seconds"] < EVAL_BUDGET_S, results["seconds"]
+    text = (run / SUMMARY_TXT).read_text()
+    assert "evaluation       pass@1 " in text and "on held-out valid split" in text
+    assert "## Evaluation" in (run / "hf" / "README.md").read_text()
+    files = run_files(str(run))
+    rows = [r for r in history(files[-1]) if "eval/humaneval_pass_at_1" in r]
+    assert len(rows) == 1 and rows[0]["_step"] == ITERS + 1

@@ -97,7 +97,8 @@ def test_validation_errors_never_reach_squeue(tmp_path):
 
 def test_smoke_pipeline_completes(runs):
     run = runs.smoke
-    assert wait_states(run) == {"train": "COMPLETED", "convert": "COMPLETED"}  # data: the sweep's jobs
+    # data: the sweep's jobs; eval: the smoke model's HumanEval + perplexity as a Slurm job after convert
+    assert wait_states(run) == {"train": "COMPLETED", "convert": "COMPLETED", "eval": "COMPLETED"}
     stages = json.loads((run / "run.json").read_text())["stages"]
     assert all((Path(stages[s]["dir"]) / "_COMPLETE").exists() for s in ("corpus", "preprocess"))
     ids = job_ids(run)
@@ -112,6 +113,11 @@ def test_smoke_pipeline_completes(runs):
     assert len(logs) == 4  # one per task, restart and attempt in the name
     report = json.loads((run / "data_report.json").read_text())
     assert report["skipped_lines"] == 0 and report["summaries"][0]["documents"] > 0
+    results = json.loads((run / "eval" / "results.json").read_text())
+    he = results["humaneval"]
+    assert he["problems"] == 4 and set(he["pass_at"]) == {"pass@1", "pass@2"}
+    assert results["perplexity"]["heldout"]["tokens"] > 0 and results["model"] == str(run / "hf")
+    assert list((run / "logs").glob("eval_*")) and "## Evaluation" in (run / "hf" / "README.md").read_text()
 
 
 def test_failed_training_never_converts(runs):

@@ -33,12 +33,13 @@ def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path, capsy
     assert "──── train: last lines of" in err and "training failed on purpose" in err
     run_dir = next((tmp_path / "codeparrot_smoke").iterdir())
     rows = {r.stage: r.state for r in collect(str(run_dir))}
-    assert rows == {"corpus": "COMPLETED", "preprocess": "COMPLETED", "train": "FAILED", "convert": "FAILED"}
+    assert rows == {"corpus": "COMPLETED", "preprocess": "COMPLETED", "train": "FAILED", "convert": "FAILED",
+                    "eval": "FAILED"}
     assert not (run_dir / "hf").exists()
     failed = json.loads((run_dir / "stages" / "convert" / "_FAILED").read_text())
     assert "afterok" in failed["error"]
     meta = json.loads((run_dir / "run.json").read_text())
-    assert set(meta["jobs"]) == {"corpus", "preprocess", "train", "convert"} and meta["git"]["sha"]
+    assert set(meta["jobs"]) == {"corpus", "preprocess", "train", "convert", "eval"} and meta["git"]["sha"]
     prep = Path(meta["stages"]["preprocess"]["dir"])
     assert (prep / "data_content_document.bin").stat().st_size > 0 and (prep / "_COMPLETE").exists()
     assert (Path(meta["stages"]["corpus"]["dir"]) / "vocab.json").exists()

@@ -69,7 +69,7 @@ def test_pipeline_first_stage_holds_p_microbatches():
 
 def test_stage_graph_keys_and_sharing():
     cfg, plan = _plan(CP)
-    assert [s.name for s in plan.stages] == ["preprocess", "train", "convert"]
+    assert [s.name for s in plan.stages] == ["preprocess", "train", "convert", "eval"]
     assert plan.stage("train").depends_on == ("preprocess",) and plan.stage("convert").depends_on == (
         "train",
     )
@@ -89,7 +89,7 @@ def test_stage_graph_keys_and_sharing():
 
 def test_smoke_graph_has_corpus_stage_feeding_tokenizer():
     cfg, plan = _plan(["+experiment=codeparrot_smoke"])
-    assert [s.name for s in plan.stages] == ["corpus", "preprocess", "train", "convert"]
+    assert [s.name for s in plan.stages] == ["corpus", "preprocess", "train", "convert", "eval"]
     corpus, prep = plan.stage("corpus"), plan.stage("preprocess")
     assert corpus.job.vocab_size == cfg.tokenizer.vocab_size
     assert prep.job.vocab_file == os.path.join(corpus.state_dir, "vocab.json")

@@ -37,7 +37,7 @@ def _scripts(cluster: str, container: str, fixed: list[str] = FIXED, root: str =
     cfg = compose_cfg([f"+experiment={exp}", f"cluster={cluster}", f"container={container}", *fixed])
     facts = PlanInputs("20250101-000000-abcdef", f"{root}/x/20250101-000000-abcdef")
     plan = make_plan(cfg, facts, exists=lambda p: True)
-    ids = {"corpus": "1000", "preprocess": "1001", "train": "1002"}
+    ids = {"corpus": "1000", "preprocess": "1001", "train": "1002", "convert": "1003"}
     python = None if container == "apptainer_ngc" else "/usr/bin/python3"
     parts = []
     for s in plan.stages:

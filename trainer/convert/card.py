@@ -83,3 +83,35 @@ def render_card(spec: GPTSpec, prov: Provenance, report: VerifyReport, extra: di
 
 def write_card(out_dir: Path, text: str) -> None:
     (out_dir / "README.md").write_text(text, encoding="utf-8")
+
+
+def eval_section(results: dict[str, Any]) -> str:
+    """The model card's evaluation section from ``<run_dir>/eval/results.json`` (trainer/eval/run.py)."""
+    lines, he = [], results.get("humaneval")
+    if he:
+        s = results["settings"]
+        lines += [f"HumanEval ({he['problems']} problems, {s['n_samples']} samples each, top-p {s['top_p']}; "
+                  f"programs executed with isolation: {he['isolation']}):", "",
+                  "| metric | value | temperature |", "|---|---|---|"]
+        lines += [f"| {k} | {v:.4f} | {r['temperature']:g} |" for r in he["by_temperature"]
+                  for k, v in r["pass_at"].items()]
+        lines.append("")
+    ppl = {k: v for k, v in results.get("perplexity", {}).items() if v}
+    if ppl:
+        lines += ["| perplexity on | tokens | loss | perplexity |", "|---|---|---|---|"]
+        lines += [f"| {'held-out ' + v['split'] + ' split' if k == 'heldout' else f'`{k}`'} | "
+                  f"{v['tokens']:,} | {v['loss']:.4f} | {v['perplexity']:.3f} |" for k, v in ppl.items()]
+        lines.append("")
+    return "\n".join(lines) or "No evaluation was configured.\n"
+
+
+def replace_section(out_dir: Path, title: str, body: str) -> None:
+    """Put ``## title`` with ``body`` into the card (README.md), replacing an earlier one of that title."""
+    path = out_dir / "README.md"
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    head = f"## {title}\n"
+    if head in text:
+        before, rest = text.split(head, 1)
+        after = rest[rest.find("\n## "):] if "\n## " in rest else ""
+        text = before + after.lstrip("\n")
+    write_card(out_dir, text.rstrip("\n") + f"\n\n{head}\n{body.rstrip()}\n")
