@@ -20,10 +20,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainer.model import GPTConfig
-from trainer.parallel import ParallelConfig, ParallelState, build_model, clip_grad_norm, eval_step, train_step
+from trainer.parallel import (
+    ParallelConfig,
+    ParallelState,
+    build_model,
+    clip_grad_norm,
+    eval_step,
+    sharding,
+    train_step,
+)
 
 CFG = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
                 hidden_dropout=0.0, attention_dropout=0.0)
+# The Llama options at the same size: GQA (2 KV groups for 4 heads, so tp=2 holds one group per rank),
+# rope with a non-default base, RMSNorm, SwiGLU (ffn 64: the GLU split), no biases, an untied head.
+LLAMA_CFG = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16,
+                      vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0, position_embedding="rope",
+                      rotary_base=500000.0, normalization="rmsnorm", activation="swiglu", ffn_hidden_size=64,
+                      add_bias_linear=False, tie_word_embeddings=False)
+MODELS = {"gpt": CFG, "llama": LLAMA_CFG}
 KERNELS = "csrc"  # the fused CPU kernels: layouts must agree with them too
 SEED, STEPS, MICRO_BATCH, GLOBAL_BATCH = 1234, 20, 2, 8
 LR, MAX_NORM = 3e-3, 1.0
@@ -119,6 +134,8 @@ def train_and_record(model, steps: int = STEPS) -> dict:
     ps = model.pstate
     rec = {"coords": (ps.tp_rank, ps.pp_rank, ps.dp_rank), "losses": [], "norms": [], "overlap": [],
            "dims": {model.module.global_name(n): d for n, d in model.partition_dims.items()},
+           "kinds": {model.module.global_name(n): sharding.kind(n, model.module.cfg.activation == "swiglu")
+                     for n in model.partition_dims},
            "init": snapshot(model, "params"), "n_buckets": len(model.grads.buckets)}
     state: dict = {}
     for step in range(steps):
@@ -133,12 +150,13 @@ def train_and_record(model, steps: int = STEPS) -> dict:
     return rec
 
 
-def parity_job(ranks: list[int], tp: int, pp: int, sp: bool, schedule: str, outdir: str) -> None:
-    """Train one layout over ``ranks`` and save this rank's record."""
+def parity_job(ranks: list[int], tp: int, pp: int, sp: bool, schedule: str, outdir: str,
+               model: str = "gpt") -> None:
+    """Train one layout of ``MODELS[model]`` over ``ranks`` and save this rank's record."""
     pstate = ParallelState.build(tp, pp, ranks)
     pcfg = ParallelConfig(tp_size=tp, pp_size=pp, sequence_parallel=sp, schedule=schedule,
                           bucket_size_mb=0.01)
-    rec = train_and_record(build_model(CFG, pcfg, pstate, SEED, kernels=KERNELS))
+    rec = train_and_record(build_model(MODELS[model], pcfg, pstate, SEED, kernels=KERNELS))
     torch.save(rec, os.path.join(outdir, f"{layout_tag(tp, pp, len(ranks) // (tp * pp), sp)}"
                                          f".{position(ranks)}.pt"))
     pstate.destroy()
@@ -148,12 +166,12 @@ def layout_tag(tp: int, pp: int, dp: int, sp: bool) -> str:
     return f"tp{tp}_pp{pp}_dp{dp}" + ("_sp" if sp else "")
 
 
-def reference_record() -> dict:
+def reference_record(model: str = "gpt") -> dict:
     """The single-process run, with no torch.distributed at all (one thread, like the workers)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        single = build_model(CFG, ParallelConfig(), ParallelState.single(), SEED, kernels=KERNELS)
+        single = build_model(MODELS[model], ParallelConfig(), ParallelState.single(), SEED, kernels=KERNELS)
         return train_and_record(single)
     finally:
         torch.set_num_threads(threads)
@@ -172,9 +190,8 @@ def assemble(records: list[dict], key: str) -> dict[str, torch.Tensor]:
         for name, t in rec[key].items():
             ref = by_name[name][tp_rank if rec["dims"][name] is not None else 0]
             torch.testing.assert_close(t, ref, rtol=1e-6, atol=1e-9, msg=f"{key} {name} replica differs")
-    dims = {n: d for rec in records for n, d in rec["dims"].items()}
-    return {name: shards[0] if dims[name] is None else \
-        torch.cat([shards[i] for i in sorted(shards)], dims[name])
+    kinds = {n: k for rec in records for n, k in rec["kinds"].items()}  # the GLU split is not a plain cat
+    return {name: sharding.merge_tp([shards[i] for i in sorted(shards)], kinds[name])
             for name, shards in by_name.items()}
 
 

@@ -74,7 +74,7 @@ class SlipwayGPTSource:
                         num_attention_heads=spec.num_attention_heads, seq_length=spec.max_position_embeddings,
                         vocab_size=spec.vocab_size, max_position_embeddings=spec.max_position_embeddings,
                         hidden_dropout=0.0, attention_dropout=0.0, ffn_hidden_size=spec.ffn_hidden_size,
-                        layernorm_epsilon=spec.layernorm_epsilon)
+                        norm_epsilon=spec.layernorm_epsilon)
         with torch.device("meta"):
             self.model = GPT(cfg, padded_vocab_size=spec.padded_vocab_size, kernels="eager")
         # The GPT's flat names are Megatron's without the language_model. prefix; assign=True adopts

@@ -200,6 +200,7 @@ def finish_grad_sync(model: ParallelModel) -> None:
         flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), ps.tp_group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))
-    if ps.pp_size > 1 and (ps.is_first_stage or ps.is_last_stage):  # tied embedding: first + last stage
+    tied = model.module.cfg.tie_word_embeddings  # an untied head (output_layer) has no copy to sync
+    if tied and ps.pp_size > 1 and (ps.is_first_stage or ps.is_last_stage):  # tied: first + last stage
         comm.all_reduce(model.module.head_weight().grad if ps.is_last_stage
                         else model.module.embedding.word_embeddings.weight.grad, ps.embedding_group)
