@@ -157,11 +157,10 @@ def _observed(args: Any, state: dict[str, torch.Tensor]) -> dict[str, int]:
     wte = state[names.WORD_EMBEDDINGS]
     h_to_4h = state[names.ENCODER + "layers.0.mlp.dense_h_to_4h.weight"]
     ffn = state[names.ENCODER + "layers.0.mlp.dense_4h_to_h.weight"].shape[1]
-    glu = 2 if arg(args, "swiglu", False) else 1
-    if h_to_4h.shape[0] != glu * ffn:
-        raise CheckpointError(f"dense_h_to_4h has {h_to_4h.shape[0]} rows for ffn_hidden_size={ffn}; "
-                              f"expected {glu * ffn} (args swiglu={bool(arg(args, 'swiglu', False))}): the args "
-                              "do not belong to these weights")
+    swiglu = bool(arg(args, "swiglu", False))
+    if h_to_4h.shape[0] != (2 if swiglu else 1) * ffn:
+        raise CheckpointError(f"dense_h_to_4h has {h_to_4h.shape[0]} rows for ffn_hidden_size={ffn}, which "
+                              f"does not fit args swiglu={swiglu}: the args do not belong to these weights")
     observed = {"num_layers": sum(1 for n in state if n.endswith(".input_layernorm.weight")),
                 "hidden_size": wte.shape[1], "ffn_hidden_size": ffn, "padded_vocab_size": wte.shape[0]}
     if names.POSITION_EMBEDDINGS in state:
