@@ -130,7 +130,8 @@ def _model_entry(model: ParallelModel, fmt: str) -> dict:
 
 def load_model_entry(model: ParallelModel, entry: dict) -> None:
     """Weights from a shard's ``model`` in either naming (and any Megatron naming era)."""
-    model.load_megatron_state_dict(nest(gpt_flat(entry)))
+    untied = not model.module.cfg.tie_word_embeddings  # mcore's output_layer: the untied head, not a copy
+    model.load_megatron_state_dict(nest(gpt_flat(entry, untied=untied)))
 
 
 def train_state_from(shard: dict) -> TrainState:
@@ -187,7 +188,8 @@ def restore_merged(iter_dir: Path, model: ParallelModel) -> TrainState:
     """Weights from a Megatron-core torch_dist checkpoint (full tensors in the file), sliced for this
     rank at any layout; the optimizer, schedule and iteration start fresh (checkpoint.load=model-only)."""
     flat, meta = dist.load_dist(iter_dir)
-    legacy = normalise_names(flat, mcore=True, where=iter_dir)
+    untied = not model.module.cfg.tie_word_embeddings
+    legacy = normalise_names(flat, mcore=True, where=iter_dir, untied=untied)
     src = reshard.MergedSource({n.removeprefix(LEGACY_PREFIX): t for n, t in legacy.items()})
     model.load_megatron_state_dict(nest(reshard.reshard_model(src, _local_names(model), _target(model))))
     log.warning("loaded the weights of torch_dist checkpoint %s (iteration %s) at tp=%d pp=%d", iter_dir,
@@ -200,9 +202,10 @@ def _local_names(model: ParallelModel) -> list[str]:
 
 
 def _target(model: ParallelModel) -> reshard.Target:
-    ps, stage = model.pstate, model.module.stage
+    ps, stage, cfg = model.pstate, model.module.stage, model.module.cfg
     return reshard.Target(ps.tp_rank, ps.tp_size, stage.layer_start, stage.layer_end, stage.pre_process,
-                          stage.post_process, model.module.padded_vocab_size)
+                          stage.post_process, model.module.padded_vocab_size, cfg.activation == "swiglu",
+                          not cfg.tie_word_embeddings)
 
 
 def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any], model: ParallelModel,
@@ -211,8 +214,9 @@ def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any]
     moments); RNG states are not carried over (they belong to the old layout's ranks)."""
     src_tp, src_pp, args = saved
     ps = model.pstate
-    src = reshard.SourceCheckpoint(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")))
     target, local = _target(model), _local_names(model)
+    src = reshard.SourceCheckpoint(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")),
+                                   target.swiglu, target.untied)
     model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)))
     log.warning("resharded checkpoint iteration %d from tp=%d pp=%d to tp=%d pp=%d", iteration, src_tp,
                 src_pp, ps.tp_size, ps.pp_size)

@@ -19,7 +19,7 @@ from trainer.checkpoint.layout import SHARD_FILE, CheckpointError, iter_dir_name
 from trainer.checkpoint.protocol import load_file
 from trainer.convert.mcore import gpt_flat
 from trainer.model.names import layer_index, renumber
-from trainer.parallel.sharding import VOCAB, kind, stage_of_layer, tp_dim
+from trainer.parallel.sharding import DIM, VOCAB, kind, merge_tp, split_tp, stage_of_layer
 
 WORD = "embedding.word_embeddings.weight"
 HEAD = "word_embeddings_for_head.weight"
@@ -36,16 +36,20 @@ class Target:
     pre_process: bool
     post_process: bool
     padded_vocab_size: int
+    swiglu: bool = False  # the MLP's first matrix splits as the sharding table's GLU kind
+    untied: bool = False  # an untied output layer (mcore's output_layer.weight is that, not a head copy)
 
 
 class SourceCheckpoint:
     """The shards of one saved iteration, loaded lazily per pipeline stage (memory-mapped)."""
 
-    def __init__(self, ckpt_dir: str, iteration: int, tp_size: int, pp_size: int, num_layers: int) -> None:
+    def __init__(self, ckpt_dir: str, iteration: int, tp_size: int, pp_size: int, num_layers: int,
+                 swiglu: bool = False, untied: bool = False) -> None:
         if num_layers % pp_size:
             raise CheckpointError(f"saved num_layers={num_layers} is not divisible by its pp={pp_size}")
         self.base = os.path.join(ckpt_dir, iter_dir_name(iteration))
         self.tp_size, self.pp_size, self.num_layers = tp_size, pp_size, num_layers
+        self.swiglu, self.untied = swiglu, untied
         self._stages: dict[int, list[dict]] = {}
 
     def stage(self, pp_rank: int) -> list[dict]:
@@ -57,7 +61,8 @@ class SourceCheckpoint:
                 if not os.path.isfile(path):
                     raise CheckpointError(f"{path} is missing: the checkpoint is incomplete")
                 raw = load_file(path, mmap=True)
-                shards.append({"model": gpt_flat(raw["model"], path), "moments": _moments_by_name(raw),
+                shards.append({"model": gpt_flat(raw["model"], path, self.untied),
+                               "moments": _moments_by_name(raw),
                                "raw": raw})
             self._stages[pp_rank] = shards
         return self._stages[pp_rank]
@@ -85,10 +90,9 @@ class SourceCheckpoint:
                 raise CheckpointError(f"{global_name} ({key or 'weights'}) is not in the saved stage "
                                       f"{pp_rank}: the checkpoint does not match this model")
             parts.append(table[wanted])
-        dim = tp_dim(local)
-        if dim is None or self.tp_size == 1 or not torch.is_tensor(parts[0]) or parts[0].dim() == 0:
+        if not torch.is_tensor(parts[0]):
             return parts[0]
-        return torch.cat(parts, dim=dim)
+        return merge_tp(parts, kind(local, self.swiglu))
 
 
 class MergedSource:
@@ -129,12 +133,12 @@ def _fit_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def target_slice(full: torch.Tensor, local_name: str, target: Target) -> torch.Tensor:
     """This rank's shard of a full tensor."""
-    if kind(local_name) == VOCAB:
+    split = kind(local_name, target.swiglu)
+    if split == VOCAB:
         full = _fit_vocab(full, target.padded_vocab_size)
-    dim = tp_dim(local_name)
-    if dim is None or target.tp_size == 1 or full.dim() == 0:
+    if DIM[split] is None or target.tp_size == 1 or full.dim() == 0:
         return full.clone()
-    return torch.chunk(full, target.tp_size, dim=dim)[target.tp_rank].clone()
+    return split_tp(full, split, target.tp_size)[target.tp_rank].clone()
 
 
 def reshard_model(src: SourceCheckpoint | MergedSource, local_names: list[str], target: Target
