@@ -22,7 +22,8 @@ def test_llama_trains_at_tp2_pp2_and_reshards_to_one_process(tmp_path):
     data = write_dataset(str(tmp_path / "data"))
     src = tiny_config(str(tmp_path / "src"), data, parallel={"tp_size": 2, "pp_size": 2}, model=LLAMA,
                       checkpoint={"keep": 2, "format": "mcore"},
-                      train={"iters": 6, "micro_batch_size": 1, "global_batch_size": 2, "eval_interval": None})
+                      train={"iters": 6, "micro_batch_size": 1, "global_batch_size": 2,
+                             "eval_interval": None})
     spawn(4, str(tmp_path), _train_source, src, str(tmp_path / "src"))
     source = load_json(f"{tmp_path}/src.0")
     assert source["losses"], "the tp2 pp2 run logged no losses"
