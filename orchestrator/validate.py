@@ -56,6 +56,9 @@ def _divisibility(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
                 "choose a tp_size that divides the number of heads",
             )
         )
+    # Grouped-query attention: tp must divide the KV groups too (the model section's own rule).
+    out += [Problem(i.code, i.key, i.value, i.message, i.fix) for i in m.tp_issues(p.tp_size)
+            if i.code == "tp_num_query_groups" and m.query_groups != m.num_attention_heads]
     if p.pp_size > 0 and m.num_layers % p.pp_size:
         out.append(
             Problem(

@@ -7,7 +7,8 @@ architecture's fixed values), with the run's own facts added:
 
     num_layers, hidden_size, ffn_hidden_size, num_attention_heads, kv_channels, seq_length,
     max_position_embeddings, vocab_size (the tokenizer's), padded_vocab_size, make_vocab_size_divisible_by,
-    layernorm_epsilon, hidden_dropout, attention_dropout, init_method_std, tensor_model_parallel_size,
+    the architecture (ModelConfig.megatron_architecture: norm_epsilon, rope, RMSNorm, SwiGLU, GQA, biases,
+    untied head), hidden_dropout, attention_dropout, init_method_std, tensor_model_parallel_size,
     pipeline_model_parallel_size, virtual_pipeline_model_parallel_size and
     num_layers_per_virtual_pipeline_stage (None without interleaving), data_parallel_size, world_size,
     sequence_parallel, micro_batch_size, global_batch_size, train_iters, iteration,
@@ -71,7 +72,7 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
         "seq_length": gpt.seq_length, "max_position_embeddings": gpt.max_position_embeddings,
         "vocab_size": gpt.vocab_size, "padded_vocab_size": gpt.padded_vocab_size(ps.tp_size),
         "make_vocab_size_divisible_by": gpt.make_vocab_size_divisible_by,
-        "layernorm_epsilon": gpt.layernorm_epsilon, "hidden_dropout": gpt.hidden_dropout,
+        **gpt.megatron_architecture(), "hidden_dropout": gpt.hidden_dropout,
         "attention_dropout": gpt.attention_dropout, "init_method_std": gpt.init_std,
         "tensor_model_parallel_size": ps.tp_size, "pipeline_model_parallel_size": ps.pp_size,
         **_virtual_args(gpt, model), "data_parallel_size": ps.dp_size, "world_size": ps.world_size,
@@ -149,6 +150,11 @@ def _model_entries(model: ParallelModel, fmt: str) -> dict:
     return out
 
 
+def _untied(model: ParallelModel) -> bool:
+    """mcore's output_layer is the untied head, not a copy of the embeddings."""
+    return not model.chunks[0].cfg.tie_word_embeddings
+
+
 def load_model_entries(model: ParallelModel, shard: dict) -> None:
     """Weights from a shard's ``model`` (or ``model0`` … per chunk) in either naming (and any Megatron
     naming era)."""
@@ -157,16 +163,17 @@ def load_model_entries(model: ParallelModel, shard: dict) -> None:
         raise ckpt.CheckpointError(f"the shard holds {len(entries)} model chunk(s), this model "
                                    f"{len(model.chunks)} (parallel.virtual_pp_size): load it resharded")
     for c, entry in enumerate(entries):
-        model.load_megatron_state_dict(nest(gpt_flat(entry)), c)
+        model.load_megatron_state_dict(nest(gpt_flat(entry, untied=_untied(model))), c)
 
 
 def named_weights(model: ParallelModel, shard: dict) -> dict[str, torch.Tensor]:
     """A shard's weights flat, by the model's parameter names (global layer numbers with chunks)."""
     entries = chunk_entries(shard, "the checkpoint shard")
-    if len(entries) == 1:
-        return gpt_flat(entries[0])
-    return {chunk.global_name(n): t for chunk, entry in zip(model.chunks, entries, strict=True)
-            for n, t in gpt_flat(entry).items()}
+    flats = [gpt_flat(entry, untied=_untied(model)) for entry in entries]
+    if len(flats) == 1:
+        return flats[0]
+    return {chunk.global_name(n): t for chunk, flat in zip(model.chunks, flats, strict=True)
+            for n, t in flat.items()}
 
 
 def train_state_from(shard: dict) -> TrainState:
@@ -225,7 +232,7 @@ def restore_merged(iter_dir: Path, model: ParallelModel) -> TrainState:
     """Weights from a Megatron-core torch_dist checkpoint (full tensors in the file), sliced for this
     rank at any layout; the optimizer, schedule and iteration start fresh (checkpoint.load=model-only)."""
     flat, meta = dist.load_dist(iter_dir)
-    legacy = normalise_names(flat, mcore=True, where=iter_dir)
+    legacy = normalise_names(flat, mcore=True, where=iter_dir, untied=_untied(model))
     src = reshard.MergedSource({n.removeprefix(LEGACY_PREFIX): t for n, t in legacy.items()})
     for c, (local, target) in enumerate(_targets(model)):
         model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)), c)
@@ -238,10 +245,11 @@ def _targets(model: ParallelModel) -> list[tuple[list[str], reshard.Target]]:
     """Per model chunk: its (chunk-local) parameter names and what it holds."""
     ps, out = model.pstate, []
     for chunk in model.chunks:
-        stage = chunk.stage
+        stage, cfg = chunk.stage, chunk.cfg
         out.append(([n for n, _ in chunk.named_parameters()],
                     reshard.Target(ps.tp_rank, ps.tp_size, stage.layer_start, stage.layer_end,
-                                   stage.pre_process, stage.post_process, chunk.padded_vocab_size)))
+                                   stage.pre_process, stage.post_process, chunk.padded_vocab_size,
+                                   cfg.activation == "swiglu", not cfg.tie_word_embeddings)))
     return out
 
 
@@ -251,9 +259,11 @@ def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any]
     moments); RNG states are not carried over (they belong to the old layout's ranks)."""
     src_tp, src_pp, args = saved
     ps, src_v = model.pstate, virtual_size(args)
-    # DistribSource: a SourceCheckpoint that also reads distrib_optim.pt (distributed optimizer)
-    src = DistribSource(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")), src_v)
     targets = _targets(model)
+    first_target = targets[0][1]
+    # DistribSource: a SourceCheckpoint that also reads distrib_optim.pt (distributed optimizer)
+    src = DistribSource(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")), src_v,
+                        first_target.swiglu, first_target.untied)
     for c, (local, target) in enumerate(targets):
         model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)), c)
     log.warning("resharded checkpoint iteration %d from tp=%d pp=%d v=%d to tp=%d pp=%d v=%d", iteration,

@@ -185,7 +185,7 @@ def test_tokenizer_found_beside_checkpoint(tmp_path, tokenizer_dir):
 
 
 def test_fp8_and_moe_args_are_refused_with_the_feature_named():
-    from trainer.convert.spec import check_gpt2_args
+    from trainer.convert.spec import check_convertible as check_gpt2_args
 
     with pytest.raises(CheckpointError, match="fp8"):
         check_gpt2_args(argparse.Namespace(fp8="hybrid"))

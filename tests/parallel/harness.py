@@ -21,10 +21,25 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainer.model import GPTConfig
-from trainer.parallel import ParallelConfig, ParallelState, build_model, clip_grad_norm, eval_step, train_step
+from trainer.parallel import (
+    ParallelConfig,
+    ParallelState,
+    build_model,
+    clip_grad_norm,
+    eval_step,
+    sharding,
+    train_step,
+)
 
 CFG = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
                 hidden_dropout=0.0, attention_dropout=0.0)
+# The Llama options at the same size: GQA (2 KV groups for 4 heads, so tp=2 holds one group per rank),
+# rope with a non-default base, RMSNorm, SwiGLU (ffn 64: the GLU split), no biases, an untied head.
+LLAMA_CFG = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16,
+                      vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0, position_embedding="rope",
+                      rotary_base=500000.0, normalization="rmsnorm", activation="swiglu", ffn_hidden_size=64,
+                      add_bias_linear=False, tie_word_embeddings=False)
+MODELS = {"gpt": CFG, "llama": LLAMA_CFG}
 KERNELS = "csrc"  # the fused CPU kernels: layouts must agree with them too
 SEED, STEPS, MICRO_BATCH, GLOBAL_BATCH = 1234, 20, 2, 8
 LR, MAX_NORM = 3e-3, 1.0
@@ -120,6 +135,8 @@ def train_and_record(model, steps: int = STEPS) -> dict:
     ps = model.pstate
     rec = {"coords": (ps.tp_rank, ps.pp_rank, ps.dp_rank), "losses": [], "norms": [], "overlap": [],
            "dims": {model.global_name(n): d for n, d in model.partition_dims.items()},
+           "kinds": {model.global_name(n): sharding.kind(n, model.chunks[0].cfg.activation == "swiglu")
+                     for n in model.partition_dims},
            "init": snapshot(model, "params"), "n_buckets": len(model.grads.buckets)}
     state: dict = {}
     for step in range(steps):
@@ -135,15 +152,15 @@ def train_and_record(model, steps: int = STEPS) -> dict:
 
 
 def parity_job(ranks: list[int], tp: int, pp: int, sp: bool, schedule: str, outdir: str, vp: int = 1,
-               num_layers: int = CFG.num_layers) -> None:
-    """Train one layout over ``ranks`` (``vp`` model chunks per stage, a ``num_layers`` GPT) and save this
-    rank's record."""
+               num_layers: int | None = None, model: str = "gpt") -> None:
+    """Train one layout of ``MODELS[model]`` over ``ranks`` (``vp`` model chunks per stage, a
+    ``num_layers`` GPT; None: the model's own) and save this rank's record."""
     pstate = ParallelState.build(tp, pp, ranks)
     pcfg = ParallelConfig(tp_size=tp, pp_size=pp, virtual_pp_size=vp, sequence_parallel=sp,
                           schedule=schedule, bucket_size_mb=0.01)
-    cfg = dataclasses.replace(CFG, num_layers=num_layers)
+    cfg = dataclasses.replace(MODELS[model], num_layers=num_layers or MODELS[model].num_layers)
     rec = train_and_record(build_model(cfg, pcfg, pstate, SEED, kernels=KERNELS))
-    tag = layout_tag(tp, pp, len(ranks) // (tp * pp), sp, vp, num_layers)
+    tag = layout_tag(tp, pp, len(ranks) // (tp * pp), sp, vp, cfg.num_layers)
     torch.save(rec, os.path.join(outdir, f"{tag}.{position(ranks)}.pt"))
     pstate.destroy()
 
@@ -153,12 +170,12 @@ def layout_tag(tp: int, pp: int, dp: int, sp: bool, vp: int = 1, num_layers: int
             + (f"_L{num_layers}" if num_layers != CFG.num_layers else ""))
 
 
-def reference_record(num_layers: int = CFG.num_layers) -> dict:
+def reference_record(num_layers: int | None = None, model: str = "gpt") -> dict:
     """The single-process run, with no torch.distributed at all (one thread, like the workers)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cfg = dataclasses.replace(CFG, num_layers=num_layers)
+        cfg = dataclasses.replace(MODELS[model], num_layers=num_layers or MODELS[model].num_layers)
         single = build_model(cfg, ParallelConfig(), ParallelState.single(), SEED, kernels=KERNELS)
         return train_and_record(single)
     finally:
@@ -178,9 +195,8 @@ def assemble(records: list[dict], key: str) -> dict[str, torch.Tensor]:
         for name, t in rec[key].items():
             ref = by_name[name][tp_rank if rec["dims"][name] is not None else 0]
             torch.testing.assert_close(t, ref, rtol=1e-6, atol=1e-9, msg=f"{key} {name} replica differs")
-    dims = {n: d for rec in records for n, d in rec["dims"].items()}
-    return {name: shards[0] if dims[name] is None else \
-        torch.cat([shards[i] for i in sorted(shards)], dims[name])
+    kinds = {n: k for rec in records for n, k in rec["kinds"].items()}  # the GLU split is not a plain cat
+    return {name: sharding.merge_tp([shards[i] for i in sorted(shards)], kinds[name])
             for name, shards in by_name.items()}
 
 

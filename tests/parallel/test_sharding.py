@@ -22,11 +22,17 @@ from trainer.parallel.state import Group
 CFG = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100)
 
 
-def _stage(first: bool, last: bool, tp: int) -> GPT:
+# The Llama options: GQA, SwiGLU (the GLU split), RMSNorm, no biases, an untied head (output_layer).
+LLAMA = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16,
+                  vocab_size=100, position_embedding="rope", normalization="rmsnorm", activation="swiglu",
+                  add_bias_linear=False, tie_word_embeddings=False)
+
+
+def _stage(first: bool, last: bool, tp: int, cfg: GPTConfig = CFG) -> GPT:
     """One pipeline stage (layers 2-3 when it is not the first), TP-planned for ``tp`` ranks on meta."""
     stage = StageSpec(0 if first else 2, 2 if not last else 4, pre_process=first, post_process=last)
     with torch.device("meta"):
-        model = GPT(CFG, stage, padded_vocab_size=CFG.padded_vocab_size(tp), kernels="eager")
+        model = GPT(cfg, stage, padded_vocab_size=cfg.padded_vocab_size(tp), kernels="eager")
         if tp > 1:
             pstate = SimpleNamespace(tp_size=tp, tp_group=Group(tuple(range(tp))))
             apply_tensor_parallel(model, pstate, sequence_parallel=True, tracker=RNGTracker())
@@ -42,7 +48,9 @@ def test_every_parameter_has_exactly_one_row_and_no_row_is_stale():
     whole = {n for n, _ in _stage(True, True, 1).named_parameters()}
     last = {n for n, _ in _stage(False, True, 1).named_parameters()}  # holds word_embeddings_for_head
     seen = whole | {n for n in last if layer_index(n) is None}
-    assert seen == _table_names(CFG.num_layers)
+    llama = {n for n, _ in _stage(True, True, 1, LLAMA).named_parameters()}  # + output_layer
+    assert llama <= _table_names(CFG.num_layers) and "output_layer.weight" in llama
+    assert seen | llama == _table_names(CFG.num_layers)
 
 
 @pytest.mark.parametrize("first,last", [(True, False), (False, True)])
@@ -92,3 +100,30 @@ def test_reshard_slices_the_last_stages_head_copy_like_the_embedding():
                             post_process=True, padded_vocab_size=256)
     got = reshard.target_slice(full, "word_embeddings_for_head.weight", target)
     assert got.shape == (128, 2) and torch.equal(got[:2], full[128:130]) and not got[2:].any()
+
+
+def test_glu_split_gives_each_rank_matching_gate_and_up_halves():
+    """SwiGLU's [gate; up] rows: rank r holds [gate_r; up_r] (Megatron's per-rank layout), not rows r."""
+    full = torch.arange(8 * 2).reshape(8, 2)  # gate rows 0-3, up rows 4-7
+    parts = sharding.split_tp(full, sharding.GLU, 2)
+    assert [p[:, 0].div(2).tolist() for p in parts] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert torch.equal(sharding.merge_tp(parts, sharding.GLU), full)
+    assert torch.equal(sharding.merge_tp(sharding.split_tp(full, sharding.COLUMN, 2), sharding.COLUMN), full)
+    name = "encoder.layers.1.mlp.dense_h_to_4h.weight"
+    assert sharding.kind(name) == sharding.COLUMN and sharding.kind(name, swiglu=True) == sharding.GLU
+    assert sharding.kind("encoder.layers.1.mlp.dense_4h_to_h.weight", swiglu=True) == sharding.ROW
+    with pytest.raises(ValueError, match="does not split into tp=3"):
+        sharding.split_tp(full, sharding.GLU, 3)
+
+
+def test_the_llama_tp_plan_splits_groups_glu_halves_and_the_untied_head():
+    model = _stage(True, True, tp=2, cfg=LLAMA)
+    layer = model.encoder.layers[0]
+    d, ffn = LLAMA.head_dim, LLAMA.ffn_hidden_size
+    # [ng, np/ng + 2, d] rows split by whole KV groups: one group (2 q heads, k, v) per rank.
+    assert layer.self_attention.query_key_value.weight.shape == (4 * d, 32)
+    assert layer.mlp.dense_h_to_4h.weight.shape == (ffn, 32) and layer.mlp.dense_h_to_4h.glu
+    assert layer.mlp.dense_h_to_4h.bias is None and layer.self_attention.dense.bias is None
+    assert model.output_layer.weight.shape == (LLAMA.padded_vocab_size(2) // 2, 32)
+    assert tp_partition_dims(model)["output_layer.weight"] == 0
+    assert not hasattr(model, "word_embeddings_for_head")

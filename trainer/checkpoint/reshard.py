@@ -22,7 +22,16 @@ from trainer.checkpoint.layout import SHARD_FILE, CheckpointError, iter_dir_name
 from trainer.checkpoint.protocol import load_file
 from trainer.convert.mcore import gpt_flat
 from trainer.model.names import layer_index, renumber
-from trainer.parallel.sharding import VOCAB, chunk_of_layer, kind, layers_per_stage, stage_layers, tp_dim
+from trainer.parallel.sharding import (
+    DIM,
+    VOCAB,
+    chunk_of_layer,
+    kind,
+    layers_per_stage,
+    merge_tp,
+    split_tp,
+    stage_layers,
+)
 
 WORD = "embedding.word_embeddings.weight"
 HEAD = "word_embeddings_for_head.weight"
@@ -39,6 +48,8 @@ class Target:
     pre_process: bool
     post_process: bool
     padded_vocab_size: int
+    swiglu: bool = False  # the MLP's first matrix splits as the sharding table's GLU kind
+    untied: bool = False  # an untied output layer (mcore's output_layer.weight is that, not a head copy)
 
 
 class SourceCheckpoint:
@@ -46,7 +57,7 @@ class SourceCheckpoint:
     ``virtual_pp_size`` model chunks per stage. Tensors and moments are keyed by global names."""
 
     def __init__(self, ckpt_dir: str, iteration: int, tp_size: int, pp_size: int, num_layers: int,
-                 virtual_pp_size: int = 1) -> None:
+                 virtual_pp_size: int = 1, swiglu: bool = False, untied: bool = False) -> None:
         try:
             layers_per_stage(num_layers, pp_size, virtual_pp_size)
         except ValueError as e:
@@ -54,6 +65,7 @@ class SourceCheckpoint:
         self.base = os.path.join(ckpt_dir, iter_dir_name(iteration))
         self.tp_size, self.pp_size, self.num_layers = tp_size, pp_size, num_layers
         self.virtual_pp_size = virtual_pp_size
+        self.swiglu, self.untied = swiglu, untied
         self._stages: dict[int, list[dict]] = {}
 
     def stage(self, pp_rank: int) -> list[dict]:
@@ -79,7 +91,7 @@ class SourceCheckpoint:
         flat: dict[str, torch.Tensor] = {}
         for c, entry in enumerate(entries):  # stored numbers are local to the chunk (Megatron's)
             offset = stage_layers(self.num_layers, self.pp_size, pp_rank, self.virtual_pp_size, c).start
-            flat.update({renumber(n, offset): t for n, t in gpt_flat(entry, path).items()})
+            flat.update({renumber(n, offset): t for n, t in gpt_flat(entry, path, self.untied).items()})
         return flat
 
     def _global_moments(self, raw: dict, pp_rank: int) -> dict[str, dict[str, torch.Tensor]]:
@@ -113,10 +125,9 @@ class SourceCheckpoint:
                 raise CheckpointError(f"{global_name} ({key or 'weights'}) is not in the saved stage "
                                       f"{pp_rank}: the checkpoint does not match this model")
             parts.append(table[wanted])
-        dim = tp_dim(local)
-        if dim is None or self.tp_size == 1 or not torch.is_tensor(parts[0]) or parts[0].dim() == 0:
+        if not torch.is_tensor(parts[0]):
             return parts[0]
-        return torch.cat(parts, dim=dim)
+        return merge_tp(parts, kind(local, self.swiglu))
 
 
 class MergedSource:
@@ -157,12 +168,12 @@ def _fit_vocab(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 def target_slice(full: torch.Tensor, local_name: str, target: Target) -> torch.Tensor:
     """This rank's shard of a full tensor."""
-    if kind(local_name) == VOCAB:
+    split = kind(local_name, target.swiglu)
+    if split == VOCAB:
         full = _fit_vocab(full, target.padded_vocab_size)
-    dim = tp_dim(local_name)
-    if dim is None or target.tp_size == 1 or full.dim() == 0:
+    if DIM[split] is None or target.tp_size == 1 or full.dim() == 0:
         return full.clone()
-    return torch.chunk(full, target.tp_size, dim=dim)[target.tp_rank].clone()
+    return split_tp(full, split, target.tp_size)[target.tp_rank].clone()
 
 
 def reshard_model(src: SourceCheckpoint | MergedSource, local_names: list[str], target: Target

@@ -13,6 +13,12 @@ from trainer.checks import ConfigIssue, Section, choice, issue, positive
 from trainer.formulas import padded_vocab_size
 
 ATTENTION_BACKENDS = ("sdpa", "softmax")
+POSITION_EMBEDDINGS = ("learned", "rope")
+NORMALIZATIONS = ("layernorm", "rmsnorm")
+ACTIVATIONS = ("gelu", "swiglu")
+# Our values → Megatron's (args.position_embedding_type, args.normalization); readers invert these.
+MEGATRON_POSITION = {"learned": "learned_absolute", "rope": "rope"}
+MEGATRON_NORMALIZATION = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
 SCHEDULES = ("1f1b", "afab")
 
 
@@ -34,7 +40,8 @@ class ModelConfig(Section):
     """The tokenizer's vocabulary size (unpadded; the embedding is padded to a multiple of
     make_vocab_size_divisible_by × tp_size); null: read from tokenizer.vocab_file."""
     ffn_hidden_size: int | None = None
-    """MLP inner width; null: 4 × hidden_size."""
+    """MLP inner width; null: 4 × hidden_size, or with activation=swiglu Megatron's
+    int(4·hidden_size·2/3 / 64)·64 (the gated MLP's three matrices then hold about what GeLU's two do)."""
     hidden_dropout: float = 0.1
     """Dropout probability on the embeddings and the residual branches (attention and MLP outputs)."""
     attention_dropout: float = 0.1
@@ -42,8 +49,31 @@ class ModelConfig(Section):
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation (output projections are scaled by
     1/sqrt(2·num_layers), as in Megatron)."""
-    layernorm_epsilon: float = 1.0e-5
-    """LayerNorm epsilon (GPT-2 / Megatron: 1e-5)."""
+    norm_epsilon: float = 1.0e-5
+    """Epsilon of every LayerNorm/RMSNorm (Megatron's --norm-epsilon; GPT-2: 1e-5, Llama 3: 1e-5,
+    Llama 2: 1e-6)."""
+    position_embedding: str = "learned"
+    """learned: absolute position embeddings (GPT-2); rope: rotary embeddings applied to q and k in every
+    layer, no position table (Megatron's --position-embedding-type rope; Su et al. 2021)."""
+    rotary_base: float = 10000.0
+    """Rotary base θ (Megatron's --rotary-base; HF rope_theta): 10000, Llama 3: 500000."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's dims that rotate (Megatron's --rotary-percent); 1.0 for Llama (HF's
+    LlamaForCausalLM has no partial rotary, so to_hf needs 1.0)."""
+    normalization: str = "layernorm"
+    """layernorm (weight and bias) or rmsnorm (weight only; Megatron's --normalization RMSNorm)."""
+    activation: str = "gelu"
+    """gelu: h → ffn → GeLU(tanh) → h; swiglu: h → [gate | up] (2 × ffn) → SiLU(gate)·up → h
+    (Megatron's --swiglu; Shazeer 2020)."""
+    num_query_groups: int | None = None
+    """Key/value heads for grouped-query attention (Megatron's --group-query-attention
+    --num-query-groups; HF num_key_value_heads); must divide num_attention_heads; 1 is multi-query;
+    null: num_attention_heads (multi-head attention). parallel.tp_size must divide it."""
+    add_bias_linear: bool = True
+    """Biases in every linear layer (false: Megatron's --disable-bias-linear, as Llama)."""
+    tie_word_embeddings: bool = True
+    """The LM head is the word embedding matrix (GPT-2); false: a separate output layer
+    (Megatron's --untie-embeddings-and-output-weights, as Llama)."""
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padding unit, multiplied by parallel.tp_size (Megatron's --make-vocab-size-divisible-by)."""
     attention_backend: str = "sdpa"
@@ -54,14 +84,17 @@ class ModelConfig(Section):
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if self.ffn_hidden_size is None and isinstance(self.hidden_size, int):
-            self.ffn_hidden_size = 4 * self.hidden_size
+            four_h = 4 * self.hidden_size  # with --swiglu, Megatron's default (arguments.py) is 2/3 of it
+            self.ffn_hidden_size = int(four_h * 2 / 3 / 64) * 64 if self.activation == "swiglu" else four_h
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
 
     def problems(self) -> list[ConfigIssue]:
         out: list[ConfigIssue] = []
         for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                      "max_position_embeddings", "make_vocab_size_divisible_by"):
             out += positive(f"model.{name}", getattr(self, name))
-        for name in ("vocab_size", "ffn_hidden_size"):
+        for name in ("vocab_size", "ffn_hidden_size", "num_query_groups"):
             out += positive(f"model.{name}", getattr(self, name), allow_none=True)
         if out:
             return out  # the rules below divide and compare these sizes
@@ -69,6 +102,15 @@ class ModelConfig(Section):
             out.append(issue("hidden_heads", "model.hidden_size", self.hidden_size,
                              f"not divisible by model.num_attention_heads={self.num_attention_heads}",
                              "make hidden_size a multiple of num_attention_heads"))
+        if self.num_query_groups and self.num_attention_heads % self.num_query_groups:
+            out.append(issue("heads_groups", "model.num_query_groups", self.num_query_groups,
+                             f"does not divide model.num_attention_heads={self.num_attention_heads}",
+                             "choose a number of query groups that divides the heads (1: multi-query)"))
+        rope = self.position_embedding == "rope"
+        if rope and (not 0.0 < self.rotary_percent <= 1.0 or int(self.head_dim * self.rotary_percent) % 2):
+            out.append(issue("range", "model.rotary_percent", self.rotary_percent,
+                             f"must be in (0, 1] and rotate an even number of the {self.head_dim} head dims",
+                             "set model.rotary_percent=1.0"))
         if self.seq_length > self.max_position_embeddings:
             out.append(issue("seq_positions", "model.seq_length", self.seq_length,
                              f"exceeds model.max_position_embeddings={self.max_position_embeddings}",
@@ -77,13 +119,54 @@ class ModelConfig(Section):
             if not 0.0 <= getattr(self, name) < 1.0:
                 out.append(issue("range", f"model.{name}", getattr(self, name), "must be a probability in "
                                  "[0, 1)", f"set model.{name}=0.1"))
-        out += positive("model.init_std", self.init_std) + positive("model.layernorm_epsilon",
-                                                                     self.layernorm_epsilon)
-        return out + choice("model.attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        out += positive("model.init_std", self.init_std) + positive("model.norm_epsilon", self.norm_epsilon)
+        out += positive("model.rotary_base", self.rotary_base)
+        for key, value, allowed in (("position_embedding", self.position_embedding, POSITION_EMBEDDINGS),
+                                    ("normalization", self.normalization, NORMALIZATIONS),
+                                    ("activation", self.activation, ACTIVATIONS),
+                                    ("attention_backend", self.attention_backend, ATTENTION_BACKENDS)):
+            out += choice(f"model.{key}", value, allowed)
+        return out
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads (num_query_groups, resolved: the heads without GQA)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that rotate under rope (0 with learned positions)."""
+        return int(self.head_dim * self.rotary_percent) if self.position_embedding == "rope" else 0
+
+    def megatron_architecture(self) -> dict:
+        """The architecture under Megatron-LM's argument names, for a checkpoint's ``args`` (what
+        Megatron's --use-checkpoint-args and Slipway's converters read back)."""
+        return {
+            "position_embedding_type": MEGATRON_POSITION[self.position_embedding],
+            "add_position_embedding": self.position_embedding == "learned",
+            "use_rotary_position_embeddings": self.position_embedding == "rope",
+            "rotary_base": self.rotary_base, "rotary_percent": self.rotary_percent,
+            "normalization": MEGATRON_NORMALIZATION[self.normalization], "norm_epsilon": self.norm_epsilon,
+            "swiglu": self.activation == "swiglu", "add_bias_linear": self.add_bias_linear,
+            "group_query_attention": self.query_groups != self.num_attention_heads,
+            "num_query_groups": self.query_groups,
+            "untie_embeddings_and_output_weights": not self.tie_word_embeddings,
+        }
+
+    def tp_issues(self, tp_size: int) -> list[ConfigIssue]:
+        """What this shape cannot split into ``tp_size`` tensor-parallel ranks (checked at plan time by
+        the orchestrator and at build time by trainer.parallel.apply): heads, KV groups, MLP width."""
+        out = []
+        for key, n in (("num_attention_heads", self.num_attention_heads),
+                       ("num_query_groups", self.query_groups), ("ffn_hidden_size", self.ffn_hidden_size)):
+            if n and tp_size > 0 and n % tp_size:
+                out.append(issue("tp_" + key, "parallel.tp_size", tp_size, f"model.{key}={n} is not "
+                                 "divisible by it", f"choose a tp_size that divides model.{key}={n}"))
+        return out
 
     def padded_vocab_size(self, tp_size: int = 1) -> int:
         """Embedding rows for a tensor-parallel size (Megatron's rule, :func:`trainer.formulas`)."""

@@ -50,18 +50,35 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+_TITLES = {"gpt2": "GPT-2", "llama": "Llama"}
+
+
+def _parameters(spec: GPTSpec) -> int:
+    """Parameters of the HF model (unpadded vocab): attention with KV groups, a GeLU or SwiGLU MLP, norms
+    with or without bias, linear biases if any, the position table if learned, the head if untied."""
+    h, f, n = spec.hidden_size, spec.ffn_hidden_size, spec.num_attention_heads
+    kv = spec.query_groups * h // n
+    glu = spec.activation == "silu"
+    norm = 2 * h if spec.normalization == "layernorm" else h
+    bias = (h + 2 * kv + h + (2 if glu else 1) * f + h) if spec.add_bias_linear else 0
+    layer = (2 * h * h + 2 * h * kv) + (3 if glu else 2) * h * f + 2 * norm + bias
+    positions = spec.max_position_embeddings * h if spec.position_embedding == "learned" else 0
+    head = 0 if spec.tie_word_embeddings else spec.vocab_size * h
+    return spec.num_layers * layer + spec.vocab_size * h + positions + norm + head
+
+
 def render_card(spec: GPTSpec, prov: Provenance, report: VerifyReport, extra: dict[str, str]) -> str:
     """Markdown with YAML front matter; ``extra`` adds rows (e.g. dtype, transformers version)."""
-    params = spec.num_layers * (4 * spec.hidden_size ** 2 + 2 * spec.hidden_size * spec.ffn_hidden_size) + (
-        spec.vocab_size + spec.max_position_embeddings) * spec.hidden_size
+    params = _parameters(spec)
+    family = spec.check_family()
     rows = {"run id": prov.run_id, "iteration": prov.iteration, "tokens seen": prov.tokens_seen,
             "data": prov.data, "final validation loss": prov.val_loss, "source checkpoint": prov.source,
             "training layout": f"tp={prov.tp_size}, pp={prov.pp_size}" if prov.tp_size else None}
     arch = asdict(spec)
     lines = [
         "---", "library_name: transformers", "pipeline_tag: text-generation",
-        "tags: [gpt2, slipway, megatron]", "---", "",
-        f"# GPT-2 model ({params / 1e6:.1f}M parameters) trained with Slipway", "",
+        f"tags: [{family}, slipway, megatron]", "---", "",
+        f"# {_TITLES[family]} model ({params / 1e6:.1f}M parameters) trained with Slipway", "",
         "## Provenance", "", "| | |", "|---|---|",
         *(f"| {k} | {_fmt(v)} |" for k, v in rows.items()), "",
         "## Architecture", "", "| | |", "|---|---|",

@@ -1,9 +1,11 @@
-"""A local Hugging Face ``GPT2LMHeadModel`` directory → Slipway checkpoint (Megatron layout) at any (tp, pp).
+"""A local Hugging Face ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` directory → Slipway checkpoint
+(Megatron layout) at any (tp, pp).
 
     python -m trainer.convert.from_hf --model-dir M --output-dir D --tp T --pp P [--iteration 0]
 
 The result loads with ``checkpoint.load=model-only`` to fine-tune or continue pre-training. The vocab is
-padded to a multiple of 128·tp (zero rows), QKV rows are put in Megatron's per-head order, and the model
+padded to a multiple of 128·tp (zero rows), QKV rows are put in Megatron's per-head (per KV group) order,
+Llama's gate/up projections fused as [gate; up], and the model
 tokenizer files are copied to ``D/tokenizer/``. The written checkpoint is read back, merged and checked
 against the HF model on the same prompts (logits ≤ 1e-4, identical greedy generation).
 """
@@ -21,11 +23,12 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.megatron_args import megatron_args
-from trainer.convert import hf_io, names
+from trainer.config.model import ModelConfig as GPTConfig
+from trainer.convert import hf_io, llama, names
 from trainer.convert.layout import TRACKER, CheckpointError, prepare_output
 from trainer.convert.reference import make_source
 from trainer.convert.shards import load_merged, write_checkpoint
-from trainer.convert.spec import EOD_TOKEN, GPTSpec
+from trainer.convert.spec import EOD_TOKEN, LLAMA, GPTSpec
 from trainer.convert.tokenizer import RunTokenizer, build_hf_tokenizer
 from trainer.convert.verify import VerifyConfig, VerifyReport, verify
 from trainer.formulas import padded_vocab_size
@@ -62,9 +65,11 @@ def read_spec(model_dir: Path, cfg: FromHFConfig) -> tuple[GPTSpec, Any]:
     if not (model_dir / "config.json").is_file():
         raise CheckpointError(f"{model_dir} has no config.json: not a Hugging Face model directory")
     hf = AutoConfig.from_pretrained(str(model_dir))
+    if hf.model_type == "llama":
+        return llama_spec(model_dir, hf, cfg), hf
     if hf.model_type != "gpt2":
-        raise CheckpointError(f"{model_dir} is a {hf.model_type!r} model; only GPT-2 (GPT2LMHeadModel) "
-                              "converts")
+        raise CheckpointError(f"{model_dir} is a {hf.model_type!r} model; only GPT-2 (GPT2LMHeadModel) and "
+                              "Llama (LlamaForCausalLM) convert")
     needs = (("activation_function", "gelu_new"), ("scale_attn_weights", True),
              ("scale_attn_by_inverse_layer_idx", False), ("tie_word_embeddings", True),
              ("layer_norm_epsilon", 1e-5), ("add_cross_attention", False))
@@ -85,6 +90,61 @@ def read_spec(model_dir: Path, cfg: FromHFConfig) -> tuple[GPTSpec, Any]:
                    padded_vocab_size=padded_vocab_size(hf.vocab_size, cfg.tp_size,
                                                        cfg.make_vocab_size_divisible_by))
     return spec, hf
+
+
+def _rope_theta(hf: Any) -> float:
+    """rope θ of a LlamaConfig (transformers 5 nests it in rope_parameters), refusing rope scaling."""
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    scaling = getattr(hf, "rope_scaling", None)
+    kind = params.get("rope_type", (scaling or {}).get("rope_type", "default"))
+    if kind != "default":
+        raise CheckpointError(f"rope_type={kind!r} (rope scaling) is not modelled by Slipway's rotary "
+                              "embedding; only plain rope (rope_type 'default') converts")
+    return float(params.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+
+
+def llama_spec(model_dir: Path, hf: Any, cfg: FromHFConfig) -> GPTSpec:
+    """The GPTSpec of an HF LlamaForCausalLM directory, refusing what the GPT's options cannot express."""
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    groups = hf.num_key_value_heads or hf.num_attention_heads
+    problems = [f"{k}={v!r} (needs {need!r})" for k, v, need in (
+        ("hidden_act", hf.hidden_act, "silu"),
+        ("head_dim", head_dim, hf.hidden_size // hf.num_attention_heads),
+        ("mlp_bias", hf.mlp_bias, hf.attention_bias)) if v != need]
+    theta = _rope_theta(hf)
+    if problems:
+        raise CheckpointError(f"{model_dir}: not convertible to Slipway's GPT without changing the model: "
+                              + "; ".join(problems))
+    for what, size, div in (("num_attention_heads", hf.num_attention_heads, cfg.tp_size),
+                            ("num_key_value_heads", groups, cfg.tp_size),
+                            ("intermediate_size", hf.intermediate_size, cfg.tp_size),
+                            ("num_hidden_layers", hf.num_hidden_layers, cfg.pp_size)):
+        if size % div:
+            raise ValueError(f"{what}={size} is not divisible by {div}; choose tp dividing the heads, KV "
+                             "heads and intermediate_size, and pp dividing the layers")
+    return GPTSpec(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size,
+                   num_attention_heads=hf.num_attention_heads, ffn_hidden_size=hf.intermediate_size,
+                   max_position_embeddings=hf.max_position_embeddings, vocab_size=hf.vocab_size,
+                   padded_vocab_size=padded_vocab_size(hf.vocab_size, cfg.tp_size,
+                                                       cfg.make_vocab_size_divisible_by),
+                   layernorm_epsilon=hf.rms_norm_eps, activation="silu", position_embedding="rope",
+                   rotary_base=theta, normalization="rmsnorm", num_query_groups=groups,
+                   add_bias_linear=bool(hf.attention_bias), tie_word_embeddings=bool(hf.tie_word_embeddings))
+
+
+def read_llama_state(model_dir: Path, spec: GPTSpec) -> dict[str, torch.Tensor]:
+    """LlamaForCausalLM weights; a tied model's lm_head (if stored) must equal embed_tokens."""
+    state = hf_io.load_weights(model_dir)
+    state = {k if k.startswith(("model.", "lm_head.")) else "model." + k: v for k, v in state.items()}
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}  # recomputed
+    if spec.tie_word_embeddings:
+        head = state.pop("lm_head.weight", None)
+        if head is not None and not torch.equal(head, state["model.embed_tokens.weight"]):
+            raise CheckpointError(f"{model_dir}: tie_word_embeddings is true but lm_head.weight differs from "
+                                  "model.embed_tokens.weight")
+    elif "lm_head.weight" not in state:
+        raise CheckpointError(f"{model_dir}: tie_word_embeddings is false but there is no lm_head.weight")
+    return state
 
 
 def read_state(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -120,13 +180,14 @@ def checkpoint_args(spec: GPTSpec, cfg: FromHFConfig, tok: RunTokenizer | None) 
     """The ``args`` Slipway's own checkpoints carry (Megatron's names, plain values; the architecture's
     fixed fields, tanh GeLU included, come from ``megatron_args``)."""
     return megatron_args({
+        **GPTConfig(**spec.model_config()).megatron_architecture(),
         "num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
         "num_attention_heads": spec.num_attention_heads, "ffn_hidden_size": spec.ffn_hidden_size,
         "seq_length": spec.max_position_embeddings, "max_position_embeddings": spec.max_position_embeddings,
         "vocab_size": spec.vocab_size, "padded_vocab_size": spec.padded_vocab_size,
         "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
         "tensor_model_parallel_size": cfg.tp_size, "pipeline_model_parallel_size": cfg.pp_size,
-        "layernorm_epsilon": spec.layernorm_epsilon, "tokenizer_type": "GPT2BPETokenizer",
+        "tokenizer_type": "GPT2BPETokenizer",
         "vocab_file": str(tok.vocab_file.resolve()) if tok else None,
         "merge_file": str(tok.merge_file.resolve()) if tok else None,
         "iteration": cfg.iteration, "consumed_train_samples": 0, "consumed_valid_samples": 0,
@@ -137,13 +198,14 @@ def checkpoint_args(spec: GPTSpec, cfg: FromHFConfig, tok: RunTokenizer | None) 
 def convert_hf_model(cfg: FromHFConfig) -> VerifyReport:
     """Write the checkpoint, read it back and verify it against the HF model; returns the figures."""
     spec, _ = read_spec(cfg.model_dir, cfg)
-    hf_state = read_state(cfg.model_dir)
+    is_llama = spec.check_family() == LLAMA
+    hf_state = read_llama_state(cfg.model_dir, spec) if is_llama else read_state(cfg.model_dir)
     prepare_output(cfg.output_dir, cfg.overwrite)
     tok = copy_tokenizer(cfg.model_dir, cfg.output_dir / "tokenizer")
     if tok is not None and tok.size > spec.vocab_size:
         raise CheckpointError(f"{cfg.model_dir}: tokenizer has {tok.size} tokens but the model only "
                               f"{spec.vocab_size} rows")
-    state = names.hf_to_megatron(hf_state, spec.shapes)
+    state = (llama if is_llama else names).hf_to_megatron(hf_state, spec.shapes)
     del hf_state
     iter_dir = write_checkpoint(cfg.output_dir, state, checkpoint_args(spec, cfg, tok), cfg.iteration,
                                 (cfg.tp_size, cfg.pp_size))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from trainer.convert.spec import GPTSpec
+from trainer.convert.spec import LLAMA, GPTSpec
 
 SAFE_SINGLE = "model.safetensors"
 SAFE_INDEX = "model.safetensors.index.json"
@@ -32,7 +32,9 @@ def parse_size(size: str | int) -> int:
 
 
 def hf_config(spec: GPTSpec, eod_id: int, dropout: dict[str, float]) -> Any:
-    """GPT2Config for ``spec``; bos/eos/pad are the run's end-of-text id."""
+    """GPT2Config or LlamaConfig for ``spec`` (its family); bos/eos/pad are the run's end-of-text id."""
+    if spec.check_family() == LLAMA:
+        return llama_config(spec, eod_id, dropout)
     from transformers import GPT2Config
 
     config = GPT2Config(
@@ -46,11 +48,34 @@ def hf_config(spec: GPTSpec, eod_id: int, dropout: dict[str, float]) -> Any:
     return config
 
 
+def llama_config(spec: GPTSpec, eod_id: int, dropout: dict[str, float]) -> Any:
+    """LlamaConfig: KV heads, rope θ, RMSNorm epsilon, tied or untied head, biases on or off (HF has one
+    switch for attention and one for the MLP; Megatron's add_bias_linear sets both)."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.ffn_hidden_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.query_groups, head_dim=spec.hidden_size // spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings, rms_norm_eps=spec.layernorm_epsilon,
+        rope_theta=spec.rotary_base, hidden_act="silu", tie_word_embeddings=spec.tie_word_embeddings,
+        attention_bias=spec.add_bias_linear, mlp_bias=spec.add_bias_linear,
+        attention_dropout=dropout.get("attention", 0.0),
+        bos_token_id=eod_id, eos_token_id=eod_id, pad_token_id=eod_id)
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
 def write_config(config: Any, dtype: torch.dtype, out_dir: Path) -> None:
-    """config.json with both ``dtype`` (transformers ≥ 4.56) and ``torch_dtype`` (older readers)."""
+    """config.json with both ``dtype`` (transformers ≥ 4.56) and ``torch_dtype`` (older readers); a
+    Llama's rope θ also as ``rope_theta`` (transformers < 5 and other readers; 5 nests it in
+    ``rope_parameters``)."""
     d = config.to_dict()
     name = str(dtype).removeprefix("torch.")
     d["dtype"] = d["torch_dtype"] = name
+    theta = (d.get("rope_parameters") or {}).get("rope_theta", getattr(config, "rope_theta", None))
+    if d.get("model_type") == "llama" and theta is not None:
+        d["rope_theta"] = theta
     (out_dir / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.layout import CheckpointError
+from trainer.checkpoint.layout import CheckpointError, arg
 from trainer.convert import names
 from trainer.model.names import flatten as flatten_legacy
 from trainer.model.names import layer_index
@@ -62,14 +62,17 @@ def is_mcore_model(model: dict) -> bool:
     return not ({"language_model", "word_embeddings_for_head"} & set(model))
 
 
-def normalise_names(flat: dict[str, Any], mcore: bool, where: object) -> dict[str, torch.Tensor]:
+def normalise_names(flat: dict[str, Any], mcore: bool, where: object, untied: bool = False
+                    ) -> dict[str, torch.Tensor]:
     """Flat parameter names of any era (legacy, legacy ≥ core_v0.4, Megatron-core, TE-style) → Slipway's
-    legacy names, bookkeeping entries dropped; unknown names refused with the feature they suggest."""
+    legacy names, bookkeeping entries dropped; unknown names refused with the feature they suggest.
+    ``untied``: the model has its own output layer (mcore's ``output_layer.weight`` is that, not the tied
+    head's copy; :func:`untied_head` reads it from a shard's args)."""
     out, unknown = {}, []
     for raw, tensor in flat.items():
         if raw.endswith(names.IGNORED_SUFFIXES):
             continue
-        name = names.from_mcore(raw) if mcore else names.normalize(raw)
+        name = names.from_mcore(raw, untied) if mcore else names.normalize(raw)
         if name is None or (name != names.HEAD_EMBEDDINGS and names.match(name) is None):
             unknown.append(raw)
             continue
@@ -95,12 +98,19 @@ def unsupported(unknown: list[str]) -> str:
     for hint, what in _VARIANTS:
         if any(hint in n for n in unknown):
             return f"it looks like {what}, which Slipway does not convert"
-    return "GPT-2 architecture: learned positions, LayerNorm, GeLU MLP, tied head"
+    return ("GPT-2 architecture (learned positions, LayerNorm, GeLU MLP, tied head) or Llama's (rope, "
+            "RMSNorm, SwiGLU, grouped-query attention, untied head)")
 
 
-def gpt_flat(model: dict, where: str = "checkpoint") -> dict[str, torch.Tensor]:
+def untied_head(args: Any) -> bool:
+    """Whether a checkpoint's model has an untied output layer (Megatron's
+    --untie-embeddings-and-output-weights)."""
+    return bool(arg(args, "untie_embeddings_and_output_weights", False))
+
+
+def gpt_flat(model: dict, where: str = "checkpoint", untied: bool = False) -> dict[str, torch.Tensor]:
     """A shard's ``model`` in either format and any naming era → the GPT's flat parameter names
     (bookkeeping entries dropped; unknown names refused as :func:`normalise_names` does)."""
     mcore = is_mcore_model(model)
     flat = model if mcore else {_legacy(n): t for n, t in flatten_legacy(model).items()}
-    return {n.removeprefix(LEGACY_PREFIX): t for n, t in normalise_names(flat, mcore, where).items()}
+    return {n.removeprefix(LEGACY_PREFIX): t for n, t in normalise_names(flat, mcore, where, untied).items()}

@@ -1,7 +1,11 @@
-"""The declarative name map between Slipway/Megatron GPT parameters and Hugging Face ``GPT2LMHeadModel``.
+"""The declarative name map between Slipway/Megatron GPT parameters and Hugging Face ``GPT2LMHeadModel``
+/ ``LlamaForCausalLM``.
 
 One table (:data:`RULES`) says, for every parameter, its Megatron legacy name (``formats.md`` §4), its
-HF name (§5), the tensor transform between them and which pipeline stage holds it; how tensor parallelism
+GPT-2 HF name (§5), its Megatron-core name, its ``LlamaForCausalLM`` names (a fused Megatron tensor may
+be several HF ones: QKV → q/k/v_proj, SwiGLU's [gate; up] → gate/up_proj; the transforms are in
+:mod:`trainer.convert.llama`), the tensor transform between them, which pipeline stage holds it and which
+model options it exists under (``only``: e.g. no position table with rope); how tensor parallelism
 shards it is read from the trainer's one sharding table (``trainer.parallel.sharding``). Both directions are
 derived from that table: the inverse map is the same rules read right to left with each transform's
 inverse, so the two directions cannot drift apart.
@@ -38,6 +42,9 @@ class Rule:
     op: str  # key of TRANSFORMS
     stage: str  # FIRST | LAYER | LAST
     mcore: str  # Megatron-core GPTModel's name (the same tensor, the same layout)
+    llama: tuple[str, ...] = ()  # LlamaForCausalLM's names ({i}: global layer), () where Llama has none
+    llama_op: str = "copy"  # key of trainer.convert.llama.TRANSFORMS
+    only: str = ""  # the model feature it exists under (FEATURES); "" = every GPT
 
     @property
     def tp(self) -> str:
@@ -45,37 +52,60 @@ class Rule:
         return sharding.kind(self.megatron.replace("{i}", "0"))
 
 
-def _layer(megatron: str, hf: str, op: str, mcore: str) -> Rule:
+# Features a parameter may depend on (Rule.only); :func:`features` derives a model's set from its args.
+LEARNED_POSITIONS, LAYERNORM_BIAS = "learned_positions", "layernorm_bias"
+LINEAR_BIAS, UNTIED = "linear_bias", "untied"
+GPT2_FEATURES = frozenset({LEARNED_POSITIONS, LAYERNORM_BIAS, LINEAR_BIAS})
+
+
+def _layer(megatron: str, hf: str, op: str, mcore: str, llama: tuple[str, ...] = (), llama_op: str = "copy",
+           only: str = "") -> Rule:
     return Rule(ENCODER + "layers.{i}." + megatron, "transformer.h.{i}." + hf, op, LAYER,
-                MCORE_LAYERS + "{i}." + mcore)
+                MCORE_LAYERS + "{i}." + mcore, tuple(LLAMA_LAYERS + "{i}." + n for n in llama), llama_op,
+                only)
 
 
 MCORE_LAYERS = "decoder.layers."
-MCORE_HEAD = "output_layer.weight"  # mcore's tied head copy on a last stage without the embedding
+MCORE_HEAD = "output_layer.weight"  # mcore's tied head copy on a last stage, and its untied head
+OUTPUT_LAYER = "language_model.output_layer.weight"  # the untied head (Llama)
+LLAMA_LAYERS = "model.layers."
+_ATTN, _MLP = ("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")
 
 RULES: tuple[Rule, ...] = (
-    Rule(WORD_EMBEDDINGS, "transformer.wte.weight", "vocab", FIRST, "embedding.word_embeddings.weight"),
+    Rule(WORD_EMBEDDINGS, "transformer.wte.weight", "vocab", FIRST, "embedding.word_embeddings.weight",
+         ("model.embed_tokens.weight",), "vocab"),
     Rule(POSITION_EMBEDDINGS, "transformer.wpe.weight", "copy", FIRST,
-         "embedding.position_embeddings.weight"),
-    _layer("input_layernorm.weight", "ln_1.weight", "copy", "input_layernorm.weight"),
-    _layer("input_layernorm.bias", "ln_1.bias", "copy", "input_layernorm.bias"),
+         "embedding.position_embeddings.weight", only=LEARNED_POSITIONS),
+    _layer("input_layernorm.weight", "ln_1.weight", "copy", "input_layernorm.weight",
+           ("input_layernorm.weight",)),
+    _layer("input_layernorm.bias", "ln_1.bias", "copy", "input_layernorm.bias", only=LAYERNORM_BIAS),
     _layer("self_attention.query_key_value.weight", "attn.c_attn.weight", "qkv_weight",
-           "self_attention.linear_qkv.weight"),
+           "self_attention.linear_qkv.weight", tuple(f"self_attn.{p}.weight" for p in _ATTN), "qkv"),
     _layer("self_attention.query_key_value.bias", "attn.c_attn.bias", "qkv_bias",
-           "self_attention.linear_qkv.bias"),
+           "self_attention.linear_qkv.bias", tuple(f"self_attn.{p}.bias" for p in _ATTN), "qkv",
+           only=LINEAR_BIAS),
     _layer("self_attention.dense.weight", "attn.c_proj.weight", "transpose",
-           "self_attention.linear_proj.weight"),
-    _layer("self_attention.dense.bias", "attn.c_proj.bias", "copy", "self_attention.linear_proj.bias"),
-    _layer("post_attention_layernorm.weight", "ln_2.weight", "copy", "pre_mlp_layernorm.weight"),
-    _layer("post_attention_layernorm.bias", "ln_2.bias", "copy", "pre_mlp_layernorm.bias"),
-    _layer("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight", "transpose", "mlp.linear_fc1.weight"),
-    _layer("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias", "copy", "mlp.linear_fc1.bias"),
-    _layer("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", "transpose", "mlp.linear_fc2.weight"),
-    _layer("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", "copy", "mlp.linear_fc2.bias"),
+           "self_attention.linear_proj.weight", ("self_attn.o_proj.weight",)),
+    _layer("self_attention.dense.bias", "attn.c_proj.bias", "copy", "self_attention.linear_proj.bias",
+           ("self_attn.o_proj.bias",), only=LINEAR_BIAS),
+    _layer("post_attention_layernorm.weight", "ln_2.weight", "copy", "pre_mlp_layernorm.weight",
+           ("post_attention_layernorm.weight",)),
+    _layer("post_attention_layernorm.bias", "ln_2.bias", "copy", "pre_mlp_layernorm.bias",
+           only=LAYERNORM_BIAS),
+    _layer("mlp.dense_h_to_4h.weight", "mlp.c_fc.weight", "transpose", "mlp.linear_fc1.weight",
+           tuple(f"mlp.{p}.weight" for p in _MLP), "glu"),
+    _layer("mlp.dense_h_to_4h.bias", "mlp.c_fc.bias", "copy", "mlp.linear_fc1.bias",
+           tuple(f"mlp.{p}.bias" for p in _MLP), "glu", only=LINEAR_BIAS),
+    _layer("mlp.dense_4h_to_h.weight", "mlp.c_proj.weight", "transpose", "mlp.linear_fc2.weight",
+           ("mlp.down_proj.weight",)),
+    _layer("mlp.dense_4h_to_h.bias", "mlp.c_proj.bias", "copy", "mlp.linear_fc2.bias",
+           ("mlp.down_proj.bias",), only=LINEAR_BIAS),
     Rule(ENCODER + "final_layernorm.weight", "transformer.ln_f.weight", "copy", LAST,
-         "decoder.final_layernorm.weight"),
+         "decoder.final_layernorm.weight", ("model.norm.weight",)),
     Rule(ENCODER + "final_layernorm.bias", "transformer.ln_f.bias", "copy", LAST,
-         "decoder.final_layernorm.bias"),
+         "decoder.final_layernorm.bias", only=LAYERNORM_BIAS),
+    # GPT-2 has no untied head (its lm_head is wte): no GPT-2 name ("").
+    Rule(OUTPUT_LAYER, "", "vocab", LAST, MCORE_HEAD, ("lm_head.weight",), "vocab", only=UNTIED),
 )
 
 # Naming eras of Megatron's legacy model, normalised on read, never written: older releases call the
@@ -106,6 +136,11 @@ class Shapes:
     vocab_size: int  # the tokenizer's real size (HF rows)
     padded_vocab_size: int  # Megatron rows (vocab padded to a multiple of 128·TP)
     checkpoint_version: float = 3.0
+    num_query_groups: int | None = None  # KV heads (GQA); None: num_heads
+
+    @property
+    def groups(self) -> int:
+        return self.num_query_groups or self.num_heads
 
 
 def _qkv_to_hf(t: torch.Tensor, s: Shapes) -> torch.Tensor:
@@ -155,7 +190,7 @@ def _pattern(template: str) -> re.Pattern:
 
 
 _BY_MEGATRON = [(_pattern(r.megatron), r) for r in RULES]
-_BY_HF = [(_pattern(r.hf), r) for r in RULES]
+_BY_HF = [(_pattern(r.hf), r) for r in RULES if r.hf]
 _BY_MCORE = [(_pattern(r.mcore), r) for r in RULES]
 
 
@@ -177,15 +212,17 @@ def normalize(name: str) -> str | None:
     return name
 
 
-def from_mcore(name: str) -> str | None:
+def from_mcore(name: str, untied: bool = False) -> str | None:
     """A Megatron-core name in Slipway's (legacy) spelling; None for bookkeeping (``_extra_state``) and
-    for names the table does not know (the caller reports those)."""
+    for names the table does not know (the caller reports those). mcore calls both the tied head's
+    last-stage copy and an untied head ``output_layer.weight``: ``untied`` (the checkpoint's
+    args.untie_embeddings_and_output_weights) says which."""
     if name.endswith(IGNORED_SUFFIXES):
         return None
     for old, new in MCORE_ALIASES:
         name = name.replace(old, new)
     if name == MCORE_HEAD:
-        return HEAD_EMBEDDINGS
+        return OUTPUT_LAYER if untied else HEAD_EMBEDDINGS
     for pattern, rule in _BY_MCORE:
         m = pattern.match(name)
         if m:
@@ -239,10 +276,29 @@ def hf_to_megatron(state: dict[str, torch.Tensor], shapes: Shapes) -> dict[str, 
     return out
 
 
-def expected_megatron_names(num_layers: int) -> list[str]:
-    """Every Megatron name a complete model has, in table order."""
+def features(args: object) -> frozenset[str]:
+    """The table's features (Rule.only) of a model, from its checkpoint args (Megatron's names; GPT-2
+    defaults where absent)."""
+    from trainer.checkpoint.layout import arg
+
+    found = set()
+    if arg(args, "position_embedding_type", "learned_absolute") == "learned_absolute":
+        found.add(LEARNED_POSITIONS)
+    if arg(args, "normalization", "LayerNorm") == "LayerNorm":
+        found.add(LAYERNORM_BIAS)
+    if arg(args, "add_bias_linear", True):
+        found.add(LINEAR_BIAS)
+    if arg(args, "untie_embeddings_and_output_weights", False):
+        found.add(UNTIED)
+    return frozenset(found)
+
+
+def expected_megatron_names(num_layers: int, model_features: frozenset[str] = GPT2_FEATURES) -> list[str]:
+    """Every Megatron name a complete model with ``model_features`` has, in table order."""
     names = []
     for rule in RULES:
+        if rule.only and rule.only not in model_features:
+            continue
         if rule.stage == LAYER:
             names += [rule.megatron.format(i=i) for i in range(num_layers)]
         else:

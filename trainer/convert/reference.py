@@ -70,11 +70,7 @@ class SlipwayGPTSource:
     def __init__(self, state: dict[str, torch.Tensor], spec: GPTSpec) -> None:
         from trainer.model import GPT, GPTConfig
 
-        cfg = GPTConfig(num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-                        num_attention_heads=spec.num_attention_heads, seq_length=spec.max_position_embeddings,
-                        vocab_size=spec.vocab_size, max_position_embeddings=spec.max_position_embeddings,
-                        hidden_dropout=0.0, attention_dropout=0.0, ffn_hidden_size=spec.ffn_hidden_size,
-                        layernorm_epsilon=spec.layernorm_epsilon)
+        cfg = GPTConfig(**spec.model_config(), hidden_dropout=0.0, attention_dropout=0.0)
         with torch.device("meta"):
             self.model = GPT(cfg, padded_vocab_size=spec.padded_vocab_size, kernels="eager")
         # The GPT's flat names are Megatron's without the language_model. prefix; assign=True adopts
@@ -91,6 +87,6 @@ class SlipwayGPTSource:
 
 def make_source(state: dict[str, torch.Tensor], spec: GPTSpec) -> SlipwayGPTSource | MegatronReference:
     """Slipway's GPT where it implements the checkpoint's math, else the Megatron-math reference."""
-    if spec.activation == "gelu_new":
+    if spec.activation != "gelu":  # tanh GeLU or SwiGLU: the GPT's own
         return SlipwayGPTSource(state, spec)
     return MegatronReference(state, spec)

@@ -33,7 +33,7 @@ from trainer.convert.layout import (
     shard_dir_name,
     write_tracker,
 )
-from trainer.convert.mcore import is_mcore_model, normalise_names
+from trainer.convert.mcore import is_mcore_model, normalise_names, untied_head
 from trainer.log import get_logger
 from trainer.model.names import layer_index, renumber
 from trainer.parallel import sharding
@@ -53,19 +53,20 @@ class MergedCheckpoint:
     pp_size: int
 
 
-def _entry_model(model: Any, path: Path) -> dict[str, torch.Tensor]:
+def _entry_model(model: Any, path: Path, untied: bool) -> dict[str, torch.Tensor]:
     """The flat, normalised names of one model entry (legacy nested or Megatron-core flat)."""
     mcore = is_mcore_model(model)
-    return normalise_names(model if mcore else flatten(model), mcore, path)
+    return normalise_names(model if mcore else flatten(model), mcore, path, untied)
 
 
 def _stage_model(shard: dict[str, Any], path: Path, pp_rank: int, pp_size: int) -> tuple[dict, bool]:
     """One shard's flat model and whether it is interleaved; an interleaved shard's chunks are merged
     with their layers made global (they are numbered locally per chunk), refusing what is not a GPT."""
     entries = chunk_entries(shard, path)
+    untied = untied_head(shard.get("args"))
     if len(entries) == 1:
-        return _entry_model(entries[0], path), False
-    chunks = [_entry_model(e, path) for e in entries]
+        return _entry_model(entries[0], path, untied), False
+    chunks = [_entry_model(e, path, untied) for e in entries]
     v = len(chunks)
     per = len({i for n in chunks[0] if (i := layer_index(n)) is not None})
     merged: dict[str, torch.Tensor] = {}
@@ -78,16 +79,17 @@ def _stage_model(shard: dict[str, Any], path: Path, pp_rank: int, pp_size: int) 
     return merged, True
 
 
-def _merge_tp(parts: list[dict[str, torch.Tensor]], path: Path) -> dict[str, torch.Tensor]:
-    """One stage's TP shards → one stage state (local layer numbers kept)."""
+def _merge_tp(parts: list[dict[str, torch.Tensor]], path: Path, swiglu: bool) -> dict[str, torch.Tensor]:
+    """One stage's TP shards → one stage state (local layer numbers kept; SwiGLU's [gate_r; up_r] shards
+    back to [gate; up] by the sharding table's merge)."""
     if any(p.keys() != parts[0].keys() for p in parts):
         raise CheckpointError(f"TP shards under {path} hold different parameter names: corrupted checkpoint")
     merged = {}
     for name in parts[0]:
         tensors = [p[name] for p in parts]
-        dim = sharding.tp_dim(name)
-        if dim is not None:
-            merged[name] = torch.cat(tensors, dim=dim) if len(tensors) > 1 else tensors[0]
+        kind = sharding.kind(name, swiglu)
+        if sharding.DIM[kind] is not None:
+            merged[name] = sharding.merge_tp(tensors, kind)
         else:
             if any(not torch.equal(t, tensors[0]) for t in tensors[1:]):
                 log.warning("replicated %s differs across TP ranks under %s; using TP rank 0", name, path)
@@ -120,7 +122,7 @@ def load_merged(iter_dir: Path, iteration: int | str, trust_pickle: bool = False
     Megatron-core's torch_dist — and merge TP and PP into a single full state in Slipway's names."""
     if dist.is_dist(iter_dir):
         flat, meta = dist.load_dist(iter_dir, trust_pickle)
-        state = normalise_names(flat, mcore=True, where=iter_dir)
+        state = normalise_names(flat, mcore=True, where=iter_dir, untied=untied_head(meta["args"]))
         tp_size, pp_size = (int(arg(meta["args"], k, 1)) for k in ("tensor_model_parallel_size",
                                                                            "pipeline_model_parallel_size"))
         head = state.pop(names.HEAD_EMBEDDINGS, None)
@@ -128,7 +130,8 @@ def load_merged(iter_dir: Path, iteration: int | str, trust_pickle: bool = False
         tp_size, pp_size = discover_layout(iter_dir)
         state, meta, head = _merge_stages(iter_dir, tp_size, pp_size, trust_pickle)
     num_layers = 1 + max((i for n in state if (i := layer_index(n)) is not None), default=-1)
-    missing = [n for n in names.expected_megatron_names(num_layers) if n not in state]
+    missing = [n for n in names.expected_megatron_names(num_layers, names.features(meta["args"]))
+               if n not in state]
     if missing:
         raise CheckpointError(f"{iter_dir} is incomplete: no {missing[:4]}{' …' if len(missing) > 4 else ''}"
                               f" in any of its {tp_size * pp_size} shards")
@@ -151,7 +154,8 @@ def _merge_stages(iter_dir: Path, tp_size: int, pp_size: int, trust_pickle: bool
             part, interleaved = _stage_model(shard, path, pp, pp_size)
             parts.append(part)
             del shard
-        stages.append(_merge_tp(parts, iter_dir / shard_dir_name(0, pp, pp_size)))
+        swiglu = bool(arg(meta["args"], "swiglu", False))
+        stages.append(_merge_tp(parts, iter_dir / shard_dir_name(0, pp, pp_size), swiglu))
     layers = [sorted({i for n in s if (i := layer_index(n)) is not None}) for s in stages]
     offsets = [0] * pp_size if interleaved else _layer_offsets(layers)  # interleaved: already global
     state: dict[str, torch.Tensor] = {}
@@ -176,8 +180,10 @@ def _check_head(state: dict[str, torch.Tensor], head: torch.Tensor | None, where
                     "Hugging Face ties them, so the embedding is used for both", where, diff)
 
 
-def split(state: dict[str, torch.Tensor], tp_size: int, pp_size: int) -> dict[tuple[int, int], dict]:
-    """A full state → {(tp_rank, pp_rank): flat stage state with local layer numbers}, Megatron style."""
+def split(state: dict[str, torch.Tensor], tp_size: int, pp_size: int, swiglu: bool = False
+          ) -> dict[tuple[int, int], dict]:
+    """A full state → {(tp_rank, pp_rank): flat stage state with local layer numbers}, Megatron style
+    (``swiglu``: the MLP's first matrix splits as the sharding table's GLU kind)."""
     num_layers = 1 + max(i for n in state if (i := layer_index(n)) is not None)
     sharding.layers_per_stage(num_layers, pp_size)  # refuses a pp that does not divide the layers
     shards: dict[tuple[int, int], dict] = {(t, p): {} for t in range(tp_size) for p in range(pp_size)}
@@ -188,23 +194,25 @@ def split(state: dict[str, torch.Tensor], tp_size: int, pp_size: int) -> dict[tu
             stages, local = [stage], renumber(name, local_i - i)
         else:
             stages, local = [0 if rule.stage == names.FIRST else pp_size - 1], name
-        if name == names.WORD_EMBEDDINGS and pp_size > 1:
+        if name == names.WORD_EMBEDDINGS and pp_size > 1 and names.OUTPUT_LAYER not in state:
             stages.append(pp_size - 1)  # the tied head's copy on the last stage
-        for t, piece in enumerate(_split_tp(tensor, name, tp_size)):
+        for t, piece in enumerate(_split_tp(tensor, name, tp_size, swiglu)):
             for p in stages:
                 key = names.HEAD_EMBEDDINGS if p != stages[0] else local
                 shards[(t, p)][key] = piece
     return shards
 
 
-def _split_tp(tensor: torch.Tensor, name: str, tp_size: int) -> list[torch.Tensor]:
-    dim = sharding.tp_dim(name)
-    if dim is None:
+def _split_tp(tensor: torch.Tensor, name: str, tp_size: int, swiglu: bool) -> list[torch.Tensor]:
+    kind = sharding.kind(name, swiglu)
+    if sharding.DIM[kind] is None:
         return [tensor.clone() for _ in range(tp_size)]
-    if tensor.shape[dim] % tp_size:
-        raise ValueError(f"{name} {tuple(tensor.shape)}: dim {dim} is not divisible by tp={tp_size}")
+    try:
+        pieces = sharding.split_tp(tensor, kind, tp_size)
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
     # clone: a saved view would drag the whole unsplit storage into every shard file.
-    return [c.clone() for c in torch.chunk(tensor, tp_size, dim=dim)]
+    return [c.clone() for c in pieces]
 
 
 def write_checkpoint(checkpoint_dir: Path, state: dict[str, torch.Tensor], args: Any,
@@ -212,7 +220,7 @@ def write_checkpoint(checkpoint_dir: Path, state: dict[str, torch.Tensor], args:
     """Write ``state`` as a Megatron legacy checkpoint at ``layout`` = (tp, pp); returns its iteration dir."""
     tp_size, pp_size = layout
     iter_dir = checkpoint_dir / iter_dir_name(iteration)
-    for (tp, pp), stage in split(state, tp_size, pp_size).items():
+    for (tp, pp), stage in split(state, tp_size, pp_size, bool(arg(args, "swiglu", False))).items():
         payload = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                    "model": nest(stage)}
         save_shard(iter_dir / shard_dir_name(tp, pp, pp_size) / SHARD_FILE, payload)

@@ -1,4 +1,5 @@
-"""Slipway/Megatron checkpoint (any tp, pp) → verified Hugging Face ``GPT2LMHeadModel`` directory.
+"""Slipway/Megatron checkpoint (any tp, pp) → verified Hugging Face ``GPT2LMHeadModel`` or
+``LlamaForCausalLM`` directory (by the checkpoint's architecture, :mod:`trainer.convert.spec`).
 
     python -m trainer.convert.to_hf --checkpoint-dir D [--iteration N] --output-dir O [--format bin]
                                     [--trust-pickle] [--vocab-file V --merge-file M] [--overwrite]
@@ -19,11 +20,11 @@ from typing import Any
 
 import torch
 
-from trainer.convert import card, hf_io, names
+from trainer.convert import card, hf_io, llama, names
 from trainer.convert.layout import CheckpointError, iteration_path, prepare_output
 from trainer.convert.reference import make_source
 from trainer.convert.shards import MergedCheckpoint, load_merged
-from trainer.convert.spec import GPTSpec, arg, spec_from_checkpoint
+from trainer.convert.spec import LLAMA, GPTSpec, arg, spec_from_checkpoint
 from trainer.convert.tokenizer import RunTokenizer, find_tokenizer, save_tokenizer
 from trainer.convert.verify import VerifyConfig, VerifyReport, verify
 from trainer.log import get_logger
@@ -103,9 +104,10 @@ def _mark_invalid(out: Path, reason: str) -> None:
 def _write_model(cfg: ToHFConfig, merged: MergedCheckpoint, spec: GPTSpec, tok: RunTokenizer) -> list[str]:
     """Weights, configs and tokenizer into the output directory; returns the weight files written."""
     dtype = next(iter(merged.state.values())).dtype
+    table = llama if spec.check_family() == LLAMA else names  # the rules table's llama or GPT-2 column
     # Shapes and dtypes from the map run on meta tensors; the real tensors are made while writing.
-    layout = names.megatron_to_hf({k: v.to("meta") for k, v in merged.state.items()}, spec.shapes)
-    files = hf_io.save_weights(layout, lambda n: names.hf_tensor(n, merged.state, spec.shapes),
+    layout = table.megatron_to_hf({k: v.to("meta") for k, v in merged.state.items()}, spec.shapes)
+    files = hf_io.save_weights(layout, lambda n: table.hf_tensor(n, merged.state, spec.shapes),
                                cfg.output_dir, cfg.max_shard_size)
     dropout = {"hidden": arg(merged.args, "hidden_dropout", 0.1),
                "attention": arg(merged.args, "attention_dropout", 0.1)}

@@ -102,7 +102,7 @@ def verify(source: SourceModel, hf_dir: Path, tokenizer: Any | None, cfg: Verify
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    n_pos = hf.config.n_positions
+    n_pos = getattr(hf.config, "n_positions", None) or hf.config.max_position_embeddings  # GPT-2 / Llama
     new_tokens = min(cfg.new_tokens, n_pos - 1)
     worst, identical, samples = 0.0, True, []
     for text in cfg.prompts:

@@ -1,4 +1,6 @@
-"""The GPT: single-device code, Megatron GPT / HF GPT-2 math, Megatron legacy parameter names.
+"""The GPT: single-device code, Megatron GPT / HF GPT-2 math, Megatron legacy parameter names, and the
+Llama-family options of the same model (rotary positions, RMSNorm, SwiGLU, grouped-query attention, no
+linear biases, an untied head; Megatron's flags and HF LlamaForCausalLM's math).
 
 Activations inside the stack are ``[s, b, h]`` (sequence first, as Megatron) so that sequence parallelism
 shards a contiguous leading dimension. Parameter names mirror Megatron's legacy checkpoint
@@ -7,21 +9,25 @@ shards a contiguous leading dimension. Parameter names mirror Megatron's legacy 
     embedding.word_embeddings.weight            [padded_vocab, h]
     embedding.position_embeddings.weight        [max_pos, h]
     encoder.layers.{i}.input_layernorm.{weight,bias}
-    encoder.layers.{i}.self_attention.query_key_value.{weight [3h, h], bias}   rows per head: [q, k, v]
+    encoder.layers.{i}.self_attention.query_key_value.{weight [(np + 2·ng)·d, h], bias}
+        rows per KV group: [np/ng query heads, k, v] × d (Megatron's GQA layout; MHA: per head [q, k, v])
     encoder.layers.{i}.self_attention.dense.{weight [h, h], bias}
     encoder.layers.{i}.post_attention_layernorm.{weight,bias}
-    encoder.layers.{i}.mlp.dense_h_to_4h.{weight [4h, h], bias}
+    encoder.layers.{i}.mlp.dense_h_to_4h.{weight [4h, h], bias}   SwiGLU: [2·ffn, h], rows [gate; up]
     encoder.layers.{i}.mlp.dense_4h_to_h.{weight [h, 4h], bias}
     encoder.final_layernorm.{weight,bias}
-    word_embeddings_for_head.weight             only on a last pipeline stage without the embedding
+    word_embeddings_for_head.weight             tied head, only on a last pipeline stage without the embedding
+    output_layer.weight                         untied head [padded_vocab, h], on the last stage
+
+RMSNorm layers have no bias; ``add_bias_linear=false`` drops every linear bias; rope drops the position
+table. Norms, rotary and the SwiGLU go through the kernel set (``trainer.ops``).
 
 ``i`` is the *local* index within a pipeline stage, as in Megatron's checkpoints; ``layer_offset`` gives
 the global index. Parallelism is applied from outside (trainer.parallel): tensor parallelism swaps the
 Linear/Embedding/LMHead modules and the ``sequence_scatter`` and ``*_dropout_rng`` hooks; pipeline
 parallelism builds a :class:`StageSpec` slice. This module never imports torch.distributed.
 
-Linear layers return ``(x·Wᵀ, bias)`` without adding the bias (Megatron's skip_bias_add), so that the
-bias is fused into bias-GeLU / bias-dropout-add and a row-parallel bias is added once after the reduce.
+Linear layers return ``(x·Wᵀ, bias)`` without adding the bias (skip_bias_add, trainer.model.layers).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.model.config import GPTConfig
+from trainer.model.layers import EmbeddingTable, Linear, RotaryTable, make_norm
 from trainer.model.names import renumber
 from trainer.model.recompute import Recompute, recomputed
 from trainer.ops import KernelSet, resolve
@@ -58,43 +65,6 @@ class StageSpec:
     def __post_init__(self) -> None:
         if not 0 <= self.layer_start <= self.layer_end:
             raise ValueError(f"StageSpec layers [{self.layer_start}, {self.layer_end}) is not a valid range")
-
-
-class Linear(nn.Module):
-    """``y = x·Wᵀ`` returned together with the un-added bias (skip_bias_add). W: [out, in]."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features))
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        return F.linear(x, self.weight), self.bias
-
-
-class EmbeddingTable(nn.Module):
-    """A lookup table ``weight[ids]``: nn.Embedding minus its own init (slow on the meta device)."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight)
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm through the kernel set (fp32 statistics)."""
-
-    def __init__(self, hidden_size: int, eps: float, kernels: KernelSet) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(hidden_size))
-        self.bias = nn.Parameter(torch.empty(hidden_size))
-        self.eps = eps
-        self.kernels = kernels
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.kernels.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 class LMHead(nn.Module):
@@ -121,13 +91,20 @@ class LMHead(nn.Module):
 
 
 class SelfAttention(nn.Module):
-    """Causal multi-head attention with a fused QKV projection (per-head [q, k, v] rows)."""
+    """Causal attention with a fused QKV projection; grouped-query when num_query_groups < heads.
+
+    QKV rows are Megatron's per-group layout [ng, (np/ng) q heads + k + v, d], so TP splits whole KV
+    groups with their query heads by a plain row split. Query head j attends with KV group j // (np/ng)
+    (Megatron's and HF's repeat of K/V); rope rotates q and k per head after the split.
+    """
 
     def __init__(self, cfg: GPTConfig, kernels: KernelSet) -> None:
         super().__init__()
-        self.query_key_value = Linear(cfg.hidden_size, 3 * cfg.hidden_size)
-        self.dense = Linear(cfg.hidden_size, cfg.hidden_size)
-        self.head_dim = cfg.head_dim
+        heads, groups, d = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
+        self.query_key_value = Linear(cfg.hidden_size, (heads + 2 * groups) * d, cfg.add_bias_linear)
+        self.dense = Linear(heads * d, cfg.hidden_size, cfg.add_bias_linear)
+        self.head_dim, self.heads_per_group = d, heads // groups
+        self.rotary = RotaryTable(cfg.rotary_dim, cfg.rotary_base) if cfg.rotary_dim else None
         self.dropout_p = cfg.attention_dropout
         self.backend = cfg.attention_backend
         self.kernels = kernels
@@ -136,16 +113,26 @@ class SelfAttention(nn.Module):
         # Selective recomputation (trainer.model.recompute.apply) and the extra RNG states it restores.
         self.recompute, self.recompute_rng = False, None
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        qkv, qkv_bias = self.query_key_value(x)                # [s, b, 3·h_local] (h_local = h / tp)
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        qkv, qkv_bias = self.query_key_value(x)                # [s, b, (np + 2ng)·d / tp]
         s, b, _ = qkv.shape  # not x's: under sequence parallelism x holds s/tp positions
-        qkv = (qkv + qkv_bias).view(s, b, -1, 3, self.head_dim)  # [s, b, heads_local, 3, d]
-        q, k, v = qkv.permute(3, 1, 2, 0, 4).unbind(0)         # each [b, heads_local, s, d]
+        if qkv_bias is not None:
+            qkv = qkv + qkv_bias
+        npg = self.heads_per_group
+        qkv = qkv.view(s, b, -1, npg + 2, self.head_dim)       # [s, b, groups_local, npg + 2, d]
+        qkv = qkv.permute(1, 2, 3, 0, 4)                       # [b, groups_local, npg + 2, s, d]
+        q = qkv[:, :, :npg].flatten(1, 2)                      # [b, heads_local, s, d]
+        k, v = qkv[:, :, npg], qkv[:, :, npg + 1]              # [b, groups_local, s, d]
+        if self.rotary is not None:
+            cos, sin = self.rotary(s, x.device)
+            q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
+        if npg > 1:
+            k, v = k.repeat_interleave(npg, dim=1), v.repeat_interleave(npg, dim=1)
         if self.recompute:  # selective recomputation: keep q, k, v only
             ctx = recomputed(self.core_attention, q, k, v, rng=self.recompute_rng)
         else:
             ctx = self.core_attention(q, k, v)
-        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)        # [s, b, h_local]
+        ctx = ctx.permute(2, 0, 1, 3).reshape(s, b, -1)        # [s, b, np·d / tp]
         return self.dense(ctx)                                 # ([s, b, h], bias)
 
     def core_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -160,27 +147,34 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """h → 4h → GeLU(tanh) → h."""
+    """h → ffn → GeLU(tanh) → h, or SwiGLU: h → [gate; up] (2·ffn rows) → SiLU(gate)·up → h."""
 
     def __init__(self, cfg: GPTConfig, kernels: KernelSet) -> None:
         super().__init__()
-        self.dense_h_to_4h = Linear(cfg.hidden_size, cfg.ffn_hidden_size)
-        self.dense_4h_to_h = Linear(cfg.ffn_hidden_size, cfg.hidden_size)
+        self.swiglu = cfg.activation == "swiglu"
+        width = 2 * cfg.ffn_hidden_size if self.swiglu else cfg.ffn_hidden_size
+        self.dense_h_to_4h = Linear(cfg.hidden_size, width, cfg.add_bias_linear)
+        self.dense_4h_to_h = Linear(cfg.ffn_hidden_size, cfg.hidden_size, cfg.add_bias_linear)
         self.kernels = kernels
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        y, bias = self.dense_h_to_4h(x)                        # [s, b, 4h_local]
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        y, bias = self.dense_h_to_4h(x)                        # [s, b, (2·)ffn_local]
+        if self.swiglu:  # each TP rank holds matching [gate_r; up_r] rows (sharding.GLU)
+            return self.dense_4h_to_h(self.kernels.swiglu(y if bias is None else y + bias))
+        if bias is None:
+            bias = y.new_zeros(y.shape[-1])
         return self.dense_4h_to_h(self.kernels.bias_gelu(y, bias))  # ([s, b, h], bias)
 
 
 class TransformerLayer(nn.Module):
-    """Pre-LN block: x + drop(attn(LN(x))), then x + drop(mlp(LN(x)))."""
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
     def __init__(self, cfg: GPTConfig, kernels: KernelSet) -> None:
         super().__init__()
-        self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+        norm = (cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, kernels)
+        self.input_layernorm = make_norm(*norm)
         self.self_attention = SelfAttention(cfg, kernels)
-        self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+        self.post_attention_layernorm = make_norm(*norm)
         self.mlp = MLP(cfg, kernels)
         self.dropout_p = cfg.hidden_dropout
         self.kernels = kernels
@@ -199,19 +193,21 @@ class TransformerLayer(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Word + learned position embeddings → [s, b, h], then dropout."""
+    """Word (+ learned position, unless rope) embeddings → [s, b, h], then dropout."""
 
     def __init__(self, cfg: GPTConfig, padded_vocab_size: int) -> None:
         super().__init__()
         self.word_embeddings = EmbeddingTable(padded_vocab_size, cfg.hidden_size)
-        self.position_embeddings = EmbeddingTable(cfg.max_position_embeddings, cfg.hidden_size)
+        if cfg.position_embedding == "learned":
+            self.position_embeddings = EmbeddingTable(cfg.max_position_embeddings, cfg.hidden_size)
         self.sequence_scatter = nn.Identity()  # sequence parallelism: keep this rank's sequence chunk
         self.dropout_p = cfg.hidden_dropout
         self.dropout_rng = contextlib.nullcontext
 
     def forward(self, tokens: Tensor) -> Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.word_embeddings(tokens) + self.position_embeddings(positions)  # [b, s, h]
+        x = self.word_embeddings(tokens)                                        # [b, s, h]
+        if hasattr(self, "position_embeddings"):
+            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
         x = self.sequence_scatter(x.transpose(0, 1).contiguous())               # [s, b, h]
         with self.dropout_rng():
             return F.dropout(x, p=self.dropout_p, training=self.training)
@@ -226,7 +222,7 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(cfg, kernels)
                                     for _ in range(stage.layer_start, stage.layer_end))
         if stage.post_process:
-            self.final_layernorm = LayerNorm(cfg.hidden_size, cfg.layernorm_epsilon, kernels)
+            self.final_layernorm = make_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, kernels)
         self.recompute, self.recompute_rng = Recompute(), None  # full recomputation: set by apply()
 
     def forward(self, x: Tensor) -> Tensor:
@@ -266,12 +262,17 @@ class GPT(nn.Module):
             self.embedding = Embedding(cfg, self.padded_vocab_size)
         self.encoder = Encoder(cfg, self.stage, kernels)
         if self.stage.post_process:
-            if not self.stage.pre_process:  # the tied head's own copy; kept equal by a grad all-reduce
+            if not cfg.tie_word_embeddings:  # Megatron's output_layer (--untie-embeddings-and-output-weights)
+                self.output_layer = EmbeddingTable(self.padded_vocab_size, cfg.hidden_size)
+            elif not self.stage.pre_process:  # the tied head's own copy; kept equal by a grad all-reduce
                 self.word_embeddings_for_head = EmbeddingTable(self.padded_vocab_size, cfg.hidden_size)
             self.lm_head = LMHead(cfg.vocab_size, kernels)
 
     def head_weight(self) -> Tensor:
-        """The LM head's weight: the word embeddings (tied), or this last stage's copy of them."""
+        """The LM head's weight: the untied output layer, the word embeddings (tied), or this last
+        stage's copy of them."""
+        if not self.cfg.tie_word_embeddings:
+            return self.output_layer.weight
         if self.stage.pre_process:
             return self.embedding.word_embeddings.weight
         return self.word_embeddings_for_head.weight

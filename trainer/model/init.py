@@ -4,7 +4,8 @@ seeded by (seed, global parameter name), and then sliced to this rank's shard.
 So for one seed every (tp, pp) layout starts from the same full weights, whichever stage builds which
 layers and however the tensors are split. Rules (Megatron / GPT-2): weights N(0, init_std); the two
 output projections (``self_attention.dense`` and ``mlp.dense_4h_to_h``) N(0, init_std / sqrt(2·layers));
-biases 0; LayerNorm weight 1, bias 0; padded vocabulary rows 0 (they are never looked up and are excluded
+biases 0; LayerNorm/RMSNorm weight 1, bias 0; the untied head (``output_layer``) N(0, init_std) from
+its own seed; padded vocabulary rows 0 (they are never looked up and are excluded
 from the loss). A module may shard a full tensor by defining ``shard_param(name, full) -> Tensor`` and
 ``full_shape(name) -> torch.Size`` (the tensor-parallel layers do).
 """
@@ -21,6 +22,7 @@ from trainer.model.config import GPTConfig
 
 _OUTPUT_PROJECTIONS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
 _TIED = ("embedding.word_embeddings.weight", "word_embeddings_for_head.weight")
+_VOCAB_ROWS = (*_TIED, "output_layer.weight")  # padded vocabulary rows stay zero (the untied head too)
 
 
 def param_seed(seed: int, global_name: str) -> int:
@@ -41,7 +43,7 @@ def full_init(cfg: GPTConfig, global_name: str, full_shape: torch.Size, seed: in
     if global_name.endswith(_OUTPUT_PROJECTIONS):
         std = cfg.init_std / math.sqrt(2.0 * cfg.num_layers)
     gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, global_name))
-    if global_name in _TIED:
+    if global_name in _VOCAB_ROWS:
         # Draw only the true vocabulary so that rows do not depend on the TP-dependent padding.
         full = torch.zeros(full_shape)
         full[: cfg.vocab_size].normal_(0.0, std, generator=gen)

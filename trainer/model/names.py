@@ -7,6 +7,8 @@ The GPT's flat parameter names already are Megatron's (see trainer.model.gpt); M
                         'encoder': {'layers.0.input_layernorm.weight': T, ..., 'final_layernorm.bias': T}},
      'word_embeddings_for_head': {'weight': T}}          # last PP stage without the embedding only
 
+An untied head (Llama) is ``language_model.output_layer.weight`` on the last stage.
+
 Encoder layer indices are local to the pipeline stage (as Megatron writes them); a stage's first global
 layer is ``model.encoder.layer_offset``. Under TP every tensor is this rank's shard: column-parallel
 (query_key_value, dense_h_to_4h: weight and bias; word embeddings) split on dim 0, row-parallel
@@ -25,6 +27,7 @@ LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # GPT (encoder.layers.i.) and
 _EMBEDDING = "embedding."
 _ENCODER = "encoder."
 _HEAD = "word_embeddings_for_head."
+_OUTPUT = "output_layer."  # the untied head: language_model.output_layer in Megatron's legacy layout
 
 
 def layer_index(name: str) -> int | None:
@@ -52,6 +55,8 @@ def nest(flat: dict[str, torch.Tensor]) -> dict:
             lm.setdefault(module, {})[leaf] = tensor
         elif name.startswith(_ENCODER):
             out.setdefault("language_model", {}).setdefault("encoder", {})[name[len(_ENCODER):]] = tensor
+        elif name.startswith(_OUTPUT):
+            out.setdefault("language_model", {}).setdefault("output_layer", {})[name[len(_OUTPUT):]] = tensor
         elif name.startswith(_HEAD):
             out.setdefault("word_embeddings_for_head", {})[name[len(_HEAD):]] = tensor
         else:
@@ -68,10 +73,12 @@ def flatten(nested: dict) -> dict[str, torch.Tensor]:
             flat[f"{_EMBEDDING}{module}.{leaf}"] = tensor
     for name, tensor in lm.get("encoder", {}).items():
         flat[_ENCODER + name] = tensor
+    for leaf, tensor in lm.get("output_layer", {}).items():
+        flat[_OUTPUT + leaf] = tensor
     for leaf, tensor in nested.get("word_embeddings_for_head", {}).items():
         flat[_HEAD + leaf] = tensor
     unknown = set(nested) - {"language_model", "word_embeddings_for_head"}
-    unknown |= set(lm) - {"embedding", "encoder"}
+    unknown |= set(lm) - {"embedding", "encoder", "output_layer"}
     if unknown:
         raise KeyError(f"unexpected keys in a Megatron GPT model dict: {sorted(unknown)}")
     return flat

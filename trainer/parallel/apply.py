@@ -3,7 +3,8 @@
 ``stage_spec`` picks this pipeline stage's layers (first stage: embedding; last: final LN, head, loss).
 ``apply_tensor_parallel`` swaps modules by the sharding table (``trainer.parallel.sharding``): each
 layer Linear whose weight is ``column`` becomes a ColumnParallelLinear, ``row`` a RowParallelLinear; the
-``vocab`` word embeddings (and the last stage's head copy) a VocabParallelEmbedding; the LM head a
+``glu`` SwiGLU first matrix a ColumnParallelLinear holding matching gate/up halves; the ``vocab`` word
+embeddings (and the last stage's head copy, or the untied output layer) a VocabParallelEmbedding; the head a
 VocabParallelLMHead (its cross-entropy never gathers the vocabulary). It also points the dropout RNG
 hooks at the tracker's fork where activations are sharded (attention always; embedding and residual
 dropout only under sequence parallelism, which also swaps in the sequence scatter after the embedding).
@@ -37,12 +38,8 @@ def check_compatible(cfg: GPTConfig, pcfg: ParallelConfig) -> None:
         raise ValueError(f"model.num_layers={cfg.num_layers} does not divide by parallel.pp_size × "
                          f"parallel.virtual_pp_size = {pp}×{v}: every model chunk needs equal layers; "
                          "choose a virtual_pp_size that divides num_layers / pp_size")
-    if cfg.num_attention_heads % tp:
-        raise ValueError(f"model.num_attention_heads={cfg.num_attention_heads} does not divide by "
-                         f"parallel.tp_size={tp}")
-    if cfg.ffn_hidden_size % tp:
-        raise ValueError(f"model.ffn_hidden_size={cfg.ffn_hidden_size} does not divide by "
-                         f"parallel.tp_size={tp}")
+    for found in cfg.tp_issues(tp):  # heads, KV groups (GQA) and the MLP width: the config's own rule
+        raise ValueError(str(found))
     if pcfg.sequence_parallel and cfg.seq_length % tp:
         raise ValueError(f"parallel.sequence_parallel needs model.seq_length={cfg.seq_length} divisible by "
                          f"parallel.tp_size={tp}")
@@ -71,12 +68,17 @@ def apply_tensor_parallel(model: GPT, pstate: ParallelState, sequence_parallel: 
         return
     cfg, tp, sp = model.cfg, pstate.tp_group, sequence_parallel
     h = cfg.hidden_size
+    swiglu = cfg.activation == "swiglu"
     for layer in model.encoder.layers:
         for path in _LAYER_LINEARS:
             owner, attr = layer.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2]
             out_features, in_features = getattr(owner, attr).weight.shape
-            parallel = _PARALLEL_LINEAR[sharding.LAYER_PARAMS[f"{path}.weight"]]
-            setattr(owner, attr, parallel(in_features, out_features, tp, sp))
+            split, bias = sharding.kind(f"encoder.layers.0.{path}.weight", swiglu), cfg.add_bias_linear
+            if split == sharding.GLU:
+                linear = ColumnParallelLinear(in_features, out_features, tp, sp, bias, glu=True)
+            else:
+                linear = _PARALLEL_LINEAR[split](in_features, out_features, tp, sp, bias)
+            setattr(owner, attr, linear)
         layer.self_attention.dropout_rng = tracker.fork
         if sp:
             layer.dropout_rng = tracker.fork
@@ -86,7 +88,9 @@ def apply_tensor_parallel(model: GPT, pstate: ParallelState, sequence_parallel: 
             model.embedding.sequence_scatter = ScatterToSequence(tp)
             model.embedding.dropout_rng = tracker.fork
     if model.stage.post_process:
-        if not model.stage.pre_process:
+        if not cfg.tie_word_embeddings:  # the untied head: vocab rows split like the embedding
+            model.output_layer = VocabParallelEmbedding(model.padded_vocab_size, h, tp)
+        elif not model.stage.pre_process:
             model.word_embeddings_for_head = VocabParallelEmbedding(model.padded_vocab_size, h, tp)
         model.lm_head = VocabParallelLMHead(cfg.vocab_size, tp, sp)
 

@@ -245,9 +245,10 @@ def finish_grad_sync(model: ParallelModel) -> None:
         flat = comm.all_reduce(torch.cat([g.reshape(-1) for g in grads]), ps.tp_group)
         for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             g.copy_(part.view_as(g))
-    if ps.pp_size > 1 and (ps.is_first_stage or ps.is_last_stage):  # tied embedding: first + last stage
+    tied = model.chunks[0].cfg.tie_word_embeddings  # an untied head (output_layer) has no copy to sync
+    if tied and ps.pp_size > 1 and (ps.is_first_stage or ps.is_last_stage):  # tied: first + last stage
         # (the first chunk of the first stage and the last chunk of the last stage). The stages' buckets
         # differ, so their DP shards do not line up: gather the full reduced gradient.
-        tied = (model.chunks[-1].head_weight() if ps.is_last_stage
-                else model.chunks[0].embedding.word_embeddings.weight)
-        comm.all_reduce(model.grads.gather_full(tied), ps.embedding_group)
+        weight = (model.chunks[-1].head_weight() if ps.is_last_stage
+                  else model.chunks[0].embedding.word_embeddings.weight)
+        comm.all_reduce(model.grads.gather_full(weight), ps.embedding_group)

@@ -14,6 +14,14 @@ Megatron's split of a transformer layer (``formats.md`` §4):
 | row         | self_attention.dense and dense_4h_to_h weights               | dim 1 (input columns) |
 | vocab       | word embeddings (and the last stage's head copy)             | dim 0 (vocab rows)    |
 | replicated  | LayerNorms, position embeddings, row-parallel biases         | —                     |
+| glu         | dense_h_to_4h weight+bias of a SwiGLU MLP ([gate; up] rows)  | each half on dim 0    |
+
+A SwiGLU MLP's first matrix is [gate; up]; Megatron gives TP rank r the rows [gate_r; up_r] (so the
+rank's SiLU(gate)·up needs no communication), which is not a plain row split of the full tensor:
+:func:`split_tp` and :func:`merge_tp` are the one definition of every kind's split, GLU included. The
+name alone cannot tell a GeLU h→4h from a SwiGLU one, so :func:`kind` takes ``swiglu`` (the model's
+``activation == "swiglu"``; Megatron's ``args.swiglu``). Grouped-query QKV needs no kind of its own: its
+rows are grouped per KV group (``trainer.model.gpt``), so a row split hands each rank whole groups.
 
 Names are the GPT's flat names (``encoder.layers.{i}.…``); Megatron's checkpoint names (a
 ``language_model.`` prefix) are accepted too. Pipeline stages hold equal blocks of layers — one
@@ -25,10 +33,12 @@ global ones).
 
 from __future__ import annotations
 
+import torch
+
 from trainer.model.names import LAYER_RE
 
-COLUMN, ROW, REPLICATED, VOCAB = "column", "row", "replicated", "vocab"
-DIM: dict[str, int | None] = {COLUMN: 0, ROW: 1, VOCAB: 0, REPLICATED: None}
+COLUMN, ROW, REPLICATED, VOCAB, GLU = "column", "row", "replicated", "vocab", "glu"
+DIM: dict[str, int | None] = {COLUMN: 0, ROW: 1, VOCAB: 0, REPLICATED: None, GLU: 0}
 
 # Inside encoder.layers.{i}.
 LAYER_PARAMS: dict[str, str] = {
@@ -52,25 +62,52 @@ MODEL_PARAMS: dict[str, str] = {
     "encoder.final_layernorm.weight": REPLICATED,
     "encoder.final_layernorm.bias": REPLICATED,
     "word_embeddings_for_head.weight": VOCAB,  # the tied head's copy on a last stage without the embedding
+    "output_layer.weight": VOCAB,  # the untied head (Llama; Megatron's --untie-embeddings-and-output-weights)
 }
+_GLU_PARAMS = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
 
 _MEGATRON_PREFIX = "language_model."
 
 
-def kind(name: str) -> str:
-    """A parameter's tensor-parallel kind: COLUMN, ROW, VOCAB or REPLICATED."""
+def kind(name: str, swiglu: bool = False) -> str:
+    """A parameter's tensor-parallel kind: COLUMN, ROW, VOCAB, REPLICATED, or GLU (``swiglu`` models)."""
     flat = name.removeprefix(_MEGATRON_PREFIX)
     m = LAYER_RE.search(flat)
     found = LAYER_PARAMS.get(flat[m.end():]) if m else MODEL_PARAMS.get(flat)
     if found is None:
         raise KeyError(f"{name!r} is not a GPT parameter in the sharding table "
                        "(trainer/parallel/sharding.py); a new parameter needs a row there")
-    return found
+    return GLU if swiglu and m and flat[m.end():] in _GLU_PARAMS else found
 
 
 def tp_dim(name: str) -> int | None:
     """The dim a parameter is split on across tensor-parallel ranks (None: replicated)."""
     return DIM[kind(name)]
+
+
+def split_tp(full: torch.Tensor, kind_: str, tp_size: int) -> list[torch.Tensor]:
+    """The ``tp_size`` shards of a full tensor (views; replicated: the full tensor for every rank)."""
+    dim = DIM[kind_]
+    if dim is None or tp_size == 1 or full.dim() == 0:
+        return [full] * tp_size
+    if full.shape[dim] % (2 * tp_size if kind_ == GLU else tp_size):
+        raise ValueError(f"a {kind_} tensor of shape {tuple(full.shape)} does not split into tp={tp_size} "
+                         f"equal parts on dim {dim}; choose a tp_size that divides it")
+    if kind_ == GLU:  # rank r: [gate_r; up_r]
+        gate, up = full.chunk(2, dim=0)
+        return [torch.cat(pair) for pair in zip(gate.chunk(tp_size), up.chunk(tp_size), strict=True)]
+    return list(torch.chunk(full, tp_size, dim=dim))
+
+
+def merge_tp(parts: list[torch.Tensor], kind_: str) -> torch.Tensor:
+    """The full tensor from the TP ranks' shards in rank order (the inverse of :func:`split_tp`)."""
+    dim = DIM[kind_]
+    if dim is None or len(parts) == 1 or parts[0].dim() == 0:
+        return parts[0]
+    if kind_ == GLU:
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+    return torch.cat(parts, dim=dim)
 
 
 def layers_per_stage(num_layers: int, pp_size: int, virtual_pp_size: int = 1) -> int:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.parallel import comm
-from trainer.parallel.sharding import COLUMN, DIM, REPLICATED, ROW, VOCAB
+from trainer.parallel.sharding import COLUMN, DIM, GLU, REPLICATED, ROW, VOCAB, split_tp
 from trainer.parallel.state import Group
 
 Tensor = torch.Tensor
@@ -51,16 +51,25 @@ def _check_divisible(what: str, n: int, tp: int) -> None:
 
 
 class ColumnParallelLinear(_Sharded):
-    """Y_i = X·A_iᵀ: the output features (rows of A, and the bias) are split; returns (Y_i, b_i)."""
+    """Y_i = X·A_iᵀ: the output features (rows of A, and the bias) are split; returns (Y_i, b_i).
+
+    ``glu``: A is a SwiGLU [gate; up] pair and rank i holds [gate_i; up_i] (sharding.GLU), so its local
+    SiLU(gate_i)·up_i is its own slice of the MLP's inner features."""
 
     partition_dims = {"weight": DIM[COLUMN], "bias": DIM[COLUMN]}
 
-    def __init__(self, in_features: int, out_features: int, group: Group, sequence_parallel: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, group: Group, sequence_parallel: bool,
+                 bias: bool = True, glu: bool = False) -> None:
         super().__init__(group)
-        _check_divisible("output features", out_features, group.size)
+        _check_divisible("output features", out_features // 2 if glu else out_features, group.size)
         self.weight = nn.Parameter(torch.empty(out_features // group.size, in_features))
-        self.bias = nn.Parameter(torch.empty(out_features // group.size))
-        self.sequence_parallel = sequence_parallel
+        self.bias = nn.Parameter(torch.empty(out_features // group.size)) if bias else None
+        self.sequence_parallel, self.glu = sequence_parallel, glu
+
+    def shard_param(self, name: str, full: Tensor) -> Tensor:
+        if not self.glu:
+            return super().shard_param(name, full)
+        return split_tp(full, GLU, self.group.size)[self.group.index]
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:   # x: [s(/tp), b, in]
         if self.sequence_parallel:
@@ -75,11 +84,12 @@ class RowParallelLinear(_Sharded):
 
     partition_dims = {"weight": DIM[ROW], "bias": DIM[REPLICATED]}
 
-    def __init__(self, in_features: int, out_features: int, group: Group, sequence_parallel: bool) -> None:
+    def __init__(self, in_features: int, out_features: int, group: Group, sequence_parallel: bool,
+                 bias: bool = True) -> None:
         super().__init__(group)
         _check_divisible("input features", in_features, group.size)
         self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size))
-        self.bias = nn.Parameter(torch.empty(out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:   # x: [s, b, in/tp]
