@@ -28,7 +28,7 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes on the most loaded device (the first pipeline stage)."""
+    """Bytes on the most loaded device (the busiest pipeline stage)."""
 
     params: int  # parameter count on that device
     weights_bytes: int
@@ -56,23 +56,20 @@ class MemoryEstimate:
 
 
 def stage_params(cfg: SlipwayConfig, vocab: int) -> tuple[int, int]:
-    """(parameters on the first stage's device, parameters of the whole model)."""
+    """(parameters on the busiest stage's device, parameters of the whole model):
+    :func:`trainer.formulas.stage_params` for this run's model, padded vocabulary and layout."""
     m, p = cfg.model, cfg.parallel
-    h, tp, pp = m.hidden_size, max(p.tp_size, 1), max(p.pp_size, 1)
-    per_layer = 12 * h * h + 13 * h  # QKV, dense, two MLP matrices, their biases, two layer norms
-    v = formulas.padded_vocab_size(vocab, tp, m.make_vocab_size_divisible_by)
-    embed = v * h + m.max_position_embeddings * h
-    total = m.num_layers * per_layer + embed + 2 * h
-    first = (m.num_layers // pp) * per_layer // tp + v * h // tp + m.max_position_embeddings * h
-    if pp == 1:
-        first += 2 * h  # final layer norm lives on the last stage
-    return first, total
+    tp, pp = max(p.tp_size, 1), max(p.pp_size, 1)
+    padded = formulas.padded_vocab_size(vocab, tp, m.make_vocab_size_divisible_by)
+    return formulas.stage_params(m, padded, tp, pp)
 
 
 def activation_profile(cfg: SlipwayConfig) -> formulas.ActivationProfile:
     """The measured (CPU) or published (GPU) activation coefficients for this run's kernels."""
     device = "cuda" if cfg.cluster.gpus_per_node else "cpu"
-    return formulas.activation_profile(device, cfg.kernels, cfg.model.attention_backend, cfg.train.precision)
+    m = cfg.model
+    profile = formulas.activation_profile(device, cfg.kernels, m.attention_backend, cfg.train.precision)
+    return profile.for_architecture(m)
 
 
 def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstimate:
@@ -117,7 +114,7 @@ def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
     m = cfg.model
     # The padded vocabulary: the logit matmul runs over every embedding row, as the trainer counts it.
     v = formulas.padded_vocab_size(vocab, max(cfg.parallel.tp_size, 1), m.make_vocab_size_divisible_by)
-    flops = formulas.flops_per_iteration(lay.global_batch, m.seq_length, m.num_layers, m.hidden_size, v)
+    flops = formulas.model_flops_per_iteration(m, lay.global_batch, v)
     rate = max(lay.world, 1) * c.device_peak_tflops * 1e12 * max(c.mfu, 1e-6)
     mb = max(lay.num_microbatches, 1)
     # The step takes (1 + bubble) times the ideal compute (performance.md), interleaving included.

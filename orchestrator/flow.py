@@ -108,7 +108,7 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         f"  vocab {plan.vocab_size}, precision {cfg.train.precision}, {cfg.train.iters} iterations, "
         f"{lay.global_batch * cfg.model.seq_length * cfg.train.iters / 1e9:.2f} B tokens",
         "",
-        "Memory per device (first pipeline stage):",
+        "Memory per device (the busiest pipeline stage):",
         memory_table(plan.memory, cfg.cluster.device_name),
         *options_table(plan.memory, plan.memory_options),
         "",

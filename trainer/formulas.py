@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def padded_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128) -> int:
@@ -15,21 +15,78 @@ def padded_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128
     return -(-vocab_size // unit) * unit
 
 
-def flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Megatron's model FLOPs for one iteration of ``batch`` sequences, forward and backward, no
-    activation recomputation (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
-    GPU Clusters", eq. 3): ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))``.
+def flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int, *,
+                        ffn_hidden_size: int | None = None, num_attention_heads: int = 1,
+                        num_query_groups: int | None = None, kv_channels: int | None = None,
+                        swiglu: bool = False) -> float:
+    """Megatron-LM's model FLOPs for one iteration of ``batch`` sequences, forward and backward, no
+    activation recomputation (``megatron.training.training.num_floating_point_operations``, core_v0.8):
+
+        12·B·s·l·h² · [(1 + g/a + s/h)·(a·d/h) + (f/h)·(3/2 if SwiGLU) + V/(2·l·h)]
+
+    with a heads of d = ``kv_channels`` dims (default h/a), g KV groups (grouped-query attention; default
+    a), MLP width f (default 4h). 12 = 3 (forward, and backward at twice it) × 2 (multiply-add) × 2 (two
+    matmuls of each size); the attention term counts Q and the output projection (1), K and V (g/a) and
+    the score and context matmuls (s/h); SwiGLU's three matrices make the MLP 3/2 of two. With the
+    defaults this is Narayanan et al. 2021's eq. 3, ``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))``. An untied
+    head adds parameters, not FLOPs: the logit matmul is the same either way.
 
     ``vocab`` is the PADDED vocabulary (:func:`padded_vocab_size`): the logit matmul runs over every
     embedding row, padding included, so that is the work the GPU does. The trainer's logged TFLOP/s and
-    the orchestrator's run-time estimate both pass it, so the two agree.
-
-    The formula assumes the MLP width ``ffn_hidden_size = 4h``: 72 = 3 (forward, backward at 2×) × 24 per
-    layer, and 16 of those 24 are the MLP's two h×4h matmuls. ``model.ffn_hidden_size`` defaults to 4h
-    but may be set otherwise; the formula is kept as Megatron has it (so the numbers compare with
-    Megatron's logs), and for such a model the reported TFLOP/s and MFU are off by the MLP's share.
+    the orchestrator's run-time estimate both get here through :func:`model_flops_per_iteration`, so the
+    two agree.
     """
-    return 72.0 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (12 * layers * hidden))
+    ffn = 4 * hidden if ffn_hidden_size is None else ffn_hidden_size
+    groups = num_attention_heads if num_query_groups is None else num_query_groups
+    query_ratio = (num_attention_heads * (kv_channels or hidden // num_attention_heads)) / hidden
+    attention = (1 + groups / num_attention_heads + seq / hidden) * query_ratio
+    mlp = ffn / hidden * (1.5 if swiglu else 1.0)
+    logit = vocab / (2 * layers * hidden)
+    return 12.0 * batch * seq * layers * hidden**2 * (attention + mlp + logit)
+
+
+def model_flops_per_iteration(m, batch: int, padded_vocab: int) -> float:
+    """:func:`flops_per_iteration` for a model section ``m`` (a ``trainer.config.model.ModelConfig``: the
+    one place its architecture fields map onto the formula's arguments)."""
+    return flops_per_iteration(batch, m.seq_length, m.num_layers, m.hidden_size, padded_vocab,
+                               ffn_hidden_size=m.ffn_hidden_size, num_attention_heads=m.num_attention_heads,
+                               num_query_groups=m.query_groups, kv_channels=m.head_dim,
+                               swiglu=m.activation == "swiglu")
+
+
+def layer_params(m) -> tuple[int, int]:
+    """Parameters of one transformer layer of a model section ``m``: (split across tensor-parallel ranks,
+    replicated on each). Split: the QKV (a·d query rows, 2·g·d key/value rows), attention output, MLP
+    matrices ([gate; up] with SwiGLU) and their column-parallel biases; replicated: the norms (weight,
+    and bias for LayerNorm) and the row-parallel biases (trainer.parallel.sharding's table)."""
+    h, f, d = m.hidden_size, m.ffn_hidden_size, m.head_dim
+    q, kv = m.num_attention_heads * d, 2 * m.query_groups * d
+    up = f * (2 if m.activation == "swiglu" else 1)
+    bias = m.add_bias_linear
+    split = h * (q + kv) + q * h + h * up + f * h + ((q + kv + up) if bias else 0)
+    norm = h * (1 if m.normalization == "rmsnorm" else 2)
+    return split, 2 * norm + (2 * h if bias else 0)
+
+
+def stage_params(m, padded_vocab: int, tp: int = 1, pp: int = 1) -> tuple[int, int]:
+    """(parameters on the busiest pipeline stage's device, parameters of the whole model) for a model
+    section ``m``, its padded vocabulary (for ``tp``) and the layout. The first stage holds the word
+    embeddings (split over TP) and any learned position table; the last the final norm and the head: the
+    untied output layer, or with pp > 1 the tied embeddings' copy (Megatron's word_embeddings_for_head,
+    not counted in the total)."""
+    split, replicated = layer_params(m)
+    h = m.hidden_size
+    embed = padded_vocab * h
+    positions = (m.max_position_embeddings or m.seq_length) * h if m.position_embedding == "learned" else 0
+    final_norm = h * (1 if m.normalization == "rmsnorm" else 2)
+    head = 0 if m.tie_word_embeddings else embed
+    layers = (m.num_layers // pp) * (split // tp + replicated)
+    total = m.num_layers * (split + replicated) + embed + positions + final_norm + head
+    if pp == 1:
+        return layers + (embed + head) // tp + positions + final_norm, total
+    first = layers + embed // tp + positions
+    last = layers + embed // tp + final_norm  # the untied head, or the tied copy: the same shape
+    return max(first, last), total
 
 
 @dataclass(frozen=True)
@@ -52,6 +109,32 @@ class ActivationProfile:
     """Under sequence parallelism, bytes per s·b·h kept at the full sequence length: Slipway saves the
     all-gathered inputs of the QKV and first MLP matmuls (2 × 2 bytes) for their weight gradients, where
     Megatron all-gathers them again in backward. Unsplit, so ``sp_gathered·(1 − 1/t)`` more than 1/t."""
+    glu: float = 3
+    """A SwiGLU MLP keeps this many elements per s·b·f (f = ffn_hidden_size) where a GeLU MLP keeps 2:
+    [gate; up] and SiLU(gate)·up (3, the fused kernel); eager SiLU keeps its input again (4)."""
+    rmsnorm: float = 0
+    """Elements per s·b·h an RMSNorm keeps beyond a LayerNorm's (the fused kernels: none; eager: its
+    fp32 intermediates, 2)."""
+
+    def for_architecture(self, m) -> ActivationProfile:
+        """This profile (measured on GPT-2 layers: GeLU, f = 4h, LayerNorm, learned positions) for a model
+        section ``m``: the MLP width (2 elements per s·b·f), SwiGLU (``glu``), rope (2 elements per s·b·h
+        with multi-head attention) and RMSNorm (``rmsnorm``, in the replicated region). Bias-free linears
+        change nothing measurable. tests/model/test_activation_memory.py measures each option alone and
+        the Llama combination."""
+        e, f = self.element, m.ffn_hidden_size / m.hidden_size
+        mlp = ((self.glu if m.activation == "swiglu" else 2) * f - 2 * 4) * e
+        # Measured: rope keeps the rotated q and k (2 elements) beside the QKV output under multi-head
+        # attention; with grouped-query attention the expansion of K/V to the heads keeps the copies
+        # instead, and rope adds nothing beyond its cos/sin tables.
+        mha = m.query_groups == m.num_attention_heads
+        rope = 2 * e if m.position_embedding == "rope" and mha else 0
+        norm = self.rmsnorm * e if m.normalization == "rmsnorm" else 0
+        if mlp == rope == norm == 0:
+            return self
+        extra = mlp + rope + norm
+        return replace(self, linear=self.linear + extra, selective=self.selective + extra,
+                       replicated=self.replicated + norm, source=f"{self.source}; for the architecture")
 
 
 PAPER = ActivationProfile(34, 5, 34, 10, "Korthikanti et al. 2022, table 2 (Megatron's GPU kernels)",
@@ -69,12 +152,12 @@ _MEASURED = "measured, bench/results/recompute.json"
 ACTIVATION_PROFILES: dict[tuple[str, str, str, int], ActivationProfile] = {
     ("cpu", "csrc", "softmax", 16): ActivationProfile(32, 6, 32, 8, _MEASURED),
     ("cpu", "csrc", "sdpa", 16): ActivationProfile(38, 12, 32, 8, _MEASURED),
-    ("cpu", "eager", "softmax", 16): ActivationProfile(40, 8, 40, 10, _MEASURED),
-    ("cpu", "eager", "sdpa", 16): ActivationProfile(46, 12, 40, 10, _MEASURED),
+    ("cpu", "eager", "softmax", 16): ActivationProfile(40, 8, 40, 10, _MEASURED, glu=4, rmsnorm=2),
+    ("cpu", "eager", "sdpa", 16): ActivationProfile(46, 12, 40, 10, _MEASURED, glu=4, rmsnorm=2),
     ("cpu", "csrc", "softmax", 32): ActivationProfile(64, 12, 64, 16, _MEASURED, 4, 8),
     ("cpu", "csrc", "sdpa", 32): ActivationProfile(72, 12, 64, 16, _MEASURED, 4, 8),
-    ("cpu", "eager", "softmax", 32): ActivationProfile(72, 12, 72, 20, _MEASURED, 4, 8),
-    ("cpu", "eager", "sdpa", 32): ActivationProfile(80, 12, 72, 20, _MEASURED, 4, 8),
+    ("cpu", "eager", "softmax", 32): ActivationProfile(72, 12, 72, 20, _MEASURED, 4, 8, glu=4, rmsnorm=2),
+    ("cpu", "eager", "sdpa", 32): ActivationProfile(80, 12, 72, 20, _MEASURED, 4, 8, glu=4, rmsnorm=2),
     ("cuda", "fused", "softmax", 16): PAPER,
     ("cuda", "fused", "sdpa", 16): ActivationProfile(34, 0, 34, 10, "the paper without the attention term "
                                                      "(flash/efficient SDPA on CUDA; unmeasured)",

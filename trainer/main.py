@@ -264,8 +264,8 @@ def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, fac
                                                  "global_batch_size": b.global_batch_size,
                                                  "num_microbatches": m}}
     logger = metrics.WandbLogger(cfg.logging.wandb, cfg.run_dir, cfg.run_id, wandb_config, ps.rank == 0)
-    flops = formulas.flops_per_iteration(b.global_batch_size, b.gpt.seq_length, b.gpt.num_layers,
-                                         b.gpt.hidden_size, b.gpt.padded_vocab_size(ps.tp_size))
+    padded = b.gpt.padded_vocab_size(ps.tp_size)
+    flops = formulas.model_flops_per_iteration(b.gpt, b.global_batch_size, padded)
     peak = metrics.detect_peak_tflops(ps.device, cfg.logging.peak_tflops)
     return Loop(
         model=b.model, optimizer=b.parts.optimizer, scheduler=b.parts.scheduler, scaler=b.parts.scaler,

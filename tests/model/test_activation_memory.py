@@ -118,3 +118,37 @@ def test_plan_estimate_matches_a_measured_stage(granularity):
                     requires_grad=True)
     measured = sum(_layer_bytes(model, granularity, x, i) for i in range(m.num_layers))
     assert abs(measured / estimated - 1) < TOLERANCE, (granularity, measured, estimated)
+
+
+ARCHITECTURES = {  # each Llama option alone, and together at Llama's MLP width (int(8h/3 / 64)·64)
+    "ffn_2h": {"ffn_hidden_size": 2},
+    "swiglu": {"activation": "swiglu", "ffn_hidden_size": 4},
+    "rope": {"position_embedding": "rope"},
+    "rmsnorm": {"normalization": "rmsnorm"},
+    "gqa": {"num_query_groups": 2},
+    "llama": {"activation": "swiglu", "position_embedding": "rope", "normalization": "rmsnorm",
+              "num_query_groups": 2, "add_bias_linear": False, "ffn_hidden_size": None},
+}
+
+
+@pytest.mark.parametrize("kernels", ["csrc", "eager"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_architecture_options_match_what_a_layer_keeps(kernels, dtype, arch):
+    """ActivationProfile.for_architecture: the MLP width, SwiGLU, rope, RMSNorm and GQA per layer."""
+    precision = "fp32" if dtype == torch.float32 else "bf16"
+    torch.manual_seed(0)
+    for s, b, h, a in SHAPES:
+        options = dict(ARCHITECTURES[arch])
+        if options.get("ffn_hidden_size"):
+            options["ffn_hidden_size"] *= h
+        cfg = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=256,
+                        attention_backend="softmax", **options)
+        profile = formulas.activation_profile("cpu", kernels, "softmax", precision).for_architecture(cfg)
+        model = build_gpt(cfg, 0, kernels=kernels).to(dtype).train()
+        x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
+        for granularity in ("none", "selective"):
+            measured = _layer_bytes(model, granularity, x)
+            expected = formulas.activation_bytes_per_layer(s, b, h, a, recompute=granularity, profile=profile)
+            assert abs(measured / expected - 1) < TOLERANCE, (arch, kernels, dtype, (s, b, h, a), granularity,
+                                                              measured, expected)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.estimate import GIB, estimate_memory, stage_params
+from orchestrator.flow import format_plan
 from orchestrator.layout import layout_of
 from orchestrator.plan import PlanInputs, SweepInfo, make_plan, trainer_config
 from tests.orchestrator.conftest import REPO, compose_cfg
@@ -153,3 +155,22 @@ def test_1p3b_dry_run_shows_memory_with_and_without_each_option():
     assert names["train.recompute_granularity=none"].step_ratio == pytest.approx(3 / 4)  # no 4/3 forward
     _, bare = _plan(["+experiment=gpt_1p3b", "train.recompute_granularity=none", "optim.distributed=false"])
     assert not bare.memory.fits and [p.key for p in bare.problems if p.code == "memory"]
+
+
+def test_llama_1b_plan_counts_its_architecture():
+    """The Llama 1B example: parameters, FLOPs and activations follow GQA, SwiGLU, rope and RMSNorm (not
+    a GPT of the same width), and the dry run prints them."""
+    from trainer import formulas
+
+    cfg, plan = _plan(["+experiment=llama_1b"], PlanInputs("r", "/runs/r", vocab_from_file=32768))
+    m = cfg.model
+    assert (m.query_groups, m.activation, m.ffn_hidden_size) == (8, "swiglu", 8192)
+    gpt = dataclasses.replace(m, num_query_groups=None, activation="gelu", ffn_hidden_size=4 * 2048,
+                              position_embedding="learned", normalization="layernorm", add_bias_linear=True)
+    # 1,235,814,400 with Llama 3's 128,256-token vocabulary (tests/model/test_counts.py); here 32,768.
+    assert plan.memory.params == 1_235_814_400 - (128256 - 32768) * 2048
+    assert plan.memory.params != formulas.stage_params(gpt, 32768)[0]
+    assert plan.time.flops_per_iter == formulas.model_flops_per_iteration(m, 512, 32768)
+    assert plan.time.flops_per_iter != formulas.model_flops_per_iteration(gpt, 512, 32768)
+    text = format_plan(cfg, plan, {})
+    assert "1040.25 M" in text and f"{plan.time.flops_per_iter / 1e12:.1f} TFLOP per iteration" in text

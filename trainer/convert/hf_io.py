@@ -21,6 +21,12 @@ Producer = Callable[[str], torch.Tensor]
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
+def hf_positions(config: Any) -> int:
+    """The positions a transformers config allows: GPT-2's ``n_positions``, Llama's
+    ``max_position_embeddings`` (the one rule the converter's checks, sample and the eval stage share)."""
+    return int(getattr(config, "n_positions", 0) or config.max_position_embeddings)
+
+
 def parse_size(size: str | int) -> int:
     """``"5GB"``, ``"500MB"``, ``"2GiB"`` or a byte count → bytes."""
     if isinstance(size, int):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainer.convert.hf_io import hf_positions
 from trainer.convert.hub import check_hub, push
 from trainer.convert.layout import iteration_path
 from trainer.convert.to_hf import ConversionResult, ToHFConfig, convert_checkpoint
@@ -60,7 +61,7 @@ def write_sample(hf_dir: Path, out: Path, prompt: str, new_tokens: int, repetiti
 
     tok = AutoTokenizer.from_pretrained(str(hf_dir))
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
-    n_pos = model.config.n_positions
+    n_pos = hf_positions(model.config)
     new_tokens = min(new_tokens, n_pos - 1)
     ids = tok(prompt, return_tensors="pt")["input_ids"][:, -(n_pos - new_tokens):]
     with torch.no_grad():

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
+from trainer.convert.hf_io import hf_positions
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -102,7 +103,7 @@ def verify(source: SourceModel, hf_dir: Path, tokenizer: Any | None, cfg: Verify
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-    n_pos = getattr(hf.config, "n_positions", None) or hf.config.max_position_embeddings  # GPT-2 / Llama
+    n_pos = hf_positions(hf.config)
     new_tokens = min(cfg.new_tokens, n_pos - 1)
     worst, identical, samples = 0.0, True, []
     for text in cfg.prompts:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.convert.hf_io import hf_positions
 from trainer.eval.config import STOP_SEQUENCES
 
 
@@ -43,7 +44,7 @@ class HFCompleter:
         self.tok.padding_side = self.tok.truncation_side = "left"
         if self.tok.pad_token is None:
             self.tok.pad_token = self.tok.eos_token
-        self.n_pos = int(getattr(model.config, "n_positions", 0) or model.config.max_position_embeddings)
+        self.n_pos = hf_positions(model.config)
         self.generated_tokens = 0
 
     def __call__(self, prompts: list[str], temperature: float) -> list[str]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.convert.hf_io import hf_positions
 from trainer.data.gpt_dataset import GPTDatasetConfig, SplitRequest, build_split
 from trainer.data.index_cache import IndexCacheConfig
 from trainer.data.indexed_dataset import IndexedDataset
@@ -56,7 +57,7 @@ def heldout_perplexity(model, data: HeldOut, max_samples: int, device: torch.dev
     name = next((n for n in ("test", "valid") if ranges.get(n) and ranges[n][0] < ranges[n][1]), None)
     if name is None:
         return None
-    n_pos = int(getattr(model.config, "n_positions", 0) or model.config.max_position_embeddings)
+    n_pos = hf_positions(model.config)
     seq = min(data.seq_length, n_pos)
     cfg = GPTDatasetConfig(seq_length=seq, seed=data.seed, split=data.split, cache_dir=data.cache_dir)
     cache = IndexCacheConfig(cache_dir=data.cache_dir or os.path.join(os.path.dirname(data.prefix),
@@ -74,7 +75,7 @@ def heldout_perplexity(model, data: HeldOut, max_samples: int, device: torch.dev
 def jsonl_perplexity(model, tokenizer, path: str, key: str, max_docs: int, device: torch.device) -> dict:
     """Perplexity over the ``key`` text of the first ``max_docs`` lines of ``path``, each document scored
     in windows of the model's positions (EOD appended, as preprocessing does)."""
-    n_pos = int(getattr(model.config, "n_positions", 0) or model.config.max_position_embeddings)
+    n_pos = hf_positions(model.config)
     nll, tokens, docs = 0.0, 0, 0
     with open(path, encoding="utf-8") as f:
         for line in f:
