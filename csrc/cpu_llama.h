@@ -59,21 +59,7 @@ SLIPWAY_CLONES void rms_norm_bwd_row(const G* __restrict g, const T* __restrict 
 // these loops, which made the fp32 SwiGLU forward compute-bound and slower than eager.
 SLIPWAY_INLINE float exp_clamped(float x) {
   constexpr float kRound = 12582912.0f;  // 1.5 · 2^23
-  const float fn = (x * 1.44269504088896341f + kRound) - kRound;
-  const int32_t n = static_cast<int32_t>(fn);
-  float r = x - fn * 0.693359375f;
-  r = r + fn * 2.12194440e-4f;
-  float q = 1.9875691500e-4f;
-  q = q * r + 1.3981999507e-3f;
-  q = q * r + 8.3334519073e-3f;
-  q = q * r + 4.1665795894e-2f;
-  q = q * r + 1.6666665459e-1f;
-  q = q * r + 5.0000001201e-1f;
-  q = q * r * r + r + 1.0f;
-  const int32_t bits = (n + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return q * scale;
+  return exp_from_reduced(x, (x * 1.44269504088896341f + kRound) - kRound);
 }
 SLIPWAY_INLINE double exp_clamped(double x) { return std::exp(x); }
 

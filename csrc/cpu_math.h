@@ -52,12 +52,11 @@ SLIPWAY_INLINE void st(c10::Half* p, float v) { p->x = c10::detail::fp16_ieee_fr
 // Cephes-style expf: x = n·ln2 + r with a two-part ln2, a degree-6 polynomial for e^r and 2^n assembled
 // in the exponent bits; about 1-2 ulp on [-87, 88]. Inputs outside are clamped (e^-87 ≈ 1.6e-38 is
 // the smallest normal result: no denormals, which are slow on x86); NaN propagates.
-SLIPWAY_INLINE float fexp(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  x = x > 88.0f ? 88.0f : x;
-  float t = x * 1.44269504088896341f;
-  int32_t n = static_cast<int32_t>(t + (t >= 0.0f ? 0.5f : -0.5f));
-  float fn = static_cast<float>(n);
+// exp_from_reduced is that polynomial and exponent assembly given fn = round(x/ln2), the one copy of it:
+// fexp below clamps and rounds with a select, exp_clamped (cpu_llama.h) rounds with the 1.5·2^23 trick
+// that vectorises.
+SLIPWAY_INLINE float exp_from_reduced(float x, float fn) {
+  const int32_t n = static_cast<int32_t>(fn);
   float r = x - fn * 0.693359375f;
   r = r + fn * 2.12194440e-4f;
   float q = 1.9875691500e-4f;
@@ -67,10 +66,18 @@ SLIPWAY_INLINE float fexp(float x) {
   q = q * r + 1.6666665459e-1f;
   q = q * r + 5.0000001201e-1f;
   q = q * r * r + r + 1.0f;
-  int32_t bits = (n + 127) << 23;
+  const int32_t bits = (n + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, 4);
   return q * scale;
+}
+
+SLIPWAY_INLINE float fexp(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  x = x > 88.0f ? 88.0f : x;
+  float t = x * 1.44269504088896341f;
+  int32_t n = static_cast<int32_t>(t + (t >= 0.0f ? 0.5f : -0.5f));
+  return exp_from_reduced(x, static_cast<float>(n));
 }
 SLIPWAY_INLINE double fexp(double x) { return std::exp(x); }
 
