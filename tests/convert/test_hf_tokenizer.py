@@ -28,7 +28,7 @@ def _train(rank: int, cfg: dict) -> None:
 
 
 def test_trained_run_hf_folder_encodes_identically(tmp_path, texts):
-    model_dir = build_tokenizer_dir(texts[::2], tmp_path / "tok", 1000, add_bos=True)
+    model_dir = build_tokenizer_dir(texts[::2], tmp_path / "tok", 1000, add_bos=True, eos_token="<|eos|>")
     jsonl = tmp_path / "train.jsonl"
     jsonl.write_text("".join(json.dumps({"content": t}) + "\n" for t in texts))
     summary = preprocess(PreprocessConfig(str(jsonl), str(tmp_path / "data" / "ds"), json_keys=["content"],
@@ -44,7 +44,7 @@ def test_trained_run_hf_folder_encodes_identically(tmp_path, texts):
     copied = HFOracle(hf_dir)
     assert (copied.vocab_size, copied.eod) == (source.vocab_size, source.eod) == (summary.vocab_size,
                                                                                   summary.eod_id)
-    for text in [*texts[1::7], "x <|endoftext|> y", ""]:
+    for text in [*texts[1::7], "x <|eos|> y <s>", ""]:
         assert copied.encode(text) == source.encode(text)
     assert result.report.passed
     assert (result.spec.vocab_size, result.spec.padded_vocab_size) == (source.vocab_size,

@@ -10,18 +10,19 @@ BOS = "<s>"
 
 
 def build_tokenizer_dir(texts: list[str], out_dir: Path, vocab_size: int = 3000, *, add_bos: bool = False,
-                        eos: bool = True) -> Path:
+                        eos: bool = True, eos_token: str = EOS) -> Path:
     """``out_dir`` with a ``tokenizer.json`` (and, with ``eos``, a tokenizer_config.json naming it).
 
     ``add_bos``: a post-processor puts ``<s>`` before every text, as Llama-style tokenizers do, so the
-    tests see that Megatron keeps the tokens ``tokenizer(text)`` adds.
+    tests see that Megatron keeps the tokens ``tokenizer(text)`` adds. ``eos_token`` other than GPT-2's
+    shows a loader that falls back to GPT-2's defaults (which name ``<|endoftext|>``).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, BOS], show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token, BOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
     if add_bos:
@@ -30,7 +31,7 @@ def build_tokenizer_dir(texts: list[str], out_dir: Path, vocab_size: int = 3000,
     out_dir.mkdir(parents=True, exist_ok=True)
     tok.save(str(out_dir / "tokenizer.json"))
     if eos:
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": BOS}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos_token, "bos_token": BOS}
         (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out_dir
 
