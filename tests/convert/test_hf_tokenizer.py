@@ -31,11 +31,12 @@ def test_trained_run_hf_folder_encodes_identically(tmp_path, texts):
     model_dir = build_tokenizer_dir(texts[::2], tmp_path / "tok", 1000, add_bos=True, eos_token="<|eos|>")
     jsonl = tmp_path / "train.jsonl"
     jsonl.write_text("".join(json.dumps({"content": t}) + "\n" for t in texts))
-    summary = preprocess(PreprocessConfig(str(jsonl), str(tmp_path / "data" / "ds"), json_keys=["content"],
-                                          tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(model_dir),
-                                          append_eod=True, workers=1, progress="none"))
+    summary = preprocess(PreprocessConfig(
+        str(jsonl), str(tmp_path / "data" / "ds"), json_keys=["content"], append_eod=True, workers=1,
+        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(model_dir), progress="none"))
     cfg = tiny_config(str(tmp_path / "run"), summary.outputs["content"],
-                      train={"micro_batch_size": 1, "global_batch_size": 2, "iters": 2, "eval_interval": None},
+                      train={"micro_batch_size": 1, "global_batch_size": 2, "iters": 2,
+                             "eval_interval": None},
                       tokenizer={"type": "HuggingFaceTokenizer", "model": str(model_dir)})
     cfg["model"].pop("vocab_size")  # from the tokenizer: len(tokenizer), padded as for GPT-2
     spawn(1, str(tmp_path), _train, cfg)
@@ -47,8 +48,8 @@ def test_trained_run_hf_folder_encodes_identically(tmp_path, texts):
     for text in [*texts[1::7], "x <|eos|> y <s>", ""]:
         assert copied.encode(text) == source.encode(text)
     assert result.report.passed
-    assert (result.spec.vocab_size, result.spec.padded_vocab_size) == (source.vocab_size,
-                                                                       padded_vocab_size(source.vocab_size, 1))
+    padded = padded_vocab_size(source.vocab_size, 1)
+    assert (result.spec.vocab_size, result.spec.padded_vocab_size) == (source.vocab_size, padded)
     config = json.loads((hf_dir / "config.json").read_text())
     assert config["vocab_size"] == source.vocab_size and config["eos_token_id"] == source.eod
     assert config["model_type"] == "gpt2"  # the model's config.json, not the tokenizer's
