@@ -30,8 +30,10 @@ from orchestrator.runs import (
     default_run_dir,
     fingerprint,
     git_state,
+    hf_vocab_entries,
     mint_run_id,
     read_json,
+    tokenizer_dir_fingerprint,
     update_run_json,
     vocab_entries,
     write_json,
@@ -47,6 +49,7 @@ from orchestrator.submit import (
 )
 from orchestrator.summary import write_summary
 from orchestrator.validate import PlanError
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -80,14 +83,18 @@ class LaunchResult:
 
 def gather_facts(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> PlanInputs:
     run_id = cfg.run_id or mint_run_id()
-    files = [*cfg.data.paths, cfg.tokenizer.vocab_file or "", cfg.tokenizer.merge_file or ""]
+    tok = cfg.tokenizer
+    files = [*cfg.data.paths, tok.vocab_file or "", tok.merge_file or ""]
     prints = {p: fp for p in files if p and (fp := fingerprint(p))}
+    hf = tok.type == HF_TOKENIZER_TYPE
+    if hf and (fp := tokenizer_dir_fingerprint(tok.model)):
+        prints[tok.model] = fp
     return PlanInputs(
         run_id,
         default_run_dir(cfg, run_id),
         code_version(),
         prints,
-        vocab_entries(cfg.tokenizer.vocab_file),
+        hf_vocab_entries(tok.model) if hf else vocab_entries(tok.vocab_file),
         sweep,
         dict(os.environ),
     )

@@ -16,6 +16,7 @@ import os
 
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import Problem
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 
 SCAN_BYTES = 32 << 20  # per file; larger inputs are checked only for a first non-empty document
 
@@ -75,6 +76,8 @@ def data_problems(cfg: SlipwayConfig) -> list[Problem]:
 
 def tokenizer_problems(cfg: SlipwayConfig) -> list[Problem]:
     tok = cfg.tokenizer
+    if tok.type == HF_TOKENIZER_TYPE:
+        return hf_tokenizer_problems(tok.model)
     if not (tok.vocab_file and tok.merge_file and os.path.isfile(tok.vocab_file)
             and os.path.isfile(tok.merge_file)):
         return []  # file_missing / tokenizer_pair say so
@@ -85,6 +88,21 @@ def tokenizer_problems(cfg: SlipwayConfig) -> list[Problem]:
     except TokenizerFileError as err:
         return [Problem("tokenizer_invalid", "tokenizer.merge_file", tok.merge_file, str(err),
                         "set tokenizer.vocab_file and tokenizer.merge_file to the files of one tokenizer")]
+    return []
+
+
+def hf_tokenizer_problems(model_dir: str | None) -> list[Problem]:
+    """Loaded as the preprocess job loads it, so a missing eos token stops the plan, not the job."""
+    if not model_dir or not os.path.isfile(os.path.join(model_dir, "tokenizer.json")):
+        return []  # file_missing says so
+    from trainer.data.hf_tokenizer import load_hf_tokenizer
+    from trainer.data.tokenizer import TokenizerFileError
+
+    try:
+        load_hf_tokenizer(model_dir)
+    except TokenizerFileError as err:
+        return [Problem("tokenizer_invalid", "tokenizer.model", model_dir, str(err),
+                        "point tokenizer.model at a tokenizer directory with an eos token")]
     return []
 
 

@@ -42,13 +42,15 @@ class CorpusJob:
 class PreprocessJob:
     output_dir: str
     inputs: list[str]
-    vocab_file: str
-    merge_file: str
+    vocab_file: str | None
+    merge_file: str | None
     json_key: str = "content"
     append_eod: bool = True
     workers: int = 2
     progress: str = "log"  # "bar": a tqdm bar in the job's log (a local run streams it to the terminal)
     on_error: str = "fail"  # bad JSONL lines: fail (name file:line) or skip (count them in the summary)
+    tokenizer_type: str = "GPT2BPETokenizer"
+    tokenizer_model: str | None = None  # HuggingFaceTokenizer: the tokenizer.json directory
 
     @property
     def prefixes(self) -> list[str]:
@@ -72,12 +74,13 @@ class ConvertJob:
     run_dir: str
     checkpoint_dir: str
     output_dir: str
-    vocab_file: str
-    merge_file: str
+    vocab_file: str | None
+    merge_file: str | None
     verify: bool = True
     sample_tokens: int = 64  # the sample text generated from the HF model (must fit max positions)
     prompt: str = "def fibonacci("  # what the sample continues (greedy), written to <run_dir>/sample.txt
     repetition_penalty: float = 1.3  # keeps a tiny model's greedy sample from looping on one token
+    tokenizer_model: str | None = None  # HuggingFaceTokenizer: its files are copied into hf/
 
 
 @dataclass

@@ -31,6 +31,7 @@ from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import Problem, validate
 from trainer.checks import deferred
 from trainer.config import RunConfig
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.eval.results import EVAL_DIR
 
 
@@ -98,7 +99,9 @@ def resolve_vocab(cfg: SlipwayConfig, facts: PlanInputs) -> int:
     return facts.vocab_from_file or cfg.tokenizer.vocab_size or 0
 
 
-def _tokenizer_files(cfg: SlipwayConfig, corpus: StagePlan | None) -> tuple[str, str]:
+def _tokenizer_files(cfg: SlipwayConfig, corpus: StagePlan | None) -> tuple[str | None, str | None]:
+    if cfg.tokenizer.type == HF_TOKENIZER_TYPE:
+        return None, None
     if corpus is not None and cfg.tokenizer.vocab_file is None:
         return (os.path.join(corpus.state_dir, "vocab.json"), os.path.join(corpus.state_dir, "merges.txt"))
     return str(cfg.tokenizer.vocab_file), str(cfg.tokenizer.merge_file)
@@ -108,7 +111,8 @@ def _corpus_stage(cfg: SlipwayConfig, facts: PlanInputs) -> StagePlan | None:
     c = cfg.data.corpus
     if c is None:
         return None
-    train_vocab = cfg.tokenizer.vocab_size if cfg.tokenizer.vocab_file is None else None
+    trains = cfg.tokenizer.vocab_file is None and cfg.tokenizer.type != HF_TOKENIZER_TYPE
+    train_vocab = cfg.tokenizer.vocab_size if trains else None
     key = stable_hash(
         {
             "corpus": dataclasses.asdict(c),
@@ -130,9 +134,12 @@ def _preprocess_stage(cfg: SlipwayConfig, facts: PlanInputs, corpus: StagePlan |
     else:
         inputs = list(d.paths)
         source_id = {"inputs": [(p, facts.fingerprints.get(p)) for p in inputs]}
+    tok, model = cfg.tokenizer, cfg.tokenizer.model
     tok_id = (
-        {"corpus": corpus.key}
-        if corpus is not None and cfg.tokenizer.vocab_file is None
+        # The directory's content hash: a tokenizer changed in place gets new data (runs.py).
+        {"hf_tokenizer": (model, facts.fingerprints.get(model))} if tok.type == HF_TOKENIZER_TYPE
+        else {"corpus": corpus.key}
+        if corpus is not None and tok.vocab_file is None
         else {
             "vocab": (vocab, facts.fingerprints.get(vocab)),
             "merges": (merges, facts.fingerprints.get(merges)),
@@ -153,7 +160,8 @@ def _preprocess_stage(cfg: SlipwayConfig, facts: PlanInputs, corpus: StagePlan |
     out = os.path.join(_cache_dir(cfg), "preprocess", key)
     # A local run streams the job's log to the terminal (launcher), where a tqdm bar redraws in place.
     progress = "bar" if cfg.cluster.executor == "local" else "log"
-    job = PreprocessJob(out, inputs, vocab, merges, d.json_key, d.append_eod, d.workers, progress, d.on_error)
+    job = PreprocessJob(out, inputs, vocab, merges, d.json_key, d.append_eod, d.workers, progress, d.on_error,
+                        tok.type, model if tok.type == HF_TOKENIZER_TYPE else None)
     deps = ("corpus",) if corpus is not None else ()
     return StagePlan("preprocess", key, out, True, deps, job)
 
@@ -221,6 +229,7 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
             cfg.convert.verify,
             # The sample generated after conversion must fit the model's positions (prompt included).
             sample_tokens=max(1, min(64, cfg.model.max_position_embeddings // 4)),
+            tokenizer_model=prep.job.tokenizer_model,
         )
         stages.append(StagePlan("convert", ckey, os.path.join(state, "convert"), False, ("train",), job))
         if cfg.eval.enabled:

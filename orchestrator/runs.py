@@ -74,6 +74,27 @@ def fingerprint(path: str) -> str | None:
     return f"{st.st_size}:{int(st.st_mtime)}"
 
 
+def tokenizer_dir_fingerprint(model_dir: str | None) -> str | None:
+    """The content hash of a HuggingFaceTokenizer directory's files (size and mtime would miss a tokenizer
+    re-saved over the old one within a second, and would not survive a copy to another filesystem)."""
+    from trainer.data.hf_tokenizer import content_hash
+
+    try:
+        return "sha256:" + content_hash(model_dir) if model_dir else None
+    except (OSError, ValueError):
+        return None  # missing: check_files and the input checks say so
+
+
+def hf_vocab_entries(model_dir: str | None) -> int | None:
+    """len(tokenizer) of a HuggingFaceTokenizer directory (Megatron's vocab_size for it), when loadable."""
+    from trainer.data.hf_tokenizer import load_hf_tokenizer
+
+    try:
+        return load_hf_tokenizer(model_dir).vocab_size if model_dir else None
+    except (OSError, ValueError):
+        return None
+
+
 def vocab_entries(path: str | None) -> int | None:
     if not path:
         return None

@@ -136,7 +136,9 @@ def container_wrapper(cfg: SlipwayConfig, plan: Plan) -> str | None:
     if cfg.container.kind != "apptainer":
         return None
     binds = [_abs(cfg.runs_root), _abs(cfg.cache_dir or os.path.join(cfg.runs_root, "_cache"))]
-    binds += [_abs(os.path.dirname(p)) for p in [*cfg.data.paths, cfg.tokenizer.vocab_file or ""] if p]
+    tok_json = os.path.join(cfg.tokenizer.model, "tokenizer.json") if cfg.tokenizer.model else ""
+    inputs = [*cfg.data.paths, cfg.tokenizer.vocab_file or "", tok_json]
+    binds += [_abs(os.path.dirname(p)) for p in inputs if p]
     code = str(Path(__file__).resolve().parent.parent)
     image = _abs(cfg.container.image) if cfg.container.image else None
     container = dataclasses.replace(cfg.container, image=image)

@@ -16,6 +16,7 @@ from orchestrator.layout import Layout, layout_of
 from orchestrator.redaction import redact
 from orchestrator.schema import SlipwayConfig
 from trainer.checks import ConfigIssue
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,8 @@ def _data(cfg: SlipwayConfig) -> list[Problem]:
                 "set data.paths=[/path/train.jsonl] or data=stdlib",
             )
         )
+    if tok.type == HF_TOKENIZER_TYPE:  # tokenizer.model's own rules are TokenizerConfig.problems()
+        return out
     if (tok.vocab_file is None) != (tok.merge_file is None):
         out.append(
             Problem(
@@ -294,6 +297,7 @@ def check_files(cfg: SlipwayConfig, exists: Callable[[str], bool] = os.path.exis
         for k, v in (
             ("tokenizer.vocab_file", cfg.tokenizer.vocab_file),
             ("tokenizer.merge_file", cfg.tokenizer.merge_file),
+            ("tokenizer.model", cfg.tokenizer.model and os.path.join(cfg.tokenizer.model, "tokenizer.json")),
         )
         if v
     ]

@@ -14,7 +14,8 @@ architecture's fixed values), with the run's own facts added:
     sequence_parallel, micro_batch_size, global_batch_size, train_iters, iteration,
     consumed_train_samples, consumed_valid_samples, fp16, bf16,
     seed, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters, weight_decay, adam_beta1,
-    adam_beta2, adam_eps, clip_grad, tokenizer_type, vocab_file, merge_file, eod_token_id, data_path,
+    adam_beta2, adam_eps, clip_grad, tokenizer_type, vocab_file, merge_file, tokenizer_model (the
+    HuggingFaceTokenizer directory, Megatron's name), eod_token_id, data_path,
     split, kernels, attention_backend, run_id, run_dir, slipway_version.
 
 With interleaving the shard holds ``model0`` … ``model{v-1}`` instead of ``model`` (Megatron's layout,
@@ -87,6 +88,7 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
         "weight_decay": o["weight_decay"], "adam_beta1": o["adam_beta1"], "adam_beta2": o["adam_beta2"],
         "adam_eps": o["adam_eps"], "clip_grad": o["clip_grad"], "tokenizer_type": tok["type"],
         "vocab_file": tok["vocab_file"], "merge_file": tok["merge_file"], "eod_token_id": facts.eod_token_id,
+        "tokenizer_model": tok.get("model"),
         "data_path": list(c["data"]["paths"]), "split": c["data"]["split"], "kernels": c["kernels"],
         "attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
         "slipway_version": trainer.__version__,

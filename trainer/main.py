@@ -45,6 +45,7 @@ from trainer.ckpt_state import (
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig, TokenizerConfig
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.layout import load_shard
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
 from trainer.main_data import DataShape, build_data
 from trainer.metrics_file import metrics_path
@@ -86,9 +87,15 @@ class RunResult:
 
 
 def resolve_vocab(model: ModelConfig, tokenizer: TokenizerConfig) -> tuple[int, int | None]:
-    """(vocab_size, end-of-document id) from model.vocab_size, else the tokenizer's vocab.json."""
+    """(vocab_size, end-of-document id) from model.vocab_size, else the tokenizer's vocab.json or, for
+    HuggingFaceTokenizer, len(tokenizer) (Megatron's vocab_size for it)."""
     eod = None
-    if tokenizer.vocab_file:
+    if tokenizer.type == HF_TOKENIZER_TYPE and tokenizer.model:
+        from trainer.data.hf_tokenizer import load_hf_tokenizer
+
+        tok = load_hf_tokenizer(tokenizer.model)
+        size, eod = model.vocab_size or tok.vocab_size, tok.eod_id
+    elif tokenizer.vocab_file:
         from trainer.data.tokenizer import read_vocab
 
         vocab = read_vocab(tokenizer.vocab_file)
@@ -97,8 +104,8 @@ def resolve_vocab(model: ModelConfig, tokenizer: TokenizerConfig) -> tuple[int, 
     else:
         size = model.vocab_size or tokenizer.vocab_size
     if not size:
-        raise ValueError("the vocabulary size is unknown: set tokenizer.vocab_file (vocab.json) or "
-                         "model.vocab_size")
+        raise ValueError("the vocabulary size is unknown: set tokenizer.vocab_file (vocab.json), "
+                         "tokenizer.model (HuggingFaceTokenizer) or model.vocab_size")
     return size, eod
 
 

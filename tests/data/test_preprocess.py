@@ -238,7 +238,7 @@ def test_config_and_input_errors(tmp_path, tok_files):
     (tmp_path / "folder").mkdir()
     with pytest.raises(InputError, match=r"is a directory, not a JSONL file.*folder/\*\.jsonl.*data\.paths"):
         preprocess(config(tmp_path, tok_files, input=str(tmp_path / "folder")))
-    with pytest.raises(ValueError, match="only GPT2BPETokenizer"):
+    with pytest.raises(ValueError, match="use GPT2BPETokenizer or HuggingFaceTokenizer"):
         config(tmp_path, tok_files, input="x", tokenizer_type="SentencePieceTokenizer")
     with pytest.raises(ValueError, match="on_error='ignore'"):
         config(tmp_path, tok_files, input="x", on_error="ignore")

@@ -25,6 +25,7 @@ from typing import Any
 from trainer.checks import ConfigIssue, Section, choice, issue, positive
 from trainer.config.model import ATTENTION_BACKENDS, ModelConfig, ParallelConfig
 from trainer.config.train import DECAY_STYLES, OPTIM_IMPLS, PRECISIONS, OptimConfig, TrainConfig
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.data.splits import parse_split
 from trainer.log import get_logger
 
@@ -37,6 +38,7 @@ __all__ = ["CheckpointConfig", "CorpusConfig", "DataConfig", "LoggingConfig", "M
 WANDB_MODES = ("online", "offline", "disabled")
 ON_ERROR = ("fail", "skip")
 CHECKPOINT_FORMATS = ("legacy", "mcore")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", HF_TOKENIZER_TYPE)
 KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile")
 
 
@@ -107,22 +109,41 @@ class DataConfig(Section):
 
 @dataclass
 class TokenizerConfig(Section):
-    """Existing GPT-2 BPE files, or (both null) a tokenizer trained on the corpus by the corpus stage."""
+    """Existing GPT-2 BPE files, a Hugging Face tokenizer directory (type=HuggingFaceTokenizer), or (files
+    and model null) a GPT-2 BPE trained on the corpus by the corpus stage."""
 
     vocab_file: str | None = None
     """GPT-2 BPE vocab.json; null (with merge_file null): train one in the corpus stage."""
     merge_file: str | None = None
     """GPT-2 BPE merges.txt that goes with vocab_file."""
     type: str = "GPT2BPETokenizer"
-    """Megatron's tokenizer type (the only one Slipway reads)."""
+    """Megatron's tokenizer type: GPT2BPETokenizer (vocab_file + merge_file) or HuggingFaceTokenizer
+    (model)."""
+    model: str | None = None
+    """HuggingFaceTokenizer: a directory holding a tokenizer.json (Megatron's --tokenizer-model), loaded
+    with transformers.AutoTokenizer. Its len(tokenizer) is the vocabulary (padded as for GPT-2), its
+    eos token the end-of-document id, and its files are copied into the converted hf/ folder."""
     vocab_size: int | None = None
     """Without files: the size of the vocabulary to train (and of pre-tokenized data's vocabulary). With
     files: used only by the plan's memory table while vocab_file is not readable from the login node
     (the file wins when it is); model.vocab_size wins over both."""
 
     def problems(self) -> list[ConfigIssue]:
-        return (choice("tokenizer.type", self.type, ("GPT2BPETokenizer",))
-                + positive("tokenizer.vocab_size", self.vocab_size, allow_none=True))
+        out = (choice("tokenizer.type", self.type, TOKENIZER_TYPES)
+               + positive("tokenizer.vocab_size", self.vocab_size, allow_none=True))
+        hf = self.type == HF_TOKENIZER_TYPE
+        if hf and not self.model:
+            out.append(issue("required", "tokenizer.model", self.model, "HuggingFaceTokenizer reads its "
+                             "tokenizer.json from this directory", "tokenizer.model=/path/to/tokenizer_dir"))
+        if hf and (self.vocab_file or self.merge_file):
+            out.append(issue("conflict", "tokenizer.vocab_file", self.vocab_file, "HuggingFaceTokenizer "
+                             "reads tokenizer.model, not GPT-2 BPE files", "set tokenizer.vocab_file=null "
+                             "and tokenizer.merge_file=null"))
+        if self.model and not hf:
+            out.append(issue("conflict", "tokenizer.model", self.model, f"is read only with "
+                             f"type=HuggingFaceTokenizer (type is {self.type})",
+                             "set tokenizer.type=HuggingFaceTokenizer, or tokenizer.model=null"))
+        return out
 
 
 @dataclass

@@ -33,6 +33,7 @@ class ConvertRunConfig:
     output_dir: str | None = None  # default <run_dir>/hf
     vocab_file: str | None = None  # the run's tokenizer; default: the paths in the checkpoint's args
     merge_file: str | None = None
+    tokenizer_model: str | None = None  # a HuggingFaceTokenizer directory; default: the checkpoint's args
     iteration: int | None = None  # default: the latest committed one
     verify: bool = True  # verification always runs (it is part of conversion); False only logs a warning
     prompt: str = "def print_hello_world():"  # the sample written to <run_dir>/sample.txt
@@ -96,7 +97,7 @@ def convert_run(run_dir: str | os.PathLike, cfg: ConvertRunConfig | None = None,
     """Convert ``<run_dir>``'s latest checkpoint to ``<run_dir>/hf/`` (verified), write ``sample.txt``.
 
     ``fields`` override ``cfg`` (the orchestrator passes checkpoint_dir, output_dir, vocab_file, merge_file,
-    verify). Raises HubUnavailable before any work, CheckpointError for a bad checkpoint, and
+    tokenizer_model, verify). Raises HubUnavailable before any work, CheckpointError for a bad checkpoint, and
     VerificationFailed (output marked invalid) when the converted model does not match.
     """
     cfg = dataclasses.replace(cfg or ConvertRunConfig(), **fields)
@@ -113,7 +114,8 @@ def convert_run(run_dir: str | os.PathLike, cfg: ConvertRunConfig | None = None,
         checkpoint_dir=checkpoint_dir, output_dir=out,
         iteration=iteration,
         write_bin=cfg.write_bin, vocab_file=Path(cfg.vocab_file) if cfg.vocab_file else None,
-        merge_file=Path(cfg.merge_file) if cfg.merge_file else None, overwrite=True,
+        merge_file=Path(cfg.merge_file) if cfg.merge_file else None,
+        tokenizer_model=Path(cfg.tokenizer_model) if cfg.tokenizer_model else None, overwrite=True,
         provenance={"run_id": info.get("run_id"), "val_loss": val_loss})
     result = convert_checkpoint(to_hf)
     write_sample(out, run / SAMPLE_FILE, cfg.prompt, cfg.sample_tokens, cfg.repetition_penalty)

@@ -25,7 +25,7 @@ from trainer.convert.layout import CheckpointError, iteration_path, prepare_outp
 from trainer.convert.reference import make_source
 from trainer.convert.shards import MergedCheckpoint, load_merged
 from trainer.convert.spec import LLAMA, GPTSpec, arg, spec_from_checkpoint
-from trainer.convert.tokenizer import RunTokenizer, find_tokenizer, save_tokenizer
+from trainer.convert.tokenizer import AnyRunTokenizer, find_tokenizer, save_tokenizer
 from trainer.convert.verify import VerifyConfig, VerifyReport, verify
 from trainer.log import get_logger
 
@@ -49,6 +49,7 @@ class ToHFConfig:
     trust_pickle: bool = False  # allow Megatron-LM's pickled args (runs code from the file)
     vocab_file: Path | None = None  # the run's tokenizer; default: args' paths or beside the checkpoint
     merge_file: Path | None = None
+    tokenizer_model: Path | None = None  # a HuggingFaceTokenizer directory; default: the checkpoint's args
     dtype: str = "auto"  # auto = the checkpoint's weight dtype
     max_shard_size: str = "5GB"
     overwrite: bool = False  # replace a non-empty output directory
@@ -75,18 +76,18 @@ class ConversionResult:
         return f"{self.output_dir}: {self.report.summary()}"
 
 
-def _tokenizer(cfg: ToHFConfig, merged: MergedCheckpoint) -> RunTokenizer:
+def _tokenizer(cfg: ToHFConfig, merged: MergedCheckpoint) -> AnyRunTokenizer:
     search = [cfg.checkpoint_dir / "tokenizer", cfg.checkpoint_dir, cfg.checkpoint_dir.parent / "tokenizer",
               cfg.checkpoint_dir.parent]
-    tok = find_tokenizer(merged.args, search, cfg.vocab_file, cfg.merge_file)
+    tok = find_tokenizer(merged.args, search, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model)
     if tok is None:
         where = ", ".join(str(p) for p in search)
         raise CheckpointError(f"the run's tokenizer (vocab.json + merges.txt) was not found: not at the "
                               f"paths in the checkpoint's args nor in {where}; pass --vocab-file and "
-                              "--merge-file")
+                              "--merge-file (or --tokenizer-model for a HuggingFaceTokenizer)")
     stated = arg(merged.args, "vocab_size")
     if stated is not None and int(stated) != tok.size:
-        raise CheckpointError(f"the checkpoint was trained with vocab_size={stated} but {tok.vocab_file} has "
+        raise CheckpointError(f"the checkpoint was trained with vocab_size={stated} but {tok.source} has "
                               f"{tok.size} tokens: pass the run's own tokenizer files")
     return tok
 
@@ -101,7 +102,8 @@ def _mark_invalid(out: Path, reason: str) -> None:
     (out / INVALID).write_text(reason.rstrip() + "\n")
 
 
-def _write_model(cfg: ToHFConfig, merged: MergedCheckpoint, spec: GPTSpec, tok: RunTokenizer) -> list[str]:
+def _write_model(cfg: ToHFConfig, merged: MergedCheckpoint, spec: GPTSpec, tok: AnyRunTokenizer
+                 ) -> list[str]:
     """Weights, configs and tokenizer into the output directory; returns the weight files written."""
     dtype = next(iter(merged.state.values())).dtype
     table = llama if spec.check_family() == LLAMA else names  # the rules table's llama or GPT-2 column
@@ -165,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(runs code from the file)")
     p.add_argument("--vocab-file", type=Path)
     p.add_argument("--merge-file", type=Path)
+    p.add_argument("--tokenizer-model", type=Path, help="a HuggingFaceTokenizer directory (tokenizer.json)")
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
     p.add_argument("--max-shard-size", default="5GB")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
@@ -182,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         token = check_hub(a.push_to_hub) if a.push_to_hub else None  # before any work
         cfg = ToHFConfig(a.checkpoint_dir, a.output_dir, a.iteration, a.format == "bin", a.trust_pickle,
-                         a.vocab_file, a.merge_file, a.dtype, a.max_shard_size, a.overwrite, verify_cfg)
+                         a.vocab_file, a.merge_file, a.tokenizer_model, a.dtype, a.max_shard_size,
+                         a.overwrite, verify_cfg)
         result = convert_checkpoint(cfg)
         if token:
             sys.stdout.write(f"pushed: {push(result.output_dir, a.push_to_hub, token, private=True)}\n")

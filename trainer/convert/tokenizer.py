@@ -1,8 +1,11 @@
-"""The run's own byte-level BPE tokenizer (vocab.json + merges.txt) as a Hugging Face GPT-2 tokenizer.
+"""The run's own tokenizer, written next to the converted model so AutoTokenizer loads it from hf/.
 
-Megatron's GPT2BPETokenizer and HF's GPT-2 tokenizer share the byte-level BPE and the GPT-2
-pre-tokenisation regex, so the same two files give the same ids. End-of-text is the run's
+GPT2BPETokenizer (vocab.json + merges.txt): Megatron's and HF's GPT-2 tokenizer share the byte-level BPE
+and the GPT-2 pre-tokenisation regex, so the same two files give the same ids. End-of-text is the run's
 ``<|endoftext|>`` id (not GPT-2's 50256), and it is bos, eos, unk and pad.
+
+HuggingFaceTokenizer (a tokenizer.json directory): its files are copied as they are (not re-saved, which
+could rewrite them for this transformers version), and the copy is checked to encode as the original.
 """
 
 from __future__ import annotations
@@ -10,11 +13,13 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from trainer.convert.layout import CheckpointError
 from trainer.convert.spec import EOD_TOKEN, arg
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 
 TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
                    "special_tokens_map.json")
@@ -33,6 +38,10 @@ class RunTokenizer:
                 raise CheckpointError(f"tokenizer file {path} does not exist; pass --vocab-file/--merge-file")
 
     @property
+    def source(self) -> str:
+        return str(self.vocab_file)
+
+    @property
     def vocab(self) -> dict[str, int]:
         return json.loads(self.vocab_file.read_text(encoding="utf-8"))
 
@@ -49,9 +58,62 @@ class RunTokenizer:
         return vocab[EOD_TOKEN]
 
 
+@dataclass(frozen=True)
+class HFRunTokenizer:
+    """A run's HuggingFaceTokenizer directory; ``size`` is len(tokenizer), ``eod_id`` its eos id."""
+
+    model_dir: Path
+
+    @property
+    def source(self) -> str:
+        return str(self.model_dir)
+
+    @cached_property
+    def _loaded(self) -> Any:
+        from trainer.data.hf_tokenizer import load_hf_tokenizer
+        from trainer.data.tokenizer import TokenizerFileError
+
+        try:
+            return load_hf_tokenizer(self.model_dir)
+        except TokenizerFileError as e:
+            raise CheckpointError(f"{e}; or pass --tokenizer-model") from e
+
+    @property
+    def size(self) -> int:
+        return self._loaded.vocab_size
+
+    @property
+    def eod_id(self) -> int:
+        return self._loaded.eod_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._loaded.encode(text)
+
+
+AnyRunTokenizer = RunTokenizer | HFRunTokenizer
+
+
+def _hf_from_args(args: Any) -> HFRunTokenizer | None:
+    nested = arg(args, "tokenizer", None)
+    # Megatron's args name it tokenizer_model; a Slipway config dict's tokenizer section, model.
+    places = ((args, "tokenizer_model", "tokenizer_type"),
+              (nested if isinstance(nested, dict) else None, "model", "type"))
+    for source, key, type_key in places:
+        model = arg(source, key)
+        if model and arg(source, type_key) == HF_TOKENIZER_TYPE:
+            return HFRunTokenizer(Path(model))
+    return None
+
+
 def find_tokenizer(args: Any, search_dirs: list[Path], vocab_file: Path | None = None,
-                   merge_file: Path | None = None) -> RunTokenizer | None:
-    """The explicit files, else the paths in args, else vocab.json/merges.txt in one of ``search_dirs``."""
+                   merge_file: Path | None = None, tokenizer_model: Path | None = None
+                   ) -> AnyRunTokenizer | None:
+    """The explicit files or directory, else what args name, else vocab.json/merges.txt in one of
+    ``search_dirs``."""
+    if tokenizer_model:
+        return HFRunTokenizer(Path(tokenizer_model))
+    if (hf := _hf_from_args(args)) is not None and not (vocab_file or merge_file):
+        return hf
     if vocab_file or merge_file:
         if not (vocab_file and merge_file):
             raise CheckpointError("pass both --vocab-file and --merge-file, or neither")
@@ -83,8 +145,29 @@ def build_hf_tokenizer(tok: RunTokenizer, model_max_length: int) -> Any:
                              add_prefix_space=False)
 
 
-def save_tokenizer(tok: RunTokenizer, out_dir: Path, model_max_length: int) -> Any:
-    """Write all of TOKENIZER_FILES into ``out_dir``; returns the HF tokenizer."""
+def _save_hf_dir(tok: HFRunTokenizer, out_dir: Path) -> Any:
+    """Copy the tokenizer's files (the model's config.json is the converter's own) and check the copy."""
+    from transformers import AutoTokenizer
+
+    from trainer.data.hf_tokenizer import tokenizer_files
+
+    for path in tokenizer_files(tok.model_dir):
+        if path.name != "config.json":
+            shutil.copyfile(path, out_dir / path.name)
+    copy = AutoTokenizer.from_pretrained(str(out_dir))
+    probe = f"def f(x):\n    return x  # é {EOD_TOKEN}"
+    if (len(copy), copy.eos_token_id, copy(probe).input_ids) != (tok.size, tok.eod_id, tok.encode(probe)):
+        raise CheckpointError(f"the tokenizer copied from {tok.model_dir} into {out_dir} loads differently "
+                              "there (the model's config.json picks another tokenizer class?): give the "
+                              "tokenizer directory a tokenizer_config.json with its tokenizer_class")
+    return copy
+
+
+def save_tokenizer(tok: AnyRunTokenizer, out_dir: Path, model_max_length: int) -> Any:
+    """Write the run's tokenizer into ``out_dir`` (GPT-2 BPE: all of TOKENIZER_FILES); returns the HF
+    tokenizer."""
+    if isinstance(tok, HFRunTokenizer):
+        return _save_hf_dir(tok, out_dir)
     hf_tok = build_hf_tokenizer(tok, model_max_length)
     hf_tok.save_pretrained(str(out_dir))
     shutil.copyfile(tok.vocab_file, out_dir / "vocab.json")

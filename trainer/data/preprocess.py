@@ -28,6 +28,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE, AnySpec, AnyTokenizer, load_hf_tokenizer
 from trainer.data.indexed_dataset import (
     IndexedDatasetBuilder,
     best_fitting_dtype,
@@ -48,7 +49,7 @@ from trainer.data.preprocess_io import (
     resolve_inputs,
 )
 from trainer.data.progress import Progress
-from trainer.data.tokenizer import TokenizerSpec, load_gpt2_bpe
+from trainer.data.tokenizer import load_gpt2_bpe
 from trainer.log import get_logger
 
 log = get_logger("trainer.data.preprocess")
@@ -92,13 +93,19 @@ class PreprocessConfig:
     """A JSONL file (``.jsonl``/``.json``, optionally ``.gz``) or a glob of them, read in sorted order."""
     output_prefix: str
     """Outputs are ``{output_prefix}_{key}_document.bin/.idx`` and ``{output_prefix}_summary.json``."""
-    vocab_file: str
-    merge_file: str
+    vocab_file: str | None = None
+    """GPT2BPETokenizer: the vocab.json."""
+    merge_file: str | None = None
+    """GPT2BPETokenizer: the merges.txt that goes with vocab_file."""
     json_keys: list[str] = field(default_factory=lambda: ["text"])
     """Fields to tokenize; each key gets its own ``.bin/.idx`` pair with one document per input line."""
     tokenizer_type: str = "GPT2BPETokenizer"
+    """GPT2BPETokenizer (vocab_file + merge_file) or HuggingFaceTokenizer (tokenizer_model)."""
+    tokenizer_model: str | None = None
+    """HuggingFaceTokenizer: a directory with a tokenizer.json (trainer.data.hf_tokenizer)."""
     append_eod: bool = False
-    """Append ``<|endoftext|>`` to every non-empty document (Megatron leaves empty ones empty)."""
+    """Append the end-of-document id (GPT-2's ``<|endoftext|>``, a HF tokenizer's eos) to every non-empty
+    document (Megatron leaves empty ones empty)."""
     workers: int = field(default_factory=_default_workers)
     """Worker processes; 1 runs everything in this process."""
     log_interval: int = 1000
@@ -113,8 +120,7 @@ class PreprocessConfig:
     """auto (tqdm bar on a terminal, else log lines), bar, log or none."""
 
     def __post_init__(self) -> None:
-        if self.tokenizer_type != "GPT2BPETokenizer":
-            raise ValueError(f"tokenizer_type={self.tokenizer_type!r}: only GPT2BPETokenizer is supported")
+        self._check_tokenizer()
         if isinstance(self.json_keys, str):
             self.json_keys = [self.json_keys]
         if not self.json_keys or len(set(self.json_keys)) != len(self.json_keys):
@@ -124,9 +130,27 @@ class PreprocessConfig:
         for name in ("workers", "log_interval", "chunk_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: must be ≥ 1")
+
+    def _check_tokenizer(self) -> None:
+        if self.tokenizer_type == HF_TOKENIZER_TYPE:
+            if not self.tokenizer_model:
+                raise ValueError("tokenizer_type=HuggingFaceTokenizer needs tokenizer_model "
+                                 "(--tokenizer-model): the directory holding its tokenizer.json")
+            if self.backend == "tiktoken":
+                raise ValueError("backend='tiktoken' is for GPT2BPETokenizer only; use 'auto' or 'hf'")
+            return
+        if self.tokenizer_type != "GPT2BPETokenizer":
+            raise ValueError(f"tokenizer_type={self.tokenizer_type!r}: use GPT2BPETokenizer or "
+                             f"{HF_TOKENIZER_TYPE}")
         for name in ("vocab_file", "merge_file"):
-            if not Path(getattr(self, name)).is_file():
-                raise ValueError(f"{name}={getattr(self, name)!r}: file not found")
+            if not getattr(self, name) or not Path(getattr(self, name)).is_file():
+                raise ValueError(f"{name}={getattr(self, name)!r}: file not found (GPT2BPETokenizer needs "
+                                 "--vocab-file and --merge-file)")
+
+    def load_tokenizer(self) -> AnyTokenizer:
+        if self.tokenizer_type == HF_TOKENIZER_TYPE:
+            return load_hf_tokenizer(self.tokenizer_model)
+        return load_gpt2_bpe(self.vocab_file, self.merge_file, self.backend)
 
     def output_prefix_for(self, key: str) -> str:
         return f"{self.output_prefix}_{key}_document"
@@ -188,7 +212,7 @@ class _Run:
                 log.warning("skipped %s", bad.message())
 
 
-def _pool(config: PreprocessConfig, spec: TokenizerSpec) -> Executor | None:
+def _pool(config: PreprocessConfig, spec: AnySpec) -> Executor | None:
     if config.workers == 1:
         return None
     # fork shares the parent's already-verified tokenizer; elsewhere each worker loads its own.
@@ -225,7 +249,7 @@ def _encoded(pool: Executor | None, config: PreprocessConfig, files: list[str],
 def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     """Run one preprocessing job; raises :class:`PreprocessError` on a bad line in fail mode."""
     files = resolve_inputs(config.input)
-    tok = load_gpt2_bpe(config.vocab_file, config.merge_file, config.backend)
+    tok = config.load_tokenizer()
     dtype = best_fitting_dtype(tok.vocab_size)
     settings = EncodeSettings(tok.spec, tuple(config.json_keys), config.append_eod,
                               config.on_error == "skip", dtype.str)
@@ -304,16 +328,19 @@ def _report(summary: PreprocessSummary) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Megatron-LM's preprocess_data.py flags (GPT-2 BPE subset) plus Slipway's own."""
+    """Megatron-LM's preprocess_data.py flags (GPT-2 BPE and HF tokenizer subset) plus Slipway's own."""
     p = argparse.ArgumentParser(prog="python -m trainer.data.preprocess",
                                 description="Tokenize JSONL into Megatron .bin/.idx (byte-identical).")
     p.add_argument("--input", required=True, help="JSONL file (.jsonl/.json, optionally .gz) or a glob")
     p.add_argument("--output-prefix", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize (default: text)")
-    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=["GPT2BPETokenizer"])
-    p.add_argument("--vocab-file", required=True)
-    p.add_argument("--merge-file", required=True)
-    p.add_argument("--append-eod", action="store_true", help="append <|endoftext|> to each document")
+    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
+                   choices=["GPT2BPETokenizer", HF_TOKENIZER_TYPE])
+    p.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
+    p.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
+    p.add_argument("--tokenizer-model", help=f"{HF_TOKENIZER_TYPE}: a directory with a tokenizer.json")
+    p.add_argument("--append-eod", action="store_true",
+                   help="append the end-of-document token (<|endoftext|>, or the HF tokenizer's eos)")
     p.add_argument("--workers", type=int, default=_default_workers(), help="worker processes")
     p.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
     p.add_argument("--on-error", choices=["fail", "skip"], default="fail",
@@ -340,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         config = PreprocessConfig(
             input=args.input, output_prefix=args.output_prefix, vocab_file=args.vocab_file,
             merge_file=args.merge_file, json_keys=args.json_keys, tokenizer_type=args.tokenizer_type,
+            tokenizer_model=args.tokenizer_model,
             append_eod=args.append_eod, workers=args.workers, log_interval=args.log_interval,
             on_error=args.on_error, chunk_bytes=args.chunk_bytes, backend=args.backend,
             progress=args.progress)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.tokenizer import GPT2BPETokenizer, TokenizerSpec, load_gpt2_bpe
+from trainer.data.hf_tokenizer import AnySpec, AnyTokenizer, load_spec
 
 # Reason keys (stable: they appear in the JSON summary) → words for messages.
 REASONS = {
@@ -114,24 +114,24 @@ class ChunkResult:
 class EncodeSettings:
     """What every worker needs to encode a chunk (small and picklable)."""
 
-    tokenizer: TokenizerSpec
+    tokenizer: AnySpec
     json_keys: tuple[str, ...]
     append_eod: bool
     skip_bad: bool
     dtype: str
 
 
-_TOKENIZER: GPT2BPETokenizer | None = None
+_TOKENIZER: AnyTokenizer | None = None
 
 
-def init_worker(spec: TokenizerSpec, parent_pid: int) -> None:
+def init_worker(spec: AnySpec, parent_pid: int) -> None:
     """Pool initializer: Ctrl-C is the parent's to handle, die with the parent, load the tokenizer once."""
     import signal
 
     global _TOKENIZER
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
-    _TOKENIZER = load_gpt2_bpe(spec.vocab_file, spec.merge_file, spec.backend)
+    _TOKENIZER = load_spec(spec)
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -209,8 +209,7 @@ def _parse(line: str, file: str, number: int, keys: tuple[str, ...], check_surro
 
 def encode_chunk(chunk: Chunk, settings: EncodeSettings) -> ChunkResult:
     """Parse and tokenize one chunk (runs in a worker process)."""
-    tok = _TOKENIZER or load_gpt2_bpe(settings.tokenizer.vocab_file, settings.tokenizer.merge_file,
-                                      settings.tokenizer.backend)
+    tok = _TOKENIZER or load_spec(settings.tokenizer)
     keys = settings.json_keys
     # Token ids of the whole chunk per key, back to back. tiktoken's encode_ordinary (a list) extended into
     # a C array is ~30% less CPU than its encode_to_numpy (whose special-token-aware encoder is slower).
