@@ -68,10 +68,11 @@ class TrainConfig(HealthConfig):
     """full: the group size (uniform) or the number of recomputed layers per stage (block)."""
     kernel_check: str = "fallback"
     """Before the first step, every op the kernels key resolved to a fused implementation (csrc, apex,
-    compile) runs once, forward and backward, on this job's device and dtypes against its eager reference
-    (trainer/ops/selfcheck.py; its cost: bench/README.md). fallback: an op that raises or disagrees uses the eager
-    reference for this run, with a warning and a record (log lines, the metrics file, status, summary);
-    fail: the job stops before step 1 naming the op (not retried; for CI of a site image); off: no check."""
+    compile) runs once, forward and backward, on this job's device and dtypes against its eager
+    reference (trainer/ops/selfcheck.py; its cost: bench/README.md). fallback: an op that raises or
+    disagrees uses the eager reference for this run, with a warning and a record (log lines, the metrics
+    file, status, summary); fail: the job stops before step 1 naming the op (not retried; for CI of a
+    site image); off: no check."""
 
     def problems(self) -> list[ConfigIssue]:
         out = super().problems()
