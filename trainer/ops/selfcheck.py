@@ -139,6 +139,12 @@ def _prep(x: object, i: int, case: Case, upcast: bool) -> object:
     return t.requires_grad_(i in case.grad)
 
 
+def _backward(out: torch.Tensor, g: torch.Tensor) -> None:
+    """out.backward(g) as the backward of a scalar: ``backward`` with an explicit gradient imports sympy
+    on first use (torch's shape check), 0.6 s of start-up a job would pay for the check alone."""
+    (out.float() * g.float()).sum().backward()
+
+
 def _check_case(fn, ref, case: Case, inp: Inputs, result: OpResult) -> None:
     """Forward and backward of one case against the reference; the worst ratio goes into ``result``."""
     mine = [_prep(x, i, case, False) for i, x in enumerate(case.args)]
@@ -149,8 +155,8 @@ def _check_case(fn, ref, case: Case, inp: Inputs, result: OpResult) -> None:
     if not case.grad:
         return
     g = inp.act(*out.shape, dtype=out.dtype)
-    out.backward(g)
-    want.backward(g.to(want.dtype))
+    _backward(out, g)
+    _backward(want, g)
     for i in case.grad:
         scale = PARAM_GRAD_SCALE if i in case.param else 1.0
         if mine[i].grad is None:
@@ -179,7 +185,7 @@ def _check_dropout(fn, inp: Inputs, result: OpResult, shapes: CheckShapes) -> No
     if not 0.35 < share < 0.65:
         result.worse(math.inf, abs(share - (1 - DROPOUT_P)), 0.15, (name, f"dropout keeps {share:.2f}"))
     g = inp.act(*out.shape, dtype=out.dtype)
-    out.backward(g)
+    _backward(out, g)
     want = torch.where(kept, g.double() / (1 - DROPOUT_P), 0.0)
     result.worse(*_deviation(x.grad, want, inp.dtype), (name, "dropout grad of argument 0"))
 
