@@ -150,3 +150,32 @@ def test_a_clean_check_is_summarised_and_costs_little(tmp_path, data, monkeypatc
     summary = format_summary(outcome(str(_as_launched(tmp_path / "run"))), None)
     assert "  kernels          9 fused ops (csrc) agree with eager on cpu float32 (self-check," in summary
     assert "kernels" not in collect(str(tmp_path / "run"))[0].health
+
+
+def _tp2_worker(rank: int, cfg: dict, out: str, fault_rank: int | None) -> None:
+    import os
+
+    from tests.train.harness import save_json
+
+    if rank == fault_rank:  # a kernel that is wrong on one node only (another GPU, another image)
+        os.environ[KERNEL_FAULT] = "layer_norm"
+    result = run_cfg(cfg)
+    save_json(f"{out}.{rank}", {"losses": result.losses, "check": result.kernel_check})
+
+
+def test_tp2_a_kernel_wrong_on_one_rank_falls_back_on_every_rank(tmp_path, data):
+    """Replicated LayerNorm weights must see the same kernel on both TP ranks: rank 1's wrong kernel
+    makes both use eager, and the losses equal a tp=2 run with kernels=eager bit for bit."""
+    from tests.train.harness import load_json, spawn
+
+    def cfg(name: str, kernels: str) -> dict:
+        return tiny_config(str(tmp_path / name), data, kernels=kernels, parallel={"tp_size": 2},
+                           train={"iters": 6, "log_interval": 3})
+
+    spawn(2, str(tmp_path), _tp2_worker, cfg("eager", "eager"), str(tmp_path / "eager"), None)
+    spawn(2, str(tmp_path), _tp2_worker, cfg("faulty", "eager"), str(tmp_path / "faulty"), 1)
+    eager = load_json(f"{tmp_path}/eager.0")
+    for rank in (0, 1):
+        got = load_json(f"{tmp_path}/faulty.{rank}")
+        assert [(f["op"], f["rank"]) for f in got["check"]["fallbacks"]] == [("layer_norm", 1)], got["check"]
+    assert load_json(f"{tmp_path}/faulty.0")["losses"] == eager["losses"]

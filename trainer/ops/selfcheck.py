@@ -269,19 +269,29 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def agree(results: list[OpResult]) -> list[OpResult]:
     """Every rank's verdicts gathered; each op takes the worst rank's (its error text too), so all ranks
-    fall back on the same ops and rank 0 can name where and why."""
+    fall back on the same ops and rank 0 can name where and why. Keyed by op: a rank whose build lacks a
+    fused op (it runs eager there) still learns that another rank's version of it failed. Every rank
+    must call this (a collective), also with no fused op of its own."""
     mine = [dataclasses.replace(r, rank=_rank()) for r in results]
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1 or not results:
+    if _world() == 1:
         return mine
-    gathered: list = [None] * dist.get_world_size()
+    gathered: list = [None] * _world()
     dist.all_gather_object(gathered, mine)  # a few hundred bytes per rank, once per job
 
     def badness(r: OpResult) -> float:
         return math.inf if math.isnan(r.ratio) else r.ratio
 
-    return [max((theirs[k] for theirs in gathered), key=badness) for k in range(len(results))]
+    by_op: dict[str, list[OpResult]] = {}
+    for theirs in gathered:
+        for r in theirs:
+            by_op.setdefault(r.op, []).append(r)
+    return [max(rs, key=badness) for rs in by_op.values()]
 
 
 def with_eager(kernels: KernelSet, ops: list[str]) -> KernelSet:
@@ -294,8 +304,8 @@ def run_check(kernels: KernelSet, setup: CheckSetup, policy: str) -> KernelCheck
     """Check, agree across ranks, and apply ``policy`` (the module docstring); returns the checked set."""
     check = KernelCheck(policy, kernels, str(setup.device),
                         [str(d).removeprefix("torch.") for d in setup.dtypes])
-    if policy == "off" or not _fused_ops(kernels):
-        return check
+    if policy == "off" or (not _fused_ops(kernels) and _world() == 1):
+        return check  # with several ranks every one takes part in the agreement, fused ops or not
     t0 = time.perf_counter()
     check.results = agree(measure(kernels, setup))
     if setup.device.type == "cuda":
