@@ -1,4 +1,5 @@
-"""plan → job scripts: sbatch text, local-executor parameters and the container wrapper (pure, golden-tested).
+"""plan → job scripts: sbatch text, local-executor parameters, the Apptainer wrapper and the pyxis srun
+flags (pure, golden-tested).
 
 The sbatch script is Slipway's own (submitit still pickles the callable, names the job files and reads the
 results; see submit.py): submitit's template runs one ``srun`` and cannot retry a crashed step or forward a
