@@ -8,6 +8,7 @@ import torch
 
 from tests.ops.helpers import DEVICES, DTYPES, assert_close, non_contiguous, rand
 from trainer.ops import _ext, reference
+from trainer.ops.selfcheck_cases import PARAM_GRAD_SCALE
 
 pytestmark = pytest.mark.skipif(not _ext.load(),
                                 reason="trainer._C not built (tests/ops/test_dispatch.py fails)")
@@ -33,7 +34,7 @@ def test_bias_gelu_matches_reference(device, dtype, shape):
     y.backward(gy)
     yr.backward(gy.float())
     assert_close(x.grad, xr.grad, dtype)
-    assert_close(b.grad, br.grad, dtype, scale=4.0)  # a sum over rows of rounded terms
+    assert_close(b.grad, br.grad, dtype, scale=PARAM_GRAD_SCALE)  # a sum over rows of rounded terms
 
 
 def test_bias_gelu_fp32_bias_with_bf16_input_and_non_contiguous():
@@ -142,7 +143,7 @@ def test_bias_dropout_add_training_mask_and_grads(device, dtype):
     out.backward(g)
     assert_close(x.grad, g.float() * mask, dtype)
     assert_close(r.grad, g.float(), dtype)
-    assert_close(b.grad, (g.float() * mask).sum((0, 1)), dtype, scale=4.0)
+    assert_close(b.grad, (g.float() * mask).sum((0, 1)), dtype, scale=PARAM_GRAD_SCALE)
 
 
 def test_bias_dropout_add_mixed_dtypes_promote_like_eager():

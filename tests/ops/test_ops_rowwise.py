@@ -7,6 +7,7 @@ import torch
 
 from tests.ops.helpers import DEVICES, DTYPES, assert_close, non_contiguous, rand
 from trainer.ops import _ext, reference
+from trainer.ops.selfcheck_cases import PARAM_GRAD_SCALE
 
 pytestmark = pytest.mark.skipif(not _ext.load(),
                                 reason="trainer._C not built (tests/ops/test_dispatch.py fails)")
@@ -68,8 +69,8 @@ def test_layer_norm_matches_reference(device, dtype, shape):
     y.backward(g)
     yr.backward(g.float())
     assert_close(x.grad, xr.grad, dtype)
-    assert_close(w.grad, wr.grad, dtype, scale=4.0)
-    assert_close(b.grad, br.grad, dtype, scale=4.0)
+    assert_close(w.grad, wr.grad, dtype, scale=PARAM_GRAD_SCALE)
+    assert_close(b.grad, br.grad, dtype, scale=PARAM_GRAD_SCALE)
 
 
 def test_layer_norm_stats_are_fp32_and_params_may_be_fp32():

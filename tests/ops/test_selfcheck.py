@@ -133,3 +133,12 @@ def test_ranks_agree_an_op_broken_on_one_rank_falls_back_on_all(tmp_path):
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got == {"fallbacks": ["bias_gelu"], "rank": [1], "uses_reference": True}, (rank, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["auto", "compile"])
+def test_cuda_auto_and_compile_sets_pass_at_codeparrot_widths(mode):
+    """On the GPU, kernels=auto (apex where importable, else csrc) and torch.compile's kernels agree with
+    eager at CodeParrot-small's widths in bf16 (both activation dtypes)."""
+    check = run_check(resolve(mode, "cuda"), _setup(CODEPARROT, "cuda", (BF16, F32), F32), "fallback")
+    assert check.results and check.fallbacks == [], [r.describe() for r in check.results if not r.ok]
