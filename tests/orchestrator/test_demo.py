@@ -75,6 +75,8 @@ def test_demo_summary_is_printed_saved_and_true(demo):
     sample = (run / "sample.txt").read_text()
     assert "def fibonacci(" in sample and "sample           def fibonacci(" in text
     assert "max_new_tokens=32" in text  # the "try it" line is a command that runs as printed
+    # The kernel self-check ran on every rank of the tp2 x pp2 job and agreed: all csrc ops kept.
+    assert "kernels          9 fused ops (csrc) agree with eager on cpu float32 (self-check" in text
 
 
 @pytest.mark.slow
