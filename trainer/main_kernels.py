@@ -46,7 +46,8 @@ def checked_kernels(cfg: RunConfig, gpt: GPTConfig, pstate: ParallelState, start
         os.makedirs(cfg.run_dir, exist_ok=True)
         append_record(metrics_path(cfg.run_dir), {"iteration": start_iteration, KERNEL_CHECK: check.record()})
     if check.fallbacks and check.policy == "fail":
-        raise KernelCheckError(fail_message(check))
+        raise KernelCheckError(f"{fail_message(check)}. train.kernel_check=fail: nothing was trained "
+                               "(train.kernel_check=fallback trains with the eager ops instead)")
     return check
 
 

@@ -5,6 +5,7 @@ agreeing on what falls back. Run-level behaviour (losses, records, exit): tests/
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -84,7 +85,7 @@ def test_off_checks_nothing_and_fail_leaves_the_set_for_the_caller_to_refuse():
     fail = run_check(faulty, _setup(LLAMA), "fail")
     assert fail.fallbacks == ["swiglu"] and fail.kernels is faulty
     message = fail_message(fail)
-    assert "swiglu (csrc+fault)" in message and "train.kernel_check=fail" in message and "Fix:" in message
+    assert "swiglu (csrc+fault)" in message and "Fix:" in message
     assert issubclass(KernelCheckError, ValueError)  # trainer.signals: permanent, not retried
 
 
@@ -142,3 +143,18 @@ def test_cuda_auto_and_compile_sets_pass_at_codeparrot_widths(mode):
     eager at CodeParrot-small's widths in bf16 (both activation dtypes)."""
     check = run_check(resolve(mode, "cuda"), _setup(CODEPARROT, "cuda", (BF16, F32), F32), "fallback")
     assert check.results and check.fallbacks == [], [r.describe() for r in check.results if not r.ok]
+
+
+def test_the_cli_exits_78_naming_the_failing_op(capsys, monkeypatch):
+    """python -m trainer.ops.selfcheck: a site image's CI (exit 78, the JSON verdict on stdout)."""
+    from trainer.ops.selfcheck import main
+
+    assert main(["--kernels", "csrc", "--device", "cpu", "--precision", "fp32", "model.hidden_size=64",
+                 "model.num_attention_heads=4", "model.seq_length=32"]) == 0
+    assert json.loads(capsys.readouterr().out)["fallbacks"] == []
+    monkeypatch.setenv(KERNEL_FAULT, "rms_norm")
+    assert main(["--kernels", "csrc", "--device", "cpu", "--precision", "bf16",
+                 "model.normalization=rmsnorm", "model.rotary_percent=0.5"]) == 78
+    out = capsys.readouterr()
+    assert [f["op"] for f in json.loads(out.out)["fallbacks"]] == ["rms_norm"]
+    assert "rms_norm (csrc+fault)" in out.err

@@ -329,8 +329,52 @@ def run_check(kernels: KernelSet, setup: CheckSetup, policy: str) -> KernelCheck
 
 
 def fail_message(check: KernelCheck) -> str:
-    """The error of ``train.kernel_check=fail``: every failing op, and the fixes."""
+    """Every failing op, and the fixes."""
     bad = "; ".join(r.describe() for r in check.results if not r.ok)
-    return (f"kernel self-check failed on {check.device} ({'+'.join(check.dtypes)}), train.kernel_check="
-            f"fail, nothing was trained: {bad}. Fix: rebuild the kernels for this GPU and image (`make "
-            f"install`), or set kernels=eager, or train.kernel_check=fallback to train with the eager ops")
+    return (f"kernel self-check failed on {check.device} ({'+'.join(check.dtypes)}): {bad}. Fix: rebuild the "
+            f"kernels for this GPU and image (`make install`), or set kernels=eager")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainer.ops.selfcheck``: the check alone, on this node (a site image's CI: exit 78 when
+    an op fails, 0 when every fused op agrees); the verdict as JSON on stdout."""
+    import argparse
+    import json
+    import os
+    import sys
+
+    from trainer.config import KERNEL_SETS, PRECISIONS, ModelConfig
+    from trainer.ops import resolve
+    from trainer.optim.precision import DTYPES
+    from trainer.signals import EXIT_PERMANENT
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.ops.selfcheck", description=main.__doc__)
+    parser.add_argument("--kernels", default="auto", choices=KERNEL_SETS)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size (the widths each rank sees)")
+    parser.add_argument("model", nargs="*", help="model.KEY=VALUE (default: CodeParrot-small, vocab 32768)")
+    a = parser.parse_args(argv)
+    fields: dict = {"vocab_size": 32768}
+    for item in a.model:
+        key, _, value = item.removeprefix("model.").partition("=")
+        fields[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+    model = ModelConfig(**fields)
+    dtypes = tuple(dict.fromkeys((DTYPES[a.precision], torch.float32)))
+    setup = CheckSetup(torch.device(a.device), dtypes, torch.float32,
+                       CheckShapes.for_model(model, a.tp, model.padded_vocab_size(a.tp)))
+    from trainer import testing_hooks
+    from trainer.ops.inject import inject
+
+    testing_hooks.warn_active(log, os.environ)
+    kernels = inject(resolve(a.kernels, torch.device(a.device).type), os.environ)
+    check = run_check(kernels, setup, "fail")
+    sys.stdout.write(json.dumps(check.record(), indent=1) + "\n")
+    if check.fallbacks:
+        sys.stderr.write(fail_message(check) + "\n")
+        return EXIT_PERMANENT
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
