@@ -20,6 +20,7 @@ BENCHES = [
     ["preprocess.py"],
     ["pipeline.py"],
     ["health.py"],
+    ["kernel_check.py"],
     ["recompute.py"],
     ["convert.py"],
     ["eval.py"],

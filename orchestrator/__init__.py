@@ -5,7 +5,8 @@ Pure (config → plan → scripts, golden-tested):
   ``cluster``, ``container``, ``convert`` and the launch switches.
 - ``validate`` (every problem at once), ``guards`` (secrets, test hooks), ``layout`` (world = tp·pp·dp),
   ``estimate`` (memory, ETA), ``plan`` (the stage graph), ``jobs`` (picklable job specs, markers),
-  ``render`` (sbatch and container text), ``redaction`` (what a secret looks like).
+  ``render`` (sbatch and container text), ``container`` (the folders a containerised job binds, image
+  references), ``redaction`` (what a secret looks like).
 - ``docs`` — ``python -m orchestrator.docs`` writes docs/config.md; never imported at run time.
 
 Side effects (each named in ``submit``'s docstring): ``flow`` (the launch behind launch.py),

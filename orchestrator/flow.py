@@ -22,7 +22,13 @@ from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.guards import known_secrets
 from orchestrator.input_checks import input_problems
 from orchestrator.plan import Plan, PlanInputs, SweepInfo, make_plan, run_name
-from orchestrator.preconditions import checkpoint_problems, record_writer, reused_data_problems, single_writer
+from orchestrator.preconditions import (
+    checkpoint_problems,
+    pyxis_problems,
+    record_writer,
+    reused_data_problems,
+    single_writer,
+)
 from orchestrator.runs import (
     RUN_JSON,
     add_to_sweep,
@@ -283,7 +289,8 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -
     out, err = redaction.redacting(out), redaction.redacting(sys.stderr)
     facts = gather_facts(cfg, sweep)
     plan = make_plan(cfg, facts)
-    plan.problems.extend(input_problems(cfg) + reused_data_problems(plan) + checkpoint_problems(plan))
+    plan.problems.extend(input_problems(cfg) + reused_data_problems(plan) + checkpoint_problems(plan)
+                         + pyxis_problems(cfg))
     for warning in plan.warnings:
         err.write(f"warning: {warning}\n")
     scripts = scripts_of(cfg, plan)

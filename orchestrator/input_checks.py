@@ -6,6 +6,7 @@ key and the fix instead of a Slurm job after its retries:
   without documents (the trainer's own rule, :mod:`trainer.data.splits`) — one 30 MB document, say.
 - ``tokenizer.vocab_file`` / ``merge_file``: loaded the way the jobs load them; a merges file of another
   tokenizer is named with both files.
+- ``container.image`` with pyxis: a file must be squashfs (an Apptainer .sif is not; enroot cannot start it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import gzip
 import json
 import os
 
+from orchestrator.container import SQUASHFS_MAGIC, image_is_file
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import Problem
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
@@ -106,5 +108,18 @@ def hf_tokenizer_problems(model_dir: str | None) -> list[Problem]:
     return []
 
 
+def image_problems(cfg: SlipwayConfig) -> list[Problem]:
+    image = cfg.container.image
+    if cfg.container.kind != "pyxis" or not image or not image_is_file(image) or not os.path.isfile(image):
+        return []  # a reference (validate.py) or a missing file (file_missing)
+    with open(image, "rb") as f:
+        magic = f.read(len(SQUASHFS_MAGIC))
+    if magic == SQUASHFS_MAGIC:
+        return []
+    return [Problem("container_image_format", "container.image", image,
+                    "is not a squashfs file, which is what pyxis starts (an Apptainer .sif is not one)",
+                    "build one with containers/build_sqsh.sh, or use a .sif with container=apptainer_ngc")]
+
+
 def input_problems(cfg: SlipwayConfig) -> list[Problem]:
-    return data_problems(cfg) + tokenizer_problems(cfg)
+    return data_problems(cfg) + tokenizer_problems(cfg) + image_problems(cfg)

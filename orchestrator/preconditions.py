@@ -8,6 +8,9 @@
   run's active job writes the same checkpoint directory (``.slipway-writer.json`` there). Two launches of
   one run therefore never write one checkpoint directory at the same time; relaunching a run whose jobs
   have all ended resumes it from its checkpoints.
+- pyxis: with ``container=pyxis`` the jobs' srun must know the ``--container-*`` options they use. pyxis
+  is a SPANK plugin, and a loaded plugin's options are listed by ``srun --help``; without them the jobs
+  would fail on their first srun, after their queue wait.
 """
 
 from __future__ import annotations
@@ -15,15 +18,18 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import subprocess
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from orchestrator.container import PYXIS_OPTIONS
 from orchestrator.jobs import COMPLETE, PreprocessJob
 from orchestrator.plan import Plan
 from orchestrator.queue import live_state
 from orchestrator.runs import RUN_JSON, write_json
+from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import PlanError, Problem
 from trainer.checkpoint import verify as ckpt_verify
 
@@ -136,3 +142,28 @@ def record_writer(plan: Plan, job_id: str | None, executor: str) -> None:
     if job_id:
         write_json(Path(checkpoint_dir(plan)) / WRITER,
                    {"run_id": plan.run_id, "run_dir": plan.run_dir, "job_id": job_id, "executor": executor})
+
+
+def pyxis_problems(cfg: SlipwayConfig, timeout_s: float = 30.0) -> list[Problem]:
+    """container=pyxis on Slurm: the srun on this node's PATH lists pyxis's options (``srun --help``)."""
+    if cfg.container.kind != "pyxis" or cfg.cluster.executor != "slurm":
+        return []  # the local executor is refused by validate.py (container_local)
+    fix = ("use container=apptainer_ngc or container=none; if the site has pyxis, run the launch where its "
+           "srun loads it (plugstack.conf), e.g. on the cluster's login node")
+    try:
+        out = subprocess.run(["srun", "--help"], capture_output=True, text=True, timeout=timeout_s)
+    except FileNotFoundError:
+        return [Problem("pyxis_missing", "container.kind", "pyxis", "srun is not on this node's PATH", fix)]
+    except subprocess.TimeoutExpired:
+        return [Problem("pyxis_missing", "container.kind", "pyxis",
+                        f"srun --help did not answer within {timeout_s:.0f} s", fix)]
+    listed = out.stdout + out.stderr
+    missing = [o for o in PYXIS_OPTIONS if o not in listed]
+    if not missing:
+        return []
+    if len(missing) == len(PYXIS_OPTIONS):
+        return [Problem("pyxis_missing", "container.kind", "pyxis",
+                        "srun --help lists no --container-* option: pyxis is not loaded here", fix)]
+    return [Problem("pyxis_missing", "container.kind", "pyxis",
+                    f"srun --help does not list {', '.join(missing)}: this pyxis is older than the jobs need "
+                    "(--container-env came with pyxis 0.15)", "ask the site to update pyxis, or " + fix)]

@@ -25,7 +25,7 @@ from trainer.config import RunConfig
 from trainer.eval.config import EvalConfig
 
 EXECUTORS = ("local", "slurm")
-CONTAINER_KINDS = ("none", "apptainer")
+CONTAINER_KINDS = ("none", "apptainer", "pyxis")
 
 
 @dataclass
@@ -105,13 +105,18 @@ class ContainerConfig(Section):
     """The image jobs run in (see containers/README.md)."""
 
     kind: str = "none"
-    """none (the submitting Python environment) or apptainer."""
+    """none (the submitting Python environment), apptainer (apptainer exec in each task) or pyxis (srun
+    --container-image: NVIDIA's pyxis/enroot Slurm plugin)."""
     image: str | None = None
-    """Path of the .sif image on shared storage (containers/build.sh builds one)."""
+    """apptainer: path of the .sif image on shared storage (containers/build.sh builds one). pyxis: a
+    squashfs file (containers/build_sqsh.sh builds one) or a registry reference to an image with
+    Slipway's dependencies, as pyxis takes it: [USER@][REGISTRY#]IMAGE[:TAG], e.g.
+    registry.example.org#team/slipway:1.0."""
     apptainer_bin: str = "apptainer"
-    """The apptainer executable (a name on PATH or a path)."""
+    """The apptainer executable (a name on PATH or a path); pyxis needs none (it is srun's)."""
     binds: list[str] = field(default_factory=list)
-    """Extra host paths to bind; the code, runs_root, the cache and the data folders are bound already."""
+    """Extra host paths to bind (pyxis: mount); the code, runs_root, the cache, the data and tokenizer
+    folders and the checkpoint folders are bound already."""
     env_allowlist: list[str] = field(
         default_factory=lambda: [
             "NCCL_*",
@@ -126,9 +131,12 @@ class ContainerConfig(Section):
             "PYTHONUNBUFFERED",
         ]
     )
-    """Variables forwarded into the --cleanenv container via APPTAINERENV_ (shell glob patterns)."""
+    """Variables whose host values the jobs see inside the image (shell glob patterns). apptainer:
+    forwarded into the --cleanenv container via APPTAINERENV_. pyxis passes the whole host environment
+    but lets the image's own values win; these names go to --container-env, so the host's win."""
     env_denylist: list[str] = field(default_factory=lambda: ["*_TOKEN_PATH", "*_KEY_FILE", "WANDB_DIR"])
-    """Never forwarded: variables naming files that hold secrets on the host (not bound in the image)."""
+    """Never forwarded (pyxis: unset before srun): variables naming files that hold secrets on the host
+    (not bound in the image)."""
 
     def problems(self) -> list[ConfigIssue]:
         return choice("container.kind", self.kind, CONTAINER_KINDS)

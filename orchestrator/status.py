@@ -16,7 +16,14 @@ from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import pass_at_1, read_results
 from trainer.health import RankHealth, read_heartbeats, summarize
-from trainer.metrics_file import TOKENS_PER_S, TRAIN_LOSS, read_metrics
+from trainer.metrics_file import (
+    TOKENS_PER_S,
+    TRAIN_LOSS,
+    kernel_cell,
+    kernel_fallbacks,
+    last_kernel_check,
+    read_metrics,
+)
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
 _LOSS = re.compile(r"lm loss: ([0-9.Ee+-]+)")
@@ -39,6 +46,7 @@ class JobRow:
     health: str = ""  # heartbeats: "ok 4", or the stale/stalled/hung ranks with their hosts
     ranks: list[RankHealth] = field(default_factory=list)
     checkpoint_warnings: list[str] = field(default_factory=list)  # damaged/skipped at load (trainer)
+    kernel_fallbacks: list[str] = field(default_factory=list)  # ops the start-up self-check refused
     slurm_error: str = ""  # squeue failed: slurmctld unreachable, the state is accounting's
     pass_at_1: float | None = None  # eval rows: HumanEval pass@1 from <run_dir>/eval/results.json
     name: str = ""  # the run's name (a sweep point's: run id and overrides)
@@ -149,7 +157,9 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
                 row.wandb = _wandb_path(run_dir, data)
                 row.log = str(run_dir / "logs")
                 row.ranks = read_heartbeats(str(run_dir), stale_after_s=stale_after_s)
-                row.health = summarize(row.ranks)
+                check = last_kernel_check(run_dir)
+                row.health = "; ".join(x for x in (summarize(row.ranks), kernel_cell(check)) if x)
+                row.kernel_fallbacks = kernel_fallbacks(check)
                 row.checkpoint_warnings = read_warnings(str(run_dir))
             rows.append(row)
     return rows
@@ -194,7 +204,8 @@ def best_point(rows: list[JobRow]) -> list[str]:
 
 
 def rank_problems(rows: list[JobRow]) -> list[str]:
-    """One line per training rank that is stale, stalled or hung, naming its host."""
+    """One line per training rank that is stale, stalled or hung, naming its host; per checkpoint skipped
+    at load; per op the kernel self-check refused."""
     out = []
     for r in rows:
         for h in r.ranks:
@@ -208,6 +219,7 @@ def rank_problems(rows: list[JobRow]) -> list[str]:
                                f"collective?)"}
             out.append(f"{where}, {what.get(h.state, h.message or h.state)}")
         out += [f"CHECKPOINT: run {r.run}: {w}" for w in r.checkpoint_warnings]
+        out += [f"KERNELS: run {r.run}: {w}" for w in r.kernel_fallbacks]
     return ([""] if out else []) + out
 
 

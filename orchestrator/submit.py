@@ -27,12 +27,13 @@ from typing import Any
 import submitit
 
 from orchestrator import render
+from orchestrator.container import host_paths, job_image
 from orchestrator.jobs import COMPLETE, FAILED, Upstream
 from orchestrator.layout import tasks_per_node
 from orchestrator.plan import Plan, StagePlan
 from orchestrator.queue import live_state
-from orchestrator.runs import record_job
-from orchestrator.schema import SlipwayConfig
+from orchestrator.runs import REPO_ROOT, record_job
+from orchestrator.schema import ContainerConfig, SlipwayConfig
 from orchestrator.stages import STAGE_CALLABLES
 from trainer.log import get_logger
 
@@ -118,6 +119,7 @@ def stage_job(
         deps,
         env,
         tuple(cfg.cluster.setup),
+        pyxis=pyxis_spec(cfg),
     )
     return StageJob(py, folder, spec)
 
@@ -132,17 +134,27 @@ def render_stage(
     return render.render_sbatch(job.spec)
 
 
+def _container(cfg: SlipwayConfig) -> tuple[ContainerConfig, list[str]]:
+    """The container section with the image as jobs name it, and the job's folders to bind or mount."""
+    container = dataclasses.replace(cfg.container, image=job_image(cfg.container),
+                                    binds=[_abs(b) for b in cfg.container.binds])
+    return container, [path for _, path in host_paths(cfg)]
+
+
 def container_wrapper(cfg: SlipwayConfig, plan: Plan) -> str | None:
     if cfg.container.kind != "apptainer":
         return None
-    binds = [_abs(cfg.runs_root), _abs(cfg.cache_dir or os.path.join(cfg.runs_root, "_cache"))]
-    tok_json = os.path.join(cfg.tokenizer.model, "tokenizer.json") if cfg.tokenizer.model else ""
-    inputs = [*cfg.data.paths, cfg.tokenizer.vocab_file or "", tok_json]
-    binds += [_abs(os.path.dirname(p)) for p in inputs if p]
-    code = str(Path(__file__).resolve().parent.parent)
-    image = _abs(cfg.container.image) if cfg.container.image else None
-    container = dataclasses.replace(cfg.container, image=image)
-    return render.render_container_wrapper(container, binds, code, cfg.cluster.gpus_per_node > 0)
+    container, binds = _container(cfg)
+    return render.render_container_wrapper(container, binds, str(REPO_ROOT), cfg.cluster.gpus_per_node > 0)
+
+
+def pyxis_spec(cfg: SlipwayConfig) -> render.PyxisSpec | None:
+    """container.kind=pyxis: the srun container flags. The job starts in the launch directory (sbatch
+    runs it where it was submitted), so that is the container's working directory too."""
+    if cfg.container.kind != "pyxis":
+        return None
+    container, binds = _container(cfg)
+    return render.PyxisSpec(container, tuple(binds), str(REPO_ROOT), os.getcwd())
 
 
 def _queued(stage: StagePlan) -> dict[str, Any] | None:

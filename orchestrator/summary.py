@@ -11,7 +11,7 @@ from orchestrator.estimate import fmt_duration
 from orchestrator.runs import RUN_JSON, read_json
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import describe, read_results, results_path
-from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, series
+from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, kernel_fallbacks, last_kernel_check, series
 
 LOSS_PNG = "loss.png"
 SUMMARY_TXT = "summary.txt"
@@ -32,6 +32,7 @@ class RunOutcome:
     wandb_dirs: list[str] = field(default_factory=list)  # every offline folder of the run (train, eval)
     checkpoint_warnings: list[str] = field(default_factory=list)  # checkpoints skipped at load (damaged)
     evaluation: dict | None = None  # <run_dir>/eval/results.json (trainer/eval/results.py)
+    kernel_check: dict | None = None  # the start-up kernel self-check (train_metrics.jsonl)
 
 
 def _losses(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -76,7 +77,7 @@ def outcome(run_dir: str) -> RunOutcome:
     sample, how = _sample(run)
     dirs = _wandb_dirs(run)
     return RunOutcome(run_dir, train, valid, hf, verdict, sample, how, dirs[-1] if dirs else None, dirs,
-                      read_warnings(run_dir), read_results(run_dir))
+                      read_warnings(run_dir), read_results(run_dir), last_kernel_check(run_dir))
 
 
 def plot_losses(o: RunOutcome, out: Path) -> Path | None:
@@ -108,6 +109,19 @@ def _last(points: list[tuple[int, float]]) -> str:
     return f"{points[-1][1]:.3f} (iteration {points[-1][0]})" if points else "n/a"
 
 
+def _kernel_lines(check: dict | None) -> list[str]:
+    """The kernel self-check: what was checked where, or a warning per op it switched to eager."""
+    if not check:
+        return []
+    bad = kernel_fallbacks(check)
+    if bad:
+        return [f"  kernels          WARNING: {w}" for w in bad]
+    checked = check.get("checked", {})
+    where = f"{check.get('device')} {'+'.join(check.get('dtypes', []))}"
+    return [f"  kernels          {len(checked)} fused ops ({', '.join(sorted(set(checked.values())))}) agree "
+            f"with eager on {where} (self-check, {check.get('seconds', 0):.2f} s)"]
+
+
 def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = None) -> str:
     took = f" in {fmt_duration(elapsed_s)}" if elapsed_s is not None else ""
     first = f", from {o.train[0][1]:.3f} at iteration {o.train[0][0]}" if len(o.train) > 1 else ""
@@ -122,6 +136,7 @@ def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = No
     if o.verification:
         lines.append(f"                   {o.verification}")
     lines += [f"  checkpoint       WARNING: {w}" for w in o.checkpoint_warnings]
+    lines += _kernel_lines(o.kernel_check)
     if o.evaluation:
         found = describe(o.evaluation) or ["n/a (nothing evaluated)"]
         lines.append(f"  evaluation       {found[0]}")

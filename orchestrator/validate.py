@@ -12,6 +12,14 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from orchestrator.container import (
+    CREDENTIALS,
+    MOUNT_UNSAFE,
+    REGISTRY_REF,
+    SYSTEM_DIRS,
+    image_is_file,
+    mount_points,
+)
 from orchestrator.layout import Layout, layout_of
 from orchestrator.redaction import redact
 from orchestrator.schema import SlipwayConfig
@@ -199,16 +207,58 @@ def _cluster(cfg: SlipwayConfig) -> list[Problem]:
                 "lower cluster.signal_delay_s or raise cluster.time_limit_min",
             )
         )
-    if cfg.container.kind == "apptainer" and not cfg.container.image:
-        out.append(
-            Problem(
-                "container_image",
-                "container.image",
-                None,
-                "apptainer needs an image",
-                "build one with containers/build.sh and set container.image=/path/slipway.sif",
-            )
-        )
+    return out
+
+
+_BUILD = {"apptainer": "containers/build.sh and set container.image=/path/slipway-ngc.sif",
+          "pyxis": "containers/build_sqsh.sh and set container.image=/path/slipway-ngc.sqsh"}
+
+
+def _container(cfg: SlipwayConfig) -> list[Problem]:
+    """The image and the folders the runtime binds (what they are: orchestrator/container.py)."""
+    c, out = cfg.container, []
+    if c.kind not in _BUILD:
+        return out
+    if not c.image:
+        out.append(Problem("container_image", "container.image", None, f"{c.kind} needs an image",
+                           f"build one with {_BUILD[c.kind]}"))
+    if c.kind == "pyxis":
+        out += _pyxis(cfg)
+    unsafe, chars = MOUNT_UNSAFE[c.kind]
+    for key, path in mount_points(cfg):
+        if unsafe.search(path):
+            out.append(Problem("container_mount", key, path, f"{c.kind} binds it into the image, and its "
+                               f"list of binds cannot hold a path with {chars}",
+                               f"use a path without {chars} (a symlink to it will do)"))
+        elif path in SYSTEM_DIRS:
+            out.append(Problem("container_mount", key, path, f"{c.kind} would bind it over the image's own "
+                               f"{path} (its CUDA, Python and libraries)",
+                               "use a folder of its own, e.g. /shared/<project>/slipway"))
+    return out
+
+
+def _pyxis(cfg: SlipwayConfig) -> list[Problem]:
+    image, out = cfg.container.image, []
+    if cfg.cluster.executor == "local":
+        out.append(Problem("container_local", "container.kind", "pyxis",
+                           "pyxis runs containers through srun (--container-image); the local executor "
+                           "starts this machine's processes without srun",
+                           "use container=none (or container=apptainer_ngc) with cluster=local, or a Slurm "
+                           "cluster whose srun has pyxis"))
+    if not image or image_is_file(image):
+        return out  # a file: file_missing and container_image_format check it
+    if CREDENTIALS.match(image):
+        out.append(Problem("container_image_credentials", "container.image", "<redacted>",
+                           "holds USER:PASSWORD@ (job scripts and run.json are written to disk)",
+                           "keep only USER@ and put the password in enroot's credentials file "
+                           "($ENROOT_CONFIG_PATH/.credentials, see enroot's import docs)"))
+    elif not REGISTRY_REF.fullmatch(image):
+        out.append(Problem("container_image_uri", "container.image", image,
+                           "is neither a squashfs file (a path starting with / or ., or ending .sqsh) nor a "
+                           "registry reference pyxis reads ([USER@][REGISTRY#]IMAGE[:TAG], lower-case image "
+                           "name, optionally docker:// and @sha256:DIGEST)",
+                           "write e.g. registry.example.org#team/slipway:1.0 or "
+                           "/shared/images/slipway-ngc.sqsh"))
     return out
 
 
@@ -301,8 +351,9 @@ def check_files(cfg: SlipwayConfig, exists: Callable[[str], bool] = os.path.exis
         )
         if v
     ]
-    if cfg.container.kind == "apptainer" and cfg.container.image:
-        files.append(("container.image", cfg.container.image))
+    c = cfg.container
+    if c.image and (c.kind == "apptainer" or (c.kind == "pyxis" and image_is_file(c.image))):
+        files.append(("container.image", c.image))
     for key, path in files:
         if not exists(path):
             out.append(
@@ -326,6 +377,7 @@ def validate(cfg: SlipwayConfig, exists: Callable[[str], bool] = os.path.exists)
         + _warmup(cfg)
         + _precision(cfg)
         + _cluster(cfg)
+        + _container(cfg)
         + _data(cfg)
         + _evaluation(cfg)
         + _names(cfg)

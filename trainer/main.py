@@ -48,9 +48,11 @@ from trainer.convert.layout import load_shard
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
 from trainer.main_data import DataShape, build_data
+from trainer.main_kernels import checked_kernels, optimizer_after_check
 from trainer.metrics_file import metrics_path
 from trainer.model.config import GPTConfig
 from trainer.model.recompute import Recompute
+from trainer.ops.selfcheck import KernelCheck
 from trainer.optim.lr import LRSchedule, OptimizerParamScheduler
 from trainer.optim.optimizer import build_optimizer
 from trainer.optim.precision import ScalerSettings, make_scaler
@@ -84,6 +86,7 @@ class RunResult:
     eval_losses: dict[int, float] = field(default_factory=dict)
     skipped_iters: int = 0
     wandb_run_id: str | None = None
+    kernel_check: dict | None = None  # the start-up self-check's record (trainer.ops.selfcheck)
 
 
 def resolve_vocab(model: ModelConfig, tokenizer: TokenizerConfig) -> tuple[int, int | None]:
@@ -238,25 +241,29 @@ class Components:
     parts: Restorable
     global_batch_size: int
     eod: int | None
+    kernel_check: KernelCheck | None = None
 
 
-def build_components(cfg: RunConfig, pstate: ParallelState) -> Components:
-    """Model, optimizer, scheduler and loss scaler for this rank."""
+def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int = 0) -> Components:
+    """Model, optimizer, scheduler and loss scaler for this rank, on the kernels that passed the start-up
+    self-check (``train.kernel_check``; its record names ``start_iteration``)."""
     t = cfg.train
     gbs = t.global_batch_size or t.micro_batch_size * pstate.dp_size
     vocab_size, eod = resolve_vocab(cfg.model, cfg.tokenizer)
     gpt = gpt_config(cfg.model, vocab_size)
+    check = checked_kernels(cfg, gpt, pstate, start_iteration)  # before the model: it takes the checked set
     recompute = Recompute(t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
-    model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=cfg.kernels, recompute=recompute)
+    model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=check.kernels, recompute=recompute)
     _apply_autocast(model, t.precision)
-    if cfg.optim.distributed:  # re-lays the model's parameters and gradient buckets (ZeRO-1)
-        optimizer, _ = build_distributed_optimizer(model, cfg.optim, t.precision, cfg.kernels)
+    optim, opt_kernels = optimizer_after_check(cfg.optim, cfg.kernels, check)
+    if optim.distributed:  # re-lays the model's parameters and gradient buckets (ZeRO-1)
+        optimizer, _ = build_distributed_optimizer(model, optim, t.precision, opt_kernels)
     else:
-        optimizer, _ = build_optimizer(model.named_parameters(), cfg.optim, pstate.device.type, cfg.kernels)
+        optimizer, _ = build_optimizer(model.named_parameters(), optim, pstate.device.type, opt_kernels)
     scheduler = OptimizerParamScheduler(optimizer, LRSchedule.from_iters(cfg.optim, t.iters, gbs))
     scaler = make_scaler(t.precision, ScalerSettings(t.initial_loss_scale, t.loss_scale_window,
                                                      t.hysteresis, t.min_loss_scale))
-    return Components(gpt, model, Restorable(optimizer, scheduler, scaler), gbs, eod)
+    return Components(gpt, model, Restorable(optimizer, scheduler, scaler), gbs, eod, check)
 
 
 def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, facts: RunFacts,
@@ -269,7 +276,9 @@ def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, fac
     train_data, valid_data = build_data(cfg.data, cfg.train, shape, ps, state)
     wandb_config = {**cfg.to_dict(), "derived": {"world_size": ps.world_size, "dp_size": ps.dp_size,
                                                  "global_batch_size": b.global_batch_size,
-                                                 "num_microbatches": m}}
+                                                 "num_microbatches": m,
+                                                 "kernel_check": b.kernel_check.record() if b.kernel_check
+                                                 else None}}
     logger = metrics.WandbLogger(cfg.logging.wandb, cfg.run_dir, cfg.run_id, wandb_config, ps.rank == 0)
     padded = b.gpt.padded_vocab_size(ps.tp_size)
     flops = formulas.model_flops_per_iteration(b.gpt, b.global_batch_size, padded)
@@ -281,7 +290,8 @@ def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, fac
         save=_saver(cfg, b.gpt, b.model, b.parts, facts), wandb=logger,
         cadence=Cadence(t.log_interval, t.eval_interval, t.eval_iters, t.save_interval),
         throughput=Throughput(flops, b.global_batch_size * b.gpt.seq_length, ps.world_size, peak),
-        metrics_file=metrics_path(cfg.run_dir), on_step=hooks.on_step, monitor=monitor)
+        metrics_file=metrics_path(cfg.run_dir), on_step=hooks.on_step, monitor=monitor,
+        kernel_fallbacks=tuple(b.kernel_check.fallbacks) if b.kernel_check else ())
 
 
 def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | None = None) -> RunResult:
@@ -302,8 +312,8 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
             pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None)
         os.makedirs(cfg.run_dir, exist_ok=True)
         hb.begin(pstate.device)  # heartbeats, then the preflight (multi-rank worlds)
-        b = build_components(cfg, pstate)
         plan = resolve_load(cfg.checkpoint, cfg.run_dir)
+        b = build_components(cfg, pstate, plan[1] if plan and not plan[2] else 0)
         state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
         if hooks.on_build is not None:
             hooks.on_build(b.model)
@@ -317,8 +327,9 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
                       "optim.lr, check the data, or resume from an earlier iteration.", e, cfg.checkpoint.dir)
             code = EXIT_NONFINITE
     loop.wandb.finish(0 if code in (EXIT_OK, EXIT_REQUEUE) else code)
+    check = b.kernel_check.record() if b.kernel_check and b.kernel_check.results else None
     return RunResult(code, state.iteration, loop.losses, loop.eval_losses, state.skipped_iters,
-                     loop.wandb.run_id)
+                     loop.wandb.run_id, check)
 
 
 def _override(d: dict, item: str) -> None:

@@ -109,6 +109,7 @@ class StepReport:
     lr: float
     global_batch_size: int
     loss_scale: float
+    kernel_fallbacks: tuple[str, ...] = ()  # ops the start-up self-check switched to eager
 
 
 def interval_metrics(r: StepReport, s: IntervalStats, t: Throughput) -> dict:
@@ -124,6 +125,8 @@ def interval_metrics(r: StepReport, s: IntervalStats, t: Throughput) -> dict:
         m["train/grad_norm"] = s.grad_norm
     if t.mfu is not None:
         m["perf/mfu"] = t.mfu
+    if r.kernel_fallbacks:
+        m["train/kernel_fallbacks"] = len(r.kernel_fallbacks)
     return m
 
 
@@ -146,6 +149,8 @@ def format_log_line(r: StepReport, s: IntervalStats, t: Throughput) -> str:
     if t.mfu is not None:
         line += f" MFU: {100 * t.mfu:.1f}% |"
     line += f" peak memory (GB): {t.peak_mem_gb:.2f} |"
+    if r.kernel_fallbacks:
+        line += f" kernels on eager fallback: {','.join(r.kernel_fallbacks)} |"
     return line
 
 

@@ -21,10 +21,17 @@ METRICS_FILE = "train_metrics.jsonl"
 TRAIN_LOSS = "train/lm_loss"
 VALID_LOSS = "valid/lm_loss"
 TOKENS_PER_S = "perf/tokens_per_s"
+KERNEL_CHECK = "kernel_check"  # the start-up kernel self-check's verdict (trainer/ops/selfcheck.py)
 
 
 def metrics_path(run_dir: str | os.PathLike) -> str:
     return os.path.join(run_dir, METRICS_FILE)
+
+
+def append_record(path: str, row: dict) -> None:
+    """Append one record (one JSON line) to the metrics file at ``path``."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 def _iteration(row: object) -> int | None:
@@ -75,3 +82,37 @@ def last_at_or_before(run_dir: str | os.PathLike, key: str, iteration: int) -> d
     """The record with ``key`` at the highest iteration <= ``iteration`` (None if there is none)."""
     found = [row for row in read_metrics(run_dir, key) if int(row["iteration"]) <= iteration]
     return found[-1] if found else None
+
+
+def last_kernel_check(run_dir: str | os.PathLike) -> dict | None:
+    """The newest kernel self-check verdict (the last written: each start of the job writes one)."""
+    found = [row[KERNEL_CHECK] for row in read_records(run_dir) if isinstance(row.get(KERNEL_CHECK), dict)]
+    return found[-1] if found else None
+
+
+def kernel_fallbacks(check: dict | None) -> list[str]:
+    """One line per op the self-check switched to eager (or, under ``fail``, stopped the job for)."""
+    if not check:
+        return []
+    out = []
+    for f in check.get("fallbacks", []):
+        where = " ".join(x for x in (f.get("dtype"), f.get("what")) if x)
+        what = (f"raised ({f['error']})" if f.get("error") else
+                f"max error {_num(f.get('max_error'))} > tolerance {_num(f.get('tolerance'))}"
+                + (f" ({where})" if where else ""))
+        then = "the job stopped (train.kernel_check=fail)" if check.get("policy") == "fail" else "eager used"
+        out.append(f"{f['op']} ({f.get('impl', '?')}) on {check.get('device', '?')} rank {f.get('rank', 0)}: "
+                   f"{what}; {then}")
+    return out
+
+
+def kernel_cell(check: dict | None) -> str:
+    """The status health cell's kernel part: '' when every checked op agreed."""
+    if not check or not check.get("fallbacks"):
+        return ""
+    ops = ",".join(f["op"] for f in check["fallbacks"])
+    return f"kernels FAILED: {ops}" if check.get("policy") == "fail" else f"kernels eager: {ops}"
+
+
+def _num(x: object) -> str:
+    return "inf" if x is None else f"{float(x):.3g}"

@@ -24,6 +24,7 @@ CKPT_FAILPOINT = "SLIPWAY_CKPT_FAILPOINT"  # trainer/checkpoint/protocol.py
 CKPT_FAILPOINT_ONCE = "SLIPWAY_CKPT_FAILPOINT_ONCE"
 PREFLIGHT_FAILPOINT = "SLIPWAY_PREFLIGHT_FAILPOINT"  # trainer/health/preflight.py
 NODE_NAME = "SLIPWAY_NODE_NAME"  # trainer/health.py
+KERNEL_FAULT = "SLIPWAY_KERNEL_FAULT"  # trainer/ops/inject.py
 
 # Environment variables read by the trainer → what they do.
 ENV_HOOKS = {
@@ -31,6 +32,7 @@ ENV_HOOKS = {
     CKPT_FAILPOINT_ONCE: "only the first process to create this file is killed by the checkpoint failpoint",
     PREFLIGHT_FAILPOINT: "the preflight stops or slows a node on purpose",
     NODE_NAME: "overrides the node name in heartbeats and the preflight (emulated nodes)",
+    KERNEL_FAULT: "makes the named fused ops wrong on purpose (the kernel self-check's tests)",
 }
 
 

@@ -10,7 +10,6 @@ step boundary), so ranks never diverge in control flow.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from trainer import metrics
 from trainer.health import Monitor
 from trainer.log import get_logger
+from trainer.metrics_file import append_record
 from trainer.optim.lr import OptimizerParamScheduler
 from trainer.optim.precision import LossScaler
 from trainer.parallel import ParallelModel, clip_grad_norm, eval_step, train_step
@@ -99,6 +99,7 @@ class Loop:
     metrics_file: str | None = None
     on_step: Callable[[int, float], None] | None = None
     monitor: Monitor | None = None
+    kernel_fallbacks: tuple[str, ...] = ()  # named in every log line (trainer.ops.selfcheck)
     losses: dict[int, float] = field(default_factory=dict)
     eval_losses: dict[int, float] = field(default_factory=dict)
 
@@ -169,7 +170,7 @@ def _log_interval(loop: Loop, state: TrainState, stats: metrics.IntervalStats) -
                              metrics.peak_memory_gb(loop.model.pstate.device))
     report = metrics.StepReport(state.iteration, loop.train_iters, state.consumed_train_samples,
                                 loop.optimizer.param_groups[0]["lr"], loop.global_batch_size,
-                                loop.scaler.scale)
+                                loop.scaler.scale, loop.kernel_fallbacks)
     log.info(metrics.format_log_line(report, stats, thr))
     values = metrics.interval_metrics(report, stats, thr)
     loop.wandb.log(values, step=state.iteration)
@@ -182,8 +183,7 @@ def _append_metrics(loop: Loop, row: dict) -> None:
     reader keeps the last one)."""
     if loop.metrics_file is None or loop.model.pstate.rank != 0:
         return
-    with open(loop.metrics_file, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+    append_record(loop.metrics_file, row)
 
 
 def _run_eval(loop: Loop, state: TrainState) -> None:

@@ -7,11 +7,12 @@ import itertools
 
 import pytest
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from orchestrator.layout import layout_of
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.validate import validate
-from tests.orchestrator.conftest import compose_cfg, group_options
+from tests.orchestrator.conftest import CONF, compose_cfg, group_options
 
 EXPERIMENTS = group_options("experiment")
 CLUSTERS = group_options("cluster")
@@ -43,13 +44,14 @@ def test_every_combination_composes(experiment, cluster, container):
     assert cfg.experiment == experiment
     assert cfg.cluster.name == cluster
     # Composition is typed: a command-line group choice wins over the experiment's default.
-    assert cfg.container.kind == ("none" if container == "none" else "apptainer")
+    assert cfg.container.kind == OmegaConf.load(CONF / "container" / f"{container}.yaml").kind
 
 
 # The combinations each experiment is meant for validate clean (file checks see the files as present:
 # the CodeParrot data lives on the user's cluster).
 INTENDED = [
     ("codeparrot", "slurm", "apptainer_ngc"),
+    ("codeparrot", "slurm", "pyxis"),
     ("codeparrot", "slurm", "none"),
     ("codeparrot_smoke", "local", "none"),
     ("codeparrot_smoke", "slurm", "none"),

@@ -1,4 +1,5 @@
-"""The Apptainer definition file's structure and the build script (Apptainer is not installable here)."""
+"""The Apptainer definition file's structure and the build scripts (Apptainer and pyxis are not installable
+here: the scripts run with stand-ins)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,27 @@ def test_build_script_is_valid_bash():
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
     text = script.read_text()
     assert "apptainer build" in text and "slipway-ngc.def" in text and "apptainer test" in text
+
+
+def test_squashfs_build_reads_base_and_steps_from_the_definition(tmp_path):
+    """containers/build_sqsh.sh with a stand-in srun: the base image is the .def's From (in enroot's
+    REGISTRY#IMAGE form), the steps are its %post, the saved image is then self-tested with its %test."""
+    import os
+
+    srun = tmp_path / "srun"
+    srun.write_text('#!/bin/bash\n[ "$1" = --help ] && { echo "  --container-save=PATH"; exit 0; }\n'
+                    'printf "%s\\n" "$@" >> "$LOG"; echo "---" >> "$LOG"\n')
+    srun.chmod(0o755)
+    log = tmp_path / "log"
+    env = dict(os.environ, PATH=f"{tmp_path}:{os.environ['PATH']}", LOG=str(log))
+    out = tmp_path / "s.sqsh"
+    res = subprocess.run(["bash", str(REPO / "containers" / "build_sqsh.sh"), str(out), "-p", "gpu"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    build, check = [c.strip().splitlines() for c in log.read_text().split("---")[:2]]
+    base = re.search(r"^From:\s*(\S+)", DEF.read_text(), re.M).group(1)
+    assert f"--container-image={base.replace('/', '#', 1)}" in build and "-p" in build
+    assert f"--container-save={out}" in build and "--container-remap-root" in build
+    payload = "\n".join(build[build.index("-c") + 1:])
+    assert "cp -a /src/. /opt/slipway" in payload and _sections(DEF.read_text())["post"].strip() in payload
+    assert f"--container-image={out}" in check and "import trainer._C" in "\n".join(check)

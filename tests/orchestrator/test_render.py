@@ -1,4 +1,5 @@
-"""Golden tests of the rendered job scripts (pure): local/devcluster/slurm × container none/apptainer.
+"""Golden tests of the rendered job scripts (pure): local/devcluster/slurm × container none/apptainer, and
+devcluster/slurm × pyxis (the local executor refuses pyxis: test_pyxis.py).
 
 A golden file that is missing fails its test (it is never written and then compared with itself).
 Regenerate after an intended change with ``SLIPWAY_UPDATE_GOLDEN=1 pytest tests/orchestrator/test_render.py``
@@ -25,6 +26,8 @@ from tests.orchestrator.conftest import compose_cfg, group_options
 GOLDEN = Path(__file__).parent / "golden"
 CLUSTERS = [c for c in ("local", "devcluster", "slurm") if c in group_options("cluster")]
 FIXED = ["runs_root=/shared/runs", "cache_dir=/shared/cache", "container.image=/shared/images/slipway.sif"]
+CASES = [(c, k) for c in CLUSTERS for k in ("none", "apptainer_ngc")] + [
+    (c, "pyxis") for c in CLUSTERS if c != "local"]
 
 
 # Paths with a space and non-ASCII characters: every rendered script must keep each one a single word.
@@ -33,24 +36,31 @@ ODD = [f"runs_root='{ODD_ROOT}'", "cache_dir='/shared/ça che'", "container.imag
 
 
 def _scripts(cluster: str, container: str, fixed: list[str] = FIXED, root: str = "/shared/runs") -> str:
+    """The scripts of every stage, rendered in the repository (pyxis's working directory is the launch
+    directory, shown as <repo>)."""
     exp = "codeparrot" if cluster == "slurm" else "codeparrot_smoke"
+    if container == "pyxis":
+        fixed = [f.replace(".sif", ".sqsh") for f in fixed]
     cfg = compose_cfg([f"+experiment={exp}", f"cluster={cluster}", f"container={container}", *fixed])
     facts = PlanInputs("20250101-000000-abcdef", f"{root}/x/20250101-000000-abcdef")
     plan = make_plan(cfg, facts, exists=lambda p: True)
     ids = {"corpus": "1000", "preprocess": "1001", "train": "1002", "convert": "1003"}
-    python = None if container == "apptainer_ngc" else "/usr/bin/python3"
-    parts = []
-    for s in plan.stages:
-        deps = tuple(ids[d] for d in s.depends_on)
-        parts.append(f"===== {s.name} =====\n" + render_stage(cfg, plan, s, deps, python=python))
+    python = "/usr/bin/python3" if container == "none" else None
+    parts, cwd = [], os.getcwd()
+    os.chdir(REPO_ROOT)
+    try:
+        for s in plan.stages:
+            deps = tuple(ids[d] for d in s.depends_on)
+            parts.append(f"===== {s.name} =====\n" + render_stage(cfg, plan, s, deps, python=python))
+    finally:
+        os.chdir(cwd)
     wrapper = container_wrapper(cfg, plan)
     if wrapper:
         parts.append("===== container_exec.sh =====\n" + wrapper)
     return "".join(parts).replace(str(REPO_ROOT), "<repo>")
 
 
-@pytest.mark.parametrize("container", ["none", "apptainer_ngc"])
-@pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.parametrize("cluster,container", CASES)
 def test_golden(cluster, container):
     text = _scripts(cluster, container)
     path = GOLDEN / f"{cluster}_{container}.txt"
@@ -95,7 +105,7 @@ def test_paths_with_a_space_stay_one_shell_word(tmp_path):
 
 def test_every_golden_file_belongs_to_a_case():
     """A golden file without a case (a cluster preset renamed or removed) would go stale unnoticed."""
-    cases = {f"{c}_{k}.txt" for c in CLUSTERS for k in ("none", "apptainer_ngc")}
+    cases = {f"{c}_{k}.txt" for c, k in CASES}
     cases.add("slurm_apptainer_ngc_odd_paths.txt")
     assert {p.name for p in GOLDEN.glob("*.txt")} == cases
 

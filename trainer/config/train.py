@@ -14,6 +14,7 @@ OPTIM_IMPLS = ("auto", "apex", "csrc", "torch_fused", "foreach", "for_loop")
 DEVICES = ("auto", "cpu", "cuda")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+KERNEL_CHECK_POLICIES = ("fallback", "fail", "off")
 
 
 @dataclass
@@ -65,6 +66,13 @@ class TrainConfig(HealthConfig):
     block (only the first recompute_num_layers layers of each stage recomputed)."""
     recompute_num_layers: int = 1
     """full: the group size (uniform) or the number of recomputed layers per stage (block)."""
+    kernel_check: str = "fallback"
+    """Before the first step, every op the kernels key resolved to a fused implementation (csrc, apex,
+    compile) runs once, forward and backward, on this job's device and dtypes against its eager
+    reference (trainer/ops/selfcheck.py; its cost: bench/README.md). fallback: an op that raises or
+    disagrees uses the eager reference for this run, with a warning and a record (log lines, the metrics
+    file, status, summary); fail: the job stops before step 1 naming the op (not retried; for CI of a
+    site image); off: no check."""
 
     def problems(self) -> list[ConfigIssue]:
         out = super().problems()
@@ -80,6 +88,7 @@ class TrainConfig(HealthConfig):
         out += choice("train.recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
         out += choice("train.recompute_method", self.recompute_method, RECOMPUTE_METHODS)
         out += positive("train.recompute_num_layers", self.recompute_num_layers)
+        out += choice("train.kernel_check", self.kernel_check, KERNEL_CHECK_POLICIES)
         if not 0 < self.min_loss_scale <= self.initial_loss_scale:
             out.append(issue("loss_scale", "train.min_loss_scale", self.min_loss_scale,
                              f"must be in (0, initial_loss_scale={self.initial_loss_scale}]",

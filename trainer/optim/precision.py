@@ -30,6 +30,12 @@ def compute_dtype(precision: str) -> torch.dtype:
     return DTYPES[precision]
 
 
+def param_dtype(precision: str, distributed: bool) -> torch.dtype:
+    """The parameters' dtype: fp32 (autocast casts per use), except under the distributed optimizer,
+    which keeps 16-bit parameters for bf16/fp16 (Megatron's layout; trainer.parallel.dist_optimizer)."""
+    return DTYPES[precision] if distributed else torch.float32
+
+
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:
     """The forward-pass context: a no-op for fp32, ``torch.autocast`` for bf16/fp16."""
     if precision == "fp32":

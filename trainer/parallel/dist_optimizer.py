@@ -234,7 +234,7 @@ def _torch_adamw(seg: _Segments, hp: AdamWHyper, step: int) -> None:
 def build_distributed_optimizer(model: ParallelModel, optim, precision: str, kernels: str = "auto"
                                 ) -> tuple[DistributedOptimizer, str]:
     """From an OptimConfig slice and ``train.precision``: the optimizer and the implementation used."""
-    from trainer.optim.precision import DTYPES
+    from trainer.optim.precision import param_dtype
 
     impl = resolve_impl(optim.impl, model.pstate.device.type, kernels)
-    return DistributedOptimizer(model, optim, impl, DTYPES[precision]), impl
+    return DistributedOptimizer(model, optim, impl, param_dtype(precision, distributed=True)), impl

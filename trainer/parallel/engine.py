@@ -37,7 +37,7 @@ from trainer.model.init import init_weights, materialize
 from trainer.model.names import load_megatron_state_dict, megatron_state_dict
 from trainer.model.recompute import NO_RECOMPUTE, Recompute
 from trainer.model.recompute import apply as recompute_model
-from trainer.ops import resolve
+from trainer.ops import KernelSet, resolve
 from trainer.parallel import comm
 from trainer.parallel.apply import (
     apply_tensor_parallel,
@@ -124,7 +124,7 @@ class ParallelModel:
 
 
 def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, seed: int,
-                dtype: torch.dtype = torch.float32, kernels: str = "auto",
+                dtype: torch.dtype = torch.float32, kernels: str | KernelSet = "auto",
                 recompute: Recompute = NO_RECOMPUTE) -> ParallelModel:
     """This rank's stage and TP shard, initialised from the full weights for ``seed`` (the same in every
     layout), on ``pstate.device`` with parameters (and gradients) in ``dtype``; also seeds the dropout
@@ -136,7 +136,9 @@ def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, see
         raise ValueError(f"ParallelConfig tp={pcfg.tp_size}, pp={pcfg.pp_size} != ParallelState "
                          f"tp={pstate.tp_size}, pp={pstate.pp_size}")
     tracker = seed_everything(seed, pstate)
-    kernel_set = resolve(kernels, pstate.device.type)  # outside the meta-device context
+    # A mode is resolved here, outside the meta-device context; a KernelSet is used as given (the checked
+    # set from trainer.ops.selfcheck).
+    kernel_set = resolve(kernels, pstate.device.type) if isinstance(kernels, str) else kernels
     chunks = []
     for chunk in range(pcfg.virtual_pp_size):
         with torch.device("meta"):  # no memory until this rank's shard is materialised

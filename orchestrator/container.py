@@ -1,0 +1,91 @@
+"""What a containerised job needs from the host, for both runtimes (pure): the folders it reads or writes,
+each with the config key it comes from, and what kind of reference ``container.image`` is.
+
+Apptainer binds these folders (render.render_container_wrapper) and pyxis mounts them
+(render.pyxis_srun_flags); validate.py checks them. One list, so a folder added here reaches both runtimes
+and the plan's checks.
+
+pyxis reads ``--container-image`` as a squashfs file when it starts with ``/`` or ``.`` and as an enroot
+registry reference otherwise (NVIDIA/pyxis ``pyxis_slurmstepd.c``); the documented form is
+``[USER@][REGISTRY#]IMAGE[:TAG]`` (pyxis README, ``srun --help``), which enroot also takes with a
+``docker://`` or ``dockerd://`` prefix and an ``@sha256:`` digest (enroot ``src/docker.sh``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from orchestrator.runs import REPO_ROOT
+from orchestrator.schema import ContainerConfig, SlipwayConfig
+
+# The first bytes of a squashfs file (little-endian "sqsh"); an Apptainer .sif starts otherwise.
+SQUASHFS_MAGIC = b"hsqs"
+# A name ending like this is a file even when written without "/" or "./" (made absolute for the job),
+# so ``container.image=slipway.sqsh`` is not sent to Docker Hub as an image named slipway.sqsh.
+IMAGE_FILE_SUFFIXES = (".sqsh", ".squashfs", ".sif")
+
+REGISTRY_REF = re.compile(
+    r"(?:dockerd?://)?"  # enroot's schemes; pyxis adds docker:// when there is none
+    r"(?:[^@#/:\s]+@)?"  # USER@ (the password lives in enroot's credentials file, never here)
+    r"(?:[A-Za-z0-9.-]+(?::[0-9]+)?#)?"  # REGISTRY# (host[:port])
+    r"[a-z0-9][a-z0-9._/-]*"  # IMAGE: lower-case path components (Docker's rule)
+    r"(?::[A-Za-z0-9_][A-Za-z0-9._-]{0,127})?"  # :TAG
+    r"(?:@sha256:[0-9a-f]{64})?"  # @DIGEST
+)
+# USER:PASSWORD@ before the registry; "@sha256:" is a digest, not credentials.
+CREDENTIALS = re.compile(r"^(?:dockerd?://)?[^@#/\s]*:[^@#/\s]*@(?!sha256:)")
+
+# Host folders that must not be mounted over the image's own (CUDA, Python, NCCL live under /usr and /opt).
+SYSTEM_DIRS = frozenset(
+    {"/", "/bin", "/dev", "/etc", "/lib", "/lib64", "/opt", "/proc", "/run", "/sbin", "/sys", "/usr",
+     "/usr/lib", "/usr/local", "/var"}
+)
+# What a path in the runtime's bind list cannot hold (pattern, in words). Both split the list on "," and
+# each entry on ":" (apptainer --bind SRC[:DST[:OPTS]],...; pyxis --container-mounts=SRC[:DST[:FLAGS]],...);
+# pyxis before 0.24 also splits on white space (its mount table was not escaped: NVIDIA/pyxis aff5834).
+MOUNT_UNSAFE = {
+    "apptainer": (re.compile(r"[,:]"), "',' or ':'"),
+    "pyxis": (re.compile(r"[,:\s]"), "',', ':' or white space"),
+}
+# The srun options the rendered pyxis jobs use (render.pyxis_srun_flags), each listed by `srun --help`
+# once the plugin is loaded; --container-env needs pyxis 0.15 or later.
+PYXIS_OPTIONS = ("--container-image", "--container-mounts", "--container-workdir",
+                 "--no-container-mount-home", "--container-env")
+
+
+def image_is_file(image: str) -> bool:
+    return image.startswith(("/", ".")) or image.endswith(IMAGE_FILE_SUFFIXES)
+
+
+def job_image(container: ContainerConfig) -> str | None:
+    """The image as a job names it: files absolute (jobs may start elsewhere), references unchanged."""
+    image = container.image
+    if not image:
+        return None
+    return os.path.abspath(image) if container.kind == "apptainer" or image_is_file(image) else image
+
+
+def host_paths(cfg: SlipwayConfig) -> list[tuple[str, str]]:
+    """(config key, absolute folder) for every configured folder a job reads or writes. The repository
+    and ``container.binds`` are added by the renderers (the repository first, so it is never hidden)."""
+    tok, ck = cfg.tokenizer, cfg.checkpoint
+    out = [("runs_root", cfg.runs_root), ("cache_dir", cfg.cache_dir)]  # a null cache_dir is in runs_root
+    out += [("data.paths", os.path.dirname(os.path.abspath(p))) for p in cfg.data.paths]
+    files = (("tokenizer.vocab_file", tok.vocab_file), ("tokenizer.merge_file", tok.merge_file))
+    out += [(key, os.path.dirname(os.path.abspath(p))) for key, p in files if p]
+    out += [("data.corpus.roots", p) for p in (cfg.data.corpus.roots if cfg.data.corpus else [])]
+    out += [("tokenizer.model", tok.model), ("data.cache_dir", cfg.data.cache_dir), ("run_dir", cfg.run_dir),
+            ("checkpoint.dir", ck.dir), ("checkpoint.load_dir", ck.load_dir)]
+    return [(key, os.path.abspath(p)) for key, p in out if p]
+
+
+def mount_points(cfg: SlipwayConfig) -> list[tuple[str, str]]:
+    """Everything the runtime binds, keyed for the plan's problems, in the renderers' order: the
+    repository, the job's folders, container.binds and (pyxis: the container's working directory) the
+    launch directory."""
+    out = [("(the repository)", str(REPO_ROOT)), *host_paths(cfg)]
+    out += [("container.binds", os.path.abspath(b)) for b in cfg.container.binds]
+    if cfg.container.kind == "pyxis":
+        out.append(("(the launch directory)", os.getcwd()))
+    return out

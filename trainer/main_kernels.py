@@ -1,0 +1,63 @@
+"""The kernel side of ``trainer.main``: resolve the ``kernels`` key, self-check the fused ops on this job's
+device and dtypes (trainer.ops.selfcheck, ``train.kernel_check``), record the verdict, and keep the
+optimizer off a csrc AdamW kernel that failed it. Glue only."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from trainer.config import OptimConfig, RunConfig
+from trainer.log import get_logger
+from trainer.metrics_file import KERNEL_CHECK, append_record, metrics_path
+from trainer.model.config import GPTConfig
+from trainer.ops import resolve
+from trainer.ops.inject import inject
+from trainer.ops.selfcheck import (
+    CheckSetup,
+    CheckShapes,
+    KernelCheck,
+    KernelCheckError,
+    fail_message,
+    run_check,
+)
+from trainer.optim.precision import DTYPES, param_dtype
+from trainer.parallel import ParallelState
+
+log = get_logger(__name__)
+
+
+def check_setup(cfg: RunConfig, gpt: GPTConfig, pstate: ParallelState) -> CheckSetup:
+    """The device, the dtypes the kernels see and the shapes of this rank's shard: activations in the
+    compute dtype (matmul outputs) and in the parameters' dtype (the residual stream autocast promotes)."""
+    t = cfg.train
+    params = param_dtype(t.precision, cfg.optim.distributed)
+    shapes = CheckShapes.for_model(gpt, pstate.tp_size, gpt.padded_vocab_size(pstate.tp_size))
+    return CheckSetup(pstate.device, tuple(dict.fromkeys((DTYPES[t.precision], params))), params, shapes)
+
+
+def checked_kernels(cfg: RunConfig, gpt: GPTConfig, pstate: ParallelState, start_iteration: int = 0
+                    ) -> KernelCheck:
+    """The kernel set the run uses after the self-check; the verdict is appended to the metrics file
+    (rank 0). Raises :class:`KernelCheckError` under ``train.kernel_check=fail`` when an op failed."""
+    kernels = inject(resolve(cfg.kernels, pstate.device.type), os.environ)  # the test hook, if set
+    check = run_check(kernels, check_setup(cfg, gpt, pstate), cfg.train.kernel_check)
+    if check.results and pstate.rank == 0:
+        os.makedirs(cfg.run_dir, exist_ok=True)
+        append_record(metrics_path(cfg.run_dir), {"iteration": start_iteration, KERNEL_CHECK: check.record()})
+    if check.fallbacks and check.policy == "fail":
+        raise KernelCheckError(fail_message(check))
+    return check
+
+
+def optimizer_after_check(optim: OptimConfig, kernels: str, check: KernelCheck) -> tuple[OptimConfig, str]:
+    """(optim section, kernels mode) for building the optimizer: when the csrc AdamW kernel failed the
+    check, ``auto`` must not pick it and an explicit ``optim.impl=csrc`` becomes torch's loop (the math
+    the reference is), with a warning."""
+    if "adamw_step" not in check.fallbacks:
+        return optim, kernels
+    if optim.impl == "csrc":
+        log.warning("optim.impl=csrc, but the csrc AdamW kernel failed the self-check: using torch's AdamW "
+                    "loop (for_loop) for this run")
+        optim = dataclasses.replace(optim, impl="for_loop")
+    return optim, "eager"
