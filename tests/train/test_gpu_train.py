@@ -47,10 +47,13 @@ def smoke_model() -> dict:
 
 def config(run_dir: Path, data: str, device: str, precision: str, kernels: str = "auto",
            iters: int = ITERS) -> dict:
+    # kernels=compile: no start-up self-check, which would compile every op again at its own shapes (tens
+    # of seconds of cold compiles in a GPU check's few minutes); the self-check has its own check.
+    check = {"kernel_check": "off"} if kernels == "compile" else {}
     return tiny_config(str(run_dir), data, model=smoke_model(), kernels=kernels,
                        train={"iters": iters, "precision": precision, "device": device, "log_interval": 1,
                               "eval_interval": None, "initial_loss_scale": SCALER.initial_scale,
-                              "loss_scale_window": SCALER.window})
+                              "loss_scale_window": SCALER.window, **check})
 
 
 class Seen:
