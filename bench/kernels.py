@@ -1,18 +1,23 @@
-"""Each fused csrc op against the eager composition it replaces, timed in the same process.
+"""Each fused csrc op against the eager composition it replaces and against ``torch.compile`` of that
+composition (``kernels=compile``, the third implementation), timed in the same process.
 
     python bench/kernels.py                 # CPU (and CUDA when present), prints a table
     python bench/kernels.py --device cuda --scale 1.0
+    python bench/kernels.py --no-compile    # without the compile column (inductor's CPU compile is slow)
 
-Ratio = eager time / fused time (> 1: the fused op is faster), for forward and forward+backward, best of
---reps alternating runs after warm-up. Shapes are CodeParrot-small's (h=768, 12 heads, V=32768) with the token
-count scaled by --scale (CPU default 0.5 of one 2×1024-token micro-batch). Results also go to
-bench/results/kernels_<device>.txt with date, machine and versions.
+Ratios = eager time / fused time and eager time / compiled time (> 1: faster than eager), for forward and
+forward+backward, best of --reps alternating runs after warm-up (the warm-up compiles). The compiled ops
+are the trainer's own (``trainer.ops.resolve("compile")``); AdamW has none (the trainer keeps it eager).
+Shapes are CodeParrot-small's (h=768, 12 heads, V=32768) with the token count scaled by --scale (CPU
+default 0.5 of one 2×1024-token micro-batch). Results also go to bench/results/kernels_<device>.txt with
+date, machine and versions.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import platform
 import sys
@@ -25,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.meta import commit, load  # noqa: E402
-from trainer.ops import _ext, reference  # noqa: E402
+from trainer.ops import _ext, reference, resolve  # noqa: E402
 
 
 @dataclass
@@ -34,6 +39,7 @@ class Case:
     fused: Callable[[], torch.Tensor | None]
     eager: Callable[[], torch.Tensor | None]
     backward: bool = True
+    compiled: Callable[[], torch.Tensor | None] | None = None
 
 
 def _sync(device: str) -> None:
@@ -47,24 +53,23 @@ def _clock(device: str) -> Callable[[], float]:
     return time.thread_time if device == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
 
 
-def timed_pair(a: Callable[[], object], b: Callable[[], object], device: str,
-               reps: int) -> tuple[float, float]:
-    """Best-of-reps seconds of a and b, run alternately so drifting machine load hits both alike.
+def timed(fns: list[Callable[[], object]], device: str, reps: int) -> list[float]:
+    """Best-of-reps seconds of each fn, run in turn so drifting machine load hits them alike.
 
     The minimum, not the median: the least-disturbed run measures the code rather than the neighbours.
     """
     clock = _clock(device)
-    for fn in (a, b, a, b):
+    for fn in fns + fns:
         fn()
     _sync(device)
-    best = [float("inf"), float("inf")]
+    best = [float("inf")] * len(fns)
     for _ in range(reps):
-        for i, fn in enumerate((a, b)):
+        for i, fn in enumerate(fns):
             t0 = clock()
             fn()
             _sync(device)
             best[i] = min(best[i], clock() - t0)
-    return best[0], best[1]
+    return best
 
 
 def _fwd_bwd(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
@@ -90,9 +95,11 @@ DTYPES = {
 }
 
 
-def cases(device: str, dtype: torch.dtype, tokens: int) -> list[Case]:
+def cases(device: str, dtype: torch.dtype, tokens: int, compile_ops: bool = True) -> list[Case]:
+    """Every op's fused, eager and (with ``compile_ops``) compiled callables on the same tensors."""
     from trainer.ops import adamw, cross_entropy, fused
 
+    comp = resolve("compile", device) if compile_ops else None
     h, heads, vocab = 768, 12, 32768
     seq = min(1024, tokens)
     kw = dict(device=device, dtype=dtype)
@@ -114,21 +121,22 @@ def cases(device: str, dtype: torch.dtype, tokens: int) -> list[Case]:
     xg = torch.randn(tokens, 2 * ffn, **kw).requires_grad_()
     q = torch.randn(max(1, tokens // seq), heads, seq, head_dim, **kw).requires_grad_()
     cos, sin = torch.randn(seq, head_dim, device=device), torch.randn(seq, head_dim, device=device)
-    return [
-        Case("bias_gelu", lambda: fused.bias_gelu(x4, b4), lambda: reference.bias_gelu(x4, b4)),
-        Case("bias_dropout_add", lambda: fused.bias_dropout_add(x, b, res, 0.1, True),
-             lambda: reference.bias_dropout_add(x, b, res, 0.1, True)),
-        Case("scaled_causal_softmax", lambda: fused.scaled_causal_softmax(scores, 0.125),
-             lambda: reference.scaled_causal_softmax(scores, 0.125)),
-        Case("layer_norm", lambda: fused.layer_norm(xr, w, lb, 1e-5),
-             lambda: reference.layer_norm(xr, w, lb, 1e-5)),
-        Case("cross_entropy", lambda: cross_entropy.cross_entropy(logits, target),
-             lambda: reference.cross_entropy(logits, target)),
-        Case("rms_norm", lambda: fused.rms_norm(xn, wn, 1e-5), lambda: reference.rms_norm(xn, wn, 1e-5)),
-        Case("swiglu", lambda: fused.swiglu(xg), lambda: reference.swiglu(xg)),
-        Case("rotary", lambda: fused.rotary(q, cos, sin), lambda: reference.rotary(q, cos, sin)),
-        _adamw_case(device, dtype, n_params, adamw),
-    ]
+    args = {"bias_gelu": (x4, b4), "bias_dropout_add": (x, b, res, 0.1, True),
+            "scaled_causal_softmax": (scores, 0.125), "layer_norm": (xr, w, lb, 1e-5),
+            "cross_entropy": (logits, target), "rms_norm": (xn, wn, 1e-5), "swiglu": (xg,),
+            "rotary": (q, cos, sin)}
+    fused_ops = {"cross_entropy": cross_entropy.cross_entropy,
+                 **{op: getattr(fused, op) for op in args if op != "cross_entropy"}}
+    out = [Case(op, functools.partial(fused_ops[op], *a), functools.partial(getattr(reference, op), *a),
+                compiled=_compiled(comp, op, a)) for op, a in args.items()]
+    return out + [_adamw_case(device, dtype, n_params, adamw)]
+
+
+def _compiled(comp, op: str, args: tuple) -> Callable[[], torch.Tensor] | None:
+    """The trainer's compiled ``op`` bound to ``args``, or None where it keeps the op uncompiled."""
+    if comp is None or comp.names[op] != "compile":
+        return None
+    return functools.partial(getattr(comp, op), *args)
 
 
 def _adamw_case(device: str, dtype: torch.dtype, n_params: int, adamw) -> Case:
@@ -150,16 +158,20 @@ def _adamw_case(device: str, dtype: torch.dtype, n_params: int, adamw) -> Case:
                 lambda: reference.adamw_step(ref, hp, 3), backward=False)
 
 
-def run(device: str, dtype: torch.dtype, tokens: int, reps: int, only: tuple[str, ...] = ()) -> list[tuple]:
-    """(name, fused fwd, eager fwd, fused fwd+bwd, eager fwd+bwd) seconds per case (those in ``only``)."""
+NAN = float("nan")
+
+
+def run(device: str, dtype: torch.dtype, tokens: int, reps: int, only: tuple[str, ...] = (),
+        compile_ops: bool = True) -> list[tuple]:
+    """(name, (fused, eager, compiled) forward seconds, the same for forward+backward) per case (those in
+    ``only``); NaN where a case has no backward or no compiled op."""
     rows = []
-    for c in (c for c in cases(device, dtype, tokens) if not only or c.name in only):
-        tf, te = timed_pair(c.fused, c.eager, device, reps)
-        if c.backward:
-            bf, be = timed_pair(_fwd_bwd(c.fused), _fwd_bwd(c.eager), device, reps)
-        else:
-            bf = be = float("nan")
-        rows.append((c.name, tf, te, bf, be))
+    for c in (c for c in cases(device, dtype, tokens, compile_ops) if not only or c.name in only):
+        fns = [c.fused, c.eager] + ([c.compiled] if c.compiled else [])
+        fwd = timed(fns, device, reps) + [NAN] * (3 - len(fns))
+        fb = (timed([_fwd_bwd(f) for f in fns], device, reps) + [NAN] * (3 - len(fns)) if c.backward
+              else [NAN] * 3)
+        rows.append((c.name, tuple(fwd), tuple(fb)))
     return rows
 
 
@@ -172,16 +184,28 @@ def render(device: str, dtype: torch.dtype, tokens: int, rows) -> str:
             f"commit {commit()}  load {load()}\n"
             f"# device={device} ({_device_name(device)}) "
             f"threads={torch.get_num_threads()} torch={torch.__version__} dtype={dtype} tokens={tokens}\n"
-            f"# ratio = eager / fused (>1: fused faster); ms, best of alternating runs "
+            f"# e/f = eager / fused, e/c = eager / compiled (torch.compile of the eager composition, as "
+            f"kernels=compile runs it); >1: faster than eager; ms, best of alternating runs "
             f"({'thread CPU time' if _clock(device) is time.thread_time else 'wall time'})\n")
-    lines = [f"{'op':<26}{'fused fwd':>11}{'eager fwd':>11}{'ratio':>8}{'fused f+b':>11}{'eager f+b':>11}"
-             f"{'ratio':>8}"]
-    for name, tf, te, bf, be in rows:
-        lines.append(f"{name:<26}{tf * 1e3:>11.3f}{te * 1e3:>11.3f}{te / tf:>8.2f}{bf * 1e3:>11.3f}"
-                     f"{be * 1e3:>11.3f}{be / bf:>8.2f}")
+    cols = "".join(f"{c:>11}" for c in ("fused", "eager", "compile")) + f"{'e/f':>7}{'e/c':>7}"
+    lines = [f"{'':<26}{'forward':<47}{'forward + backward'}", f"{'op':<26}{cols}{cols}"]
+    for name, fwd, fb in rows:
+        lines.append(f"{name:<26}{_cells(fwd)}{_cells(fb)}")
     dt = str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
     lines += [f"#   {name}: {DTYPES[name].format(dt=dt)}" for name, *_ in rows]
     return head + "\n".join(lines) + "\n"
+
+
+def _cells(t: tuple[float, float, float]) -> str:
+    """Three times in ms and the two ratios to eager; '-' for what was not measured."""
+    def ms(x: float) -> str:
+        return f"{x * 1e3:>11.3f}" if x == x else f"{'-':>11}"
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:>7.2f}" if a == a and b == b else f"{'-':>7}"
+
+    fused, eager, comp = t
+    return ms(fused) + ms(eager) + ms(comp) + ratio(eager, fused) + ratio(eager, comp)
 
 
 def main() -> int:
@@ -194,12 +218,17 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="CPU threads (default 1: timed in thread CPU time, robust on a shared box)")
     ap.add_argument("--ops", default="", help="comma-separated op names to time (default: all)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="time torch.compile of each eager composition too (kernels=compile)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     args = ap.parse_args()
     if not _ext.load():
         sys.stderr.write("trainer._C is not built: run `make install`\n")
         return 1
     torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.stderr.write("--device cuda: no CUDA device is available\n")
+        return 1
     devices = ["cpu", "cuda"] if args.device == "all" else [args.device]
     devices = [d for d in devices if d == "cpu" or torch.cuda.is_available()]
     only = tuple(op for op in args.ops.split(",") if op)
@@ -210,7 +239,7 @@ def main() -> int:
         text = ""
         for name in args.dtypes.split(","):
             dtype = getattr(torch, name)
-            text += render(device, dtype, tokens, run(device, dtype, tokens, reps, only)) + "\n"
+            text += render(device, dtype, tokens, run(device, dtype, tokens, reps, only, args.compile)) + "\n"
         sys.stdout.write(text)
         os.makedirs(args.out, exist_ok=True)
         # A subset run (--ops) keeps the full table's file: it goes to kernels_<device>_<ops>.txt.

@@ -13,7 +13,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.rstrip("\n")
+    """git's output, or "" where there is no git or no repository (the GPU machine gets a copy of the
+    working tree, which may have neither: bench/gpu_check.sh prints SLIPWAY_COMMIT there)."""
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.rstrip("\n")
+    except OSError:
+        return ""
 
 
 def commit(paths: tuple[str, ...] = ("trainer", "csrc", "bench")) -> str:

@@ -1,6 +1,9 @@
 """Shared test policy.
 
-- ``gpu`` tests run only where CUDA is present.
+- ``gpu`` tests run only where CUDA is present; with ``SLIPWAY_GPU_REHEARSAL=1`` on a machine without
+  CUDA, those that take the ``accel`` fixture run on the CPU with gloo instead (tests/accel.py), so the
+  GPU check (bench/gpu_check.sh) is rehearsed before device time is spent. ``min_gpus(n)`` skips a test
+  where fewer than n devices are present.
 - ``slurm`` tests need the devcluster (``slurm/devcluster up``; ``make test`` brings it up). Locally a
   missing cluster skips them; with CI set (``1``/``true``/``yes``; ``.ci/run`` sets it) a missing cluster
   fails every one of them, never a skip. ``tests/test_ci_guard.py`` proves the guard fires.
@@ -56,10 +59,28 @@ def _cached_devcluster_problem() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    has_cuda = _cuda()
-    for item in items:
+    marked = [i for i in items if i.get_closest_marker("gpu") or i.get_closest_marker("min_gpus")]
+    if not marked:
+        return
+    from tests import accel as A  # imports torch: only where torch-using gpu tests were collected
+
+    has_cuda, rehearse = _cuda(), A.rehearsal()
+    for item in marked:
         if item.get_closest_marker("gpu") is not None and not has_cuda:
-            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+            if not (rehearse and "accel" in item.fixturenames):
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+                continue
+        need = item.get_closest_marker("min_gpus")
+        if need is not None and A.device_count() < need.args[0]:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need.args[0]} GPUs, {A.device_count()} present"))
+
+
+@pytest.fixture(scope="session")
+def accel():
+    """The device and process-group backend of a gpu test: CUDA/NCCL, or CPU/gloo in a rehearsal."""
+    from tests import accel as A
+
+    return A.accel()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -1,8 +1,10 @@
-"""Multi-process harness for the parallel tests: real gloo process groups in forked workers.
+"""Multi-process harness for the parallel tests: real gloo process groups in forked workers, or NCCL
+groups in spawned ones (one GPU per rank; tests/parallel/test_layout_parity_nccl.py).
 
-Each *round* forks N workers; in a round, disjoint subsets of the workers run jobs side by side (e.g. a
+Each *round* starts N workers; in a round, disjoint subsets of the workers run jobs side by side (e.g. a
 tp=2 layout on ranks 0-1 and a pp=2 layout on ranks 2-3), each job building its own ParallelState over
-its ranks. Jobs write their results with torch.save; the test process compares.
+its ranks, on its rank's device (:func:`rank_device`). Jobs write their results (on the CPU) with
+torch.save; the test process compares.
 """
 
 from __future__ import annotations
@@ -43,6 +45,13 @@ MODELS = {"gpt": CFG, "llama": LLAMA_CFG}
 KERNELS = "csrc"  # the fused CPU kernels: layouts must agree with them too
 SEED, STEPS, MICRO_BATCH, GLOBAL_BATCH = 1234, 20, 2, 8
 LR, MAX_NORM = 3e-3, 1.0
+# A layout's losses, gradient norms and eval loss against the single-process run's, relative: fp32
+# reduction-order noise over STEPS steps (tensor-parallel all-reduces and DP averaging sum in another
+# order than one device's matmuls do), which never exceeds it in these runs.
+LOSS_RTOL = 1e-5
+# (tp, pp, dp, sequence_parallel): every layout the parity tests train, on gloo and on NCCL.
+LAYOUTS = [(2, 1, 1, False), (1, 2, 1, False), (1, 4, 1, False), (2, 2, 1, False), (1, 1, 2, False),
+           (2, 1, 2, False), (1, 2, 2, False), (2, 1, 1, True), (2, 2, 1, True), (2, 1, 2, True)]
 
 Job = tuple[list[int], Callable[..., None], tuple]  # (ranks, fn(ranks, *args), args)
 
@@ -53,9 +62,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, jobs: list[Job], errdir: str) -> None:
+def _worker(rank: int, world: int, port: int, jobs: list[Job], errdir: str, backend: str = "gloo") -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank: NCCL refuses two ranks on one device
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     try:
         for ranks, fn, args in jobs:
@@ -68,16 +79,18 @@ def _worker(rank: int, world: int, port: int, jobs: list[Job], errdir: str) -> N
         dist.destroy_process_group()
 
 
-def run_rounds(world: int, rounds: list[list[Job]], outdir: Path) -> None:
-    """Run each round's jobs in a fresh fork of ``world`` gloo workers; a worker's traceback fails us.
+def run_rounds(world: int, rounds: list[list[Job]], outdir: Path, backend: str = "gloo",
+               start_method: str = "fork") -> None:
+    """Run each round's jobs in ``world`` fresh workers of ``backend``; a worker's traceback fails us.
 
     A fresh world per round: a process group's name (and rendezvous keys in the store) is its rank set,
-    so the same ranks cannot form a new group in the same world after the old one is destroyed.
+    so the same ranks cannot form a new group in the same world after the old one is destroyed. NCCL
+    needs ``start_method="spawn"``: a forked child cannot use CUDA once the parent has.
     """
     for jobs in rounds:
         try:
-            mp.start_processes(_worker, args=(world, free_port(), jobs, str(outdir)), nprocs=world,
-                               start_method="fork")
+            mp.start_processes(_worker, args=(world, free_port(), jobs, str(outdir), backend), nprocs=world,
+                               start_method=start_method)
         except Exception as exc:
             errors = "\n".join(p.read_text() for p in sorted(outdir.glob("rank*.err")))
             raise AssertionError(f"worker failed:\n{errors}") from exc
@@ -85,6 +98,13 @@ def run_rounds(world: int, rounds: list[list[Job]], outdir: Path) -> None:
 
 def position(ranks: list[int]) -> int:
     return ranks.index(dist.get_rank()) if dist.is_initialized() else 0
+
+
+def rank_device() -> torch.device:
+    """This worker's device: its GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # ---- the training run every layout performs -------------------------------------------------------
@@ -123,17 +143,19 @@ def adamw_step(params: list[torch.nn.Parameter], state: dict, step: int, lr: flo
 
 
 def snapshot(model, what: str) -> dict[str, torch.Tensor]:
-    """This rank's parameters or gradients by global name."""
+    """This rank's parameters or gradients by global name, copied to the CPU (records of GPU ranks are
+    compared in the test process, whose device is not theirs)."""
     out = {}
     for name, p in model.named_parameters():
         t = p if what == "params" else p.grad
-        out[model.global_name(name)] = t.detach().clone()
+        out[model.global_name(name)] = t.detach().to("cpu", copy=True)
     return out
 
 
 def train_and_record(model, steps: int = STEPS) -> dict:
     ps = model.pstate
     rec = {"coords": (ps.tp_rank, ps.pp_rank, ps.dp_rank), "losses": [], "norms": [], "overlap": [],
+           "device": ps.device.type, "backend": dist.get_backend() if dist.is_initialized() else None,
            "dims": {model.global_name(n): d for n, d in model.partition_dims.items()},
            "kinds": {model.global_name(n): sharding.kind(n, model.chunks[0].cfg.activation == "swiglu")
                      for n in model.partition_dims},
@@ -155,7 +177,7 @@ def parity_job(ranks: list[int], tp: int, pp: int, sp: bool, schedule: str, outd
                num_layers: int | None = None, model: str = "gpt") -> None:
     """Train one layout of ``MODELS[model]`` over ``ranks`` (``vp`` model chunks per stage, a
     ``num_layers`` GPT; None: the model's own) and save this rank's record."""
-    pstate = ParallelState.build(tp, pp, ranks)
+    pstate = ParallelState.build(tp, pp, ranks, device=rank_device())
     pcfg = ParallelConfig(tp_size=tp, pp_size=pp, virtual_pp_size=vp, sequence_parallel=sp,
                           schedule=schedule, bucket_size_mb=0.01)
     cfg = dataclasses.replace(MODELS[model], num_layers=num_layers or MODELS[model].num_layers)
@@ -170,13 +192,14 @@ def layout_tag(tp: int, pp: int, dp: int, sp: bool, vp: int = 1, num_layers: int
             + (f"_L{num_layers}" if num_layers != CFG.num_layers else ""))
 
 
-def reference_record(num_layers: int | None = None, model: str = "gpt") -> dict:
-    """The single-process run, with no torch.distributed at all (one thread, like the workers)."""
+def reference_record(num_layers: int | None = None, model: str = "gpt", device: str = "cpu") -> dict:
+    """The single-process run on ``device``, with no torch.distributed at all (one thread, like the
+    workers)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         cfg = dataclasses.replace(MODELS[model], num_layers=num_layers or MODELS[model].num_layers)
-        single = build_model(cfg, ParallelConfig(), ParallelState.single(), SEED, kernels=KERNELS)
+        single = build_model(cfg, ParallelConfig(), ParallelState.single(device), SEED, kernels=KERNELS)
         return train_and_record(single)
     finally:
         torch.set_num_threads(threads)
@@ -220,19 +243,19 @@ def params_close(full: dict, ref: dict, what: str, rtol: float, atol: float) -> 
 
 
 def assert_parity(records: list[dict], ref: dict, world: int, pp: int) -> float:
-    """A layout's records against the single-process run (losses, grad norms, eval within 1e-5 rel.;
+    """A layout's records against the single-process run (losses, grad norms, eval within LOSS_RTOL;
     initial weights exact; gradients close); returns the largest relative loss/norm difference."""
     assert len(records) == world
     last = records[[r["coords"][1] for r in records].index(pp - 1)]
     worst = 0.0
     for i, (loss, ref_loss) in enumerate(zip(last["losses"], ref["losses"], strict=True)):
         worst = max(worst, rel_diff(loss, ref_loss))
-        assert rel_diff(loss, ref_loss) < 1e-5, f"step {i}: loss {loss} vs single-process {ref_loss}"
+        assert rel_diff(loss, ref_loss) < LOSS_RTOL, f"step {i}: loss {loss} vs single-process {ref_loss}"
     assert all(r["losses"] == last["losses"] for r in records), "ranks report different losses"
     for i, (norm, ref_norm) in enumerate(zip(last["norms"], ref["norms"], strict=True)):
         worst = max(worst, rel_diff(norm, ref_norm))
-        assert rel_diff(norm, ref_norm) < 1e-5, f"step {i}: grad norm {norm} vs {ref_norm}"
-    assert rel_diff(last["eval"], ref["eval"]) < 1e-5
+        assert rel_diff(norm, ref_norm) < LOSS_RTOL, f"step {i}: grad norm {norm} vs {ref_norm}"
+    assert rel_diff(last["eval"], ref["eval"]) < LOSS_RTOL
     params_close(assemble(records, "init"), ref["init"], "initial weights", 0, 0)
     params_close(assemble(records, "grads0"), ref["grads0"], "step-0 grads", 1e-5, 1e-7)
     params_close(assemble(records, f"grads{STEPS - 1}"), ref[f"grads{STEPS - 1}"], "last grads", 1e-3, 1e-6)

@@ -8,15 +8,15 @@ import datetime
 import os
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests import accel as A
 from tests.parallel import dopt_jobs as J
 from tests.parallel import harness as H
 
-pytestmark = pytest.mark.gpu
+pytestmark = A.min_gpus(2)  # an NCCL group of two ranks: one GPU each
 
 
 def _worker(rank: int, port: int, out: str) -> None:
@@ -44,8 +44,6 @@ def _worker(rank: int, port: int, out: str) -> None:
 
 
 def test_nccl_shard_collectives(tmp_path):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs 2 GPUs for an NCCL group")
     mp.start_processes(_worker, args=(H.free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     for dtype in (torch.float32, torch.bfloat16):
         total = J.contribution(0, dtype).float() + J.contribution(1, dtype).float()

@@ -10,16 +10,15 @@ import datetime
 import os
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests import accel as A
 from tests.parallel import harness as H
 from trainer.parallel import ParallelConfig, ParallelState, build_model, train_step
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices for NCCL p2p")]
+pytestmark = A.min_gpus(2)  # NCCL p2p between two ranks: one GPU each
 
 CFG = dataclasses.replace(H.CFG, num_layers=4)
 M = 4

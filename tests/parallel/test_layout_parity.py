@@ -19,9 +19,7 @@ from tests.parallel import harness as H
 # ~30 s on 2 cores (eight rounds of gloo worlds in the module fixture): not in `make test-fast`.
 pytestmark = pytest.mark.slow
 
-# (tp, pp, dp, sequence_parallel)
-LAYOUTS = [(2, 1, 1, False), (1, 2, 1, False), (1, 4, 1, False), (2, 2, 1, False), (1, 1, 2, False),
-           (2, 1, 2, False), (1, 2, 2, False), (2, 1, 1, True), (2, 2, 1, True), (2, 1, 2, True)]
+LAYOUTS = H.LAYOUTS  # (tp, pp, dp, sequence_parallel)
 
 
 def _job(ranks, tp, pp, sp, outdir, schedule="1f1b"):
