@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU check, for a lent machine with one H200, whose device time is short: the steps' timeouts
-# add up to 410 s (6.8 minutes; the script prints the sum). Stages: the machine; the carried wheels
-# (bench/gpu_wheels.sh) into /tmp/site; trainer._C built with its CUDA kernels (sm_90); the `gpu` tests
+# add up to 445 s (7.4 minutes; the script prints the sum). Stages: the machine; the carried wheels
+# (bench/gpu_wheels.sh) into /tmp/site; trainer._C built with its CUDA kernels (sm_90); the kernel
+# self-check (every fused op against eager, bf16/fp16/fp32) and its cost; the `gpu` tests
 # (the kernels, then the trainer on one GPU at bf16/fp16, compile vs eager, NCCL layouts where there are
 # GPUs enough); each fused op against eager and torch.compile; the CodeParrot-small bf16 training step,
 # its best micro-batch and MFU per kernel set and for HF GPT-2 (bench/train_gpu.py); the eval stage on
@@ -87,6 +88,17 @@ print("csrc CPU kernels:", ops.csrc_available("cpu"), "| CUDA kernels:", ops.csr
 assert ops.csrc_available("cuda"), "trainer._C has no CUDA kernels: see /tmp/slipway_build.log"
 print("kernels=auto on cuda:", ops.resolve("auto", "cuda").names)
 PYEOF
+
+stage "kernel self-check on $DEV (python -m trainer.ops.selfcheck; train.kernel_check at every job start)"
+# CodeParrot-small's widths: kernels=auto (apex where importable) in bf16, csrc in fp16 and fp32; exit 78
+# names any op that disagrees with its eager reference. Then what the check costs (warm, in-process).
+step "selfcheck" 25 $PY - "$DEV" <<'PYEOF'
+import sys
+from trainer.ops.selfcheck import main
+runs = [("auto", "bf16"), ("csrc", "fp16"), ("csrc", "fp32")]
+sys.exit(max(main(["--device", sys.argv[1], "--kernels", k, "--precision", p]) for k, p in runs))
+PYEOF
+step "bench/kernel_check.py" 20 $PY bench/kernel_check.py --device $DEV --runs 0 --out "$RESULTS"
 
 stage "gpu tests: the kernels on CUDA (tests/ops -m gpu)"
 step "tests/ops" 35 $PY -m pytest tests/ops -m gpu -q -p no:cacheprovider -rfs

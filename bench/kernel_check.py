@@ -9,8 +9,8 @@
    ``trainer.main.run`` to the end of step 1, medians. The difference is what a job pays, first-use
    costs (autograd and kernel warm-up the first step would otherwise pay) included.
 
-    python bench/kernel_check.py [--device cpu|cuda] [--runs 5] [--threads 1]
-    # writes bench/results/kernel_check_<device>.json
+    python bench/kernel_check.py [--device cpu|cuda] [--runs 5] [--threads 1] [--out DIR]
+    # writes DIR/kernel_check_<device>.json (default bench/results)
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def cold(device: str, runs: int, threads: int) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=5, help="cold runs per arm (0: warm figures only)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (1: as the tests and a shared machine; tiny ops contend)")
     args = parser.parse_args()
@@ -136,12 +137,13 @@ def main() -> int:
     for name, row in result["warm"].items():
         print(f"warm check {name:<28} {row['ops']} ops  median {1e3 * row['median_s']:7.1f} ms  "
               f"= {row['median_s'] / result['micro_batch_s']:.2f} micro-batches")
-    result["cold"] = cold(args.device, args.runs, args.threads)
-    c = result["cold"]
-    print(f"cold, time to the end of step 1: check {c['median_s']['fallback']:.3f} s, off "
-          f"{c['median_s']['off']:.3f} s, added {c['added_s']:+.3f} s (medians of {args.runs})")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"kernel_check_{args.device}.json").write_text(json.dumps(result, indent=1) + "\n")
+    if args.runs:
+        result["cold"] = cold(args.device, args.runs, args.threads)
+        c = result["cold"]
+        print(f"cold, time to the end of step 1: check {c['median_s']['fallback']:.3f} s, off "
+              f"{c['median_s']['off']:.3f} s, added {c['added_s']:+.3f} s (medians of {args.runs})")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"kernel_check_{args.device}.json").write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 

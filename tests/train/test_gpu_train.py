@@ -74,6 +74,9 @@ def train(run_dir: Path, data: str, device: str, precision: str, kernels: str = 
     seen = Seen()
     r = run_cfg(config(run_dir, data, device, precision, kernels, iters), RunHooks(on_build=seen.on_build))
     assert r.exit_code == 0 and r.iteration == iters, (r.exit_code, r.iteration)
+    # The start-up self-check on this device must have kept every fused op: a fallback would hide a wrong
+    # CUDA kernel behind eager and this comparison would pass without testing it.
+    assert not (r.kernel_check or {}).get("fallbacks"), r.kernel_check
     assert seen.device == device, f"train.device={device} but the parameters live on {seen.device}"
     return r.losses, seen, r.skipped_iters
 
