@@ -3,12 +3,11 @@ each mode resolves as documented, and torch.compile traces the csrc ops without 
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 import trainer.ops as ops_mod
+from tests.logs import LogLines
 from trainer.ops import KERNEL_MODES, OPS, _ext, apex_impl, csrc_available, reference, resolve
 
 EAGER = dict.fromkeys(OPS, "eager")
@@ -117,17 +116,8 @@ def test_mode_errors():
     assert set(KERNEL_MODES) == {"auto", "csrc", "apex", "eager", "compile"}
 
 
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_choice_is_logged_once():
-    handler = _Collect()
+    handler = LogLines()
     ops_mod.log.addHandler(handler)
     try:
         ops_mod._LOGGED.discard(("csrc", "cpu"))
@@ -135,7 +125,7 @@ def test_choice_is_logged_once():
         resolve("csrc", "cpu")
     finally:
         ops_mod.log.removeHandler(handler)
-    lines = [m for m in handler.messages if "kernels=csrc on cpu" in m]
+    lines = [m for m in handler.lines if "kernels=csrc on cpu" in m]
     assert len(lines) == 1 and "bias_gelu=csrc" in lines[0] and "SDPA" in lines[0]
 
 

@@ -6,13 +6,13 @@ lines, train_metrics.jsonl, `status` and the summary."""
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
 
 from orchestrator.status import collect, format_rows
 from orchestrator.summary import format_summary, outcome
+from tests.logs import captured
 from tests.train.harness import run_cfg, tiny_config, write_dataset
 from trainer.main import RunHooks
 from trainer.metrics_file import KERNEL_CHECK, read_records
@@ -22,15 +22,6 @@ from trainer.signals import permanent_reason
 from trainer.testing_hooks import KERNEL_FAULT
 
 ITERS = 10
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +46,10 @@ def eager_losses(data, tmp_path_factory):
 def _run(tmp_path, data, monkeypatch, kernels: str, fault: str | None, policy: str = "fallback", hooks=None):
     if fault:
         monkeypatch.setenv(KERNEL_FAULT, fault)
-    lines = _Lines()
-    logging.getLogger("slipway").addHandler(lines)
-    try:
-        cfg = tiny_config(str(tmp_path / "run"), data, kernels=kernels,
-                          train={"iters": ITERS, "log_interval": 5, "kernel_check": policy})
-        return run_cfg(cfg, hooks), lines.lines
-    finally:
-        logging.getLogger("slipway").removeHandler(lines)
+    cfg = tiny_config(str(tmp_path / "run"), data, kernels=kernels,
+                      train={"iters": ITERS, "log_interval": 5, "kernel_check": policy})
+    with captured() as lines:
+        return run_cfg(cfg, hooks), lines
 
 
 @pytest.mark.parametrize("kernels,fault", [("eager", "bias_gelu"), ("csrc", "all"), ("csrc", "all:raise")],

@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import logging
 
+from tests.logs import LogLines
 from tests.train.harness import run_cfg, tiny_config, write_dataset
 from trainer import testing_hooks
-
-
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def test_trainer_warns_for_each_active_hook(tmp_path, monkeypatch):
@@ -24,7 +16,7 @@ def test_trainer_warns_for_each_active_hook(tmp_path, monkeypatch):
     assert set(values) == set(testing_hooks.ENV_HOOKS)
     for k, v in values.items():
         monkeypatch.setenv(k, v)
-    records = _Records()
+    records = LogLines()
     logging.getLogger("slipway").addHandler(records)
     try:
         data = write_dataset(str(tmp_path / "data"))

@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from tests.logs import LogLines
 from tests.train import wandb_reader
 from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
 from trainer.main import RunHooks
@@ -15,15 +16,6 @@ from trainer.signals import EXIT_OK, EXIT_REQUEUE
 
 SECRET = "slipway-test-secret-0123456789abcdef0123456789"
 LINE = re.compile(r"iteration\s+(\d+)/")
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 def _field(line: str, name: str) -> str | None:
@@ -48,7 +40,7 @@ def test_offline_metrics_match_log_lines_and_resume_never_duplicates(tmp_path, m
                     train={"iters": 30, "save_interval": 10, "eval_interval": 10},
                     logging={"wandb": {"mode": "offline", "project": "p", "group": "g", "name": "n",
                                        "tags": ["a", "b"]}})
-    capture = _Lines()
+    capture = LogLines()
     logging.getLogger("slipway.trainer.training").addHandler(capture)
     try:
         with pytest.raises(RuntimeError, match="simulated crash"):  # after logging 25, last checkpoint 20
@@ -150,7 +142,7 @@ def test_a_wandb_error_never_turns_a_clean_stop_into_a_failure(tmp_path, monkeyp
         if it == 8:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    capture = _Lines()
+    capture = LogLines()
     logging.getLogger("slipway.trainer.metrics").addHandler(capture)
     try:
         r = run_cfg(d, RunHooks(on_step=on_step))
