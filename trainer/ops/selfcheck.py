@@ -314,9 +314,10 @@ def run_check(kernels: KernelSet, setup: CheckSetup, policy: str) -> KernelCheck
     bad = [r for r in check.results if not r.ok]
     where = f"{check.device} {'+'.join(check.dtypes)}"
     if not bad:
-        log.info("kernel self-check: %d fused ops agree with their eager references on %s, forward and "
-                 "backward, in %.3f s (%s)", len(check.results), where, check.seconds,
-                 ", ".join(f"{r.op}={r.impl}" for r in check.results))
+        if check.results:  # (none anywhere: kernels=eager on several ranks)
+            log.info("kernel self-check: %d fused ops agree with their eager references on %s, forward and "
+                     "backward, in %.3f s (%s)", len(check.results), where, check.seconds,
+                     ", ".join(f"{r.op}={r.impl}" for r in check.results))
         return check
     if policy == "fail":
         return check  # the caller records it, then raises (fail_message)
