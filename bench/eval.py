@@ -25,10 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# Run as a script, bench/ is first on sys.path, and its kernels.py then shadows the `kernels` package
-# that transformers probes for at import (hub kernels): the repository root takes bench/'s place.
-_REPO = str(Path(__file__).resolve().parents[1])
-sys.path[0:1] = [_REPO] if Path(sys.path[0]).resolve() == Path(_REPO, "bench") else [_REPO, sys.path[0]]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.meta import load, run_meta  # noqa: E402
 

@@ -107,9 +107,9 @@ stage "gpu tests: trainer.main.run on one GPU (bf16, fp16, compile) and NCCL lay
 step "tests/train+parallel" 80 $PY -m pytest tests/train/test_gpu_train.py tests/parallel -m gpu -q \
   -p no:cacheprovider -rfs
 
-stage "fused ops vs eager vs torch.compile (bench/kernels.py --device $DEV)"
+stage "fused ops vs eager vs torch.compile (bench/fused_ops.py --device $DEV)"
 if [ $REHEARSAL = 1 ]; then sizes=(--scale 0.05 --reps 3); else sizes=(--scale 8); fi
-step "bench/kernels.py" 45 $PY bench/kernels.py --device $DEV --dtypes bfloat16 "${sizes[@]}" --out "$RESULTS"
+step "bench/fused_ops.py" 45 $PY bench/fused_ops.py --device $DEV --dtypes bfloat16 "${sizes[@]}" --out "$RESULTS"
 
 stage "training step: CodeParrot-small, bf16, seq 1024 — MFU per kernel set and HF GPT-2 (bench/train_gpu.py)"
 if [ $REHEARSAL = 1 ]; then

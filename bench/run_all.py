@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 # Ordered cheapest first, so a user who interrupts still gets the quick figures.
 BENCHES = [
     ["index_build.py"],
-    ["kernels.py", "--device", "cpu"],
+    ["fused_ops.py", "--device", "cpu"],
     ["preprocess.py"],
     ["pipeline.py"],
     ["health.py"],

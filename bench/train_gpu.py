@@ -30,9 +30,7 @@ import torch
 import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Run as a script, bench/ is first on sys.path, and its kernels.py then shadows the `kernels` package
-# that transformers probes for at import (hub kernels): the repository root takes bench/'s place.
-sys.path[0:1] = [REPO] if os.path.abspath(sys.path[0]) == os.path.join(REPO, "bench") else [REPO, sys.path[0]]
+sys.path.insert(0, REPO)
 
 from trainer.config.model import ModelConfig  # noqa: E402
 from trainer.formulas import model_flops_per_iteration  # noqa: E402

@@ -1,9 +1,9 @@
 """Each fused csrc op against the eager composition it replaces and against ``torch.compile`` of that
 composition (``kernels=compile``, the third implementation), timed in the same process.
 
-    python bench/kernels.py                 # CPU (and CUDA when present), prints a table
-    python bench/kernels.py --device cuda --scale 1.0
-    python bench/kernels.py --no-compile    # without the compile column (inductor's CPU compile is slow)
+    python bench/fused_ops.py                 # CPU (and CUDA when present), prints a table
+    python bench/fused_ops.py --device cuda --scale 1.0
+    python bench/fused_ops.py --no-compile    # without the compile column (inductor's CPU compile is slow)
 
 Ratios = eager time / fused time and eager time / compiled time (> 1: faster than eager), for forward and
 forward+backward, best of --reps alternating runs after warm-up (the warm-up compiles). The compiled ops
@@ -180,7 +180,7 @@ def _device_name(device: str) -> str:
 
 
 def render(device: str, dtype: torch.dtype, tokens: int, rows) -> str:
-    head = (f"# bench/kernels.py  {datetime.datetime.now().isoformat(timespec='seconds')}  "
+    head = (f"# bench/fused_ops.py  {datetime.datetime.now().isoformat(timespec='seconds')}  "
             f"commit {commit()}  load {load()}\n"
             f"# device={device} ({_device_name(device)}) "
             f"threads={torch.get_num_threads()} torch={torch.__version__} dtype={dtype} tokens={tokens}\n"
