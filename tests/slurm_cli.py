@@ -7,9 +7,9 @@ A helper that swallowed a non-zero exit would turn "Slurm is unreachable" into "
 from __future__ import annotations
 
 import subprocess
-import time
 
 from orchestrator.queue import ENDED
+from tests.waits import NEVER_S, wait_until
 
 TERMINAL = ENDED  # the states in which a job has ended: orchestrator.queue's vocabulary, not a copy
 
@@ -35,14 +35,17 @@ def sacct_states(job_id: str, *, duplicates: bool = False) -> list[str]:
     return [line.split(" ")[0] for line in slurm(*args).split()]
 
 
-def sacct_final_state(job_id: str, timeout: float = 60) -> str:
-    """The job's final accounting state; slurmctld reports to slurmdbd asynchronously, so poll."""
-    deadline = time.monotonic() + timeout
-    state = ""
-    while time.monotonic() < deadline:
+def sacct_final_state(job_id: str, timeout: float = NEVER_S) -> str:
+    """The job's final accounting state; slurmctld reports to slurmdbd asynchronously, so poll (a message
+    naming the last state seen, not a state, if none came within ``timeout``)."""
+    seen = [""]
+
+    def terminal() -> str | None:
         states = sacct_states(job_id)
-        state = states[0] if states else ""
-        if state in TERMINAL:
-            return state
-        time.sleep(0.5)
-    return f"no terminal state after {timeout} s (last: {state!r})"
+        seen[0] = states[0] if states else ""
+        return seen[0] if seen[0] in TERMINAL else None
+
+    try:
+        return wait_until(terminal, f"job {job_id} to end", timeout, poll_s=0.5)
+    except AssertionError:
+        return f"no terminal state after {timeout} s (last: {seen[0]!r})"

@@ -7,6 +7,7 @@ of test_tokenizer.py) or with HF tokenizers on larger inputs.
 
 from __future__ import annotations
 
+import fcntl
 import gzip
 import json
 import os
@@ -14,12 +15,12 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 from tests.data.oracles import GPT2Oracle
+from tests.waits import NEVER_S
 from trainer.config import CorpusConfig
 from trainer.data.corpus import iter_documents
 from trainer.data.indexed_dataset import IndexedDataset
@@ -282,19 +283,22 @@ def big_jsonl(tmp_path_factory):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_run_leaves_no_pair(tmp_path, tok_files, big_jsonl, sig):
+    """The signal lands mid-run, however fast or slow this machine is: the run logs a line per 16 KiB chunk
+    (about 700 lines for 12 MB) into a 4 KiB pipe this test stops reading after the first, so the run
+    blocks on its log long before it could publish, until the signal comes."""
     prefix = tmp_path / "big"
     cmd = [sys.executable, "-m", "trainer.data.preprocess", "--input", str(big_jsonl), "--output-prefix",
            str(prefix), "--vocab-file", str(tok_files[0]), "--merge-file", str(tok_files[1]), "--json-keys",
-           "content", "--workers", "2", "--log-interval", "10", "--chunk-bytes", "65536", "--progress", "log"]
+           "content", "--workers", "2", "--log-interval", "1", "--chunk-bytes", "16384", "--progress", "log"]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    fcntl.fcntl(proc.stderr.fileno(), fcntl.F_SETPIPE_SZ, 4096)  # the smallest pipe: one page
     try:
-        for line in proc.stderr:  # interrupt once tokenizing is under way
+        for line in proc.stderr:  # tokenizing is under way: interrupt it
             if "processed" in line:
                 break
-        time.sleep(0.2)
         proc.send_signal(sig)
         # EOF on stderr only once the workers are gone too: they must not outlive a killed parent.
-        proc.communicate(timeout=60)
+        proc.communicate(timeout=NEVER_S)
     finally:
         if proc.poll() is None or sig == signal.SIGKILL:
             try:

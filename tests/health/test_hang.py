@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,9 +18,10 @@ import yaml
 from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows
 from tests.train.harness import tiny_config, write_dataset
+from tests.waits import NEVER_S, wait_until
 from trainer.signals import EXIT_HANG
 
-HANG_TIMEOUT_S = 4.0
+HANG_TIMEOUT_S = 10.0  # a loaded machine may take seconds over a step or a save: never a false hang
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -70,23 +70,23 @@ def test_sigstopped_rank_ends_the_run(tmp_path):
         {"job_id": str(rank0.pid), "executor": "local", "folder": str(tmp_path / "jobs"),
          "state_dir": str(run_dir / "stages" / "train")}]}})
     try:
-        deadline = time.time() + 150
         beat1 = run_dir / "heartbeats" / "rank_00001.json"
-        # Past two saves and an evaluation, and rank 1's heartbeat already tells an iteration.
-        while _last_iteration(run_dir / "train_metrics.jsonl") < 12 or \
-                json.loads(beat1.read_text() if beat1.exists() else "{}").get("iteration") is None:
-            assert rank0.poll() is None and time.time() < deadline, rank0.communicate()[1][-3000:]
-            time.sleep(0.05)
-        [row] = collect(str(run_dir), stale_after_s=2)
+
+        def running() -> bool:  # past two saves and an evaluation, and rank 1's heartbeat tells an iteration
+            assert rank0.poll() is None, rank0.communicate()[1][-3000:]
+            return _last_iteration(run_dir / "train_metrics.jsonl") >= 12 and \
+                json.loads(beat1.read_text() if beat1.exists() else "{}").get("iteration") is not None
+
+        wait_until(running, "iteration 12 on both ranks")
+        # Healthy: neither rank is stalled or stale (judged with the generous bound: a loaded machine may
+        # delay a heartbeat write by seconds, which is not what this line is about).
+        [row] = collect(str(run_dir), stale_after_s=NEVER_S)
         assert row.health == "ok 2", format_rows([row])
         rank1.send_signal(signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        err = rank0.communicate(timeout=HANG_TIMEOUT_S + 60)[1]
-        took = time.monotonic() - stopped_at
+        err = rank0.communicate(timeout=HANG_TIMEOUT_S + NEVER_S)[1]
         assert rank0.returncode == EXIT_HANG, err[-3000:]
-        assert HANG_TIMEOUT_S <= took, took
         line = next(ln for ln in err.splitlines() if "watchdog: no training progress" in ln)
-        m = re.search(r"no training progress for (\d+\.\d) s \(train.hang_timeout_s=4\) on rank 0 of 2 "
+        m = re.search(r"no training progress for (\d+\.\d) s \(train.hang_timeout_s=10\) on rank 0 of 2 "
                       r"\(host nodeA, pid \d+\); last iteration (\d+), phase (train|eval|save)\.", line)
         assert m and float(m.group(1)) >= HANG_TIMEOUT_S, line
         hung_at = int(m.group(2))

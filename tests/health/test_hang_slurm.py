@@ -13,7 +13,6 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,10 +23,13 @@ from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows
 from tests.slurm_cli import sacct_final_state
 from tests.train.harness import tiny_config, write_dataset
+from tests.waits import JOB_S, wait_until
 from trainer.checkpoint import protocol as ckpt
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(300)]
 
+HANG_TIMEOUT_S = 20  # status must see the stall (after STALE_S) before the watchdog ends it: a wide window
+STALE_S = 3
 ITERS = 400  # long enough that rank 1 is stopped mid-training even on a quiet machine
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,11 +39,11 @@ def _metrics_iteration(path: Path) -> int:
     return max((r["iteration"] for r in rows if "train/lm_loss" in r), default=0)
 
 
-def _wait(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
-        time.sleep(0.1)
+def _stall_seen(run: Path) -> str | None:
+    """The status table once it shows rank 0 stalled and rank 1 stale (read once: the same look)."""
+    rows = collect(str(run), stale_after_s=STALE_S)
+    pattern = r"stalled: rank 0@n1 \(\d+ s\); stale: rank 1@n2 \(\d+ s\)"
+    return format_rows(rows) if re.fullmatch(pattern, rows[0].health) else None
 
 
 def test_sigstopped_rank_is_retried_from_the_last_checkpoint(tmp_path):
@@ -49,7 +51,7 @@ def test_sigstopped_rank_is_retried_from_the_last_checkpoint(tmp_path):
     run = tmp_path / "run"
     d = tiny_config(str(run), data, train={"iters": ITERS, "log_interval": 1, "save_interval": 20,
                                            "eval_interval": 50, "heartbeat_interval_s": 0.5,
-                                           "hang_timeout_s": 8, "preflight_timeout_s": 30})
+                                           "hang_timeout_s": HANG_TIMEOUT_S, "preflight_timeout_s": 30})
     cfg = tmp_path / "resolved.yaml"
     cfg.write_text(yaml.safe_dump(d))
     (run / "logs").mkdir(parents=True)
@@ -68,25 +70,22 @@ def test_sigstopped_rank_is_retried_from_the_last_checkpoint(tmp_path):
         {"job_id": job, "executor": "slurm", "state_dir": str(run / "stages" / "train")}]}})
     try:
         beat1 = run / "heartbeats" / "rank_00001.json"
-        _wait(lambda: _metrics_iteration(run / "train_metrics.jsonl") >= 25 and beat1.exists() and
-              json.loads(beat1.read_text())["iteration"] is not None, 150, "iteration 25 on both ranks")
+        wait_until(lambda: _metrics_iteration(run / "train_metrics.jsonl") >= 25 and beat1.exists() and
+                   json.loads(beat1.read_text())["iteration"] is not None, "iteration 25 on both ranks")
         stopped = json.loads(beat1.read_text())
         os.kill(stopped["pid"], signal.SIGSTOP)  # the task on n2 (the devcluster's nodes are this host)
         saved = ckpt.read_tracker(str(run / "checkpoints"))
-        # Between 3 s (stale) and 8 s (the watchdog): rank 1 is stale, rank 0 alive but stalled.
-        _wait(lambda: re.fullmatch(r"stalled: rank 0@n1 \(\d+ s\); stale: rank 1@n2 \(\d+ s\)",
-                                   collect(str(run), stale_after_s=3)[0].health) is not None, 8,
-            "rank 1 stale and rank 0 stalled")
-        status = format_rows(collect(str(run), stale_after_s=3))
-        _wait(lambda: (run / "stages" / "train" / "retries").exists(), 60, "the retry")
-        ended = sacct_final_state(job, timeout=150)
+        # Between STALE_S and the watchdog: rank 1 is stale, rank 0 alive but stalled.
+        status = wait_until(lambda: _stall_seen(run), "rank 1 stale and rank 0 stalled")
+        wait_until(lambda: (run / "stages" / "train" / "retries").exists(), "the retry")
+        ended = sacct_final_state(job, timeout=JOB_S)
         assert ended in ("COMPLETED", "FAILED", "CANCELLED"), f"the job did not end: {ended}"
     finally:
         subprocess.run(["scancel", job], timeout=60, check=False)
     assert sacct_final_state(job) == "COMPLETED"
     assert "retry attempt=1 after rc=70" in (run / "stages" / "train" / "retries").read_text()
     first = (run / "logs" / f"train_{job}_r0_a0_0.err").read_text()
-    m = re.search(r"watchdog: no training progress for [\d.]+ s \(train.hang_timeout_s=8\) on rank 0 of 2 "
+    m = re.search(r"watchdog: no training progress for [\d.]+ s \(train.hang_timeout_s=20\) on rank 0 of 2 "
                   r"\(host n1, pid \d+\); last iteration (\d+)", first)
     assert m and int(m.group(1)) >= 25, first[-3000:]
     retry = (run / "logs" / f"train_{job}_r0_a1_0.err").read_text()

@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from tests.health.helpers import launch
 from tests.train.harness import load_json, save_json
+from tests.waits import NEVER_S
 from trainer.health import HealthConfig
 from trainer.health.preflight import (
     FAILPOINT_ENV,
@@ -33,7 +34,7 @@ def _preflight(rank: int, run_dir: str, failpoint: str, cfg: dict) -> None:
     if failpoint == f"absent@{rank}":
         import time
 
-        time.sleep(60)  # never checks in (killed when the others fail)
+        time.sleep(NEVER_S)  # never checks in (killed when the others fail)
     run_preflight(HealthConfig(**cfg), run_dir, torch.device("cpu"))
 
 
@@ -74,7 +75,7 @@ def test_pairs_recorded(tmp_path):
     run_dir = str(tmp_path / "run")
     # The verdict on speeds is the slow-node test's: on this shared machine a healthy link may be slowed
     # several-fold by other processes, so a huge factor here.
-    cfg = {"preflight_timeout_s": 20, "preflight_slow_factor": 1e3}
+    cfg = {"preflight_timeout_s": NEVER_S, "preflight_slow_factor": 1e3}
     launch(4, str(tmp_path), _preflight_observed, run_dir, cfg, str(tmp_path))
     report = json.loads((tmp_path / "run" / PREFLIGHT_JSON).read_text())
     sys.stderr.write(f"preflight report: {json.dumps(report)}\n")
@@ -117,9 +118,14 @@ def _failure(tmp_path, failpoint: str, **cfg) -> str:
     return str(e.value)
 
 
-@pytest.mark.slow  # ~10 s: waits out the timeouts that name the stopped node
+# The preflight timeout these tests wait out: long enough that a healthy exchange on a loaded machine
+# (milliseconds on a quiet one) never runs into it, so only the failpoint's node is named.
+TIMEOUT_S = 6
+
+
+@pytest.mark.slow  # ~16 s: waits out the timeouts that name the stopped node
 def test_stopped_node_named(tmp_path):
-    msg = _failure(tmp_path, "stop@nodeC", preflight_timeout_s=3)
+    msg = _failure(tmp_path, "stop@nodeC", preflight_timeout_s=TIMEOUT_S)
     assert "PreflightError" in msg and "node nodeC did not report" in msg, msg
     report = json.loads((tmp_path / "run" / PREFLIGHT_JSON).read_text())
     assert set(report["links_gbps"]) == {"nodeA", "nodeB"}
@@ -129,13 +135,13 @@ def test_stopped_node_named(tmp_path):
 def test_slow_node_named(tmp_path):
     # A 1 s delay on each of nodeB's sends: its links are >100x slower than a healthy one on a quiet
     # machine, and still over the factor of 4 when other processes slow a healthy round trip to 250 ms.
-    msg = _failure(tmp_path, "slow@nodeB:1000", preflight_timeout_s=20)
+    msg = _failure(tmp_path, "slow@nodeB:1000", preflight_timeout_s=NEVER_S)  # a bound: not reached
     assert "node nodeB is slow" in msg and "nodeA is slow" not in msg and "nodeC is slow" not in msg, msg
 
 
 def test_missing_rank_named(tmp_path):
-    msg = _failure(tmp_path, "absent@2", preflight_timeout_s=3)
-    assert "rank 2 did not check in within 3 s" in msg, msg
+    msg = _failure(tmp_path, "absent@2", preflight_timeout_s=TIMEOUT_S)
+    assert f"rank 2 did not check in within {TIMEOUT_S} s" in msg, msg
 
 
 def test_hostlist_and_slurm_layout():

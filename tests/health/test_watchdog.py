@@ -11,24 +11,27 @@ import time
 import pytest
 import torch.multiprocessing as mp
 
-from tests.health.helpers import launch
+from tests.health.helpers import VirtualClock, launch
 from tests.train.harness import run_cfg, tiny_config, write_dataset
+from tests.waits import NEVER_S
 from trainer.checkpoint import protocol as ckpt
 from trainer.health import HealthConfig, Monitor, heartbeat_path, judge, read_heartbeats, summarize
 from trainer.main import RunHooks
 from trainer.signals import EXIT_HANG
 
-FAST = {"heartbeat_interval_s": 0.1, "hang_timeout_s": 3.0}
+FAST = {"heartbeat_interval_s": 0.1, "hang_timeout_s": 3.0}  # seconds of the virtual progress clock
 
 
 def _stalls_at_step(rank: int, d: dict, log_file: str) -> None:
     # This process's stderr (fd 2: log lines and the stack dump) into a file: the fork server that
     # started it holds whatever stderr pytest had when it was first used.
     os.dup2(os.open(log_file, os.O_WRONLY | os.O_CREAT, 0o644), 2)
+    clock = VirtualClock().install()
 
     def on_step(it: int, loss: float) -> None:
-        if it == 6:
-            time.sleep(30)  # a step that never ends, as far as the watchdog can tell
+        if it == 6:  # a step that never ends: its time passes, then it blocks until the watchdog acts
+            clock.advance(d["train"]["hang_timeout_s"] + 0.5)
+            threading.Event().wait(NEVER_S)
 
     run_cfg(d, RunHooks(on_step=on_step))
 
@@ -42,19 +45,20 @@ def test_stalled_step_ends_the_process(tmp_path):
     err = (tmp_path / "stderr.txt").read_text()
     m = re.search(r"watchdog: no training progress for (\d+\.\d) s \(train.hang_timeout_s=3\) on rank 0 of 1 "
                   r"\(host \S+, pid \d+\); last iteration 6, phase train\.", err)
-    assert m and float(m.group(1)) >= 3.0, err
+    assert m and float(m.group(1)) == 3.5, err
     assert "in on_step" in err  # the stacks follow: the stuck thread's shows where it is
     beat = json.loads(open(heartbeat_path(str(tmp_path / "run"), 0)).read())
     assert beat["phase"] == "hung" and beat["iteration"] == 6 and "exit code 70" in beat["message"]
 
 
 def _slow_phases(rank: int, d: dict, out: str) -> None:
-    """Start-up takes longer than hang_timeout_s, and so does every evaluation (of 2 batches) and every
-    save with the step before it; each save and evaluation batch alone fits."""
-    real_save, real_eval = ckpt.save_checkpoint, None
+    """Start-up takes longer than hang_timeout_s (3 s of the virtual clock), and so does every evaluation
+    (of 2 batches) and every save with the step before it; each save and evaluation batch alone fits."""
+    clock = VirtualClock().install()
+    real_save = ckpt.save_checkpoint
 
     def slow_save(*args, **kwargs):
-        time.sleep(2.0)
+        clock.advance(2.0)
         return real_save(*args, **kwargs)
 
     import trainer.training as training
@@ -62,16 +66,18 @@ def _slow_phases(rank: int, d: dict, out: str) -> None:
     real_eval = training.eval_step
 
     def slow_eval(*args, **kwargs):
-        time.sleep(2.0)
+        clock.advance(2.0)
         return real_eval(*args, **kwargs)
 
+    def slow_step(it: int, loss: float) -> None:
+        clock.advance(1.5)  # the step before a save: with the save's 2 s, longer than the timeout
+
     ckpt.save_checkpoint, training.eval_step = slow_save, slow_eval
-    r = run_cfg(d, RunHooks(on_build=lambda model: time.sleep(4.0)))
+    r = run_cfg(d, RunHooks(on_build=lambda model: clock.advance(4.0), on_step=slow_step))
     with open(out, "w") as f:
         json.dump({"code": r.exit_code, "iteration": r.iteration}, f)
 
 
-@pytest.mark.slow  # ~16 s: the slow phases must outlast the hang timeouts they are not mistaken for
 def test_slow_startup_saves_and_evaluation_are_not_hangs(tmp_path):
     data = write_dataset(str(tmp_path / "data"))
     d = tiny_config(str(tmp_path / "run"), data, train={"iters": 8, "save_interval": 4, "eval_interval": 4,
@@ -107,18 +113,25 @@ def test_heartbeats_throttled_and_atomic(tmp_path):
 
     t = threading.Thread(target=reader)
     t.start()
-    with _Counting(HealthConfig(heartbeat_interval_s=0.2, hang_timeout_s=0), str(tmp_path)) as m:
+    interval = 0.2
+    with _Counting(HealthConfig(heartbeat_interval_s=interval, hang_timeout_s=0), str(tmp_path)) as m:
+        started = time.monotonic()
         m.begin()
-        end, i = time.monotonic() + 1.0, 0
-        while time.monotonic() < end:
+        i, deadline = 0, started + NEVER_S
+        while _Counting.writes < 6 and time.monotonic() < deadline:  # begin + 5 periodic writes
             i += 1
             m.tick(i)
+        elapsed = time.monotonic() - started
+        writes = _Counting.writes
         beat = json.loads(open(heartbeat_path(str(tmp_path), 0)).read())
     stop.set()
     t.join()
     assert not torn
-    assert 3 <= _Counting.writes <= 8  # begin + ~5 periodic + the final one; not one per tick
-    assert beat["iteration"] > 1000 and beat["phase"] == "startup"
+    assert writes == 6, writes
+    # Paced by time, not by ticks: never more than one write per interval (plus begin's), however many
+    # ticks came, and however slowly this machine ran them.
+    assert writes <= elapsed / interval + 1 and i > 100 * writes, (writes, elapsed, i)
+    assert beat["iteration"] > 100 and beat["phase"] == "startup"
     final = json.loads(open(heartbeat_path(str(tmp_path), 0)).read())
     assert final["phase"] == "exited" and final["iteration"] == i
     assert not [n for n in os.listdir(tmp_path / "heartbeats") if ".tmp" in n]

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.queue import alive, ended
 from orchestrator.status import collect
 from tests.slurm_cli import slurm
+from tests.waits import JOB_S, wait_until
 
 # Whether a stage is still queued or running is orchestrator.queue's question (Slurm's vocabulary defined
 # once; a state not yet known to accounting counts as alive): a wait must not end on a transient state
@@ -57,25 +57,17 @@ def states(run_dir: Path) -> dict[str, str]:
     return {r.stage: r.state for r in collect(str(run_dir))}
 
 
-def wait_states(run_dir: Path, timeout_s: float = 600) -> dict[str, str]:
+def wait_states(run_dir: Path, timeout_s: float = JOB_S) -> dict[str, str]:
     """Block until no stage of the run is queued or running; its final states."""
-    deadline = time.monotonic() + timeout_s
-    now: dict[str, str] = {}
-    while time.monotonic() < deadline:
+    def ended_states() -> dict[str, str] | None:
         now = states(run_dir)
-        if now and all(ended(s) for s in now.values()):
-            return now
-        time.sleep(2)
-    raise AssertionError(f"jobs of {run_dir} still running after {timeout_s:.0f} s: {now}")
+        return now if now and all(ended(s) for s in now.values()) else None
+
+    return wait_until(ended_states, f"every job of {run_dir} to end", timeout_s, poll_s=2)
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float = 400, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+def wait_for(cond: Callable[[], bool], timeout_s: float = JOB_S, what: str = "") -> None:
+    wait_until(cond, what, timeout_s, poll_s=0.5)
 
 
 def job_ids(run_dir: Path) -> dict[str, str]:

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from orchestrator.queue import parse_sacct, parse_squeue
 from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows, log_records, plot
 from tests.orchestrator.conftest import REPO
+from tests.waits import JOB_S, wait_until
 
 
 def test_parse_squeue_and_sacct():
@@ -91,14 +91,12 @@ def test_collect_table_and_plot(tmp_path):
     assert "runA" in out.stdout and "runB" in out.stdout and (sweep / "loss.png").exists()
 
 
-def _wait_ended(run_dirs, timeout_s=240):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def _wait_ended(run_dirs):
+    def ended() -> list[str] | None:
         states = [r.state for d in run_dirs for r in collect(str(d))]
-        if "RUNNING" not in states:
-            return states
-        time.sleep(2)
-    raise AssertionError("local sweep jobs did not end")
+        return None if "RUNNING" in states else states
+
+    return wait_until(ended, "the local sweep jobs to end", JOB_S, poll_s=1)
 
 
 @pytest.mark.timeout(400)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.slurm_cli import sacct_final_state, sacct_states
+from tests.waits import JOB_S
 
 pytestmark = pytest.mark.slurm
 
@@ -153,7 +154,7 @@ def test_signal_then_requeue_from_inside_the_job(tmp_path):
                          timeout=60)
     assert res.returncode == 0, res.stderr
     job_id = res.stdout.strip().split(";")[0]
-    state = sacct_final_state(job_id, timeout=150)
+    state = sacct_final_state(job_id, timeout=JOB_S)
     assert state == "COMPLETED", (tmp_path / f"slurm-{job_id}.out").read_text()
     assert log.read_text().splitlines() == ["start restarts=0", "signal USR2 restarts=0", "start restarts=1"]
     requeued = sacct_states(job_id, duplicates=True)

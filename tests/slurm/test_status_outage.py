@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ import pytest
 from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows
 from tests.slurm_cli import TERMINAL, sacct_states, slurm
+from tests.waits import JOB_S, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -43,13 +43,6 @@ def cluster(tmp_path_factory) -> Iterator[Path]:
         _devcluster(state, "down")
 
 
-def _wait(cond: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s:.0f} s waiting for {what}"
-        time.sleep(0.5)
-
-
 def _run_dir(tmp_path: Path, job: str) -> Path:
     run = tmp_path / "run"
     (run / "stages" / "train").mkdir(parents=True)
@@ -71,7 +64,7 @@ def test_a_node_failure_requeue_counts_as_a_restart(cluster, tmp_path):
                       "sleep 600; fi\n")
     job = slurm("sbatch", "--parsable", "--requeue", "-N1", "-w", "n2", "-t", "10", "-o",
                 str(tmp_path / "j.out"), str(script)).strip().split(";")[0]
-    _wait(lambda: _state(job) == "RUNNING" and pid_file.exists(), 120, "the job to run on n2")
+    wait_until(lambda: _state(job) == "RUNNING" and pid_file.exists(), "the job to run on n2", poll_s=0.5)
     run = _run_dir(tmp_path, job)
     assert collect(str(run))[0].restarts == 0
     # The node dies: its slurmd and the job's processes (the batch shell's slurmstepd with them).
@@ -80,12 +73,13 @@ def test_a_node_failure_requeue_counts_as_a_restart(cluster, tmp_path):
     os.kill(int((cluster / "pids" / "slurmd-n2.pid").read_text().split()[0]), signal.SIGKILL)
     for pid in (stepd, batch):
         os.kill(pid, signal.SIGKILL)
-    _wait(lambda: "NODE_FAIL" in sacct_states(job, duplicates=True), 240, "Slurm to mark the job NODE_FAIL")
+    wait_until(lambda: "NODE_FAIL" in sacct_states(job, duplicates=True), "Slurm to mark the job NODE_FAIL",
+               JOB_S, poll_s=0.5)
     up = _devcluster(cluster, "up")  # the node comes back (ReturnToService=2); the requeued job runs there
     assert up.returncode == 0, up.stdout + up.stderr
     # The latest record reads NODE_FAIL until the requeued run is accounted for: wait for that run's end.
-    _wait(lambda: sacct_states(job, duplicates=True)[-1] in TERMINAL - {"NODE_FAIL"}, 180,
-          "the requeued run to end")
+    wait_until(lambda: sacct_states(job, duplicates=True)[-1] in TERMINAL - {"NODE_FAIL"},
+               "the requeued run to end", JOB_S, poll_s=0.5)
     assert sacct_states(job, duplicates=True)[-1] == "COMPLETED", sacct_states(job, duplicates=True)
     rows = collect(str(run))
     assert not (run / "stages" / "train" / "requeues").exists()  # no Slipway file knows of this restart
@@ -96,10 +90,11 @@ def test_a_node_failure_requeue_counts_as_a_restart(cluster, tmp_path):
 def test_status_names_an_unreachable_slurmctld(cluster, tmp_path):
     job = slurm("sbatch", "--parsable", "-N1", "-t", "5", "-o", str(tmp_path / "j.out"),
                 "--wrap", "sleep 300").strip().split(";")[0]
-    _wait(lambda: _state(job) == "RUNNING", 120, "the job to start")
+    wait_until(lambda: _state(job) == "RUNNING", "the job to start", poll_s=0.5)
     run = _run_dir(tmp_path, job)
     assert collect(str(run))[0].slurm_error == ""  # the controller answers: no warning
-    _wait(lambda: sacct_states(job) == ["RUNNING"], 60, "slurmdbd to record the job as RUNNING")
+    wait_until(lambda: sacct_states(job) == ["RUNNING"], "slurmdbd to record the job as RUNNING",
+               poll_s=0.5)
     os.kill(int((cluster / "pids" / "slurmctld.pid").read_text().split()[0]), signal.SIGKILL)
     rows = collect(str(run))
     assert rows[0].state == "RUNNING" and rows[0].slurm_error.startswith("squeue exited"), rows[0]

@@ -42,6 +42,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from trainer.health.config import HealthConfig
@@ -76,12 +77,16 @@ class Monitor:
     exists; the training loop (``trainer.training.Loop.monitor``) ticks it on every batch, step and
     save; leaving the block writes a final heartbeat."""
 
+    # The clock progress is measured on. The watchdog tests swap in a virtual one so that "this step took
+    # longer than hang_timeout_s" is a fact they set, not a race with a loaded machine's scheduler.
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
     def __init__(self, cfg: HealthConfig, run_dir: str) -> None:
         self.cfg, self.run_dir = cfg, run_dir
         self.rank, self.world_size, self.host, self.pid = 0, 1, node_name(), os.getpid()
         self.iteration: int | None = None
         self.phase = "startup"
-        self._last = time.monotonic()  # monotonic time of the last tick
+        self._last = self.clock()  # clock time of the last tick
         self._started = time.time()
         self._armed = False
         self._stop = threading.Event()
@@ -91,7 +96,7 @@ class Monitor:
     # -- the loop's side: cheap, no I/O --------------------------------------------------------------
     def tick(self, iteration: int | None = None, phase: str | None = None, arm: bool = False) -> None:
         """Record progress (called from the training thread)."""
-        self._last = time.monotonic()
+        self._last = self.clock()
         if iteration is not None:
             self.iteration = iteration
         if phase is not None:
@@ -133,7 +138,7 @@ class Monitor:
 
     def record(self, **extra: Any) -> dict:
         """The heartbeat as written now."""
-        now_wall, now = time.time(), time.monotonic()
+        now_wall, now = time.time(), self.clock()
         return {"rank": self.rank, "world_size": self.world_size, "host": self.host, "pid": self.pid,
                 "iteration": self.iteration, "phase": self.phase, "time": now_wall,
                 "progress_time": now_wall - (now - self._last), "started": self._started,
@@ -159,12 +164,13 @@ class Monitor:
             period = min(period, max(timeout / 20, 0.05))  # notice a hang within ~5% of the timeout
         next_write = time.monotonic() + self.cfg.heartbeat_interval_s
         while not self._stop.wait(period):
-            now = time.monotonic()
+            idle = self.clock() - self._last
             if timeout and self._armed:
-                if now - self._last > timeout:
-                    self._fire(now - self._last)
+                if idle > timeout:
+                    self._fire(idle)
                     return
                 self._rearm_backstop(timeout)
+            now = time.monotonic()  # heartbeat writes are paced in real time, whatever the progress clock
             if now >= next_write:
                 self.write()
                 next_write = now + self.cfg.heartbeat_interval_s
