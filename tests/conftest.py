@@ -20,7 +20,7 @@ import subprocess
 
 import pytest
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+from tests.ci import IN_CI
 
 _UNCHECKED = object()
 _slurm_problem: object = _UNCHECKED
@@ -39,6 +39,8 @@ def devcluster_problem() -> str | None:
     """None when the devcluster answers, else why not."""
     if not os.environ.get("SLURM_CONF"):
         return "SLURM_CONF is not set (run: eval \"$(slurm/devcluster up)\")"
+    if not os.path.isfile(os.environ["SLURM_CONF"]):  # sinfo would spend its whole timeout on it
+        return f"SLURM_CONF={os.environ['SLURM_CONF']} does not exist (run: eval \"$(slurm/devcluster up)\")"
     if shutil.which("sinfo") is None:
         return "sinfo not found (slurm-wlm not installed; slurm/devcluster up installs it)"
     try:

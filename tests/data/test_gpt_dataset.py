@@ -6,10 +6,13 @@ import multiprocessing
 import os
 import threading
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from tests.waits import NEVER_S
+from trainer.data import index_cache
 from trainer.data.gpt_dataset import (
     GPTDatasetConfig,
     build_gpt_datasets,
@@ -186,18 +189,27 @@ def test_atomic_write_leaves_nothing_when_interrupted(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_reader_waits_for_the_builder_then_memory_maps(tmp_path):
+def test_reader_waits_for_the_builder_then_memory_maps(tmp_path, monkeypatch):
     sizes = ArraySource(random_docs(5)).sizes
     spec = IndexSpec(16, 40)
-    reader_cfg = IndexCacheConfig(str(tmp_path), is_builder=False, wait_timeout_s=30, poll_interval_s=0.02)
-    got = {}
+    reader_cfg = IndexCacheConfig(str(tmp_path), is_builder=False, wait_timeout_s=NEVER_S,
+                                  poll_interval_s=0.02)
+    got, polls = {}, threading.Semaphore(0)
+    real_sleep = index_cache.time.sleep
+
+    def counted_sleep(seconds: float) -> None:  # the reader's poll: it found nothing and waits
+        polls.release()
+        real_sleep(seconds)
+
+    monkeypatch.setattr(index_cache, "time", SimpleNamespace(**{**vars(time), "sleep": counted_sleep}))
     reader = threading.Thread(target=lambda: got.update(r=load_or_build(sizes, (0, 60), spec, "train",
                                                                          reader_cfg)))
     reader.start()
-    time.sleep(0.3)
-    assert reader.is_alive()  # nothing built yet
+    for _ in range(2):  # it has looked twice and is still waiting: nothing built yet
+        assert polls.acquire(timeout=NEVER_S)
+    assert reader.is_alive() and not got
     built = load_or_build(sizes, (0, 60), spec, "train", IndexCacheConfig(str(tmp_path), is_builder=True))
-    reader.join(30)
+    reader.join(NEVER_S)
     np.testing.assert_array_equal(got["r"].sample_index, built.sample_index)
     assert isinstance(got["r"].document_index, np.memmap)
 
@@ -211,7 +223,7 @@ def test_reader_times_out_with_a_clear_message(tmp_path):
 
 def _rank_main(rank: int, cache_dir: str, out: str) -> None:
     source = ArraySource(random_docs(7))
-    config = GPTDatasetConfig(seq_length=12, cache_dir=cache_dir, wait_timeout_s=60)
+    config = GPTDatasetConfig(seq_length=12, cache_dir=cache_dir, wait_timeout_s=NEVER_S)
     ds = build_gpt_datasets(source, "unused", {"train": 64}, config, is_builder=rank == 0)["train"]
     np.save(out, np.stack([ds[i] for i in range(len(ds))]))
 
@@ -219,13 +231,13 @@ def _rank_main(rank: int, cache_dir: str, out: str) -> None:
 def test_rank0_builds_and_other_processes_read_the_same_samples(tmp_path):
     ctx = multiprocessing.get_context("fork")
     outs = [str(tmp_path / f"rank{r}.npy") for r in range(3)]
-    # Readers start first: they must wait for rank 0 rather than build or read partial files.
+    # Readers start first (in any order the scheduler likes): they must wait for rank 0 rather than build
+    # or read partial files.
     procs = [ctx.Process(target=_rank_main, args=(r, str(tmp_path / "cache"), outs[r])) for r in (1, 2, 0)]
     for p in procs:
         p.start()
-        time.sleep(0.05)
     for p in procs:
-        p.join(60)
+        p.join(NEVER_S)
         assert p.exitcode == 0
     samples = [np.load(o) for o in outs]
     assert all(np.array_equal(samples[0], s) for s in samples[1:])
