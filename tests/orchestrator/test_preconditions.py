@@ -23,6 +23,7 @@ from orchestrator.plan import make_plan
 from orchestrator.preconditions import WRITER, record_writer, reused_data_problems, single_writer
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import compose_cfg
+from tests.waits import NEVER_S
 from trainer.data.indexed_dataset import IndexedDatasetBuilder
 
 
@@ -99,13 +100,15 @@ def test_concurrent_launches_of_one_run_let_exactly_one_through(tmp_path):
     def first() -> None:
         with single_writer(plan):
             inside.set()
+            # Give the second launcher time to reach the lock. Not a race: whether it waits there or
+            # arrives after the release, the lock order makes it see the recorded job and refuse.
             time.sleep(0.5)
             record_writer(plan, str(os.getpid()), "local")  # "submitted": a live job writes the checkpoints
             events.append(("first done", time.monotonic()))
 
     t = threading.Thread(target=first)
     t.start()
-    inside.wait(10)
+    assert inside.wait(NEVER_S)
     with pytest.raises(PlanError) as err:
         with single_writer(plan):
             pass

@@ -7,11 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import yaml
 
 from tests.train.harness import run_cfg, tiny_config, write_dataset
+from tests.waits import JOB_S, NEVER_S, wait_until
 from trainer.checkpoint import protocol as ckpt
 from trainer.signals import EXIT_OK, EXIT_REQUEUE
 
@@ -40,19 +41,20 @@ def test_sigterm_then_requeue(tmp_path):
     cmd = [sys.executable, "-m", "trainer.main", "--config", str(cfg_file)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     metrics = tmp_path / "run" / "train_metrics.jsonl"
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 180
-    while not _rows(metrics) or max(_rows(metrics)) < 3:
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-3000:]
-        time.sleep(0.01)
+    # The same CLI, paused after iteration 3 until a signal comes: the signals land mid-run by
+    # construction, not because this test outran a fast trainer.
+    stalled = [sys.executable, str(Path(__file__).parent / "stalled_main.py"), "3", str(tmp_path), *cmd[3:]]
+    proc = subprocess.Popen(stalled, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_until(lambda: (tmp_path / "stalled_3_rank0").exists() or proc.poll() is not None, "iteration 3")
+    assert proc.poll() is None, proc.communicate()[0][-3000:]
     proc.send_signal(signal.SIGTERM)
     proc.send_signal(signal.SIGTERM)  # a second signal must not break the stop or the save
-    out = proc.communicate(timeout=120)[0]
+    out = proc.communicate(timeout=NEVER_S)[0]
     assert proc.returncode == EXIT_REQUEUE, out[-3000:]
     stopped_at = ckpt.read_tracker(str(tmp_path / "run" / "checkpoints"))
-    assert 3 <= stopped_at < ITERS and f"checkpoint saved at iteration {stopped_at}" in out
+    assert stopped_at == 3 and "checkpoint saved at iteration 3" in out, out[-3000:]
 
-    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=JOB_S)
     assert resumed.returncode == EXIT_OK, resumed.stderr[-3000:]
     assert f"iteration {stopped_at}" in resumed.stderr
     logged = _rows(metrics)

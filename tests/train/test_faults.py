@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
+from tests.waits import NEVER_S
 from trainer.checkpoint import protocol as ckpt
 from trainer.main import RunHooks
 from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE
@@ -97,7 +98,7 @@ def _signal_storm(rank: int, d: dict, out: str) -> None:
         failpoint(name, iteration)
         if name != "mid_write" or iteration != 10:
             return
-        start, deadline = len(sent), time.monotonic() + 30
+        start, deadline = len(sent), time.monotonic() + NEVER_S
         while time.monotonic() < deadline and min(sent[start:].count(s) for s in STORM) < 3:
             time.sleep(0.001)  # the main thread: the Python-level handlers run here, mid-save
         in_write.extend(sent[start:])
