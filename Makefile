@@ -8,7 +8,7 @@ CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/
 DEVCLUSTER := slurm/devcluster
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast lint bench cuda-check devcluster-up devcluster-down devcluster-status clean
+.PHONY: install demo test test-fast test-stress lint bench cuda-check devcluster-up devcluster-down devcluster-status clean
 
 install: $(STAMP)
 
@@ -62,6 +62,15 @@ test: install lint cuda-check
 	  echo "make test: slurm/devcluster up failed (see above)" >&2; exit 1; }; \
 	eval "$$($(DEVCLUSTER) env)"; \
 	$(PYTHON) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(DEVCLUSTER) down >/dev/null 2>&1; exit $$rc
+
+# The timing-sensitive tests (tests/stress.py's list) STRESS_REPS times under two CPU hogs, the devcluster up
+# for the Slurm ones; the report goes to bench/results/stress.txt. Not part of `make test` (~1 h).
+STRESS_REPS ?= 20
+test-stress: install
+	@set -o pipefail; $(DEVCLUSTER) up | tail -n 5 || { $(DEVCLUSTER) down >/dev/null 2>&1; exit 1; }; \
+	eval "$$($(DEVCLUSTER) env)"; \
+	$(PYTHON) -m tests.stress --reps $(STRESS_REPS) --hogs 2 --out bench/results/stress.txt; rc=$$?; \
 	$(DEVCLUSTER) down >/dev/null 2>&1; exit $$rc
 
 test-fast: install
