@@ -22,6 +22,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.stress", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--hogs", type=int, default=2, help="processes spinning on the CPU meanwhile")
+    ap.add_argument("--streams", type=int, default=1,
+                    help="pytest runs at a time (each more load for the others; the reps are shared out)")
     ap.add_argument("--out", help="also write the report here (e.g. bench/results/stress.txt)")
     ap.add_argument("nodes", nargs="*", help="pytest node ids (default: the timing-sensitive list)")
     args = ap.parse_args(argv)
@@ -88,11 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     total: Counter = Counter()
     lines = []
     try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for rep in range(1, args.reps + 1):
-                outcomes, failed, seconds = _one_rep(nodes, rep, Path(tmp))
+        with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.streams) as pool:
+            reps = {pool.submit(_one_rep, nodes, rep, Path(tmp)): rep for rep in range(1, args.reps + 1)}
+            for done in as_completed(reps):
+                outcomes, failed, seconds = done.result()
                 total.update(outcomes)
-                line = f"rep {rep:2d}/{args.reps}: {seconds:6.1f} s, {len(failed)} failed {' '.join(failed)}"
+                line = (f"rep {reps[done]:2d}/{args.reps}: {seconds:6.1f} s, {len(failed)} failed "
+                        f"{' '.join(failed)}")
                 lines.append(line)
                 print(line, flush=True)
     finally:
@@ -109,7 +114,8 @@ def _report(args: argparse.Namespace, total: Counter, lines: list[str]) -> str:
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     head = [f"# tests.stress {datetime.datetime.now().isoformat(timespec='seconds')} commit "
             f"{sha.stdout.strip() or 'unknown'}, {os.cpu_count()} cores, {platform.platform()}",
-            f"# {args.reps} repetitions with {args.hogs} CPU hogs spinning; CI={os.environ.get('CI', '')}",
+            f"# {args.reps} repetitions, {args.streams} at a time, with {args.hogs} CPU hogs spinning; "
+            f"CI={os.environ.get('CI', '')}",
             *lines, "", f"{'test':<100} {'passed':>6} {'failed':>6} {'skipped':>7}"]
     names = sorted({name for name, _ in total})
     rows = [f"{n:<100} {total[(n, 'passed')]:>6} {total[(n, 'failed')]:>6} {total[(n, 'skipped')]:>7}"

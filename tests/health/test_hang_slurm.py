@@ -71,7 +71,8 @@ def test_sigstopped_rank_is_retried_from_the_last_checkpoint(tmp_path):
     try:
         beat1 = run / "heartbeats" / "rank_00001.json"
         wait_until(lambda: _metrics_iteration(run / "train_metrics.jsonl") >= 25 and beat1.exists() and
-                   json.loads(beat1.read_text())["iteration"] is not None, "iteration 25 on both ranks")
+                   json.loads(beat1.read_text())["iteration"] is not None, "iteration 25 on both ranks",
+                   JOB_S)  # queueing included
         stopped = json.loads(beat1.read_text())
         os.kill(stopped["pid"], signal.SIGSTOP)  # the task on n2 (the devcluster's nodes are this host)
         saved = ckpt.read_tracker(str(run / "checkpoints"))
