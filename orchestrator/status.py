@@ -24,6 +24,7 @@ from trainer.metrics_file import (
     last_kernel_check,
     read_metrics,
 )
+from trainer.wandb_online import FALLBACK_KEY
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
 _LOSS = re.compile(r"lm loss: ([0-9.Ee+-]+)")
@@ -50,6 +51,7 @@ class JobRow:
     slurm_error: str = ""  # squeue failed: slurmctld unreachable, the state is accounting's
     pass_at_1: float | None = None  # eval rows: HumanEval pass@1 from <run_dir>/eval/results.json
     name: str = ""  # the run's name (a sweep point's: run id and overrides)
+    wandb_offline: str = ""  # online W&B fell back to offline: why, and the `wandb sync` command
 
 
 def metrics_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
@@ -108,6 +110,15 @@ def _checkpoint_iter(run_dir: Path, data: dict) -> int | None:
         return None
 
 
+def _wandb_offline(run_dir: Path) -> str:
+    """Why online W&B fell back to offline in a job of this run, and how to upload what it wrote."""
+    p = run_dir / "wandb_run.json"
+    fallback = read_json(p).get(FALLBACK_KEY) if p.exists() else None
+    if not isinstance(fallback, dict):
+        return ""
+    return f"{fallback.get('reason')}; logged offline, upload with: {fallback.get('sync')}"
+
+
 def _wandb_path(run_dir: Path, data: dict) -> str:
     p = run_dir / "wandb_run.json"
     if not p.exists():
@@ -155,6 +166,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
                 if recs:
                     row.loss, row.tokens_per_s = recs[-1][1], recs[-1][2]
                 row.wandb = _wandb_path(run_dir, data)
+                row.wandb_offline = _wandb_offline(run_dir)
                 row.log = str(run_dir / "logs")
                 row.ranks = read_heartbeats(str(run_dir), stale_after_s=stale_after_s)
                 check = last_kernel_check(run_dir)
@@ -220,6 +232,7 @@ def rank_problems(rows: list[JobRow]) -> list[str]:
             out.append(f"{where}, {what.get(h.state, h.message or h.state)}")
         out += [f"CHECKPOINT: run {r.run}: {w}" for w in r.checkpoint_warnings]
         out += [f"KERNELS: run {r.run}: {w}" for w in r.kernel_fallbacks]
+        out += [f"W&B: run {r.run}: {r.wandb_offline}"] if r.wandb_offline else []
     return ([""] if out else []) + out
 
 

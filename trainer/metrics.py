@@ -24,6 +24,7 @@ import torch
 
 from trainer.log import get_logger
 from trainer.metrics_file import METRICS_FILE
+from trainer.wandb_online import FALLBACK_KEY, WandbError, base_url, probe, unreachable_message
 
 log = get_logger(__name__)
 
@@ -168,16 +169,31 @@ def check_wandb_credentials(mode: str) -> None:
         return
     if os.environ.get("WANDB_API_KEY"):
         return
-    host = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").split("://")[-1].split("/")[0]
+    host = base_url().split("://")[-1].split("/")[0]
     try:
         if netrc.netrc().authenticators(host):
             return
     except (FileNotFoundError, netrc.NetrcParseError):
         pass
-    raise RuntimeError(
+    raise WandbError(
         "logging.wandb.mode=online but no W&B API key was found (WANDB_API_KEY is unset and ~/.netrc has "
         f"no entry for {host}). Export WANDB_API_KEY in the job's environment, or set "
         "logging.wandb.mode=offline (sync later with `wandb sync`) or disabled.")
+
+
+def online_or_offline(wandb_cfg) -> tuple[str, str | None]:
+    """(the mode to start W&B in, why online fell back to offline or None): online only when the bounded
+    probe (trainer.wandb_online) reached the W&B server, unless ``require_online`` makes that an error."""
+    if wandb_cfg.mode != "online":
+        return wandb_cfg.mode, None
+    p = probe(base_url())
+    if p.reason is None:
+        return "online", None
+    why = unreachable_message(p)
+    if wandb_cfg.require_online:
+        raise WandbError(f"{why} and logging.wandb.require_online=true. Give the compute nodes a route to "
+                         "W&B (or an HTTPS_PROXY), or set require_online=false to log offline and sync later")
+    return "offline", why
 
 
 class WandbLogger:
@@ -196,14 +212,27 @@ class WandbLogger:
         wid = state.get("id") or run_id or _new_run_id()
         self.resume_after = int(state.get("last_step", -1))
         os.makedirs(run_dir, exist_ok=True)
-        self.run = wandb.init(
-            mode=wandb_cfg.mode, project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
-            name=wandb_cfg.name, tags=wandb_cfg.tags or None, id=wid, resume="allow", dir=run_dir,
-            config=config, settings=wandb.Settings(silent=True, console="off"))
+        mode, fallback = online_or_offline(wandb_cfg)
+        try:
+            self.run = wandb.init(
+                mode=mode, project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
+                name=wandb_cfg.name, tags=wandb_cfg.tags or None, id=wid, resume="allow", dir=run_dir,
+                config=config, settings=wandb.Settings(silent=True, console="off"))
+        except Exception as e:  # noqa: BLE001 - W&B's own errors have no common base class
+            raise WandbError(f"W&B could not start ({mode} mode, {type(e).__name__}: {e}); set "
+                             "logging.wandb.mode=offline or disabled to train without it") from e
         self.id = wid
         self.last_step = self.resume_after
-        _write_json(self.state_path, {"id": wid, "last_step": self.last_step})
-        log.info("W&B run %s (%s, %s)%s", wid, wandb_cfg.mode, self.run.dir,
+        # An earlier job's fallback stays recorded: its offline files still need `wandb sync`.
+        record = {**state, "id": wid, "last_step": self.last_step}
+        if fallback:
+            sync = os.path.dirname(self.run.dir.rstrip("/"))  # <run_dir>/wandb/offline-run-<time>-<id>
+            record[FALLBACK_KEY] = {"reason": fallback, "sync": f"wandb sync {sync}"}
+            log.warning("%s: logging offline to %s instead; upload later with `wandb sync %s` (or set "
+                        "logging.wandb.require_online=true to fail instead)", fallback, sync, sync)
+        self._record = record
+        _write_json(self.state_path, record)
+        log.info("W&B run %s (%s, %s)%s", wid, mode, self.run.dir,
                  f"; steps <= {self.resume_after} already logged" if self.resume_after >= 0 else "")
 
     @property
@@ -223,18 +252,26 @@ class WandbLogger:
             return
         if step > self.last_step:
             self.last_step = step
-            _write_json(self.state_path, {"id": self.run.id, "last_step": step})
+            self._record["last_step"] = step
+            _write_json(self.state_path, self._record)
 
     def finish(self, exit_code: int = 0) -> None:
-        """End the W&B run. Its errors (a dropped connection to the W&B service after a scancel, say) are
-        logged, never raised: a logger must not turn a clean stop (exit 0 or 75) into a failure."""
-        if self.run is not None:
-            run, self.run = self.run, None
+        """End the W&B run and W&B's service. Its errors (a dropped connection to the W&B service after a
+        scancel, say) are logged, never raised: a logger must not turn a clean stop (exit 0 or 75) into a
+        failure. Tearing the service down here leaves W&B's own atexit hook nothing to do, so a requeue or
+        cancel does not end with its ConnectionResetError traceback."""
+        if self.run is None:
+            return
+        import wandb
+
+        run, self.run = self.run, None
+        for what, step in (("finishing the run", lambda: run.finish(exit_code=exit_code)),
+                           ("shutting down its service", wandb.teardown)):
             try:
-                run.finish(exit_code=exit_code)
-            except Exception as e:  # noqa: BLE001 - see above
-                log.warning("W&B: finishing the run failed (%s: %s); the run's exit code stands (%d). Upload "
-                            "what was written with `wandb sync`", type(e).__name__, e, exit_code)
+                step()
+            except (Exception, SystemExit) as e:  # noqa: BLE001 - see above; teardown may sys.exit
+                log.warning("W&B: %s failed (%s: %s); the run's exit code stands (%d). Upload what was "
+                            "written with `wandb sync`", what, type(e).__name__, e, exit_code)
 
 
 def _new_run_id() -> str:

@@ -17,8 +17,8 @@ Exit codes (the contract with the orchestrator and with ``python -m trainer.main
   requeue blindly.
 - ``EXIT_PERMANENT`` (78, EX_CONFIG): a failure a retry would repeat (:func:`permanent_reason`: no
   checkpoint verifies or fits the model, the disk is full, the data or an input file is missing or
-  corrupt, a bad configuration value). Not retried; the reason is in the log and in the stage's
-  ``fatal_<job>_r<restart>_a<attempt>`` marker.
+  corrupt, a bad configuration value, a W&B problem at start-up). Not retried; the reason is in the log
+  and in the stage's ``fatal_<job>_r<restart>_a<attempt>`` marker.
 - ``EXIT_HANG`` (70, EX_SOFTWARE): the hang watchdog (:mod:`trainer.health`) ended a rank that made no
   progress for ``health.hang_timeout_s``. Not 0/65/75/78, so the sbatch script retries it from the last
   checkpoint.
@@ -47,15 +47,17 @@ FATAL_MARKER = "fatal_{job}_r{restart}_a{attempt}"
 # Errors a retry in the same allocation would repeat. Deliberately narrow: RuntimeError (collectives, NCCL,
 # CUDA) and OSError other than a missing file can be a sick node, and those are retried.
 _PERMANENT = (ValueError, KeyError, TypeError, FileNotFoundError)
+# By name, so that this module stays free of torch: checkpoint errors (damaged beyond fallback, another
+# model, a full disk) and W&B errors (no key, unreachable under logging.wandb.require_online; a monitoring
+# tool must never cost the allocation the retries of a training failure).
+_PERMANENT_NAMES = {"CheckpointError", "WandbError"}
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 
 def permanent_reason(exc: BaseException) -> str | None:
-    """Why ``exc`` will repeat on a retry (a one-line reason), or None when a retry may succeed.
-    Checkpoint errors (``CheckpointError``, a RuntimeError: damaged beyond fallback, another model, a full
-    disk) are matched by name so that this module stays free of torch."""
+    """Why ``exc`` will repeat on a retry (a one-line reason), or None when a retry may succeed."""
     names = {c.__name__ for c in type(exc).__mro__}
-    if isinstance(exc, _PERMANENT) or "CheckpointError" in names:
+    if isinstance(exc, _PERMANENT) or names & _PERMANENT_NAMES:
         return f"{type(exc).__name__}: {exc}"
     return None
 

@@ -202,6 +202,10 @@ class WandbConfig(Section):
     """W&B run name; null: the run id plus the sweep point's overrides."""
     tags: list[str] = field(default_factory=list)
     """W&B tags."""
+    require_online: bool = False
+    """online mode only: fail the job (exit 78, not retried) when W&B cannot be reached from rank 0. false:
+    a short bounded probe at start-up; when W&B is unreachable (most HPC compute nodes are offline) the run
+    logs offline instead, with one warning and the `wandb sync` command in the summary and status."""
 
     def _normalise(self) -> None:
         self.tags = [str(t) for t in (self.tags or [])]

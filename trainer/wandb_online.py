@@ -1,0 +1,73 @@
+"""Can this job reach W&B? A bounded probe run once by rank 0 before ``wandb.init`` in online mode.
+
+Why: most HPC compute nodes have no route to the internet, and ``wandb.init(mode="online")`` there blocks
+for its init timeout (~90 s) and then fails; retried as a training failure that burns minutes of an
+allocation per attempt for a monitoring tool. The probe answers in at most ``PROBE_TIMEOUT_S`` (it runs in
+a daemon thread joined with that timeout, so a slow DNS lookup is bounded too); when W&B is unreachable
+the run logs offline (``wandb sync`` uploads it later) unless ``logging.wandb.require_online`` is set.
+
+Any HTTP answer, an error status included (401, 404), means "reachable": only a connection that cannot
+be made or that stays silent is a reason to go offline. Proxies in the environment (HTTPS_PROXY) are
+honoured, as W&B honours them. Torch-free: the orchestrator reads :data:`FALLBACK_KEY` for status.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+DEFAULT_BASE_URL = "https://api.wandb.ai"  # W&B's own default when WANDB_BASE_URL is unset
+PROBE_TIMEOUT_S = 5.0
+# Keys of {run_dir}/wandb_run.json (trainer.metrics.WandbLogger writes it; orchestrator.status reads it).
+FALLBACK_KEY = "offline_fallback"
+
+
+class WandbError(RuntimeError):
+    """A W&B problem a retry of the training job would repeat (no key, unreachable with
+    ``require_online``); ``trainer.signals.permanent_reason`` matches it by name, so it is never retried."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What the probe found: ``reason`` is None when W&B answered."""
+
+    url: str
+    reason: str | None
+    elapsed_s: float
+    timeout_s: float
+
+
+def base_url(environ: dict | None = None) -> str:
+    env = os.environ if environ is None else environ
+    return (env.get("WANDB_BASE_URL") or DEFAULT_BASE_URL).rstrip("/")
+
+
+def probe(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> Probe:
+    """Try one HTTP GET of ``url``; never takes (much) longer than ``timeout_s``."""
+    found: list[str | None] = []
+
+    def attempt() -> None:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s):  # noqa: S310 - the user's W&B server
+                found.append(None)
+        except urllib.error.HTTPError:
+            found.append(None)  # the server answered
+        except Exception as e:  # noqa: BLE001 - every other failure is "unreachable", with its words
+            found.append(f"{type(e).__name__}: {getattr(e, 'reason', None) or e}")
+
+    start = time.monotonic()
+    worker = threading.Thread(target=attempt, name="wandb-probe", daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    elapsed = time.monotonic() - start
+    reason = found[0] if found else f"no answer within {timeout_s:g} s"
+    return Probe(url, reason, elapsed, timeout_s)
+
+
+def unreachable_message(p: Probe) -> str:
+    return (f"W&B is unreachable from this node ({p.url}: {p.reason}; probe took {p.elapsed_s:.1f} s, "
+            f"bounded at {p.timeout_s:g} s)")
