@@ -11,6 +11,8 @@ import fcntl
 import gzip
 import json
 import os
+import re
+import shutil
 import signal
 import struct
 import subprocess
@@ -322,3 +324,35 @@ def test_no_training_text_publishes_nothing(tmp_path, tok_files, content, append
         preprocess(config(tmp_path, tok_files, input=str(tmp_path / "in.jsonl"), workers=1,
                           append_eod=append_eod, json_keys=["content"]))
     assert leftovers(tmp_path) == []
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 200 KiB filesystem (tmpfs; CI runs as root): a disk that fills up part-way through."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (not root?): {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_full_disk_names_the_folder_the_bytes_needed_and_free(tmp_path, tok_files, stdlib_docs, small_fs):
+    from trainer.data.preprocess_io import DiskFullError
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"text": d["content"]}) + "\n" for d in stdlib_docs[:400]))
+    with pytest.raises(DiskFullError) as err:
+        preprocess(config(tmp_path, tok_files, input=str(src), output_prefix=str(small_fs / "ds"), workers=1,
+                          chunk_bytes=65536))
+    message = str(err.value)
+    m = re.search(r"need about (\d+) bytes .* for (\d+) bytes \(.*\), (\d+) bytes \([0-9.]+ MiB\) are free",
+                  message)
+    assert message.startswith(f"{small_fs}: no space left") and m, message
+    needed, total, free = map(int, m.groups())
+    assert os.listdir(small_fs) == []  # nothing published, temporary files removed
+    assert total == src.stat().st_size and free == shutil.disk_usage(small_fs).free and needed > free, message

@@ -56,7 +56,8 @@ from trainer.checkpoint.layout import (  # noqa: F401 (the layout's names, re-ex
     shard_path,
 )
 from trainer.checkpoint.space import mib as _mib
-from trainer.checkpoint.space import out_of_space, state_bytes, sum_over_ranks
+from trainer.checkpoint.space import state_bytes, sum_over_ranks
+from trainer.disk import out_of_space
 from trainer.log import get_logger
 
 log = get_logger(__name__)

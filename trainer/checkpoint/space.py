@@ -1,26 +1,15 @@
-"""Disk space for checkpoints: how many bytes a shard needs, and whether an error means a full disk.
+"""Disk space for checkpoints: how many bytes a shard needs.
 
-Used by :mod:`trainer.checkpoint` to refuse a save that cannot fit before anything is written, and to
-recognise ENOSPC inside ``torch.save`` (which wraps the OSError in a RuntimeError).
+Used by :mod:`trainer.checkpoint` to refuse a save that cannot fit before anything is written; whether an
+error means a full disk is :func:`trainer.disk.out_of_space` (torch-free, shared with preprocessing).
 """
 
 from __future__ import annotations
 
-import errno
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-
-def out_of_space(err: BaseException | None) -> bool:
-    """Whether ``err`` (or an exception it wraps) is ENOSPC/EDQUOT."""
-    seen = 0
-    while err is not None and seen < 8:
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        err, seen = err.__cause__ or err.__context__, seen + 1
-    return False
 
 
 def mib(n: int) -> str:

@@ -41,7 +41,9 @@ from trainer.data.preprocess_io import (
     REASONS,
     BadLine,
     ChunkResult,
+    DiskFullError,
     EncodeSettings,
+    disk_full,
     encode_chunk,
     file_size_total,
     init_worker,
@@ -50,6 +52,7 @@ from trainer.data.preprocess_io import (
 )
 from trainer.data.progress import Progress
 from trainer.data.tokenizer import load_gpt2_bpe
+from trainer.disk import out_of_space
 from trainer.log import get_logger
 
 log = get_logger("trainer.data.preprocess")
@@ -265,11 +268,16 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     try:
         pool = _pool(config, tok.spec)
         progress = Progress(file_size_total(files), config.log_interval, config.progress)
-        for position, result in _encoded(pool, config, files, settings):
-            run.absorb(result, builders, config.on_error == "skip")
-            progress.update(result.documents, result.input_bytes, position)
-        for key, builder in builders.items():
-            builder.finalize(temps[key][1])
+        try:
+            for position, result in _encoded(pool, config, files, settings):
+                run.absorb(result, builders, config.on_error == "skip")
+                progress.update(result.documents, result.input_bytes, position)
+            for key, builder in builders.items():
+                builder.finalize(temps[key][1])
+        except OSError as e:  # before the clean-up below: what was written tells what is needed
+            if out_of_space(e):
+                raise disk_full(e, temps, run.input_bytes, file_size_total(files)) from e
+            raise
         _check_not_empty(run, config, files)
         publish([(*temps[key], outputs[key]) for key in config.json_keys])
     except BaseException:
@@ -372,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             on_error=args.on_error, chunk_bytes=args.chunk_bytes, backend=args.backend,
             progress=args.progress)
         summary = preprocess(config)
-    except ValueError as e:  # PreprocessError, bad config, unreadable input or tokenizer files
+    except (ValueError, DiskFullError) as e:  # PreprocessError, bad config, unreadable input, a full disk
         log.error("%s", e)
         return 1
     except KeyboardInterrupt:

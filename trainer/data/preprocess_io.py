@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from trainer.data.hf_tokenizer import AnySpec, AnyTokenizer, load_spec
+from trainer.disk import free_bytes, short_write, size
 
 # Reason keys (stable: they appear in the JSON summary) → words for messages.
 REASONS = {
@@ -249,3 +250,25 @@ def encode_chunk(chunk: Chunk, settings: EncodeSettings) -> ChunkResult:
 
 def file_size_total(files: list[str]) -> int:
     return sum(Path(f).stat().st_size for f in files)
+
+
+class DiskFullError(OSError):
+    """The output's filesystem filled up; the message names the folder, the bytes needed and free."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def disk_full(err: OSError, temps: dict[str, tuple[str, str]], consumed: int, total: int) -> DiskFullError:
+    """What the job needs (extrapolated from the bytes written for the input read so far) and what is free
+    once its temporary files are removed (as they are next)."""
+    on_disk = sum(os.path.getsize(p) for pair in temps.values() for p in pair if os.path.exists(p))
+    written = on_disk + (short_write(err) or 0)  # plus what the failed write could not put down
+    needed = max(written, written * total // consumed) if consumed else written
+    folder = os.path.dirname(os.path.abspath(next(iter(temps.values()))[0]))
+    return DiskFullError(
+        f"{folder}: no space left for the preprocessed data (the write failed: {err}): the outputs need "
+        f"about {size(needed)} for {size(total)} of input (extrapolated from {size(written)} for the first "
+        f"{size(consumed)}), {size(free_bytes(folder) + on_disk)} are free there. Nothing was published "
+        "(temporary files removed). Free space or put the output on a larger filesystem (data.cache_dir in "
+        "launch.py), then run again")

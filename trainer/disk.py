@@ -1,0 +1,44 @@
+"""Full disks, recognised and described (torch-free: preprocessing and the checkpoint protocol share it).
+
+A full disk shows up three ways: an OSError with ENOSPC/EDQUOT (``write``, ``fsync``), the same wrapped in
+another exception (``torch.save`` raises a RuntimeError), or numpy's short write (``tofile`` raises
+``OSError: N requested and M written`` with no errno at all).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+
+_SHORT_WRITE = re.compile(r"(\d+) requested and (\d+) written")
+
+
+def out_of_space(err: BaseException | None) -> bool:
+    """Whether ``err`` (or an exception it wraps) is ENOSPC/EDQUOT or numpy's short write."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, OSError) and (err.errno in (errno.ENOSPC, errno.EDQUOT) or short_write(err)):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
+
+
+def short_write(err: BaseException) -> int | None:
+    """Bytes a numpy ``tofile`` could not write (``N requested and M written``), else None."""
+    m = _SHORT_WRITE.search(str(err))
+    return int(m.group(1)) - int(m.group(2)) if m else None
+
+
+def free_bytes(path: str) -> int:
+    """Free bytes (for this user) on the filesystem that holds ``path`` or its nearest existing parent."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def size(n: int) -> str:
+    """Bytes, exactly, with MiB for reading."""
+    return f"{n} bytes ({n / 2**20:.1f} MiB)"
