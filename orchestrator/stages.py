@@ -113,7 +113,8 @@ class Stage(submitit.helpers.Checkpointable):
             result = self.run()
         except Exception as err:
             if _rank() == 0:
-                mark(self.output_dir, FAILED, {"key": self.key, "error": repr(err), "time": time.time()})
+                mark(self.output_dir, FAILED, {"key": self.key, "error": repr(err), "time": time.time(),
+                                               "reason": f"{type(err).__name__}: {err}"})  # status shows it
             raise
         if _rank() == 0:
             (Path(self.output_dir) / FAILED).unlink(missing_ok=True)

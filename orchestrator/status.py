@@ -11,7 +11,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.queue import local_state, query_slurm_checked
+from orchestrator.jobs import FAILED as FAILED_MARKER
+from orchestrator.queue import CANCELLED, FAILED, category, local_state, query_slurm_checked
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import pass_at_1, read_results
@@ -52,6 +53,7 @@ class JobRow:
     pass_at_1: float | None = None  # eval rows: HumanEval pass@1 from <run_dir>/eval/results.json
     name: str = ""  # the run's name (a sweep point's: run id and overrides)
     wandb_offline: str = ""  # online W&B fell back to offline: why, and the `wandb sync` command
+    failure: str = ""  # a failed or cancelled stage: why (its error, the trainer's verdict, or Slurm's)
 
 
 def metrics_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
@@ -110,6 +112,27 @@ def _checkpoint_iter(run_dir: Path, data: dict) -> int | None:
         return None
 
 
+def _failure(state: str, entry: dict, acct: dict) -> str:
+    """Why a stage that failed or was cancelled ended: the error its callable recorded (``_FAILED``), else
+    the trainer's verdict (the newest ``fatal_*`` marker of this job), else what Slurm says."""
+    if category(state) not in (FAILED, CANCELLED):
+        return ""
+    state_dir = Path(entry.get("state_dir", ""))
+    marker = read_json(state_dir / FAILED_MARKER) if (state_dir / FAILED_MARKER).is_file() else {}
+    reason = marker.get("reason") or marker.get("error")
+    job = "local" if entry.get("executor") == "local" else entry["job_id"]  # as the stage names its markers
+    fatal = sorted(state_dir.glob(f"fatal_{job}_*"), key=lambda p: p.stat().st_mtime)
+    if not reason and fatal:
+        code, _, reason = fatal[-1].read_text(errors="replace").strip().partition(" ")
+        reason = f"{reason} (exit {code})"
+    if not reason:
+        exit_code = acct.get("exit", "")
+        why = ", ".join(x for x in (f"exit code {exit_code}" if exit_code else "", acct.get("reason", ""))
+                        if x and x != "None")
+        reason = f"{state}{f' ({why})' if why else ''}; no error was recorded (killed, or lost its node?)"
+    return str(reason).splitlines()[0] if str(reason).strip() else state
+
+
 def _wandb_offline(run_dir: Path) -> str:
     """Why online W&B fell back to offline in a job of this run, and how to upload what it wrote."""
     p = run_dir / "wandb_run.json"
@@ -153,6 +176,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
             else:
                 state, reason = sa.get(jid, {}).get("state", "UNKNOWN"), sa.get(jid, {}).get("reason", "")
             row = JobRow(run_dir.name, stage, jid, state, reason, name=str(data.get("name") or run_dir.name))
+            row.failure = _failure(state, e, sa.get(jid, {}))
             if stage == "eval":
                 row.pass_at_1 = pass_at_1(read_results(run_dir))
             if squeue_error and e.get("executor") == "slurm":
@@ -216,10 +240,12 @@ def best_point(rows: list[JobRow]) -> list[str]:
 
 
 def rank_problems(rows: list[JobRow]) -> list[str]:
-    """One line per training rank that is stale, stalled or hung, naming its host; per checkpoint skipped
-    at load; per op the kernel self-check refused."""
+    """One line per stage that failed or was cancelled, with its reason; per training rank that is stale,
+    stalled or hung, naming its host; per checkpoint skipped at load; per op the kernel self-check refused;
+    per run whose online W&B fell back to offline."""
     out = []
     for r in rows:
+        out += [f"{r.state}: run {r.run} stage {r.stage} (job {r.job_id}): {r.failure}"] if r.failure else []
         for h in r.ranks:
             if h.state in ("ok", "exited"):
                 continue
