@@ -16,7 +16,7 @@ from orchestrator.queue import CANCELLED, FAILED, category, local_state, query_s
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import pass_at_1, read_results
-from trainer.health import RankHealth, read_heartbeats, summarize
+from trainer.health import RankHealth, read_hangs, read_heartbeats, summarize
 from trainer.metrics_file import (
     TOKENS_PER_S,
     TRAIN_LOSS,
@@ -54,6 +54,7 @@ class JobRow:
     name: str = ""  # the run's name (a sweep point's: run id and overrides)
     wandb_offline: str = ""  # online W&B fell back to offline: why, and the `wandb sync` command
     failure: str = ""  # a failed or cancelled stage: why (its error, the trainer's verdict, or Slurm's)
+    hangs: list[str] = field(default_factory=list)  # every hang a watchdog recorded (kept across retries)
 
 
 def metrics_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
@@ -133,6 +134,21 @@ def _failure(state: str, entry: dict, acct: dict) -> str:
     return str(reason).splitlines()[0] if str(reason).strip() else state
 
 
+def _hangs(run_dir: Path) -> list[str]:
+    """One line per recorded hang (several ranks' watchdogs report the same one: merged)."""
+    merged: dict[tuple, list[int]] = {}
+    for h in read_hangs(str(run_dir)):
+        key = (h.get("job"), h.get("iteration"), tuple(h.get("stopped") or ()))
+        merged.setdefault(key, []).append(h.get("reporter"))
+    out = []
+    for (job, it, stopped), reporters in merged.items():
+        who = "; ".join(stopped) if stopped else "no rank identifiable from the heartbeats"
+        by = ", ".join(map(str, sorted(reporters)))
+        out.append(f"{f'job {job}, ' if job else ''}iteration {it}: stopped progressing: {who} (watchdog "
+                   f"fired on rank{'s' if len(reporters) > 1 else ''} {by}, exit 70)")
+    return out
+
+
 def _wandb_offline(run_dir: Path) -> str:
     """Why online W&B fell back to offline in a job of this run, and how to upload what it wrote."""
     p = run_dir / "wandb_run.json"
@@ -191,6 +207,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
                     row.loss, row.tokens_per_s = recs[-1][1], recs[-1][2]
                 row.wandb = _wandb_path(run_dir, data)
                 row.wandb_offline = _wandb_offline(run_dir)
+                row.hangs = _hangs(run_dir)
                 row.log = str(run_dir / "logs")
                 row.ranks = read_heartbeats(str(run_dir), stale_after_s=stale_after_s)
                 check = last_kernel_check(run_dir)
@@ -256,6 +273,7 @@ def rank_problems(rows: list[JobRow]) -> list[str]:
                     "stalled": f"phase {h.phase}: alive, no progress for {h.idle_s:.0f} s (waiting in a "
                                f"collective?)"}
             out.append(f"{where}, {what.get(h.state, h.message or h.state)}")
+        out += [f"HANG (recorded): run {r.run} {h}" for h in r.hangs]
         out += [f"CHECKPOINT: run {r.run}: {w}" for w in r.checkpoint_warnings]
         out += [f"KERNELS: run {r.run}: {w}" for w in r.kernel_fallbacks]
         out += [f"W&B: run {r.run}: {r.wandb_offline}"] if r.wandb_offline else []

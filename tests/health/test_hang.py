@@ -1,7 +1,8 @@
 """THE hang test: two real ``python -m trainer.main`` ranks (gloo over TCP, as torchrun would start them);
 rank 1 is SIGSTOPped mid-training. Rank 0 blocks in a collective that never returns; its watchdog ends it
-with exit code 70 and a line naming the last iteration and the idle time, and ``python -m orchestrator
-status`` marks the stopped rank stale, naming its host."""
+with exit code 70 and a line naming the stopped rank and its host (from the heartbeats), the last iteration
+and the idle time; ``python -m orchestrator status`` marks the stopped rank stale, naming its host, and
+after the retry still shows the hang (``hangs.jsonl``)."""
 
 import json
 import os
@@ -46,7 +47,20 @@ def _status(run_dir) -> str:
     return out.stdout
 
 
-@pytest.mark.slow  # ~16 s: a real run, a rank stopped, the hang timeout waited out
+def _launch(cfg_file, port: int, *overrides: str) -> list[subprocess.Popen]:
+    """Two ranks of ``python -m trainer.main``, on emulated nodes nodeA and nodeB."""
+    procs = []
+    for rank, node in enumerate(("nodeA", "nodeB")):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "SLIPWAY_NODE_NAME": node, "PYTHONPATH": str(REPO)}  # this checkout's trainer
+        cmd = [sys.executable, "-m", "trainer.main", "--config", str(cfg_file), *overrides]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True, cwd=REPO))
+    return procs
+
+
+@pytest.mark.slow  # ~30 s: a real run, a rank stopped, the hang timeout waited out, the retry
 def test_sigstopped_rank_ends_the_run(tmp_path):
     data = write_dataset(str(tmp_path / "data"))
     run_dir = tmp_path / "run"
@@ -55,15 +69,7 @@ def test_sigstopped_rank_ends_the_run(tmp_path):
                                                "hang_timeout_s": HANG_TIMEOUT_S, "preflight_timeout_s": 30})
     cfg_file = tmp_path / "resolved.yaml"
     cfg_file.write_text(yaml.safe_dump(d))
-    port = _free_port()
-    procs = []
-    for rank, node in enumerate(("nodeA", "nodeB")):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
-               "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "SLIPWAY_NODE_NAME": node, "PYTHONPATH": str(REPO)}  # this checkout's trainer
-        procs.append(subprocess.Popen([sys.executable, "-m", "trainer.main", "--config", str(cfg_file)],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                      cwd=REPO))
+    procs = _launch(cfg_file, _free_port())
     rank0, rank1 = procs
     # run.json as the orchestrator writes it, so status finds the run (its job: rank 0's process).
     write_json(run_dir / "run.json", {"run_id": "hang", "jobs": {"train": [
@@ -86,9 +92,11 @@ def test_sigstopped_rank_ends_the_run(tmp_path):
         err = rank0.communicate(timeout=HANG_TIMEOUT_S + NEVER_S)[1]
         assert rank0.returncode == EXIT_HANG, err[-3000:]
         line = next(ln for ln in err.splitlines() if "watchdog: no training progress" in ln)
-        m = re.search(r"no training progress for (\d+\.\d) s \(train.hang_timeout_s=10\) on rank 0 of 2 "
-                      r"\(host nodeA, pid \d+\); last iteration (\d+), phase (train|eval|save)\.", line)
-        assert m and float(m.group(1)) >= HANG_TIMEOUT_S, line
+        m = re.search(r"no training progress for (\d+\.\d) s \(train.hang_timeout_s=10\) at iteration (\d+), "
+                      r"phase (train|eval|save); stopped progressing: rank 1 on nodeB \(pid (\d+); stale, "
+                      r"heartbeat [0-9.]+ s old, iteration \d+, phase \w+\)\. This rank, rank 0 of 2 "
+                      r"\(host nodeA, pid \d+\), was waiting", line)
+        assert m and float(m.group(1)) >= HANG_TIMEOUT_S and int(m.group(4)) == rank1.pid, line
         hung_at = int(m.group(2))
         assert hung_at >= _last_iteration(run_dir / "train_metrics.jsonl") >= 12
         assert "exit code 70" in line and "Thread" in err  # followed by the stacks of every thread
@@ -104,6 +112,18 @@ def test_sigstopped_rank_ends_the_run(tmp_path):
         assert "hung: rank 0@nodeA" in status and "stale: rank 1@nodeB" in status, status
         preflight = json.loads((run_dir / "preflight.json").read_text())
         assert preflight["nodes"] == {"nodeA": [0], "nodeB": [1]} and preflight["problems"] == []
+        # The retry (rank 1's node replaced): it resumes, finishes, and the hang stays on record.
+        rank1.kill()
+        rank1.wait()
+        procs = _launch(cfg_file, _free_port(), f"train.iters={hung_at + 2}")
+        for p in procs:
+            err = p.communicate(timeout=NEVER_S)[1]  # reads the pipe as it fills
+            assert p.returncode == 0, err[-3000:]
+        status = _status(run_dir)
+        assert "ok 2" in status or "exited 2" in status, status
+        recorded = (f"HANG (recorded): run run iteration {hung_at}: stopped progressing: rank 1 on nodeB "
+                    f"(pid {rank1.pid}")
+        assert recorded in status and "(watchdog fired on rank 0, exit 70)" in status, status
     finally:
         for p in procs:
             if p.poll() is None:

@@ -86,13 +86,17 @@ def test_sigstopped_rank_is_retried_from_the_last_checkpoint(tmp_path):
     assert sacct_final_state(job) == "COMPLETED"
     assert "retry attempt=1 after rc=70" in (run / "stages" / "train" / "retries").read_text()
     first = (run / "logs" / f"train_{job}_r0_a0_0.err").read_text()
-    m = re.search(r"watchdog: no training progress for [\d.]+ s \(train.hang_timeout_s=20\) on rank 0 of 2 "
-                  r"\(host n1, pid \d+\); last iteration (\d+)", first)
+    m = re.search(r"watchdog: no training progress for [\d.]+ s \(train.hang_timeout_s=20\) at iteration "
+                  rf"(\d+), phase \w+; stopped progressing: rank 1 on n2 \(pid {stopped['pid']}; stale, "
+                  r".* This rank, rank 0 of 2 \(host n1, pid \d+\), was waiting", first)
     assert m and int(m.group(1)) >= 25, first[-3000:]
     retry = (run / "logs" / f"train_{job}_r0_a1_0.err").read_text()
     resumed = re.search(r"loaded checkpoint from \S+ iteration (\d+)", retry)
     assert resumed and int(resumed.group(1)) >= saved >= 20, retry[-3000:]
     assert ckpt.read_tracker(str(run / "checkpoints")) == ITERS
     assert f"STALE: run run rank 1 on n2 (pid {stopped['pid']})" in status, status
+    after = format_rows(collect(str(run)))  # the retry replaced the heartbeats; the hang stays on record
+    assert f"HANG (recorded): run run job {job}, iteration {m.group(1)}: stopped progressing: rank 1 on n2 " \
+        f"(pid {stopped['pid']}" in after, after
     assert "STALLED: run run rank 0 on n1" in status and "waiting in a collective" in status, status
     assert json.loads((run / "preflight.json").read_text())["nodes"] == {"n1": [0], "n2": [1]}

@@ -43,8 +43,8 @@ def test_stalled_step_ends_the_process(tmp_path):
         launch(1, str(tmp_path), _stalls_at_step, d, str(tmp_path / "stderr.txt"))
     assert e.value.exit_code == EXIT_HANG
     err = (tmp_path / "stderr.txt").read_text()
-    m = re.search(r"watchdog: no training progress for (\d+\.\d) s \(train.hang_timeout_s=3\) on rank 0 of 1 "
-                  r"\(host \S+, pid \d+\); last iteration 6, phase train\.", err)
+    m = re.search(r"watchdog: no training progress for (\d+\.\d) s \(train.hang_timeout_s=3\) at iteration "
+                  r"6, phase train; stopped progressing: rank 0 of 1 \(host \S+, pid \d+\) itself\.", err)
     assert m and float(m.group(1)) == 3.5, err
     assert "in on_step" in err  # the stacks follow: the stuck thread's shows where it is
     beat = json.loads(open(heartbeat_path(str(tmp_path / "run"), 0)).read())

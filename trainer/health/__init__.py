@@ -50,10 +50,14 @@ from trainer.health.heartbeat import (  # noqa: F401 (re-exported: the package's
     FINAL_PHASES,
     HEARTBEAT_DIR,
     RankHealth,
+    describe_rank,
     heartbeat_path,
     judge,
     node_name,
+    read_hangs,
     read_heartbeats,
+    record_hang,
+    stopped_ranks,
     summarize,
 )
 from trainer.log import get_logger
@@ -183,20 +187,46 @@ class Monitor:
     def _fire(self, idle: float) -> None:
         faulthandler.dump_traceback_later(30, exit=True)  # if logging itself blocks, still exit
         it = "none yet" if self.iteration is None else str(self.iteration)
+        culprits = self._culprits() if self.world_size > 1 else []
+        me = f"rank {self.rank} of {self.world_size} (host {self.host}, pid {self.pid})"
+        if self.world_size == 1:
+            who = f"stopped progressing: {me} itself. It ends"
+        elif culprits:
+            who = (f"stopped progressing: {'; '.join(describe_rank(r) for r in culprits)}. This rank, {me}, "
+                   "was waiting for it and ends")
+        else:
+            who = (f"no heartbeat shows which rank stopped (all alive at the same iteration). This rank, "
+                   f"{me}, ends")
         msg = (f"watchdog: no training progress for {idle:.1f} s (train.hang_timeout_s="
-               f"{self.cfg.hang_timeout_s:g}) on rank {self.rank} of {self.world_size} (host {self.host}, "
-               f"pid {self.pid}); last iteration {it}, phase {self.phase}. A collective probably never "
-               f"returned (a rank died or was stopped, or its node is unreachable). Ending the process "
-               f"with exit code {EXIT_HANG} so the job's retry policy resumes from the last checkpoint; "
-               f"the stacks of all threads follow.")
+               f"{self.cfg.hang_timeout_s:g}) at iteration {it}, phase {self.phase}; {who} with exit code "
+               f"{EXIT_HANG} so the job's retry policy resumes from the last checkpoint; the stacks of all "
+               "threads follow.")
         self.phase = "hung"
         self.write(message=msg)
+        try:
+            record_hang(self.run_dir, {
+                "time": time.time(), "job": os.environ.get("SLURM_JOB_ID"), "reporter": self.rank,
+                "host": self.host, "iteration": self.iteration, "idle_s": round(idle, 1),
+                "stopped": [describe_rank(r) for r in culprits]})
+        except OSError as e:
+            log.warning("could not record the hang in %s: %s", self.run_dir, e)
         log.critical(msg)
         for handler in logging.getLogger().handlers + log.handlers:
             handler.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(EXIT_HANG)
+
+    def _culprits(self) -> list[RankHealth]:
+        """The ranks that stopped progressing, from everyone's heartbeats. A heartbeat is stale after three
+        intervals (bounded by half the hang timeout, so a rank stopped for the whole timeout is stale)."""
+        interval, timeout = self.cfg.heartbeat_interval_s, self.cfg.hang_timeout_s or 0.0
+        stale = min(max(3 * interval, 1.0), timeout / 2) if timeout else max(3 * interval, 1.0)
+        try:
+            beats = read_heartbeats(self.run_dir, stale_after_s=stale)
+        except OSError:
+            return []
+        return stopped_ranks(beats, self.world_size, self.rank)
 
     def __enter__(self) -> Monitor:
         return self

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from trainer import testing_hooks
 
 HEARTBEAT_DIR = "heartbeats"
+HANGS_FILE = "hangs.jsonl"  # one line per watchdog that fired: kept across retries (heartbeats are not)
 FINAL_PHASES = ("exited", "failed", "hung")
 
 def node_name() -> str:
@@ -92,3 +93,50 @@ def summarize(ranks: list[RankHealth]) -> str:
         secs = r.age_s if r.state == "stale" else r.idle_s
         by_state.setdefault(r.state, []).append(f"rank {r.rank}@{r.host} ({secs:.0f} s)")
     return "; ".join(f"{state}: {', '.join(items)}" for state, items in by_state.items())
+
+
+def stopped_ranks(ranks: list[RankHealth], world_size: int, reporter: int) -> list[RankHealth]:
+    """The ranks the others wait for, judged by a watchdog that fired on ``reporter``: ranks whose heartbeat
+    went stale, failed or is missing (the process stopped, died, or its node is gone); failing that, the
+    ranks behind the others (a lower iteration). Empty when every other rank looks like the reporter (all
+    alive, same iteration: no single culprit is visible from the heartbeats)."""
+    found = {r.rank for r in ranks}
+    missing = [RankHealth(r, "?", 0, None, "?", float("inf"), float("inf"), "missing",
+                          "no heartbeat file") for r in range(world_size) if r not in found]
+    gone = [r for r in ranks if r.rank != reporter and r.state in ("stale", "failed", "exited")]
+    if gone or missing:
+        return sorted(gone + missing, key=lambda r: r.rank)
+    its = [r.iteration for r in ranks if r.iteration is not None]
+    if its and min(its) < max(its):
+        return [r for r in ranks if r.iteration == min(its)]
+    return []
+
+
+def describe_rank(r: RankHealth) -> str:
+    if r.state == "missing":
+        return f"rank {r.rank} (no heartbeat file)"
+    return (f"rank {r.rank} on {r.host} (pid {r.pid}; {r.state}, heartbeat {r.age_s:.1f} s old, "
+            f"iteration {'-' if r.iteration is None else r.iteration}, phase {r.phase})")
+
+
+def record_hang(run_dir: str, record: dict) -> None:
+    """Append one watchdog report to ``{run_dir}/hangs.jsonl`` (one short line: O_APPEND keeps the lines of
+    several reporting ranks whole)."""
+    with open(os.path.join(run_dir, HANGS_FILE), "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_hangs(run_dir: str) -> list[dict]:
+    """Every recorded watchdog report, oldest first (unparsable lines skipped)."""
+    try:
+        with open(os.path.join(run_dir, HANGS_FILE), encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return [r for r in out if isinstance(r, dict)]
