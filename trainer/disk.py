@@ -42,3 +42,11 @@ def free_bytes(path: str) -> int:
 def size(n: int) -> str:
     """Bytes, exactly, with MiB for reading."""
     return f"{n} bytes ({n / 2**20:.1f} MiB)"
+
+
+def as_open_would(path: str) -> None:
+    """Give a ``tempfile.mkstemp`` file the mode ``open()`` would have (0666 less the umask): mkstemp's
+    0600 would make a published file private, unreadable to the group that shares a cache."""
+    umask = os.umask(0)  # the only portable way to read it; restored at once
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)

@@ -242,3 +242,14 @@ def test_rank0_builds_and_other_processes_read_the_same_samples(tmp_path):
     samples = [np.load(o) for o in outs]
     assert all(np.array_equal(samples[0], s) for s in samples[1:])
     assert len(os.listdir(tmp_path / "cache")) == 4
+
+
+def test_cache_files_are_readable_by_the_group_that_shares_the_cache(tmp_path):
+    """Files get the mode any file this user writes gets (0666 less the umask), not mkstemp's 0600."""
+    old = os.umask(0o002)  # a group-shared project folder's usual umask
+    try:
+        build(ArraySource(random_docs(3)), tmp_path, 16, {"train": 50})
+    finally:
+        os.umask(old)
+    modes = {f: os.stat(tmp_path / "cache" / f).st_mode & 0o777 for f in os.listdir(tmp_path / "cache")}
+    assert len(modes) == 4 and set(modes.values()) == {0o664}, {f: oct(m) for f, m in modes.items()}

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from trainer.data.index_helpers import GPTIndices, IndexSpec, build_gpt_indices
+from trainer.disk import as_open_would
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -94,6 +95,7 @@ def _atomic_write(path: str, write) -> None:
     folder = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-" + os.path.basename(path) + ".", dir=folder)
     try:
+        as_open_would(tmp)  # a cache the group shares: readable as any file this user writes
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.disk import as_open_would
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 HEADER_BYTES = 34  # magic 9 + version 8 + dtype 1 + N 8 + M 8
@@ -324,9 +326,7 @@ def temp_pair(prefix: str | Path) -> tuple[str, str]:
     os.makedirs(folder, exist_ok=True)
     fd, tmp_bin = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".bin.partial")
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp_bin, 0o666 & ~umask)  # mkstemp's 0600 would make the published .bin private
+    as_open_would(tmp_bin)
     return tmp_bin, tmp_bin[: -len(".bin.partial")] + ".idx.partial"
 
 
