@@ -56,7 +56,7 @@ class PlanInputs:
     run_id: str
     run_dir: str
     code_version: dict[str, str] = field(default_factory=dict)  # package path -> tree hash
-    fingerprints: dict[str, str] = field(default_factory=dict)  # input path -> size/mtime fingerprint
+    fingerprints: dict[str, str] = field(default_factory=dict)  # input path -> content hash (runs.py)
     vocab_from_file: int | None = None  # entries in tokenizer.vocab_file when readable here
     sweep: SweepInfo | None = None
     environ: dict[str, str] = field(default_factory=dict)  # the launching environment (secrets, test hooks)

@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from orchestrator.content_hash import content_fingerprint
 from orchestrator.schema import SlipwayConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -66,12 +67,9 @@ def code_version(paths: tuple[str, ...] = ("trainer", "trainer/data")) -> dict[s
 
 
 def fingerprint(path: str) -> str | None:
-    """size and mtime (cheap; a changed input file gets a new preprocessing key)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return f"{st.st_size}:{int(st.st_mtime)}"
+    """The content hash of an input file (memoised per file version: orchestrator/content_hash.py); a
+    changed input gets a new preprocessing key, however its size and timestamps look."""
+    return content_fingerprint(path)
 
 
 def tokenizer_dir_fingerprint(model_dir: str | None) -> str | None:
