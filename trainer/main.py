@@ -7,7 +7,9 @@ Standalone::
     srun --ntasks-per-node=GPUS python -m trainer.main --config resolved.yaml   # one task per GPU
 
 Exit codes (``trainer.signals``): 0 finished; 75 stopped cleanly on SIGUSR2/SIGTERM after a checkpoint,
-requeue to resume; 65 NaN/inf loss in fp32/bf16 (nothing saved; the last good checkpoint is intact).
+requeue to resume; 65 NaN/inf loss in fp32/bf16 (nothing saved; the last good checkpoint is intact); 78 a
+failure a retry would repeat (bad config or data, no usable checkpoint, W&B at start-up): its reason is
+the last log line, with no traceback.
 Everything a run needs to resume exactly lives in its checkpoints; the W&B run id and last logged step
 live in ``{run_dir}/wandb_run.json``; log-line values are appended to ``{run_dir}/train_metrics.jsonl``.
 """
@@ -49,7 +51,7 @@ from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
 from trainer.main_data import DataShape, build_data
 from trainer.main_kernels import checked_kernels, optimizer_after_check
-from trainer.metrics_file import metrics_path
+from trainer.metrics_file import metrics_path, truncate_after
 from trainer.model.config import GPTConfig
 from trainer.model.recompute import Recompute
 from trainer.ops.selfcheck import KernelCheck
@@ -59,7 +61,15 @@ from trainer.optim.precision import ScalerSettings, make_scaler
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed, num_microbatches
 from trainer.parallel.dist_optimizer import build_distributed_optimizer
 from trainer.parallel.interleaved import check_microbatches
-from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, STOP_SIGNALS, StopRequest
+from trainer.signals import (
+    EXIT_NONFINITE,
+    EXIT_OK,
+    EXIT_PERMANENT,
+    EXIT_REQUEUE,
+    STOP_SIGNALS,
+    StopRequest,
+    permanent_reason,
+)
 from trainer.training import Cadence, Loop, NonFiniteError, Throughput, TrainState, train
 
 log = get_logger(__name__)
@@ -315,6 +325,8 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
         plan = resolve_load(cfg.checkpoint, cfg.run_dir)
         b = build_components(cfg, pstate, plan[1] if plan and not plan[2] else 0)
         state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
+        if pstate.rank == 0:  # the iterations after the checkpoint are logged again: once, not twice
+            truncate_after(metrics_path(cfg.run_dir), state.iteration)
         if hooks.on_build is not None:
             hooks.on_build(b.model)
         facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id)
@@ -357,13 +369,20 @@ def main(argv: list[str] | None = None) -> int:
         d = yaml.safe_load(f) or {}
     for item in args.overrides:
         _override(d, item)
-    cfg = RunConfig.from_dict(d)
-    result = run(cfg)
+    try:
+        code = run(RunConfig.from_dict(d)).exit_code
+    except Exception as e:
+        reason = permanent_reason(e)
+        if reason is None:
+            raise  # a retry may succeed (a collective, a sick node): the traceback helps whoever looks
+        log.error("%s\nA retry would fail the same way: exiting with %d (not retried).", reason,
+                  EXIT_PERMANENT)
+        code = EXIT_PERMANENT
     for sig in STOP_SIGNALS:  # the run has saved what it had to: late signals must not turn exit 75 into -15
         signal.signal(sig, signal.SIG_IGN)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    return result.exit_code
+    return code
 
 
 if __name__ == "__main__":

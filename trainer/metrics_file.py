@@ -1,14 +1,14 @@
 """``{run_dir}/train_metrics.jsonl``: the trainer's log-line values, one JSON object per line (rank 0).
 
 Torch-free on purpose: the orchestrator reads this file on login nodes (status, summary) and the
-conversion hook reads it for the model card; trainer.training only appends to it.
+conversion hook reads it for the model card; trainer.training appends to it.
 
-One iteration can own several records of different kinds (the train log line and the validation
-result are separate records at an eval iteration), and a resumed run re-logs the iterations after its
-last checkpoint. So replays are resolved per *kind*: :func:`read_metrics` takes the key that identifies
-the kind ("train/lm_loss", "valid/lm_loss") and keeps, per iteration, the last record that has it.
-Keeping only the last record per iteration regardless of kind would drop the train record of every
-eval iteration.
+A resumed run re-logs the iterations after its last checkpoint; it first drops them from the file
+(:func:`truncate_after`), so the file holds each record once. Readers agree with that rule for files
+written before it: one iteration can own several records of different kinds (the train log line and the
+validation result are separate records at an eval iteration), so replays are resolved per *kind*:
+:func:`read_metrics` takes the key that identifies the kind ("train/lm_loss", "valid/lm_loss") and keeps,
+per iteration, the last record that has it (the replay, as truncation would have left it).
 """
 
 from __future__ import annotations
@@ -32,6 +32,32 @@ def append_record(path: str, row: dict) -> None:
     """Append one record (one JSON line) to the metrics file at ``path``."""
     with open(path, "a", encoding="utf-8") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def truncate_after(path: str, iteration: int) -> int:
+    """Drop the records after ``iteration`` (the checkpoint a restart resumes from), so the iterations it
+    replays are written once, not twice: the file never holds a replay, whoever reads it. Atomic (a
+    rewrite renamed into place); untouched when there is nothing to drop. Returns the records dropped."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return 0
+    keep = []
+    for line in lines:
+        try:
+            it = _iteration(json.loads(line))
+        except ValueError:
+            it = None  # a torn last line of a killed writer: dropped with the replayed records
+        if it is not None and it <= iteration:
+            keep.append(line)
+    if len(keep) == len(lines):
+        return 0
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return len(lines) - len(keep)
 
 
 def _iteration(row: object) -> int | None:

@@ -12,8 +12,10 @@ data-parallel replicas do not share masks), tracker = default + 2718 + tp_rank.
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from trainer.parallel.state import ParallelState
@@ -83,6 +85,10 @@ class RNGTracker:
 def seed_everything(seed: int, pstate: ParallelState) -> RNGTracker:
     """Seed the default generators for this rank and return its model-parallel tracker."""
     default_seed = seed + 100 * pstate.pp_rank + _DP_SEED_STRIDE * pstate.dp_rank
+    # Python's and NumPy's global generators too, as Megatron's _set_random_seed does: checkpoints save
+    # their states, so identical runs must save identical ones (and any use of them repeats).
+    random.seed(default_seed)
+    np.random.seed(default_seed % 2**32)
     torch.manual_seed(default_seed)  # CPU and every accelerator device
     tracker = RNGTracker(pstate.device)
     tracker.add(MODEL_PARALLEL_RNG, default_seed + _TP_SEED_OFFSET + pstate.tp_rank)
