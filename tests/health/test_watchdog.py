@@ -15,7 +15,15 @@ from tests.health.helpers import VirtualClock, launch
 from tests.train.harness import run_cfg, tiny_config, write_dataset
 from tests.waits import NEVER_S
 from trainer.checkpoint import protocol as ckpt
-from trainer.health import HealthConfig, Monitor, heartbeat_path, judge, read_heartbeats, summarize
+from trainer.health import (
+    HealthConfig,
+    Monitor,
+    heartbeat_path,
+    judge,
+    read_heartbeats,
+    stopped_ranks,
+    summarize,
+)
 from trainer.main import RunHooks
 from trainer.signals import EXIT_HANG
 
@@ -162,6 +170,22 @@ def test_judgement():
     assert starting.state == "ok"  # an index build is not a stall
     assert summarize([ok, ok]) == "ok 2"
     assert summarize([ok, stale, stalled]) == "stale: rank 3@n2 (51 s); stalled: rank 3@n2 (400 s)"
+
+
+def test_the_watchdog_blames_the_ranks_the_others_wait_for():
+    """Stale, failed or missing heartbeats first; else the ranks behind; never the reporter for merely
+    waiting; nobody when every rank looks the same."""
+    now = 1000.0
+
+    def beat(rank, host, age, it):
+        return judge({"rank": rank, "host": host, "pid": rank + 10, "iteration": it, "phase": "train",
+                      "interval_s": 1.0, "time": now - age, "progress_time": now - 9}, now, stale_after_s=3)
+
+    waiting = [beat(0, "n1", 0.5, 12), beat(1, "n1", 0.5, 12)]
+    assert [r.rank for r in stopped_ranks([*waiting, beat(3, "n2", 9, 12)], 4, 0)] == [2, 3]  # 2: no file
+    assert stopped_ranks([*waiting, beat(3, "n2", 9, 12)], 4, 0)[1].host == "n2"
+    assert [r.rank for r in stopped_ranks([*waiting, beat(2, "n2", 0.5, 11)], 3, 0)] == [2]  # behind
+    assert stopped_ranks(waiting, 2, 0) == []
 
 
 def test_settable_from_launch_overrides():

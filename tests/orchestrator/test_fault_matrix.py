@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.flow import launch
+from orchestrator.status import collect, format_rows
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import (
@@ -86,7 +88,12 @@ RUNS = {
     "killsave": ["+cluster.env.SLIPWAY_CKPT_FAILPOINT=mid_write@8",
                  "+cluster.env.SLIPWAY_CKPT_FAILPOINT_ONCE={root}/killsave.once"],
     "diskfull": ["checkpoint.keep=1"],  # max_retries stays 2: a full disk must not be retried
+    # W&B online on nodes that cannot reach it (WANDB_BASE_URL: a local port nothing listens on).
+    "wandboff": ["logging.wandb.mode=online", "+cluster.env.WANDB_BASE_URL={wandb_url}"],
+    "wandbreq": ["logging.wandb.mode=online", "logging.wandb.require_online=true",
+                 "+cluster.env.WANDB_BASE_URL={wandb_url}"],
 }
+FAKE_WANDB_KEY = "slipway-fault-matrix-" + "0" * 40  # never checked: the server is unreachable
 
 
 @dataclass
@@ -148,18 +155,24 @@ def matrix(tmp_path_factory):
     data, vocab, merges = _dataset(root)
     base = [*COMMON, f"data.paths=[{data}]", f"tokenizer.vocab_file={vocab}",
             f"tokenizer.merge_file={merges}", f"runs_root={root}/runs", f"cache_dir={root}/cache"]
-    overrides = {name: [*base, f"run_id={name}", *(o.format(root=root) for o in extra)]
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        wandb_url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    overrides = {name: [*base, f"run_id={name}", *(o.format(root=root, wandb_url=wandb_url) for o in extra)]
                  for name, extra in RUNS.items()}
     runs = {name: root / "runs" / "codeparrot_smoke" / name for name in RUNS}
     _mount_tmpfs(runs["diskfull"] / "checkpoints", DISKFULL_TMPFS)
     m = Matrix(root, overrides, runs)
     driver = threading.Thread(target=_drive, args=(m,), daemon=True)
+    key = os.environ.get("WANDB_API_KEY")
+    os.environ["WANDB_API_KEY"] = FAKE_WANDB_KEY  # jobs get the launch's environment, as from a user's shell
     try:
         for name in RUNS:
             launch(compose_cfg(overrides[name]), out=io.StringIO())
         driver.start()
         yield m
     finally:
+        os.environ.pop("WANDB_API_KEY") if key is None else os.environ.update(WANDB_API_KEY=key)
         m.stop.set()
         cancel_runs(list(runs.values()))
         subprocess.run(["umount", "-l", str(runs["diskfull"] / "checkpoints")], timeout=30, check=False)
@@ -344,3 +357,29 @@ def test_2_time_limit_checkpoints_requeues_and_finishes_within_max_timeouts(matr
     stops = log_text(run, "train_*_0.err")
     assert "stop requested (SIGUSR2)" in stops  # Slurm's --signal=USR2@30, before the limit
     _assert_same_losses(run, base_losses)
+
+
+def test_9_wandb_unreachable_trains_offline_with_one_warning_and_the_sync_command(matrix, base_losses):
+    run = matrix.runs["wandboff"]
+    assert wait_states(run)["train"] == "COMPLETED"
+    assert not (matrix.train_state_dir("wandboff") / "retries").exists()
+    _assert_same_losses(run, base_losses)
+    logged = log_text(run, "train_*_r0_a0_0.err")
+    assert logged.count("W&B is unreachable from this node") == 1, logged[-3000:]
+    assert "Traceback" not in logged and "ConnectionResetError" not in logged, logged[-3000:]
+    offline = [p for p in (run / "wandb").glob("offline-run-*") if p.is_dir()]
+    assert len(offline) == 1 and list(offline[0].glob("run-*.wandb")), offline
+    status = format_rows(collect(str(run)))
+    assert "W&B: run wandboff: W&B is unreachable from this node (http://127.0.0.1:" in status, status
+    assert f"upload with: wandb sync {offline[0]}" in status, status
+
+
+def test_9_wandb_required_online_fails_once_and_is_not_retried(matrix):
+    run = matrix.runs["wandbreq"]
+    assert wait_states(run)["train"] == "FAILED"
+    assert not (matrix.train_state_dir("wandbreq") / "retries").exists()  # a retry would not bring W&B
+    assert "slipway: not retrying (a retry would repeat it): WandbError: W&B is unreachable" in \
+        log_text(run, "train_*_batch.out")
+    status = format_rows(collect(str(run)))
+    assert "FAILED: run wandbreq stage train (job" in status and "require_online=true" in status, status
+    assert not (run / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
