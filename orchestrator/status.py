@@ -130,7 +130,9 @@ def _failure(state: str, entry: dict, acct: dict) -> str:
         exit_code = acct.get("exit", "")
         why = ", ".join(x for x in (f"exit code {exit_code}" if exit_code else "", acct.get("reason", ""))
                         if x and x != "None")
-        reason = f"{state}{f' ({why})' if why else ''}; no error was recorded (killed, or lost its node?)"
+        hint = ("cancelled: scancel, or an upstream stage failed (afterok)" if category(state) == CANCELLED
+                else "no error was recorded (killed, or lost its node?)")
+        reason = f"{state}{f' ({why})' if why else ''}; {hint}"
     return str(reason).splitlines()[0] if str(reason).strip() else state
 
 

@@ -48,14 +48,19 @@ def test_every_failed_stage_gets_a_reason_line(tmp_path, monkeypatch):
     # Convert: a Slurm job killed without a word (no marker): accounting's exit code and reason.
     jobs = {"preprocess": [{"job_id": "2147483645", "executor": "local", "state_dir": str(prep_dir)}],
             "train": [{"job_id": "2147483646", "executor": "local", "state_dir": str(train_dir)}],
-            "convert": [{"job_id": "77", "executor": "slurm", "state_dir": str(run_dir / "stages" / "c")}]}
+            "convert": [{"job_id": "77", "executor": "slurm", "state_dir": str(run_dir / "stages" / "c")}],
+            "eval": [{"job_id": "78", "executor": "slurm", "state_dir": str(run_dir / "stages" / "e")}]}
     (run_dir / RUN_JSON).write_text(json.dumps({"jobs": jobs}))
     acct = {"77": {"state": "OUT_OF_MEMORY", "exit": "0:125", "nodes": "n1", "reason": "None",
+                   "records": "1"},
+            "78": {"state": "CANCELLED", "exit": "0:0", "nodes": "", "reason": "DependencyNeverSatisfied",
                    "records": "1"}}
     monkeypatch.setattr(status, "query_slurm_checked", lambda ids: ({}, acct, ""))
     text = status.format_rows(status.collect(str(run_dir)))
     lines = {ln.split(" stage ")[1].split(" ")[0]: ln for ln in text.splitlines() if ": run run stage " in ln}
-    assert set(lines) == {"preprocess", "train", "convert"}, text
+    assert set(lines) == {"preprocess", "train", "convert", "eval"}, text
     assert "vocab.json" in lines["preprocess"] and lines["preprocess"].startswith("FAILED: run run"), text
     assert f"WandbError: W&B is unreachable from this node (http://127.0.0.1:{port}" in lines["train"], text
     assert "OUT_OF_MEMORY (exit code 0:125); no error was recorded" in lines["convert"], text
+    assert "CANCELLED (exit code 0:0, DependencyNeverSatisfied); cancelled: scancel, or an upstream" in \
+        lines["eval"], text
