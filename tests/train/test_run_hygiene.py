@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from tests.train.harness import run_cfg, tiny_config, write_dataset
+from tests.waits import NEVER_S
 from trainer.checkpoint import protocol as ckpt
 from trainer.main import RunHooks
 from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, metrics_path
@@ -33,7 +34,7 @@ def test_identical_runs_save_identical_rng_states(tmp_path):
     procs = [_trainer(tiny_config(str(tmp_path / name), data, train={"iters": 3, "save_interval": 3}),
                       tmp_path, name) for name in ("a", "b")]
     for p in procs:
-        out = p.communicate(timeout=300)[0]
+        out = p.communicate(timeout=NEVER_S)[0]
         assert p.returncode == EXIT_OK, out[-3000:]
     a, b = (ckpt.load_file(ckpt.shard_path(str(tmp_path / name / "checkpoints"), 3, 0, 0, 1))["rng_state"][0]
             for name in ("a", "b"))
@@ -67,6 +68,6 @@ def test_standalone_trainer_exits_78_with_the_dataset_error(tmp_path):
     with open(data + ".idx", "r+b") as f:  # a damaged index header
         f.write(b"NOTMAGIC!")
     p = _trainer(tiny_config(str(tmp_path / "run"), data), tmp_path, "run")
-    out = p.communicate(timeout=300)[0]
+    out = p.communicate(timeout=NEVER_S)[0]
     assert p.returncode == EXIT_PERMANENT, out[-3000:]
     assert "IndexedDatasetError: " in out and data + ".idx" in out and "Traceback" not in out, out[-3000:]

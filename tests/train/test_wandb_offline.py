@@ -15,6 +15,7 @@ from orchestrator.summary import write_summary
 from tests.logs import captured
 from tests.train import wandb_reader
 from tests.train.harness import run_cfg, tiny_config, write_dataset
+from tests.waits import NEVER_S
 from trainer import wandb_online
 from trainer.signals import EXIT_OK, permanent_reason
 
@@ -145,7 +146,7 @@ def test_a_cancel_that_also_kills_the_wandb_service_ends_quietly(tmp_path):
             break
     for pid in [proc.pid, *_children(proc.pid)]:  # W&B's service runs in a session of its own; Slurm
         os.kill(pid, signal.SIGTERM)  # signals every process of the job step (its cgroup) all the same
-    rest, _ = proc.communicate(timeout=120)
+    rest, _ = proc.communicate(timeout=NEVER_S)
     out = "".join(lines) + rest
     assert proc.returncode == 75, out
     assert "Traceback" not in out, out
