@@ -24,10 +24,11 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from orchestrator import launches
 from orchestrator.container import PYXIS_OPTIONS
 from orchestrator.jobs import COMPLETE, PreprocessJob
 from orchestrator.plan import Plan
-from orchestrator.queue import live_state
+from orchestrator.queue import live_state, local_state, query_slurm
 from orchestrator.runs import RUN_JSON, write_json
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import PlanError, Problem
@@ -88,16 +89,27 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
+def _latest_entries(data: dict[str, Any]) -> list[tuple[int, str, dict[str, Any]]]:
+    """(launch, stage, entry) of each launch's last job per stage, except launches whose outcome is
+    recorded (their jobs ended)."""
+    return [(r.get("n", 1), stage, es[-1]) for r in launches.history(data) if not r.get("outcome")
+            for stage, es in r.get("jobs", {}).items() if es]
+
+
 def active_jobs(plan: Plan) -> list[str]:
-    """Descriptions of the queued/running jobs of this run and of the checkpoint directory's writer."""
+    """Descriptions of the queued/running jobs of this run (any launch) and of the checkpoint directory's
+    writer."""
     found: list[str] = []
     seen: set[str] = set()
-    for stage, entries in _read(Path(plan.run_dir) / RUN_JSON).get("jobs", {}).items():
-        e = entries[-1]
+    data = _read(Path(plan.run_dir) / RUN_JSON)
+    last = len(launches.history(data))
+    for n, stage, e in _latest_entries(data):
         state = live_state(str(e["job_id"]), e.get("executor", "slurm"))
         seen.add(str(e["job_id"]))
         if state:
-            found.append(f"{stage} job {e['job_id']} ({state})")
+            by = "" if n == last and not e.get("adopted") else f" submitted by launch {n}"
+            by += " (which died before recording it)" if e.get("adopted") else ""
+            found.append(f"{stage} job {e['job_id']} ({state}){by}")
     writer = _read(Path(checkpoint_dir(plan)) / WRITER)
     if writer and str(writer.get("job_id")) not in seen:
         state = live_state(str(writer["job_id"]), writer.get("executor", "slurm"))
@@ -105,6 +117,36 @@ def active_jobs(plan: Plan) -> list[str]:
             found.append(f"train job {writer['job_id']} of run {writer.get('run_dir')} ({state}), which "
                          f"writes {checkpoint_dir(plan)}")
     return found
+
+
+def _run_active(plan: Plan, active: list[str]) -> Problem:
+    return Problem(
+        "run_active", "run_id", plan.run_id,
+        f"this run is already launched: {'; '.join(active)}. A second launch would write "
+        f"{checkpoint_dir(plan)} at the same time",
+        f"follow it with python -m orchestrator status {plan.run_dir}; to relaunch, wait until it "
+        "ends or cancel it first (scancel)")
+
+
+def active_problems(plan: Plan) -> list[Problem]:
+    """The dry run's ``run_active``: what :func:`single_writer` would refuse (reads only), the jobs a dead
+    launch submitted without recording them included."""
+    active = active_jobs(plan)
+    try:
+        active += [f"{stage} job {jid} ({state}) submitted by launch {n}, which died before recording it"
+                   for n, stage, jid, state in launches.orphans(plan.run_dir) if jid]
+    except RuntimeError as err:
+        active.append(str(err))
+    return [_run_active(plan, active)] if active else []
+
+
+def record_outcomes(run_dir: str) -> None:
+    """Before a new launch: the final job states of earlier launches (their jobs have all ended)."""
+    entries = _latest_entries(_read(Path(run_dir) / RUN_JSON))
+    _, sa = query_slurm([str(e["job_id"]) for _, _, e in entries if e.get("executor", "slurm") == "slurm"])
+    states = {str(e["job_id"]): local_state(e) if e.get("executor") == "local"
+              else sa.get(str(e["job_id"]), {}).get("state", "UNKNOWN") for _, _, e in entries}
+    launches.add_outcomes(run_dir, states)
 
 
 @contextmanager
@@ -116,17 +158,18 @@ def single_writer(plan: Plan) -> Iterator[None]:
             os.makedirs(d, exist_ok=True)
             f = stack.enter_context(open(os.path.join(d, LOCK), "a"))
             fcntl.flock(f, fcntl.LOCK_EX)
-        active = active_jobs(plan)
+        try:
+            launches.reconcile(plan.run_dir)  # a dead launch's unrecorded job is recorded first
+            active = active_jobs(plan)
+        except RuntimeError as err:  # squeue cannot say whether a dead launch's job is queued
+            active = [str(err)]
         if active:
             for d in created:  # a refused launch leaves nothing behind
                 Path(d, LOCK).unlink(missing_ok=True)
                 _rmdir(d)
-            raise PlanError([Problem(
-                "run_active", "run_id", plan.run_id,
-                f"this run is already launched: {'; '.join(active)}. A second launch would write "
-                f"{checkpoint_dir(plan)} at the same time",
-                f"follow it with python -m orchestrator status {plan.run_dir}; to relaunch, wait until it "
-                "ends or cancel it first (scancel)")])
+            raise PlanError([_run_active(plan, active)])
+        if os.path.exists(os.path.join(plan.run_dir, RUN_JSON)):
+            record_outcomes(plan.run_dir)
         yield
 
 

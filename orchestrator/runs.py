@@ -116,22 +116,6 @@ def read_json(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 
 
-def update_run_json(run_dir: str, **fields: Any) -> dict[str, Any]:
-    path = Path(run_dir) / RUN_JSON
-    data = read_json(path) if path.exists() else {}
-    data.update(fields)
-    write_json(path, data)
-    return data
-
-
-def record_job(run_dir: str, stage: str, entry: dict[str, Any]) -> None:
-    """Append one submission (job id, attempt, dependency, folder) to run.json's ``jobs``."""
-    path = Path(run_dir) / RUN_JSON
-    data = read_json(path) if path.exists() else {}
-    data.setdefault("jobs", {}).setdefault(stage, []).append(entry)
-    write_json(path, data)
-
-
 def add_to_sweep(sweep_dir: str, entry: dict[str, Any], header: dict[str, Any]) -> None:
     """Sweep manifest: one entry per point (run dir, overrides, job ids)."""
     path = Path(sweep_dir) / SWEEP_JSON

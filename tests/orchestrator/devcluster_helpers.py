@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from orchestrator.launches import current_jobs
 from orchestrator.queue import alive, ended
 from orchestrator.status import collect
 from tests.slurm_cli import slurm
@@ -80,7 +81,7 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = 400, what: str = "") -
 
 def job_ids(run_dir: Path) -> dict[str, str]:
     meta = json.loads((run_dir / "run.json").read_text())
-    return {stage: entries[-1]["job_id"] for stage, entries in meta["jobs"].items()}
+    return {stage: entries[-1]["job_id"] for stage, entries in current_jobs(meta).items()}
 
 
 def losses(run_dir: Path) -> dict[int, float]:
