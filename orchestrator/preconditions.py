@@ -29,10 +29,11 @@ from orchestrator.container import PYXIS_OPTIONS
 from orchestrator.jobs import COMPLETE, PreprocessJob
 from orchestrator.plan import Plan
 from orchestrator.queue import live_state, local_state, query_slurm
-from orchestrator.runs import RUN_JSON, write_json
+from orchestrator.runs import RUN_JSON, hf_vocab_entries, vocab_entries, write_json
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import PlanError, Problem
 from trainer.checkpoint import verify as ckpt_verify
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 
 LOCK = ".slipway-launch.lock"
 WRITER = ".slipway-writer.json"
@@ -75,7 +76,37 @@ def checkpoint_problems(plan: Plan) -> list[Problem]:
                         "checkpoint.dir); damaged folders are never deleted")]
     plan.warnings.extend(f"{w} (the training job will load iteration {choice.iteration} instead)"
                          if "failed verification" in w else w for w in choice.warnings)
-    return []
+    return model_problems(plan, ck["dir"], choice.iteration) if choice.iteration is not None else []
+
+
+def model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
+    """The checkpoint the training job would resume from must be the configured model: the trainer's
+    own comparison (trainer.checkpoint.layout.model_differences), made here so that a relaunch with a
+    changed model section is refused before anything is submitted or recorded."""
+    from trainer.checkpoint.layout import CheckpointError, model_differences
+    from trainer.checkpoint.protocol import saved_layout
+
+    try:
+        args = saved_layout(ckpt_dir, iteration, mmap=True)[2]
+    except CheckpointError:
+        return []  # not a Slipway checkpoint (torch_dist, foreign): the trainer says what to do with it
+    tc = plan.stage("train").job.trainer_config
+    model = dict(tc["model"])
+    if not model.get("vocab_size"):  # as trainer.main.resolve_vocab: the tokenizer's size when readable
+        tok = tc["tokenizer"]
+        model["vocab_size"] = (hf_vocab_entries(tok.get("model")) if tok.get("type") == HF_TOKENIZER_TYPE
+                               else vocab_entries(tok.get("vocab_file")))
+    wrong = model_differences(args, model)
+    if not wrong:
+        return []
+    diffs = ", ".join(f"{k} {saved} → {now}" for k, (saved, now) in wrong.items())
+    old = " ".join(f"model.{k}={saved}" for k, (saved, _) in wrong.items())
+    return [Problem(
+        "checkpoint_model", "model", diffs,
+        f"the run's checkpoints ({ckpt_dir}, iteration {iteration}) are a different model (saved → "
+        f"configured): {diffs}; the training job would refuse to load them",
+        f"start a new run (another run_id; to start from these weights use checkpoint.load=model-only "
+        f"checkpoint.load_dir={ckpt_dir}), or keep the old values: {old}")]
 
 
 def checkpoint_dir(plan: Plan) -> str:
