@@ -1,8 +1,10 @@
 """Run identity and the run directory: ids, git state, file fingerprints, ``run.json`` and sweep manifests.
 
-Layout: ``runs/<experiment>/<run_id>/`` with ``run.json``, ``config.yaml`` (resolved), ``scripts/``
-(rendered job scripts), ``logs/``, ``jobs/`` (submitit pickles), ``stages/`` (markers), ``checkpoints/``,
-``hf/``, ``wandb/``. Reads of the outside world (git, file stats) live here so plan.py stays pure.
+Layout: ``runs/<experiment>/<run_id>/`` with ``run.json`` (identity and the launch history:
+launches.py), ``launches/<n>/`` (each launch's resolved ``config.yaml`` and submitted ``scripts/``),
+``config.yaml`` (a link to the latest launch's), ``logs/``, ``jobs/`` (submitit pickles), ``stages/``
+(markers), ``checkpoints/``, ``hf/``, ``wandb/``. Reads of the outside world (git, file stats) live here
+so plan.py stays pure.
 """
 
 from __future__ import annotations

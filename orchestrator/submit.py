@@ -1,8 +1,9 @@
 """Submission: submitit executors, afterok chains, stage reuse — the layer that talks to the scheduler.
 
 Side effects are not all here. The launch's are spread over modules named for them: this one submits
-jobs and writes each job's record (``_JOB.json``, ``run.json`` jobs, ``scripts/``); runs.py writes the
-run directory and sweep manifests and reads git and file stats; preconditions.py takes the launch locks
+jobs and writes each job's record (``_JOB.json``, the launch's intents and jobs through launches.py,
+``launches/<n>/scripts/``); runs.py writes the run directory and sweep manifests and reads git and file
+stats; preconditions.py takes the launch locks
 and writes the checkpoint directory's writer record; queue.py asks squeue/sacct and local processes;
 flow.py records the run (config, scripts) and waits; stages.py runs on the nodes. Planning (plan.py,
 validate.py, estimate.py) and rendering (render.py) are pure.

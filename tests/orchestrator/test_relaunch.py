@@ -49,6 +49,8 @@ def _overrides(root: Path, run_id: str, *extra: str) -> list[str]:
 def _queued(run_dir: Path) -> dict[str, list[str]]:
     """{stage: [ids]} of this run's queued or running jobs, found by the comment its jobs carry."""
     out: dict[str, list[str]] = {}
+    if not (run_dir / "run.json").exists():
+        return out
     prefix = next(iter(_scripts_comment(run_dir)), None)
     for line in slurm("squeue", "-h", "-o", "%i|%T|%k").splitlines():
         jid, _, comment = line.split("|", 2)
@@ -73,8 +75,15 @@ def _cancel(run_dir: Path) -> None:
 
 
 def test_relaunch_appends_to_the_history_and_keeps_earlier_launches(tmp_path, capsys):
-    run_id = "hist"
-    run = tmp_path / "runs" / "codeparrot_smoke" / run_id
+    run = tmp_path / "runs" / "codeparrot_smoke" / "hist"
+    try:
+        _history_case(tmp_path, run, capsys)
+    finally:
+        _cancel(run)
+
+
+def _history_case(tmp_path, run, capsys):
+    run_id = run.name
     first = _overrides(tmp_path, run_id, "train.iters=5")
     launch(compose_cfg(first), out=io.StringIO(), overrides=tuple(first))
     before = json.loads((run / "run.json").read_text())
