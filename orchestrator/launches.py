@@ -168,8 +168,10 @@ def orphans(run_dir: str, find=None) -> list[tuple[int, str, str | None, str]]:
     wanted = [(r["n"], stage, p["comment"]) for r in stale for stage, p in r.get("pending", {}).items()]
     if not wanted:
         return []
-    found = (find or jobs_by_comment)([c for _, _, c in wanted])
-    return [(n, stage, *(found.get(c) or (None, ""))) for n, stage, c in wanted]
+    # a local job has no comment (and no queue to ask): its intent is settled as not found
+    comments = [c for _, _, c in wanted if c]
+    found = (find or jobs_by_comment)(comments) if comments else {}
+    return [(n, stage, *((c and found.get(c)) or (None, ""))) for n, stage, c in wanted]
 
 
 def reconcile(run_dir: str, find=None) -> list[str]:

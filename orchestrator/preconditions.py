@@ -28,7 +28,7 @@ from orchestrator import launches
 from orchestrator.container import PYXIS_OPTIONS
 from orchestrator.jobs import COMPLETE, PreprocessJob
 from orchestrator.plan import Plan
-from orchestrator.queue import live_state, local_state, query_slurm
+from orchestrator.queue import ended, live_state, local_state, query_slurm
 from orchestrator.runs import RUN_JSON, hf_vocab_entries, vocab_entries, write_json
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import PlanError, Problem
@@ -177,7 +177,8 @@ def record_outcomes(run_dir: str) -> None:
     _, sa = query_slurm([str(e["job_id"]) for _, _, e in entries if e.get("executor", "slurm") == "slurm"])
     states = {str(e["job_id"]): local_state(e) if e.get("executor") == "local"
               else sa.get(str(e["job_id"]), {}).get("state", "UNKNOWN") for _, _, e in entries}
-    launches.add_outcomes(run_dir, states)
+    # a state accounting does not know yet is left out: a later launch records it
+    launches.add_outcomes(run_dir, {j: st for j, st in states.items() if ended(st)})
 
 
 @contextmanager

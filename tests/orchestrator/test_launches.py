@@ -37,3 +37,31 @@ def test_previous_format_reads_as_one_launch_and_a_relaunch_keeps_it(tmp_path, c
     assert current(new)["overrides"] == ["train.iters=7"] and current_jobs(new) == {}
     assert (run / "launches" / "001" / "config.yaml").read_text() == "train:\n  iters: 5\n"
     assert (run / "config.yaml").read_text() == "train:\n  iters: 7\n"
+
+
+def test_a_dead_local_launch_is_settled_without_asking_a_queue(tmp_path):
+    """A local launch killed before recording its job: its intent has no comment and there is no Slurm to
+    ask; the relaunch marks it incomplete instead of failing on a missing squeue."""
+    import subprocess
+    import sys
+
+    from orchestrator.launches import reconcile, record_intent
+    from orchestrator.runs import write_json
+
+    run = tmp_path / "r"
+    n = begin(str(run), {"run_id": "r"}, {})
+    record_intent(str(run), n, "corpus", "")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no longer exists: the launcher that wrote the record
+    data = json.loads((run / "run.json").read_text())
+    data["launches"][0]["pid"] = dead.pid
+    write_json(run / "run.json", data)
+
+    def no_queue(comments):
+        raise AssertionError(f"asked the queue for {comments}")
+
+    lines = reconcile(str(run), find=no_queue)
+    assert lines == ["launch 1 died before recording its corpus job, and no job of it is queued or running "
+                     "(never submitted, or already ended)"]
+    after = history(json.loads((run / "run.json").read_text()))[0]
+    assert after["state"] == "incomplete" and after["pending"] == {} and after["jobs"] == {}
