@@ -54,7 +54,7 @@ def main(cfg: DictConfig) -> None:
     # would make Hydra print "Error executing job with overrides: [...]", every override (secrets too).
     try:
         typed = to_typed(cfg, dict(HydraConfig.get().runtime.choices))
-        result = launch(typed, _sweep_info())
+        result = launch(typed, _sweep_info(), overrides=tuple(HydraConfig.get().overrides.task))
     except PlanError as err:
         sys.stderr.write(f"{err}\n")
         sys.exit(EXIT_PROBLEMS)

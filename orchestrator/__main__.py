@@ -1,4 +1,4 @@
-"""``python -m orchestrator status RUN_OR_SWEEP_DIR [--plot [PNG]]``."""
+"""``python -m orchestrator status RUN_OR_SWEEP_DIR [--plot [PNG]] [--history]``."""
 
 from __future__ import annotations
 
@@ -26,15 +26,19 @@ def main(argv: list[str] | None = None) -> int:
         metavar="SECONDS",
         help="a rank whose heartbeat is older is stale (default: 5 heartbeat intervals, at least 30 s)",
     )
+    st.add_argument("--history", action="store_true",
+                    help="also list every launch of the run: when, overrides, job ids, outcome")
     args = parser.parse_args(argv)
-    from orchestrator.status import collect, format_rows, plot
+    from orchestrator.status import collect, format_history, format_rows, launch_notes, plot
 
     try:
         rows = collect(args.path, args.stale_after)
     except FileNotFoundError as err:
         sys.stderr.write(f"{err}\n")
         return 2
-    sys.stdout.write(format_rows(rows) + "\n")
+    sys.stdout.write("\n".join([format_rows(rows), *launch_notes(args.path)]) + "\n")
+    if args.history:
+        sys.stdout.write("\nLaunches:\n" + format_history(args.path) + "\n")
     if args.plot is not None:
         out = args.plot or str(Path(args.path) / "loss.png")
         sys.stdout.write(f"loss curves: {plot(args.path, out)}\n")

@@ -16,13 +16,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import queue, redaction
+from orchestrator import launches, queue, redaction
 from orchestrator.estimate import fmt_duration, memory_table, options_table
 from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.guards import known_secrets
 from orchestrator.input_checks import input_problems
 from orchestrator.plan import Plan, PlanInputs, SweepInfo, make_plan, run_name
 from orchestrator.preconditions import (
+    active_problems,
     checkpoint_problems,
     pyxis_problems,
     record_writer,
@@ -40,7 +41,6 @@ from orchestrator.runs import (
     mint_run_id,
     read_json,
     tokenizer_dir_fingerprint,
-    update_run_json,
     vocab_entries,
     write_json,
 )
@@ -57,6 +57,7 @@ from orchestrator.summary import write_summary
 from orchestrator.validate import PlanError
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
+from trainer.testing_hooks import launch_failpoint
 
 log = get_logger(__name__)
 
@@ -145,41 +146,42 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def scripts_of(cfg: SlipwayConfig, plan: Plan) -> dict[str, str]:
+def scripts_of(cfg: SlipwayConfig, plan: Plan, launch_n: int | None = None) -> dict[str, str]:
     """Scripts as they will be submitted; upstream job ids are not known yet (<stage> placeholders)."""
-    out = {s.name: render_stage(cfg, plan, s, tuple(f"<{d}>" for d in s.depends_on)) for s in plan.stages}
+    out = {s.name: render_stage(cfg, plan, s, tuple(f"<{d}>" for d in s.depends_on), launch_n=launch_n)
+           for s in plan.stages}
     wrapper = container_wrapper(cfg, plan)
     if wrapper:
         out["container_exec.sh"] = wrapper
     return out
 
 
-def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> None:
+def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str], overrides: tuple[str, ...]) -> int:
+    """Append this launch to the run's history (launches.py) and write its resolved config; its number."""
     from omegaconf import OmegaConf
 
     run = Path(plan.run_dir)
     (run / "logs").mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.structured(cfg)
-    (run / "config.yaml").write_text(redaction.redact(OmegaConf.to_yaml(resolved)))
     git = git_state()
+    identity = {"run_id": plan.run_id, "experiment": plan.experiment, "name": run_name(cfg, _facts(plan)),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    n = launches.begin(plan.run_dir, identity, {
+        "overrides": [redaction.redact(o) for o in overrides],
+        "git": {"sha": git["sha"], "dirty": git["dirty"]},
+        "config": redaction.REDACTOR.tree(OmegaConf.to_container(resolved)),
+        "stages": {s.name: {"key": s.key, "dir": s.state_dir} for s in plan.stages},
+        "sweep": dataclasses.asdict(plan.sweep) if plan.sweep else None,
+        "scripts": redaction.REDACTOR.tree(scripts),
+    })
+    path = launches.link_config(plan.run_dir, n)
+    path.write_text(redaction.redact(OmegaConf.to_yaml(resolved)))
     if git["diff"]:
-        (run / "git.diff").write_text(redaction.redact(git["diff"]))
-    update_run_json(
-        plan.run_dir,
-        run_id=plan.run_id,
-        experiment=plan.experiment,
-        name=run_name(cfg, _facts(plan)),
-        created=time.strftime("%Y-%m-%dT%H:%M:%S"),
-        git={"sha": git["sha"], "dirty": git["dirty"]},
-        config=redaction.REDACTOR.tree(OmegaConf.to_container(resolved)),
-        stages={s.name: {"key": s.key, "dir": s.state_dir} for s in plan.stages},
-        sweep=dataclasses.asdict(plan.sweep) if plan.sweep else None,
-        scripts=redaction.REDACTOR.tree(scripts),
-        jobs={},
-    )
+        (path.parent / "git.diff").write_text(redaction.redact(git["diff"]))
     wrapper = scripts.get("container_exec.sh")
     if wrapper:
         (run / "container_exec.sh").write_text(redaction.redact(wrapper))
+    return n
 
 
 def _facts(plan: Plan) -> PlanInputs:
@@ -248,7 +250,8 @@ def _failed(plan: Plan) -> list[tuple[str, str, str]]:
     """(stage, state, log) from the first stage that did not complete on (later ones are its dependants)."""
     from orchestrator.status import collect
 
-    entries = {s: e[-1] for s, e in read_json(Path(plan.run_dir) / RUN_JSON).get("jobs", {}).items() if e}
+    jobs = launches.current_jobs(read_json(Path(plan.run_dir) / RUN_JSON))
+    entries = {s: e[-1] for s, e in jobs.items() if e}
     rows = [(r.stage, r.state, str(entries[r.stage]["job_id"]), entries[r.stage].get("executor", "slurm"))
             for r in collect(plan.run_dir)]
     first = next((i for i, r in enumerate(rows) if not queue.succeeded(r[1])), None)
@@ -281,8 +284,10 @@ def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out, err
     out.write("\n" + write_summary(plan.run_dir, time.monotonic() - started))
 
 
-def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -> LaunchResult:
-    """Plan, then print (dry run), refuse (problems), or record and submit."""
+def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
+           overrides: tuple[str, ...] = ()) -> LaunchResult:
+    """Plan, then print (dry run), refuse (problems), or record and submit. ``overrides``: the command
+    line's, recorded with the launch."""
     started = time.monotonic()
     redaction.REDACTOR.add(redaction.environ_secrets(os.environ) | known_secrets(cfg))
     redaction.install(streams=False)  # the slipway loggers' handlers
@@ -290,7 +295,7 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -
     facts = gather_facts(cfg, sweep)
     plan = make_plan(cfg, facts)
     plan.problems.extend(input_problems(cfg) + reused_data_problems(plan) + checkpoint_problems(plan)
-                         + pyxis_problems(cfg))
+                         + pyxis_problems(cfg) + (active_problems(plan) if cfg.dry_run else []))
     for warning in plan.warnings:
         err.write(f"warning: {warning}\n")
     scripts = scripts_of(cfg, plan)
@@ -301,10 +306,14 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout) -
     if plan.problems:
         raise PlanError(plan.problems)
     with single_writer(plan):  # refuses while a job of this run (or of its checkpoint dir) is active
-        _record(cfg, plan, scripts)
-        submitted = submit_plan(cfg, plan)
+        n = launches.next_launch(plan.run_dir)
+        _record(cfg, plan, scripts_of(cfg, plan, n), overrides)
+        launch_failpoint(cfg.testing, "recorded")
+        submitted = submit_plan(cfg, plan, n)
         train = next((s for s in submitted if s.stage == "train"), None)
         record_writer(plan, train.job_id if train else None, cfg.cluster.executor)
+        launch_failpoint(cfg.testing, "submitted")
+        launches.set_state(plan.run_dir, n, launches.SUBMITTED)
     if sweep:
         add_to_sweep(
             sweep.sweep_dir,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from orchestrator.launches import current_jobs
 from orchestrator.runs import RUN_JSON, read_json
 
 
@@ -32,7 +33,7 @@ class LogFollower:
 
     def _local_jobs(self) -> list[tuple[str, dict]]:
         try:
-            jobs = read_json(Path(self.run_dir) / RUN_JSON).get("jobs", {})
+            jobs = current_jobs(read_json(Path(self.run_dir) / RUN_JSON))
         except (OSError, ValueError):  # being rewritten: next poll
             return []
         return [(stage, es[-1]) for stage, es in jobs.items() if es and es[-1].get("executor") == "local"]
@@ -60,7 +61,7 @@ class LogFollower:
 
 def failure_tails(run_dir: str, stages: list[str], lines: int = 15) -> str:
     """The last ``lines`` lines of every task's stderr of the given local stages (what went wrong)."""
-    jobs = read_json(Path(run_dir) / RUN_JSON).get("jobs", {})
+    jobs = current_jobs(read_json(Path(run_dir) / RUN_JSON))
     parts = []
     for stage in stages:
         entry = (jobs.get(stage) or [{}])[-1]

@@ -5,6 +5,8 @@
   orchestrator/redaction.py, the one definition), or the value of a secret variable of the launching
   environment copied into the config (``${oc.env:DB_PASSWD}``). Secrets belong in the environment one
   launches from; the value is never shown (``<redacted>``).
+- ``wandb_key``: ``logging.wandb.mode=online`` with no W&B API key in the launching environment or
+  ``~/.netrc`` (the jobs get both).
 - ``test_hook``: ``fail_train``/``stall_train``, or a hook variable (trainer/testing_hooks.py) in
   ``cluster.env`` or the launching environment, without ``testing=true``.
 
@@ -20,6 +22,7 @@ from orchestrator.redaction import HEX40, is_secret_name, secret_assignments, se
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import Problem
 from trainer import testing_hooks
+from trainer.wandb_key import has_wandb_key, missing_key_message
 
 _REMOVE = "remove it from the config and export it in the environment you launch from (Slurm passes it on)"
 
@@ -95,8 +98,19 @@ def hook_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Proble
     return out
 
 
+def wandb_key_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """W&B online needs a key where the jobs will look for it (trainer/wandb_key.py): without one every
+    attempt of the training job would fail at start."""
+    if cfg.logging.wandb.mode != "online" or has_wandb_key(environ):
+        return []
+    return [Problem("wandb_key", "logging.wandb.mode", "online", missing_key_message(environ),
+                    "export WANDB_API_KEY in the shell you launch from (Slurm passes it on) or run `wandb "
+                    "login` (~/.netrc); or set logging.wandb.mode=offline (upload later with wandb sync) or "
+                    "disabled")]
+
+
 def guard_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Problem]:
-    return secret_problems(cfg, environ) + hook_problems(cfg, environ)
+    return secret_problems(cfg, environ) + hook_problems(cfg, environ) + wandb_key_problems(cfg, environ)
 
 
 def known_secrets(cfg: SlipwayConfig) -> dict[str, str]:

@@ -24,14 +24,16 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from orchestrator import launches
 from orchestrator.container import PYXIS_OPTIONS
 from orchestrator.jobs import COMPLETE, PreprocessJob
 from orchestrator.plan import Plan
-from orchestrator.queue import live_state
-from orchestrator.runs import RUN_JSON, write_json
+from orchestrator.queue import ended, live_state, local_state, query_slurm
+from orchestrator.runs import RUN_JSON, hf_vocab_entries, vocab_entries, write_json
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import PlanError, Problem
 from trainer.checkpoint import verify as ckpt_verify
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 
 LOCK = ".slipway-launch.lock"
 WRITER = ".slipway-writer.json"
@@ -74,7 +76,37 @@ def checkpoint_problems(plan: Plan) -> list[Problem]:
                         "checkpoint.dir); damaged folders are never deleted")]
     plan.warnings.extend(f"{w} (the training job will load iteration {choice.iteration} instead)"
                          if "failed verification" in w else w for w in choice.warnings)
-    return []
+    return model_problems(plan, ck["dir"], choice.iteration) if choice.iteration is not None else []
+
+
+def model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
+    """The checkpoint the training job would resume from must be the configured model: the trainer's
+    own comparison (trainer.checkpoint.layout.model_differences), made here so that a relaunch with a
+    changed model section is refused before anything is submitted or recorded."""
+    from trainer.checkpoint.layout import CheckpointError, model_differences
+    from trainer.checkpoint.protocol import saved_layout
+
+    try:
+        args = saved_layout(ckpt_dir, iteration, mmap=True)[2]
+    except CheckpointError:
+        return []  # not a Slipway checkpoint (torch_dist, foreign): the trainer says what to do with it
+    tc = plan.stage("train").job.trainer_config
+    model = dict(tc["model"])
+    if not model.get("vocab_size"):  # as trainer.main.resolve_vocab: the tokenizer's size when readable
+        tok = tc["tokenizer"]
+        model["vocab_size"] = (hf_vocab_entries(tok.get("model")) if tok.get("type") == HF_TOKENIZER_TYPE
+                               else vocab_entries(tok.get("vocab_file")))
+    wrong = model_differences(args, model)
+    if not wrong:
+        return []
+    diffs = ", ".join(f"{k} {saved} → {now}" for k, (saved, now) in wrong.items())
+    old = " ".join(f"model.{k}={saved}" for k, (saved, _) in wrong.items())
+    return [Problem(
+        "checkpoint_model", "model", diffs,
+        f"the run's checkpoints ({ckpt_dir}, iteration {iteration}) are a different model (saved → "
+        f"configured): {diffs}; the training job would refuse to load them",
+        f"start a new run (another run_id; to start from these weights use checkpoint.load=model-only "
+        f"checkpoint.load_dir={ckpt_dir}), or keep the old values: {old}")]
 
 
 def checkpoint_dir(plan: Plan) -> str:
@@ -88,16 +120,27 @@ def _read(path: Path) -> dict[str, Any]:
         return {}
 
 
+def _latest_entries(data: dict[str, Any]) -> list[tuple[int, str, dict[str, Any]]]:
+    """(launch, stage, entry) of each launch's last job per stage, except launches whose outcome is
+    recorded (their jobs ended)."""
+    return [(r.get("n", 1), stage, es[-1]) for r in launches.history(data) if not r.get("outcome")
+            for stage, es in r.get("jobs", {}).items() if es]
+
+
 def active_jobs(plan: Plan) -> list[str]:
-    """Descriptions of the queued/running jobs of this run and of the checkpoint directory's writer."""
+    """Descriptions of the queued/running jobs of this run (any launch) and of the checkpoint directory's
+    writer."""
     found: list[str] = []
     seen: set[str] = set()
-    for stage, entries in _read(Path(plan.run_dir) / RUN_JSON).get("jobs", {}).items():
-        e = entries[-1]
+    data = _read(Path(plan.run_dir) / RUN_JSON)
+    last = len(launches.history(data))
+    for n, stage, e in _latest_entries(data):
         state = live_state(str(e["job_id"]), e.get("executor", "slurm"))
         seen.add(str(e["job_id"]))
         if state:
-            found.append(f"{stage} job {e['job_id']} ({state})")
+            by = "" if n == last and not e.get("adopted") else f" submitted by launch {n}"
+            by += " (which died before recording it)" if e.get("adopted") else ""
+            found.append(f"{stage} job {e['job_id']} ({state}){by}")
     writer = _read(Path(checkpoint_dir(plan)) / WRITER)
     if writer and str(writer.get("job_id")) not in seen:
         state = live_state(str(writer["job_id"]), writer.get("executor", "slurm"))
@@ -105,6 +148,37 @@ def active_jobs(plan: Plan) -> list[str]:
             found.append(f"train job {writer['job_id']} of run {writer.get('run_dir')} ({state}), which "
                          f"writes {checkpoint_dir(plan)}")
     return found
+
+
+def _run_active(plan: Plan, active: list[str]) -> Problem:
+    return Problem(
+        "run_active", "run_id", plan.run_id,
+        f"this run is already launched: {'; '.join(active)}. A second launch would write "
+        f"{checkpoint_dir(plan)} at the same time",
+        f"follow it with python -m orchestrator status {plan.run_dir}; to relaunch, wait until it "
+        "ends or cancel it first (scancel)")
+
+
+def active_problems(plan: Plan) -> list[Problem]:
+    """The dry run's ``run_active``: what :func:`single_writer` would refuse (reads only), the jobs a dead
+    launch submitted without recording them included."""
+    active = active_jobs(plan)
+    try:
+        active += [f"{stage} job {jid} ({state}) submitted by launch {n}, which died before recording it"
+                   for n, stage, jid, state in launches.orphans(plan.run_dir) if jid]
+    except RuntimeError as err:
+        active.append(str(err))
+    return [_run_active(plan, active)] if active else []
+
+
+def record_outcomes(run_dir: str) -> None:
+    """Before a new launch: the final job states of earlier launches (their jobs have all ended)."""
+    entries = _latest_entries(_read(Path(run_dir) / RUN_JSON))
+    _, sa = query_slurm([str(e["job_id"]) for _, _, e in entries if e.get("executor", "slurm") == "slurm"])
+    states = {str(e["job_id"]): local_state(e) if e.get("executor") == "local"
+              else sa.get(str(e["job_id"]), {}).get("state", "UNKNOWN") for _, _, e in entries}
+    # a state accounting does not know yet is left out: a later launch records it
+    launches.add_outcomes(run_dir, {j: st for j, st in states.items() if ended(st)})
 
 
 @contextmanager
@@ -116,17 +190,18 @@ def single_writer(plan: Plan) -> Iterator[None]:
             os.makedirs(d, exist_ok=True)
             f = stack.enter_context(open(os.path.join(d, LOCK), "a"))
             fcntl.flock(f, fcntl.LOCK_EX)
-        active = active_jobs(plan)
+        try:
+            launches.reconcile(plan.run_dir)  # a dead launch's unrecorded job is recorded first
+            active = active_jobs(plan)
+        except RuntimeError as err:  # squeue cannot say whether a dead launch's job is queued
+            active = [str(err)]
         if active:
             for d in created:  # a refused launch leaves nothing behind
                 Path(d, LOCK).unlink(missing_ok=True)
                 _rmdir(d)
-            raise PlanError([Problem(
-                "run_active", "run_id", plan.run_id,
-                f"this run is already launched: {'; '.join(active)}. A second launch would write "
-                f"{checkpoint_dir(plan)} at the same time",
-                f"follow it with python -m orchestrator status {plan.run_dir}; to relaunch, wait until it "
-                "ends or cancel it first (scancel)")])
+            raise PlanError([_run_active(plan, active)])
+        if os.path.exists(os.path.join(plan.run_dir, RUN_JSON)):
+            record_outcomes(plan.run_dir)
         yield
 
 

@@ -201,3 +201,22 @@ def local_state(entry: dict) -> str:
     if process_alive(jid):
         return "RUNNING"
     return "COMPLETED" if (state_dir / COMPLETE).exists() else "ENDED"
+
+
+def jobs_by_comment(comments: list[str]) -> dict[str, tuple[str, str]]:
+    """{comment: (job id, state)} of the queued or running jobs carrying one of these ``--comment``s (one
+    squeue call; squeue shows a job's comment without accounting). A dead launch's job is found this way
+    (orchestrator/launches.py). Raises RuntimeError when squeue cannot answer: a relaunch must not guess
+    that nothing is queued."""
+    if not comments:
+        return {}
+    out, why = _run(["squeue", "-h", "-o", "%i|%T|%k"])
+    if out is None:
+        raise RuntimeError(f"cannot ask the queue for this run's unrecorded jobs ({why}); launch again when "
+                           "squeue answers")
+    wanted, found = set(comments), {}
+    for line in out.splitlines():
+        parts = line.strip().split("|", 2)
+        if len(parts) == 3 and parts[2] in wanted and alive(parts[1]):
+            found[parts[2]] = (parts[0], parts[1])
+    return found

@@ -111,6 +111,7 @@ class ScriptSpec:
     setup: tuple[str, ...] = ()
     master_port_base: int = 20000
     pyxis: PyxisSpec | None = None  # container.kind=pyxis: each srun runs its tasks in the image
+    comment: str = ""  # --comment: the run, launch and stage (orchestrator/launches.py job_comment)
 
 
 def sbatch_directives(spec: ScriptSpec) -> list[str]:
@@ -120,6 +121,8 @@ def sbatch_directives(spec: ScriptSpec) -> list[str]:
         ("nodes", r.nodes),
         ("ntasks-per-node", r.tasks_per_node),
     ]
+    if spec.comment:
+        d.append(("comment", spec.comment))
     if r.gpus_per_node:
         d.append(("gpus-per-node", r.gpus_per_node))
     d += [("cpus-per-task", r.cpus_per_task), ("time", r.time_limit_min)]

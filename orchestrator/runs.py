@@ -1,8 +1,10 @@
 """Run identity and the run directory: ids, git state, file fingerprints, ``run.json`` and sweep manifests.
 
-Layout: ``runs/<experiment>/<run_id>/`` with ``run.json``, ``config.yaml`` (resolved), ``scripts/``
-(rendered job scripts), ``logs/``, ``jobs/`` (submitit pickles), ``stages/`` (markers), ``checkpoints/``,
-``hf/``, ``wandb/``. Reads of the outside world (git, file stats) live here so plan.py stays pure.
+Layout: ``runs/<experiment>/<run_id>/`` with ``run.json`` (identity and the launch history:
+launches.py), ``launches/<n>/`` (each launch's resolved ``config.yaml`` and submitted ``scripts/``),
+``config.yaml`` (a link to the latest launch's), ``logs/``, ``jobs/`` (submitit pickles), ``stages/``
+(markers), ``checkpoints/``, ``hf/``, ``wandb/``. Reads of the outside world (git, file stats) live here
+so plan.py stays pure.
 """
 
 from __future__ import annotations
@@ -112,22 +114,6 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
 
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
-
-
-def update_run_json(run_dir: str, **fields: Any) -> dict[str, Any]:
-    path = Path(run_dir) / RUN_JSON
-    data = read_json(path) if path.exists() else {}
-    data.update(fields)
-    write_json(path, data)
-    return data
-
-
-def record_job(run_dir: str, stage: str, entry: dict[str, Any]) -> None:
-    """Append one submission (job id, attempt, dependency, folder) to run.json's ``jobs``."""
-    path = Path(run_dir) / RUN_JSON
-    data = read_json(path) if path.exists() else {}
-    data.setdefault("jobs", {}).setdefault(stage, []).append(entry)
-    write_json(path, data)
 
 
 def add_to_sweep(sweep_dir: str, entry: dict[str, Any], header: dict[str, Any]) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.jobs import FAILED as FAILED_MARKER
+from orchestrator.launches import INCOMPLETE, current, history, is_incomplete
 from orchestrator.queue import CANCELLED, FAILED, category, local_state, query_slurm_checked
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
 from trainer.checkpoint.verify import read_warnings
@@ -173,13 +174,14 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
     """Rows for every stage of every run under ``path`` (a run dir or a sweep dir). A training rank whose
     heartbeat is older than ``stale_after_s`` (default: five heartbeat intervals, at least 30 s) is stale."""
     runs = run_dirs_of(path)
-    metas = [(r, read_json(r / RUN_JSON)) for r in runs]
+    # status shows each run's latest launch (launches.py); --history lists all of them
+    metas = [(r, {**current(d), "name": d.get("name")}) for r in runs for d in [read_json(r / RUN_JSON)]]
     ids = [
         e["job_id"]
         for _, d in metas
         for es in d.get("jobs", {}).values()
         for e in es
-        if e.get("executor") == "slurm"
+        if e.get("executor", "slurm") == "slurm"
     ]
     sq, sa, squeue_error = query_slurm_checked(ids)
     rows = []
@@ -247,6 +249,36 @@ def format_rows(rows: list[JobRow]) -> str:
     warn = [f"SLURM: slurmctld did not answer ({e}); states above come from accounting (sacct) and may be "
             "stale" for e in errors]
     return "\n".join(lines + best_point(rows) + rank_problems(rows) + ([""] + warn if warn else []))
+
+
+def launch_notes(path: str) -> list[str]:
+    """A line for every run whose latest launch stopped before it submitted everything."""
+    out = []
+    for run_dir in run_dirs_of(path):
+        r = current(read_json(run_dir / RUN_JSON))
+        if r and (r.get("state") == INCOMPLETE or is_incomplete(r)):
+            pending = ", ".join(r.get("pending", {})) or "nothing pending"
+            out.append(f"LAUNCH INCOMPLETE: run {run_dir.name} launch {r.get('n', 1)} (started "
+                       f"{r.get('started')}) stopped while {r.get('state')} ({pending}); the stages above "
+                       "are all it submitted. Launch the same run_id again to reconcile and resume it.")
+    return ([""] if out else []) + out
+
+
+def format_history(path: str) -> str:
+    """Every launch of every run under ``path``: when, overrides, job ids, state and outcome."""
+    lines = []
+    for run_dir in run_dirs_of(path):
+        lines.append(f"run {run_dir.name}:")
+        for r in history(read_json(run_dir / RUN_JSON)):
+            jobs = " ".join(f"{s}={es[-1]['job_id']}{'(adopted)' if es[-1].get('adopted') else ''}"
+                            for s, es in r.get("jobs", {}).items() if es) or "-"
+            outcome = " ".join(f"{s}={st}" for s, st in (r.get("outcome") or {}).items()) or "-"
+            state = INCOMPLETE if r.get("state") != INCOMPLETE and is_incomplete(r) else r.get("state")
+            lines += [f"  launch {r.get('n', 1)}  {r.get('started')}  {state}  sha "
+                      f"{(r.get('git') or {}).get('sha', '')}",
+                      f"    overrides: {' '.join(r.get('overrides') or []) or '-'}",
+                      f"    jobs: {jobs}", f"    outcome: {outcome}"]
+    return "\n".join(lines)
 
 
 def best_point(rows: list[JobRow]) -> list[str]:

@@ -1,8 +1,9 @@
 """Submission: submitit executors, afterok chains, stage reuse — the layer that talks to the scheduler.
 
 Side effects are not all here. The launch's are spread over modules named for them: this one submits
-jobs and writes each job's record (``_JOB.json``, ``run.json`` jobs, ``scripts/``); runs.py writes the
-run directory and sweep manifests and reads git and file stats; preconditions.py takes the launch locks
+jobs and writes each job's record (``_JOB.json``, the launch's intents and jobs through launches.py,
+``launches/<n>/scripts/``); runs.py writes the run directory and sweep manifests and reads git and file
+stats; preconditions.py takes the launch locks
 and writes the checkpoint directory's writer record; queue.py asks squeue/sacct and local processes;
 flow.py records the run (config, scripts) and waits; stages.py runs on the nodes. Planning (plan.py,
 validate.py, estimate.py) and rendering (render.py) are pure.
@@ -29,13 +30,15 @@ import submitit
 from orchestrator import render
 from orchestrator.container import host_paths, job_image
 from orchestrator.jobs import COMPLETE, FAILED, Upstream
+from orchestrator.launches import job_comment, launch_dir, next_launch, record_intent, record_job
 from orchestrator.layout import tasks_per_node
 from orchestrator.plan import Plan, StagePlan
 from orchestrator.queue import live_state
-from orchestrator.runs import REPO_ROOT, record_job
+from orchestrator.runs import REPO_ROOT
 from orchestrator.schema import ContainerConfig, SlipwayConfig
 from orchestrator.stages import STAGE_CALLABLES
 from trainer.log import get_logger
+from trainer.testing_hooks import launch_failpoint
 
 log = get_logger(__name__)
 JOB_FILE = "_JOB.json"
@@ -97,9 +100,11 @@ class StageJob:
 
 
 def stage_job(
-    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None
+    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None,
+    launch_n: int | None = None,
 ) -> StageJob:
-    """The one builder of a stage's job spec (Slurm: the sbatch script's; local: the executor's)."""
+    """The one builder of a stage's job spec (Slurm: the sbatch script's; local: the executor's).
+    ``launch_n``: the launch that submits it (default: the run's next one), named in the job's comment."""
     res = render.stage_resources(stage.name, cfg.cluster, cfg.experiment, tasks_per_node(cfg), cfg.eval)
     py = python or render.python_command(
         cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable
@@ -120,15 +125,17 @@ def stage_job(
         env,
         tuple(cfg.cluster.setup),
         pyxis=pyxis_spec(cfg),
+        comment=job_comment(plan.run_dir, launch_n or next_launch(plan.run_dir), stage.name),
     )
     return StageJob(py, folder, spec)
 
 
 def render_stage(
-    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None
+    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None,
+    launch_n: int | None = None,
 ) -> str:
     """The script (Slurm) or parameter record (local) for one stage, as it would be submitted."""
-    job = stage_job(cfg, plan, stage, deps, python)
+    job = stage_job(cfg, plan, stage, deps, python, launch_n)
     if isinstance(job.spec, render.LocalSpec):
         return render.render_local(job.spec)
     return render.render_sbatch(job.spec)
@@ -175,8 +182,10 @@ def _executor(job: StageJob) -> Any:
     return SlipwaySlurmExecutor(job.folder, job.spec, job.python)
 
 
-def submit_plan(cfg: SlipwayConfig, plan: Plan) -> list[Submitted]:
-    """Submit the stage graph in order; shared stages are reused or depended on when possible."""
+def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted]:
+    """Submit the stage graph in order for launch ``launch_n`` (launches.py: its record exists); shared
+    stages are reused or depended on when possible. Each submission is recorded as an intent before
+    ``sbatch`` and as a job id after it (crash consistency: launches.py)."""
     done: dict[str, Submitted] = {}
     local = cfg.cluster.executor == "local"
     for stage in plan.stages:
@@ -200,8 +209,13 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan) -> list[Submitted]:
         (Path(stage.state_dir) / FAILED).unlink(missing_ok=True)
         timeout = cfg.cluster.time_limit_min * 60.0 * 4 if local else 300.0
         fn = STAGE_CALLABLES[stage.name](stage.job, _abs(stage.state_dir), upstream, stage.key, timeout)
-        ex = _executor(stage_job(cfg, plan, stage, deps))
+        job_spec = stage_job(cfg, plan, stage, deps, launch_n=launch_n)
+        ex = _executor(job_spec)
+        comment = getattr(job_spec.spec, "comment", "")
+        record_intent(plan.run_dir, launch_n, stage.name, comment)
+        launch_failpoint(cfg.testing, f"before_sbatch:{stage.name}")
         job = ex.submit(fn)
+        launch_failpoint(cfg.testing, f"after_sbatch:{stage.name}")
         script = getattr(ex, "script", None)  # Slurm: the text submitit wrote and sbatch got
         sub = Submitted(stage.name, "submitted", str(job.job_id), cfg.cluster.executor, script, job)
         done[stage.name] = sub
@@ -212,15 +226,17 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan) -> list[Submitted]:
             "depends_on": list(deps),
             "folder": stage_folder(plan, stage),
             "state_dir": stage.state_dir,
+            **({"comment": comment} if comment else {}),
         }
         if stage.shared:
             (Path(stage.state_dir) / JOB_FILE).write_text(json.dumps(entry))
-        record_job(plan.run_dir, stage.name, entry)
+        record_job(plan.run_dir, launch_n, stage.name, entry)
         if script:
-            path = Path(plan.run_dir) / "scripts" / f"{stage.name}.sbatch"
+            path = launch_dir(plan.run_dir, launch_n) / "scripts" / f"{stage.name}.sbatch"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(script)
         log.info(
             "%s: submitted job %s%s", stage.name, sub.job_id, f" (afterok:{':'.join(deps)})" if deps else ""
         )
+        launch_failpoint(cfg.testing, f"after_record:{stage.name}")
     return list(done.values())

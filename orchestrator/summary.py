@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.estimate import fmt_duration
+from orchestrator.launches import current
 from orchestrator.runs import RUN_JSON, read_json
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import describe, read_results, results_path
@@ -73,7 +74,7 @@ def _wandb_dirs(run_dir: Path) -> list[str]:
 def outcome(run_dir: str) -> RunOutcome:
     run = Path(run_dir)
     train, valid = _losses(run)
-    hf, verdict = _convert_result(run, read_json(run / RUN_JSON))
+    hf, verdict = _convert_result(run, current(read_json(run / RUN_JSON)))
     sample, how = _sample(run)
     dirs = _wandb_dirs(run)
     return RunOutcome(run_dir, train, valid, hf, verdict, sample, how, dirs[-1] if dirs else None, dirs,

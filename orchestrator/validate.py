@@ -274,6 +274,11 @@ def _data(cfg: SlipwayConfig) -> list[Problem]:
                 "set data.paths=[/path/train.jsonl] or data=stdlib",
             )
         )
+    if d.corpus is not None and d.paths:
+        out.append(Problem("data_paths_ignored", "data.paths", list(d.paths),
+                           "the corpus stage (data.corpus) builds this run's input, so these files would "
+                           "be ignored", "to train on them set data.corpus=null (and tokenizer.vocab_file/"
+                           "merge_file, or tokenizer.vocab_size to train one); otherwise drop data.paths"))
     if tok.type == HF_TOKENIZER_TYPE:  # tokenizer.model's own rules are TokenizerConfig.problems()
         return out
     if (tok.vocab_file is None) != (tok.merge_file is None):

@@ -34,7 +34,7 @@ from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.distrib_optim import extra_files, is_distributed, read_beside
-from trainer.checkpoint.layout import arg
+from trainer.checkpoint.layout import MODEL_KEYS, model_differences
 from trainer.ckpt_state import (
     Restorable,
     RunFacts,
@@ -73,9 +73,6 @@ from trainer.signals import (
 from trainer.training import Cadence, Loop, NonFiniteError, Throughput, TrainState, train
 
 log = get_logger(__name__)
-
-_MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-               "max_position_embeddings", "vocab_size")
 
 
 @dataclass
@@ -221,8 +218,7 @@ def _load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Paralle
 
 def _check_model(args: Any, gpt: GPTConfig, ckpt_dir: str, iteration: int) -> None:
     """The saved shape must be the configured one (keys the args leave out are not compared)."""
-    wrong = {k: (arg(args, k), getattr(gpt, k)) for k in _MODEL_KEYS
-             if arg(args, k) is not None and arg(args, k) != getattr(gpt, k)}
+    wrong = model_differences(args, {k: getattr(gpt, k) for k in MODEL_KEYS})
     if wrong:
         raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} iteration {iteration} is a different model "
                                    f"(saved, configured): {wrong}; fix the model section or load another")

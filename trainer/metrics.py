@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import netrc
 import os
 import resource
 import secrets
@@ -24,6 +23,7 @@ import torch
 
 from trainer.log import get_logger
 from trainer.metrics_file import METRICS_FILE
+from trainer.wandb_key import has_wandb_key, missing_key_message
 from trainer.wandb_online import FALLBACK_KEY, WandbError, base_url, probe, unreachable_message
 
 log = get_logger(__name__)
@@ -163,22 +163,11 @@ def format_eval_line(iteration: int, loss: float) -> str:
 
 
 def check_wandb_credentials(mode: str) -> None:
-    """Fail fast (before any training) when online mode has no API key; never reads the key's value
-    into anything but this check."""
-    if mode != "online":
-        return
-    if os.environ.get("WANDB_API_KEY"):
-        return
-    host = base_url().split("://")[-1].split("/")[0]
-    try:
-        if netrc.netrc().authenticators(host):
-            return
-    except (FileNotFoundError, netrc.NetrcParseError):
-        pass
-    raise WandbError(
-        "logging.wandb.mode=online but no W&B API key was found (WANDB_API_KEY is unset and ~/.netrc has "
-        f"no entry for {host}). Export WANDB_API_KEY in the job's environment, or set "
-        "logging.wandb.mode=offline (sync later with `wandb sync`) or disabled.")
+    """Fail fast (before any training) when online mode has no API key (trainer/wandb_key.py)."""
+    if mode == "online" and not has_wandb_key(os.environ):
+        raise WandbError(
+            f"{missing_key_message(os.environ)}. Export WANDB_API_KEY in the job's environment, or set "
+            "logging.wandb.mode=offline (sync later with `wandb sync`) or disabled.")
 
 
 def online_or_offline(wandb_cfg) -> tuple[str, str | None]:

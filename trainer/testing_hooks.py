@@ -25,6 +25,7 @@ CKPT_FAILPOINT_ONCE = "SLIPWAY_CKPT_FAILPOINT_ONCE"
 PREFLIGHT_FAILPOINT = "SLIPWAY_PREFLIGHT_FAILPOINT"  # trainer/health/preflight.py
 NODE_NAME = "SLIPWAY_NODE_NAME"  # trainer/health.py
 KERNEL_FAULT = "SLIPWAY_KERNEL_FAULT"  # trainer/ops/inject.py
+LAUNCH_FAILPOINT = "SLIPWAY_LAUNCH_FAILPOINT"  # orchestrator/flow.py, submit.py: launch_failpoint below
 
 # Environment variables read by the trainer → what they do.
 ENV_HOOKS = {
@@ -33,6 +34,7 @@ ENV_HOOKS = {
     PREFLIGHT_FAILPOINT: "the preflight stops or slows a node on purpose",
     NODE_NAME: "overrides the node name in heartbeats and the preflight (emulated nodes)",
     KERNEL_FAULT: "makes the named fused ops wrong on purpose (the kernel self-check's tests)",
+    LAUNCH_FAILPOINT: "launch.py SIGKILLs itself at that step of a submission (crash-consistency tests)",
 }
 
 
@@ -57,3 +59,15 @@ def warn_active(log: logging.Logger, environ: Mapping[str, str],
         log.warning("TEST HOOK ACTIVE: %s=%s (%s). It exists for Slipway's fault tests only; a real run must "
                     "not set it: remove it and relaunch.", name, value, what[name])
     return list(hooks)
+
+
+def launch_failpoint(testing: bool, step: str, environ: Mapping[str, str] | None = None) -> None:
+    """Test hook of the crash-consistency tests: with the switch on (``testing=true``; the plan refuses the
+    hook without it) and ``SLIPWAY_LAUNCH_FAILPOINT=<step>``, the launching process SIGKILLs itself at
+    that step boundary, as a login shell dying there would leave it. Steps: ``recorded``,
+    ``before_sbatch:<stage>``, ``after_sbatch:<stage>``, ``after_record:<stage>``, ``submitted``."""
+    import os
+    import signal
+
+    if testing and (environ if environ is not None else os.environ).get(LAUNCH_FAILPOINT) == step:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -8,6 +8,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from orchestrator.launches import current_jobs
 from orchestrator.queue import alive, ended
 from orchestrator.status import collect
 from tests.slurm_cli import slurm
@@ -72,7 +73,7 @@ def wait_for(cond: Callable[[], bool], timeout_s: float = JOB_S, what: str = "")
 
 def job_ids(run_dir: Path) -> dict[str, str]:
     meta = json.loads((run_dir / "run.json").read_text())
-    return {stage: entries[-1]["job_id"] for stage, entries in meta["jobs"].items()}
+    return {stage: entries[-1]["job_id"] for stage, entries in current_jobs(meta).items()}
 
 
 def losses(run_dir: Path) -> dict[int, float]:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.launches import current, current_jobs
 from orchestrator.summary import LOSS_PNG, SUMMARY_TXT
 from tests.orchestrator.conftest import REPO
 from tests.train.wandb_reader import history, run_files
@@ -46,10 +47,10 @@ def demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
 def test_demo_runs_every_stage_at_tp2_pp2(demo):
     _, run = demo
     meta = json.loads((run / "run.json").read_text())
-    assert set(meta["jobs"]) == {"corpus", "preprocess", "train", "convert", "eval"}
+    assert set(current_jobs(meta)) == {"corpus", "preprocess", "train", "convert", "eval"}
     for stage in ("corpus", "preprocess", "train", "convert", "eval"):
-        assert (run / "stages" / stage / "_COMPLETE").exists() or (Path(meta["stages"][stage]["dir"]) /
-                                                                     "_COMPLETE").exists(), stage
+        state_dir = Path(current(meta)["stages"][stage]["dir"])
+        assert (run / "stages" / stage / "_COMPLETE").exists() or (state_dir / "_COMPLETE").exists(), stage
     shards = sorted(p.name for p in (run / "checkpoints" / f"iter_{ITERS:07d}").iterdir())
     assert shards == ["manifest.json", "mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     assert (run / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == str(ITERS)

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.flow import launch
+from orchestrator.launches import current, current_jobs
 from orchestrator.queue import query_slurm
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
@@ -99,7 +100,7 @@ def test_smoke_pipeline_completes(runs):
     run = runs.smoke
     # data: the sweep's jobs; eval: the smoke model's HumanEval + perplexity as a Slurm job after convert
     assert wait_states(run) == {"train": "COMPLETED", "convert": "COMPLETED", "eval": "COMPLETED"}
-    stages = json.loads((run / "run.json").read_text())["stages"]
+    stages = current(json.loads((run / "run.json").read_text()))["stages"]
     assert all((Path(stages[s]["dir"]) / "_COMPLETE").exists() for s in ("corpus", "preprocess"))
     ids = job_ids(run)
     _, sacct = query_slurm(list(ids.values()))
@@ -144,7 +145,8 @@ def test_sweep_shares_one_preprocess_and_relaunch_reuses(runs):
     wandb_ids = {json.loads((r / "wandb_run.json").read_text())["id"] for r in points}
     assert len(wandb_ids) == 2  # distinct W&B runs (group = sweep id, see test_status_sweep)
     second = _sweep(runs.root, "s2")
-    actions = [json.loads((Path(p["run_dir"]) / "run.json").read_text())["jobs"] for p in second["points"]]
+    actions = [current_jobs(json.loads((Path(p["run_dir"]) / "run.json").read_text()))
+               for p in second["points"]]
     assert all("preprocess" not in a and "corpus" not in a for a in actions)  # reused, nothing resubmitted
     assert all(set(a) == {"train"} for a in actions)
     subprocess.run(["scancel", *(a["train"][-1]["job_id"] for a in actions)], timeout=60)  # not needed

@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.flow import launch
+from orchestrator.launches import current
 from orchestrator.status import collect, format_rows
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
@@ -236,7 +237,8 @@ def test_8_double_launch_is_refused_while_the_run_is_active(matrix):
 def test_6_corrupt_cached_data_is_refused_at_plan_time(matrix):
     """The run's preprocessed data, reused from a cache where its .bin was truncated (then its .idx
     mangled), is refused by the plan naming the file and the problem; nothing is submitted."""
-    prep = Path(json.loads((matrix.runs["base"] / "run.json").read_text())["stages"]["preprocess"]["dir"])
+    meta = json.loads((matrix.runs["base"] / "run.json").read_text())
+    prep = Path(current(meta)["stages"]["preprocess"]["dir"])
     wait_for(lambda: (prep / "_COMPLETE").exists(), what="the shared preprocessing job")
     broken = matrix.root / "cache2" / "preprocess" / prep.name  # same key, another cache
     broken.mkdir(parents=True)
@@ -265,7 +267,7 @@ def test_7_bad_jsonl_lines_fail_the_preprocess_job_and_training_never_starts(mat
     run = matrix.runs["badfail"]
     final = wait_states(run)
     assert final["preprocess"] == "FAILED" and final["train"] in ("CANCELLED", "PENDING"), final
-    prep = Path(json.loads((run / "run.json").read_text())["stages"]["preprocess"]["dir"])
+    prep = Path(current(json.loads((run / "run.json").read_text()))["stages"]["preprocess"]["dir"])
     error = json.loads((prep / "_FAILED").read_text())["error"]
     assert f"{matrix.root / 'bad.jsonl'}:3: invalid JSON" in error, error
     assert f"{matrix.root / 'bad.jsonl'}:3: invalid JSON" in "".join(

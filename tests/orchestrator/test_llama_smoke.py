@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.launches import current, current_jobs
 from tests.orchestrator.conftest import REPO
 from tests.orchestrator.test_demo import ITERS, SMALLER
 from trainer.checkpoint.protocol import load_file, shard_path
@@ -40,9 +41,9 @@ def test_llama_smoke_runs_every_stage_and_converts_to_llama(run):
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     meta = json.loads((run / "run.json").read_text())
-    assert set(meta["jobs"]) == set(STAGES)
+    assert set(current_jobs(meta)) == set(STAGES)
     for stage in STAGES:
-        assert (Path(meta["stages"][stage]["dir"]) / "_COMPLETE").exists() or \
+        assert (Path(current(meta)["stages"][stage]["dir"]) / "_COMPLETE").exists() or \
             (run / "stages" / stage / "_COMPLETE").exists(), stage
     args = load_file(shard_path(str(run / "checkpoints"), ITERS, 1, 1, 2))["args"]
     assert (args.swiglu, args.num_query_groups, args.normalization, args.position_embedding_type) == \

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.flow import launch
+from orchestrator.launches import current, current_jobs
 from orchestrator.status import collect
 from tests.orchestrator.conftest import compose_cfg
 
@@ -39,10 +40,11 @@ def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path, capsy
     failed = json.loads((run_dir / "stages" / "convert" / "_FAILED").read_text())
     assert "afterok" in failed["error"]
     meta = json.loads((run_dir / "run.json").read_text())
-    assert set(meta["jobs"]) == {"corpus", "preprocess", "train", "convert", "eval"} and meta["git"]["sha"]
-    prep = Path(meta["stages"]["preprocess"]["dir"])
+    assert set(current_jobs(meta)) == {"corpus", "preprocess", "train", "convert", "eval"}
+    assert current(meta)["git"]["sha"]
+    prep = Path(current(meta)["stages"]["preprocess"]["dir"])
     assert (prep / "data_content_document.bin").stat().st_size > 0 and (prep / "_COMPLETE").exists()
-    assert (Path(meta["stages"]["corpus"]["dir"]) / "vocab.json").exists()
+    assert (Path(current(meta)["stages"]["corpus"]["dir"]) / "vocab.json").exists()
 
     # Same data again: corpus and preprocess are reused, not resubmitted.
     again = launch(

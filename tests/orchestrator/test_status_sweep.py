@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.launches import current, current_jobs
 from orchestrator.queue import parse_sacct, parse_squeue
 from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows, log_records, plot
@@ -125,11 +126,11 @@ def test_local_sweep_shares_preprocessing(tmp_path):
     runs = [Path(p["run_dir"]) for p in points]
     metas = [json.loads((r / "run.json").read_text()) for r in runs]
     # One preprocess job for both points: the second depends on (or reuses) the first one's.
-    assert "preprocess" in metas[0]["jobs"] and "preprocess" not in metas[1]["jobs"]
-    assert metas[0]["stages"]["preprocess"] == metas[1]["stages"]["preprocess"]
+    assert "preprocess" in current_jobs(metas[0]) and "preprocess" not in current_jobs(metas[1])
+    assert current(metas[0])["stages"]["preprocess"] == current(metas[1])["stages"]["preprocess"]
     assert "optim.lr=0.001" in points[0]["overrides"] and "optim.lr=0.002" in points[1]["overrides"]
     # Distinct W&B runs in one group named after the sweep.
-    w = [m["config"]["logging"]["wandb"] for m in metas]
+    w = [current(m)["config"]["logging"]["wandb"] for m in metas]
     tc = [json.loads((r / "run.json").read_text())["name"] for r in runs]
     assert tc[0] != tc[1] and "optim.lr=0.001" in tc[0]
     assert all(x["group"] is None for x in w)  # the group is filled at plan time (trainer config), below

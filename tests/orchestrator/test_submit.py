@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from orchestrator.launches import begin, launch_dir
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.submit import render_stage, stage_folder, submit_plan
 from tests.orchestrator.conftest import compose_cfg
@@ -29,13 +30,15 @@ def test_recorded_script_is_the_submitted_one(tmp_path, monkeypatch):
                        f"runs_root={tmp_path / 'runs'}", f"cache_dir={tmp_path / 'cache'}"])
     facts = PlanInputs("20250101-000000-abcdef", str(tmp_path / "runs" / "r"))
     plan = make_plan(cfg, facts, exists=lambda p: True)
-    submitted = submit_plan(cfg, plan)
+    n = begin(plan.run_dir, {"run_id": plan.run_id}, {})
+    submitted = submit_plan(cfg, plan, n)
     assert [s.action for s in submitted] == ["submitted"] * len(plan.stages)
     ids = {s.stage: s.job_id for s in submitted}
     for s in submitted:
         stage = plan.stage(s.stage)
-        recorded = (Path(plan.run_dir) / "scripts" / f"{s.stage}.sbatch").read_text()
+        recorded = (launch_dir(plan.run_dir, n) / "scripts" / f"{s.stage}.sbatch").read_text()
         assert recorded == s.script == (tmp_path / "bin" / f"sbatch.got.{s.job_id}").read_text()
         deps = tuple(ids[d] for d in stage.depends_on)
-        assert recorded == render_stage(cfg, plan, stage, deps), f"{s.stage}: dry run and submission differ"
+        dry = render_stage(cfg, plan, stage, deps, launch_n=n)
+        assert recorded == dry, f"{s.stage}: dry run and submission differ"
         assert stage_folder(plan, stage) in recorded

@@ -34,6 +34,19 @@ def arg(args: Any, key: str, default: Any = None) -> Any:
     return getattr(args, key, default)
 
 
+# The model fields a checkpoint must share with the configured model to be loaded (the trainer refuses
+# otherwise, trainer/main.py; a launch refuses earlier, orchestrator/preconditions.py).
+MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+              "max_position_embeddings", "vocab_size")
+
+
+def model_differences(args: Any, configured: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (saved, configured)} for every :data:`MODEL_KEYS` field where a checkpoint's ``args``
+    (Namespace or dict) and the configured model differ; a field either side leaves unset is skipped."""
+    return {k: (arg(args, k), configured.get(k)) for k in MODEL_KEYS
+            if arg(args, k) is not None and configured.get(k) is not None and arg(args, k) != configured[k]}
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded; the message says what is wrong and how to fix it."""
 

@@ -322,9 +322,10 @@ def load_file(path: str, *, mmap: bool = False) -> dict:
                               "trainer.convert first)") from e
 
 
-def saved_layout(ckpt_dir: str, iteration: int) -> tuple[int, int, Any]:
+def saved_layout(ckpt_dir: str, iteration: int, *, mmap: bool = False) -> tuple[int, int, Any]:
     """(tp_size, pp_size, args) of a saved checkpoint, read from its first shard's ``args`` (a Namespace,
-    or a dict in older Slipway checkpoints: read it with :func:`~trainer.checkpoint.layout.arg`)."""
+    or a dict in older Slipway checkpoints: read it with :func:`~trainer.checkpoint.layout.arg`).
+    ``mmap``: leave the tensors on disk (a launch reads only the args)."""
     base = _iter_dir(ckpt_dir, iteration)
     if not os.path.isdir(base):
         raise CheckpointError(f"{base} does not exist; available iterations in {ckpt_dir}: "
@@ -333,7 +334,7 @@ def saved_layout(ckpt_dir: str, iteration: int) -> tuple[int, int, Any]:
     if not first:
         raise CheckpointError(f"{base} holds no mp_rank_* shard: incomplete checkpoint")
     path = os.path.join(base, first[0], SHARD_FILE)
-    args = load_file(path).get("args")
+    args = load_file(path, mmap=mmap).get("args")
     sizes = [arg(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")]
     if None in sizes:
         raise CheckpointError(f"{path} has no args.tensor_model_parallel_size/pipeline_model_parallel_size: "

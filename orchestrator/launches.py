@@ -1,0 +1,225 @@
+"""A run's launch history in ``run.json``: one record per launch, appended, never rewritten by a later one.
+
+``run.json`` holds the run's identity (``run_id``, ``experiment``, ``name``, ``created``) and
+``launches``: every launch of the run, oldest first, each with when it started, the overrides it was given,
+its git state, resolved config (also written to ``launches/<n>/config.yaml``; ``config.yaml`` at the top is
+a link to the latest one), stage keys, scripts, job ids and its outcome. A launch writes only its own
+record; the next launch adds the earlier one's final job states (``outcome``) when it starts, and a
+submission the earlier one left unrecorded (below), never anything else of it.
+
+Submission is crash-consistent. Each launch moves through ``state``:
+
+- ``recording``: the record exists, nothing submitted yet;
+- ``submitting``: before each ``sbatch`` an intent is recorded under ``pending`` (the stage and the job's
+  ``--comment``, :func:`job_comment`), and after it the job id under ``jobs`` (the intent goes);
+- ``submitted``: every stage was submitted or reused.
+
+A launch whose process died before ``submitted`` is *incomplete* (``status`` says so). The next launch
+reconciles it first (flow.py → :func:`reconcile`): every pending intent is looked up in the queue by its
+comment (queue.py); a job found is recorded as ``adopted`` in the dead launch's ``jobs``, where the
+one-writer check (preconditions.py) sees it and refuses while it is alive, naming its id. Nothing is ever
+submitted twice for one intent, and no submitted job goes unrecorded.
+
+The previous format (one launch, its ``config``/``jobs``/``stages``/``scripts`` at the top level) reads as
+a history of one launch; a relaunch converts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from orchestrator.runs import RUN_JSON, read_json, write_json
+
+FORMAT = 2
+LAUNCHES_DIR = "launches"
+CONFIG = "config.yaml"  # the resolved config: launches/<n>/config.yaml; the top-level one links the latest
+RECORDING, SUBMITTING, SUBMITTED = "recording", "submitting", "submitted"
+INCOMPLETE = "incomplete"  # what status calls a launch that stopped before SUBMITTED
+# Fields of a previous-format run.json that belong to its one launch.
+_LAUNCH_FIELDS = ("git", "config", "stages", "sweep", "scripts", "jobs")
+_IDENTITY = ("run_id", "experiment", "name", "created")
+
+
+def history(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every launch recorded in a run.json (either format), oldest first."""
+    if "launches" in data:
+        return list(data["launches"])
+    if any(k in data for k in _LAUNCH_FIELDS):
+        one = {k: data[k] for k in _LAUNCH_FIELDS if k in data}
+        return [{"n": 1, "started": data.get("created"), "state": SUBMITTED, **one}]
+    return []
+
+
+def current(data: dict[str, Any]) -> dict[str, Any]:
+    """The latest launch's record ({} when none)."""
+    runs = history(data)
+    return runs[-1] if runs else {}
+
+
+def current_jobs(data: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """{stage: [job entries]} of the latest launch: the jobs ``status`` shows."""
+    return current(data).get("jobs", {})
+
+
+def all_jobs(data: dict[str, Any]) -> list[tuple[int, str, dict[str, Any]]]:
+    """(launch number, stage, entry) of every job any launch of the run recorded."""
+    return [(r.get("n", i + 1), stage, e) for i, r in enumerate(history(data))
+            for stage, entries in r.get("jobs", {}).items() for e in entries]
+
+
+def next_launch(run_dir: str) -> int:
+    """The number the run's next launch gets."""
+    return len(history(_read(run_dir))) + 1
+
+
+def launch_dir(run_dir: str, n: int) -> Path:
+    return Path(run_dir) / LAUNCHES_DIR / f"{n:03d}"
+
+
+def job_comment(run_dir: str, n: int, stage: str) -> str:
+    """The ``--comment`` that names a job's run (a digest of its absolute run directory), launch and stage:
+    how a relaunch finds a job that a dead launch submitted but did not record."""
+    digest = hashlib.sha256(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+    return f"slipway:{digest}:{n}:{stage}"
+
+
+def _read(run_dir: str) -> dict[str, Any]:
+    path = Path(run_dir) / RUN_JSON
+    return read_json(path) if path.exists() else {}
+
+
+def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
+    """A run.json in this format (a previous-format one becomes identity + one launch)."""
+    if "launches" in data:
+        return data
+    out = {k: data[k] for k in data if k not in _LAUNCH_FIELDS}
+    out["launches"] = history(data)
+    return out
+
+
+def begin(run_dir: str, identity: dict[str, Any], record: dict[str, Any]) -> int:
+    """Append a new launch (state ``recording``); returns its number. Called under the run's launch lock.
+    Identity fields already recorded (the first launch's) are kept."""
+    data = _upgraded(_read(run_dir))
+    for key in _IDENTITY:
+        if key in identity:
+            data.setdefault(key, identity[key])
+    data["format"] = FORMAT
+    n = len(data["launches"]) + 1
+    data["launches"].append({"n": n, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "state": RECORDING,
+                             "host": socket.gethostname(), "pid": os.getpid(), **record, "jobs": {},
+                             "pending": {}})
+    write_json(Path(run_dir) / RUN_JSON, data)
+    return n
+
+
+def _update(run_dir: str, n: int, change) -> None:
+    """Apply ``change`` to launch ``n``'s record only (a launch writes nothing of another's)."""
+    data = _upgraded(_read(run_dir))
+    change(data["launches"][n - 1])
+    write_json(Path(run_dir) / RUN_JSON, data)
+
+
+def set_state(run_dir: str, n: int, state: str) -> None:
+    _update(run_dir, n, lambda r: r.update(state=state))
+
+
+def record_intent(run_dir: str, n: int, stage: str, comment: str) -> None:
+    """Before ``sbatch``: the stage about to be submitted and the comment its job will carry."""
+    def change(r: dict[str, Any]) -> None:
+        r["state"] = SUBMITTING
+        r.setdefault("pending", {})[stage] = {"comment": comment, "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    _update(run_dir, n, change)
+
+
+def record_job(run_dir: str, n: int, stage: str, entry: dict[str, Any]) -> None:
+    """After ``sbatch``: the job id (and folder, dependency, key) replaces the stage's intent."""
+    def change(r: dict[str, Any]) -> None:
+        r.setdefault("jobs", {}).setdefault(stage, []).append(entry)
+        r.get("pending", {}).pop(stage, None)
+    _update(run_dir, n, change)
+
+
+def is_incomplete(record: dict[str, Any]) -> bool:
+    """A launch that stopped before it submitted everything (its process is gone)."""
+    from orchestrator.queue import process_alive
+
+    if record.get("state", SUBMITTED) == SUBMITTED:
+        return False
+    here = record.get("host") == socket.gethostname()
+    return not (here and record.get("pid") and process_alive(record["pid"]))
+
+
+def _stale(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r for r in history(data) if r.get("state") != INCOMPLETE and is_incomplete(r)]
+
+
+def orphans(run_dir: str, find=None) -> list[tuple[int, str, str | None, str]]:
+    """(launch, stage, job id or None, state) for every intent a dead launch left pending: its job as the
+    queue knows it by comment (None: not queued or running). Reads only."""
+    from orchestrator.queue import jobs_by_comment
+
+    stale = _stale(_read(run_dir))
+    wanted = [(r["n"], stage, p["comment"]) for r in stale for stage, p in r.get("pending", {}).items()]
+    if not wanted:
+        return []
+    # a local job has no comment (and no queue to ask): its intent is settled as not found
+    comments = [c for _, _, c in wanted if c]
+    found = (find or jobs_by_comment)(comments) if comments else {}
+    return [(n, stage, *((c and found.get(c)) or (None, ""))) for n, stage, c in wanted]
+
+
+def reconcile(run_dir: str, find=None) -> list[str]:
+    """Settle every incomplete launch of the run: each pending intent's job found in the queue is recorded
+    (``adopted``) in that launch's ``jobs``; the launch is marked ``incomplete``. Returns one line per
+    intent settled. Called under the run's launch lock, before the one-writer check."""
+    lines = []
+    for n, stage, job_id, state in orphans(run_dir, find):
+        comment = job_comment(run_dir, n, stage)
+        if job_id:
+            record_job(run_dir, n, stage, {"job_id": job_id, "executor": "slurm", "adopted": True,
+                                           "comment": comment})
+            lines.append(f"launch {n} died after submitting {stage} as job {job_id} ({state}) without "
+                         "recording it: recorded now")
+        else:
+            _update(run_dir, n, lambda r, s=stage: r["pending"].pop(s, None))
+            lines.append(f"launch {n} died before recording its {stage} job, and no job of it is queued or "
+                         "running (never submitted, or already ended)")
+    for r in _stale(_read(run_dir)):
+        _update(run_dir, r["n"], lambda x: x.update(state=INCOMPLETE))
+    return lines
+
+
+def link_config(run_dir: str, n: int) -> Path:
+    """``launches/<n>/config.yaml``'s path; the top-level ``config.yaml`` becomes a link to it. A
+    previous-format run's ``config.yaml`` (its one launch's) moves to ``launches/001`` first."""
+    top, first = Path(run_dir) / CONFIG, launch_dir(run_dir, 1) / CONFIG
+    if top.is_file() and not top.is_symlink() and not first.exists():
+        first.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(top, first)
+    path = launch_dir(run_dir, n) / CONFIG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = top.with_name(f".{CONFIG}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(path.relative_to(run_dir))
+    os.replace(tmp, top)
+    return path
+
+
+def add_outcomes(run_dir: str, states: dict[str, str]) -> None:
+    """Record the final states of earlier launches' jobs ({job id: state}, ended jobs only) in their
+    ``outcome`` ({stage: state}), once: a relaunch keeps what the earlier launch produced."""
+    data = _upgraded(_read(run_dir))
+    for r in data["launches"]:
+        if r.get("outcome"):
+            continue
+        got = {stage: states[str(es[-1]["job_id"])] for stage, es in r.get("jobs", {}).items()
+               if es and str(es[-1]["job_id"]) in states}
+        if got and len(got) == len(r.get("jobs", {})):
+            r["outcome"] = got
+    write_json(Path(run_dir) / RUN_JSON, data)
