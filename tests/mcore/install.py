@@ -12,17 +12,17 @@ import subprocess
 import sys
 import time
 
-from tests.mcore.versions import INSTALL_DIR, STAMP, VERSIONS, installed, target
+from tests.mcore.versions import INSTALL_DIR, STAMP, VERSIONS, installed, requirements, target
 
 
-def install(version: str, extras: tuple[str, ...]) -> None:
+def install(version: str) -> None:
     final = target(version)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(tmp),
-           f"megatron-core=={version}", *extras]
+           *requirements(version)]
     subprocess.run(cmd, check=True)
-    (tmp / STAMP).write_text(" ".join(cmd[5:]) + "\n")
+    (tmp / STAMP).write_text(" ".join(requirements(version)) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
 
@@ -31,7 +31,7 @@ def main() -> int:
     start = time.monotonic()
     todo = [v for v in VERSIONS if not installed(v)]
     for version in todo:
-        install(version, VERSIONS[version])
+        install(version)
     done = ", ".join(VERSIONS)
     print(f"megatron-core {done} in {INSTALL_DIR}/ "
           f"({len(todo)} installed now, {time.monotonic() - start:.1f} s)")
