@@ -41,6 +41,7 @@ from trainer.ckpt_state import (
     restore_merged,
     restore_resharded,
     restore_same_layout,
+    uneven_split,
 )
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig, TokenizerConfig
 from trainer.convert import dist as dist_ckpt
@@ -196,6 +197,12 @@ def _load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Paralle
         return restore_merged(iter_dir, model)
     tp, pp, args = ckpt.saved_layout(ckpt_dir, iteration)
     _check_model(args, gpt, ckpt_dir, iteration)
+    if uneven_split(args):
+        if not model_only:
+            raise ckpt.CheckpointError(f"{iter_dir} was saved with an uneven pipeline split (decoder_first/"
+                                       "last_pipeline_num_layers): Slipway starts from its weights only; "
+                                       "set checkpoint.load=model-only")
+        return restore_merged(iter_dir, model)
     ps = model.pstate
     restore = None if model_only else parts
     if (tp, pp, virtual_size(args)) == (ps.tp_size, ps.pp_size, len(model.chunks)):
