@@ -33,6 +33,7 @@ from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.distrib_optim import extra_files, is_distributed, read_beside
 from trainer.checkpoint.layout import arg
+from trainer.checks import ConfigError
 from trainer.ckpt_state import (
     Restorable,
     RunFacts,
@@ -60,7 +61,7 @@ from trainer.optim.precision import ScalerSettings, make_scaler
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed, num_microbatches
 from trainer.parallel.dist_optimizer import build_distributed_optimizer
 from trainer.parallel.interleaved import check_microbatches
-from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE, STOP_SIGNALS, StopRequest
+from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_PERMANENT, EXIT_REQUEUE, STOP_SIGNALS, StopRequest
 from trainer.training import Cadence, Loop, NonFiniteError, Throughput, TrainState, train
 
 log = get_logger(__name__)
@@ -364,7 +365,15 @@ def main(argv: list[str] | None = None) -> int:
         d = yaml.safe_load(f) or {}
     for item in args.overrides:
         _override(d, item)
-    cfg = RunConfig.from_dict(d)
+    try:
+        cfg = RunConfig.from_dict(d)
+    except (ConfigError, ValueError) as e:
+        # Before any process group: every rank reports the same problems and exits with the code a
+        # retry would repeat (the sbatch script does not requeue it), never a per-rank traceback.
+        problems = e.issues if isinstance(e, ConfigError) else [e]
+        log.error("%s: %d configuration problem(s):\n%s", args.config, len(problems),
+                  "\n".join(f"  - {p}" for p in problems))
+        return EXIT_PERMANENT
     result = run(cfg)
     for sig in STOP_SIGNALS:  # the run has saved what it had to: late signals must not turn exit 75 into -15
         signal.signal(sig, signal.SIG_IGN)
