@@ -132,23 +132,6 @@ def build_gpt(args, tp: int):
                     position_embedding_type="learned_absolute")
 
 
-def _dist_save_shim() -> None:
-    """core_v0.8.0's state_dict_saver calls ``planner.set_up_planner(state_dict, is_coordinator)``;
-    torch >= 2.4 reads that second positional as ``storage_meta``, so no rank plans as the coordinator
-    (AssertionError 'item.index.fqn not in md'). core_v0.10.0 passes it by name; this backports that fix
-    (later versions never pass a bool positionally, so it changes nothing there)."""
-    from megatron.core.dist_checkpointing.strategies import torch as strategies
-    from torch.distributed.checkpoint import DefaultSavePlanner
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
-        if isinstance(storage_meta, bool):
-            storage_meta, is_coordinator = None, storage_meta
-        return DefaultSavePlanner.set_up_planner(self, state_dict, storage_meta=storage_meta,
-                                                 is_coordinator=is_coordinator)
-
-    strategies.MCoreSavePlanner.set_up_planner = set_up_planner
-
-
 def _logits(model, ids):
     """[b, s] ids -> [b, s, padded vocab] fp32 logits, gathered over the tp group (rank order)."""
     import torch
@@ -225,7 +208,6 @@ def _export(model, args, job: dict, rank: int) -> None:
     if job["format"] == "torch_dist":
         from megatron.core import dist_checkpointing
 
-        _dist_save_shim()
         if rank == 0:
             os.makedirs(iter_dir, exist_ok=True)
         torch.distributed.barrier()
