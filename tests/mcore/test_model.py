@@ -10,7 +10,8 @@ Out: a GPTModel's own weights at tp 2, saved the way Megatron-LM saves ``--ckpt-
 versions.EXPORT_FORMAT), with the args Megatron-LM writes: a genuine
 core_v0.8.0 fixture's, and ``add_qkv_bias=True`` from 0.10 on, which validate_args sets whenever
 ``add_bias_linear`` is), converts with ``python -m trainer.convert.to_hf`` and the HF model gives
-Megatron's logits.
+Megatron's logits, and starts a Slipway run (checkpoint.load=model-only at tp 1) whose checkpoint
+still does.
 """
 
 from __future__ import annotations
@@ -106,3 +107,32 @@ def test_megatron_gpt_model_weights_convert_with_to_hf(tmp_path, megatron):
     theirs = torch.from_numpy(np.load(out / "export.npy"))
     diff = (theirs[..., :ours.shape[-1]] - ours).abs().max().item()
     assert diff <= 1e-5, f"megatron-core {version}: HF logits differ from GPTModel's by {diff:.3g}"
+
+
+def test_megatron_gpt_model_weights_start_a_slipway_run(tmp_path, megatron):
+    """checkpoint.load=model-only from the GPTModel's save at tp 1 (it was saved at tp 2); the one step
+    has learning rate 0 (warm-up), so the run's checkpoint still computes Megatron's logits."""
+    from transformers import GPT2LMHeadModel
+
+    from trainer.convert.to_hf import main
+
+    version, out, ids = megatron
+    tok = FIXTURES / "tokenizer"
+    cfg = tiny_config(str(tmp_path / "run"), write_dataset(str(tmp_path / "data")),
+                      model={"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
+                             "max_position_embeddings": 64, "vocab_size": 1024, "hidden_dropout": 0.0,
+                             "attention_dropout": 0.0},
+                      optim={"warmup_iters": 4},
+                      train={"micro_batch_size": 1, "global_batch_size": 1, "iters": 1,
+                             "eval_interval": None},
+                      tokenizer={"vocab_file": str(tok / "vocab.json"),
+                                 "merge_file": str(tok / "merges.txt")},
+                      checkpoint={"load": "model-only", "load_dir": str(out / "export")})
+    spawn(1, str(tmp_path), _train, cfg)
+    assert main(["--checkpoint-dir", str(tmp_path / "run" / "checkpoints"), "--output-dir",
+                 str(tmp_path / "hf")]) == 0
+    with torch.no_grad():
+        ours = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()(ids).logits
+    theirs = torch.from_numpy(np.load(out / "export.npy"))
+    diff = (theirs[..., :ours.shape[-1]] - ours).abs().max().item()
+    assert diff <= 1e-5, f"megatron-core {version}: the run's weights give logits {diff:.3g} away"
