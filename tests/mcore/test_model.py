@@ -91,6 +91,7 @@ def test_megatron_gpt_model_reproduces_slipways_logits(runs, megatron, tp):
     theirs = torch.from_numpy(np.load(out / f"in_tp{tp}.npy"))
     assert theirs.shape == (2, 16, 256) and ours.shape == (2, 16, spec.vocab_size)
     diff = (theirs[..., :spec.vocab_size] - ours).abs().max().item()
+    print(f"MATRIX {version} in tp{tp} {diff:.2e}")
     assert diff <= 1e-5, f"megatron-core {version} tp {tp}: max |logit diff| {diff:.3g}"
 
 
@@ -106,6 +107,7 @@ def test_megatron_gpt_model_weights_convert_with_to_hf(tmp_path, megatron):
         ours = hf(ids).logits
     theirs = torch.from_numpy(np.load(out / "export.npy"))
     diff = (theirs[..., :ours.shape[-1]] - ours).abs().max().item()
+    print(f"MATRIX {version} out {diff:.2e}")
     assert diff <= 1e-5, f"megatron-core {version}: HF logits differ from GPTModel's by {diff:.3g}"
 
 
@@ -135,4 +137,5 @@ def test_megatron_gpt_model_weights_start_a_slipway_run(tmp_path, megatron):
         ours = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()(ids).logits
     theirs = torch.from_numpy(np.load(out / "export.npy"))
     diff = (theirs[..., :ours.shape[-1]] - ours).abs().max().item()
+    print(f"MATRIX {version} run-start {diff:.2e}")
     assert diff <= 1e-5, f"megatron-core {version}: the run's weights give logits {diff:.3g} away"
