@@ -2,7 +2,8 @@
 ``sys.path`` (versions cannot share one interpreter: they are all the package ``megatron``).
 
 ``versions`` is the pytest parameter list (ids ``mcore0.8.0`` …). A version that is not installed fails
-under CI (``make test`` installs them) and is skipped locally with the command that installs it.
+under CI (``make test`` installs them) and is skipped locally with the command that installs it
+(tests/ci.py's rule).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.conftest import IN_CI
+from tests import ci
 from tests.mcore.versions import ROOT, VERSIONS, installed, target
 
 versions = [pytest.param(v, id=f"mcore{v}") for v in VERSIONS]
@@ -23,10 +24,7 @@ versions = [pytest.param(v, id=f"mcore{v}") for v in VERSIONS]
 def require(version: str) -> None:
     if installed(version):
         return
-    why = f"megatron-core {version} is not installed in {target(version)} (run: make mcore)"
-    if IN_CI:
-        pytest.fail(why)
-    pytest.skip(why)
+    ci.skip_unless_ci(f"megatron-core {version} is not installed in {target(version)} (run: make mcore)")
 
 
 def run_check(version: str, check: str, timeout: float = 300, **kwargs) -> dict:

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import pytest
 
+from tests import ci
 from tests.mcore import harness, versions
 
 
 def test_a_missing_version_fails_under_ci_and_skips_locally(tmp_path, monkeypatch):
     monkeypatch.setattr(versions, "INSTALL_DIR", tmp_path)
-    monkeypatch.setattr(harness, "IN_CI", True)
+    monkeypatch.setattr(ci, "IN_CI", True)
     with pytest.raises(pytest.fail.Exception, match="not installed .*make mcore"):
         harness.require("0.8.0")
-    monkeypatch.setattr(harness, "IN_CI", False)
+    monkeypatch.setattr(ci, "IN_CI", False)
     with pytest.raises(pytest.skip.Exception, match="make mcore"):
         harness.require("0.8.0")
 
