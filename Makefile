@@ -8,7 +8,7 @@ CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/
 DEVCLUSTER := slurm/devcluster
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-fast test-stress lint bench cuda-check devcluster-up devcluster-down devcluster-status clean
+.PHONY: install mcore demo test test-fast test-stress lint bench cuda-check devcluster-up devcluster-down devcluster-status clean
 
 install: $(STAMP)
 
@@ -21,6 +21,12 @@ $(STAMP): setup.py $(CSRC)
 	$(PYTHON) -m pip install -q --no-build-isolation -e '.[dev]'
 	@$(PYTHON) -c "import torch, trainer._C" && echo "slipway installed; C++ extension trainer._C built"
 	@touch $(STAMP)
+
+# Real megatron-core releases side by side, the oracle of tests/mcore (versions: tests/mcore/versions.py),
+# each in .make/mcore/<version> with --no-deps (they need only torch, numpy, packaging); an installed
+# version is not downloaded again.
+mcore: install
+	$(PYTHON) -m tests.mcore.install
 
 demo: install
 	$(PYTHON) launch.py +experiment=codeparrot_smoke
@@ -57,7 +63,7 @@ devcluster-status:
 
 # Brings the devcluster up around the suite and always down after it, keeping pytest's exit status.
 # A cluster that fails to come up fails the target at once (its error and log tail are on stderr).
-test: install lint cuda-check
+test: install mcore lint cuda-check
 	@set -o pipefail; $(DEVCLUSTER) up | tail -n 5 || { $(DEVCLUSTER) down >/dev/null 2>&1; \
 	  echo "make test: slurm/devcluster up failed (see above)" >&2; exit 1; }; \
 	eval "$$($(DEVCLUSTER) env)"; \
@@ -73,7 +79,7 @@ test-stress: install
 	$(PYTHON) -m tests.stress --reps $(STRESS_REPS) --hogs 2 --out bench/results/stress.txt; rc=$$?; \
 	$(DEVCLUSTER) down >/dev/null 2>&1; exit $$rc
 
-test-fast: install
+test-fast: install mcore
 	$(PYTHON) -m pytest -m "not slurm and not slow" $(PYTEST_ARGS)
 
 lint:

@@ -68,16 +68,8 @@ def _divisibility(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
     # Grouped-query attention: tp must divide the KV groups too (the model section's own rule).
     out += [Problem(i.code, i.key, i.value, i.message, i.fix) for i in m.tp_issues(p.tp_size)
             if i.code == "tp_num_query_groups" and m.query_groups != m.num_attention_heads]
-    if p.pp_size > 0 and m.num_layers % p.pp_size:
-        out.append(
-            Problem(
-                "pp_layers",
-                "parallel.pp_size",
-                p.pp_size,
-                f"model.num_layers={m.num_layers} is not divisible by it",
-                "choose a pp_size that divides the number of layers",
-            )
-        )
+    # pp_size must divide the layers: RunConfig.problems() (ModelConfig.pp_issues), reported with the
+    # sections' own problems.
     if lay.dp == 0 and p.tp_size > 0 and p.pp_size > 0:
         out.append(
             Problem(

@@ -39,8 +39,8 @@ from trainer.checkpoint.chunks import chunk_entries, model_keys, virtual_size
 from trainer.checkpoint.distrib_optim import DistribSource, is_distributed, load_optimizer, load_resharded
 from trainer.checkpoint.layout import arg
 from trainer.checkpoint.megatron_args import megatron_args
-from trainer.convert import dist
-from trainer.convert.mcore import LEGACY_PREFIX, gpt_flat, normalise_names, to_mcore_model
+from trainer.convert.mcore import LEGACY_PREFIX, gpt_flat, to_mcore_model
+from trainer.convert.shards import load_merged
 from trainer.log import get_logger
 from trainer.model.config import GPTConfig
 from trainer.model.names import nest
@@ -231,16 +231,23 @@ def _restore_common(shard: dict, parts: Restorable) -> None:
 
 
 def restore_merged(iter_dir: Path, model: ParallelModel) -> TrainState:
-    """Weights from a Megatron-core torch_dist checkpoint (full tensors in the file), sliced for this
-    rank at any layout; the optimizer, schedule and iteration start fresh (checkpoint.load=model-only)."""
-    flat, meta = dist.load_dist(iter_dir)
-    legacy = normalise_names(flat, mcore=True, where=iter_dir, untied=_untied(model))
-    src = reshard.MergedSource({n.removeprefix(LEGACY_PREFIX): t for n, t in legacy.items()})
+    """Weights merged from every shard by the converter's reader (Megatron-core torch_dist, or the torch
+    format with any pipeline split, uneven ones included), sliced for this rank at any layout; the
+    optimizer, schedule and iteration start fresh (checkpoint.load=model-only)."""
+    merged = load_merged(iter_dir, iter_dir.name)
+    src = reshard.MergedSource({n.removeprefix(LEGACY_PREFIX): t for n, t in merged.state.items()})
     for c, (local, target) in enumerate(_targets(model)):
         model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)), c)
-    log.warning("loaded the weights of torch_dist checkpoint %s (iteration %s) at tp=%d pp=%d", iter_dir,
-                meta["iteration"], model.pstate.tp_size, model.pstate.pp_size)
+    log.warning("loaded the weights of checkpoint %s (iteration %s, tp=%d pp=%d) at tp=%d pp=%d", iter_dir,
+                merged.iteration, merged.tp_size, merged.pp_size, model.pstate.tp_size, model.pstate.pp_size)
     return TrainState()
+
+
+def uneven_split(args: Any) -> bool:
+    """Saved with Megatron's uneven pipeline split (--decoder-first/last-pipeline-num-layers), whose
+    stages hold layer counts that even resharding (trainer.parallel.sharding) cannot place."""
+    return any(arg(args, k) for k in ("decoder_first_pipeline_num_layers",
+                                      "decoder_last_pipeline_num_layers"))
 
 
 def _targets(model: ParallelModel) -> list[tuple[list[str], reshard.Target]]:

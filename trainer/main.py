@@ -35,6 +35,7 @@ from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.distrib_optim import extra_files, is_distributed, read_beside
 from trainer.checkpoint.layout import MODEL_KEYS, model_differences
+from trainer.checks import ConfigError
 from trainer.ckpt_state import (
     Restorable,
     RunFacts,
@@ -43,6 +44,7 @@ from trainer.ckpt_state import (
     restore_merged,
     restore_resharded,
     restore_same_layout,
+    uneven_split,
 )
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig, TokenizerConfig
 from trainer.convert import dist as dist_ckpt
@@ -203,6 +205,12 @@ def _load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Paralle
         return restore_merged(iter_dir, model)
     tp, pp, args = ckpt.saved_layout(ckpt_dir, iteration)
     _check_model(args, gpt, ckpt_dir, iteration)
+    if uneven_split(args):
+        if not model_only:
+            raise ckpt.CheckpointError(f"{iter_dir} was saved with an uneven pipeline split (decoder_first/"
+                                       "last_pipeline_num_layers): Slipway starts from its weights only; "
+                                       "set checkpoint.load=model-only")
+        return restore_merged(iter_dir, model)
     ps = model.pstate
     restore = None if model_only else parts
     if (tp, pp, virtual_size(args)) == (ps.tp_size, ps.pp_size, len(model.chunks)):
@@ -366,7 +374,16 @@ def main(argv: list[str] | None = None) -> int:
     for item in args.overrides:
         _override(d, item)
     try:
-        code = run(RunConfig.from_dict(d)).exit_code
+        cfg = RunConfig.from_dict(d)
+    except (ConfigError, ValueError) as e:
+        # Before any process group: every rank reports the same problems and exits with the code a
+        # retry would repeat (the sbatch script does not requeue it), never a per-rank traceback.
+        problems = e.issues if isinstance(e, ConfigError) else [e]
+        log.error("%s: %d configuration problem(s):\n%s", args.config, len(problems),
+                  "\n".join(f"  - {p}" for p in problems))
+        return EXIT_PERMANENT
+    try:
+        code = run(cfg).exit_code
     except Exception as e:
         reason = permanent_reason(e)
         if reason is None:

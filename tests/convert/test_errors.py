@@ -93,6 +93,14 @@ def test_not_gpt2_architecture(tmp_path, tokenizer_dir):
         _convert(ckpt, tmp_path)
 
 
+def test_qkv_bias_alone_is_refused_by_name(tmp_path, tokenizer_dir):
+    """add_qkv_bias=True is refused only without the other linear biases, and the message says so
+    (with add_bias_linear=True it is what Megatron >= 0.10 writes for GPT-2: tests/mcore/test_model.py)."""
+    ckpt = make_checkpoint(tmp_path, tokenizer_dir, 1, 1, add_bias_linear=False, add_qkv_bias=True)[0]
+    with pytest.raises(CheckpointError, match="add_qkv_bias=True with add_bias_linear=False"):
+        _convert(ckpt, tmp_path)
+
+
 def test_args_disagree_with_weights_or_tokenizer(tmp_path, tokenizer_dir):
     ckpt = make_checkpoint(tmp_path, tokenizer_dir, 1, 1, hidden_size=128)[0]
     with pytest.raises(CheckpointError, match="args say hidden_size=128 but the weights have 64"):

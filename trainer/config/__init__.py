@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -272,6 +273,7 @@ class RunConfig(Section):
     def problems(self) -> list[ConfigIssue]:
         """Every broken rule of every section (each section also raises its own when built)."""
         out = [i for name in _SECTIONS for i in getattr(self, name).problems()]
+        out += self.model.pp_issues(self.parallel.pp_size)  # needs two sections
         return out + choice("kernels", self.kernels, KERNEL_SETS)
 
     @classmethod
@@ -318,8 +320,22 @@ def _build(kind: type, values: Any, where: str) -> Any:
             _unknown(key, list(fields), where if where == "the top level" else f"section {where!r}")
             continue
         sub = _SECTIONS.get(fields[key].name) if kind is RunConfig else None
-        kwargs[key] = _build(sub, value or {}, key) if sub else value
+        kwargs[key] = _build(sub, value or {}, key) if sub else _coerce(kind, key, value)
     return kind(**kwargs)
+
+
+def _coerce(kind: type, key: str, value: Any) -> Any:
+    """A string where the field is a float, read as YAML 1.2 (Hydra/OmegaConf) would: PyYAML follows
+    YAML 1.1, whose float needs a dot, so ``lr: 3e-4`` in a hand-written config arrives as "3e-4"."""
+    if not isinstance(value, str):
+        return value
+    hint = typing.get_type_hints(kind).get(key)
+    if hint is float or float in typing.get_args(hint):
+        try:
+            return float(value)
+        except ValueError:
+            return value  # the section's own check names the key and the bad value
+    return value
 
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "tokenizer": TokenizerConfig,

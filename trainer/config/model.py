@@ -168,6 +168,14 @@ class ModelConfig(Section):
                                  "divisible by it", f"choose a tp_size that divides model.{key}={n}"))
         return out
 
+    def pp_issues(self, pp_size: int) -> list[ConfigIssue]:
+        """Whether ``pp_size`` pipeline stages get equal layers (checked by RunConfig, so at plan time
+        and by the standalone trainer before any rank starts; trainer.parallel.apply at build time)."""
+        if isinstance(pp_size, int) and pp_size > 0 and self.num_layers % pp_size:
+            return [issue("pp_layers", "parallel.pp_size", pp_size, f"model.num_layers={self.num_layers} "
+                          "is not divisible by it", "choose a pp_size that divides the number of layers")]
+        return []
+
     def padded_vocab_size(self, tp_size: int = 1) -> int:
         """Embedding rows for a tensor-parallel size (Megatron's rule, :func:`trainer.formulas`)."""
         if self.vocab_size is None:

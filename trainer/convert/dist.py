@@ -17,6 +17,7 @@ flat names (``decoder.layers.{i}.…``) for :func:`trainer.convert.mcore.normali
 from __future__ import annotations
 
 import json
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any
@@ -43,12 +44,45 @@ def _backend(iter_dir: Path) -> None:
                               "the torch format with --ckpt-format torch)")
 
 
+class _MegatronStandIn:
+    """Whatever Megatron class a ``.metadata`` pickle names: unpickled as attributes only."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """torch's own ``.metadata`` unpickling, except Megatron's classes: since core_v0.13 the metadata
+    keeps each rank's save plan as ``megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan``
+    (``Metadata.all_local_plans``), which nothing here reads and which must not need Megatron to load."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "megatron" or module.startswith("megatron."):
+            return type(name, (_MegatronStandIn,), {"__module__": module})
+        return super().find_class(module, name)
+
+
+def _reader(iter_dir: Path):
+    import torch.distributed.checkpoint as dcp
+
+    class Reader(dcp.FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            with open(iter_dir / METADATA, "rb") as f:
+                pickled = _MetadataUnpickler(f).load()
+            # The rest is what FileSystemReader.read_metadata does after its plain pickle.load.
+            if getattr(pickled, "storage_meta", None) is None:
+                pickled.storage_meta = StorageMeta()
+            pickled.storage_meta.load_id = self.load_id
+            return pickled
+
+    return Reader(str(iter_dir))
+
+
 def _read_tensors(iter_dir: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint at its global shape (objects such as RNG states are skipped)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = dcp.FileSystemReader(str(iter_dir))
+    reader = _reader(iter_dir)
     try:
         meta = reader.read_metadata()
     except Exception as e:  # noqa: BLE001 - reported with the folder and what to check

@@ -31,7 +31,6 @@ _UNSUPPORTED = (
     ("fp8", None, "fp8 (Transformer Engine) training"),
     ("rotary_interleaved", False, "interleaved rotary layout (Slipway and HF Llama rotate halves)"),
     ("apply_layernorm_1p", False, "LayerNorm with 1 + weight"),
-    ("add_qkv_bias", False, "QKV bias without the other linear biases"),
 )
 _POSITIONS = {v: k for k, v in MEGATRON_POSITION.items()}
 _NORMS = {v: k for k, v in MEGATRON_NORMALIZATION.items()}
@@ -137,6 +136,13 @@ def check_convertible(args: Any) -> None:
         if value != needed and not (needed is None and not value):
             raise CheckpointError(f"this checkpoint cannot be converted: {key}={value!r} ({what}); "
                                   f"GPT2LMHeadModel and LlamaForCausalLM need {needed!r}")
+    # Since core_v0.10.0 validate_args sets add_qkv_bias=True whenever add_bias_linear is (every linear
+    # biased, GPT-2's case); only with add_bias_linear=False does it mean a bias on the QKV projection alone.
+    if arg(args, "add_qkv_bias", False) and not arg(args, "add_bias_linear", True):
+        raise CheckpointError("this checkpoint cannot be converted: add_qkv_bias=True with add_bias_linear="
+                              "False (a bias on the QKV projection only, the other linear layers have "
+                              "none); GPT2LMHeadModel has biases on every linear layer and "
+                              "LlamaForCausalLM on none")
     for key, table in (("position_embedding_type", _POSITIONS), ("normalization", _NORMS)):
         value = arg(args, key, None)
         if value is not None and value not in table:

@@ -1,0 +1,256 @@
+"""The Megatron side of the oracle tests: run as ``python -m tests.mcore.checks NAME JSON_KWARGS`` by
+``harness.run_check`` with one megatron-core version on ``sys.path``. Only Megatron's code computes here;
+results go to the files named in the kwargs and one JSON line on stdout.
+
+Nothing from ``trainer`` is imported: the expected side must not share code with what it checks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+
+
+def indexed(prefixes: list[str], out: str) -> dict:
+    """Megatron's IndexedDataset over .bin/.idx pairs: every sequence, the lengths, the document index
+    (to ``{out}{i}.npz`` for the i-th prefix); and the documents it read written again by Megatron's
+    IndexedDatasetBuilder to ``{out}{i}.bin/.idx`` (as preprocess_data.py adds them: one sequence per
+    document, none for an empty one)."""
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+    found = []
+    for i, prefix in enumerate(prefixes):
+        ds = IndexedDataset(prefix)
+        seqs = [ds[j] for j in range(len(ds))]
+        np.savez(f"{out}{i}.npz", sizes=ds.sequence_lengths, document_indices=ds.document_indices,
+                 tokens=np.concatenate(seqs))
+        builder = IndexedDatasetBuilder(f"{out}{i}.bin", dtype=ds.index.dtype)
+        bounds = ds.document_indices
+        for d in range(len(bounds) - 1):
+            doc = seqs[bounds[d]:bounds[d + 1]]
+            tokens = np.concatenate(doc) if doc else np.zeros(0, ds.index.dtype)
+            builder.add_document(torch.from_numpy(tokens), [len(x) for x in doc])
+        builder.finalize(f"{out}{i}.idx")
+        found.append({"dtype": np.dtype(ds.index.dtype).name, "num_sequences": len(ds)})
+    return {"datasets": found}
+
+
+def gpt_datasets(prefix: str, out: str, cache: str, seq_length: int, split: str, seed: int,
+                 sizes: list[int]) -> dict:
+    """Megatron's BlendedMegatronDatasetBuilder + GPTDataset over one prefix, as ``--data-path PREFIX
+    --split SPLIT`` builds them; each split's indices and every sample's tokens and labels."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    # The dataset reads eod (masks), pad (-1: no pad token, Megatron's default), vocab_size and the
+    # identifiers that go into its cache key.
+    tokenizer = SimpleNamespace(eod=0, pad=-1, vocab_size=None, unique_identifiers={"class": "oracle"})
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=([prefix], None),
+                              split=split, path_to_cache=cache, tokenizer=tokenizer,
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+                              create_attention_mask=False)
+    built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+    arrays, lengths = {}, {}
+    for name, ds in zip(("train", "valid", "test"), built, strict=True):
+        if ds is None:
+            continue
+        items = [ds[i] for i in range(len(ds))]
+        arrays.update({f"{name}_document_index": ds.document_index, f"{name}_sample_index": ds.sample_index,
+                       f"{name}_shuffle_index": ds.shuffle_index,
+                       f"{name}_tokens": np.stack([it["tokens"].numpy() for it in items]),
+                       f"{name}_labels": np.stack([it["labels"].numpy() for it in items])})
+        lengths[name] = len(ds)
+    np.savez(out, **arrays)
+    return {"lengths": lengths}
+
+
+def sample_indices(cases: str, out: str) -> dict:
+    """Megatron's compiled ``helpers.build_sample_idx`` on each case of the ``cases`` npz (sizes_i,
+    order_i, params_i = seq_length, num_epochs, tokens_per_epoch, drop_last_partial, add_extra_token)."""
+    from megatron.core.datasets import helpers
+
+    given = np.load(cases)
+    n = sum(1 for k in given.files if k.startswith("params_"))
+    results, refused = {}, []
+    for i in range(n):
+        seq, epochs, tokens, drop_last, extra = (int(x) for x in given[f"params_{i}"])
+        try:
+            results[f"sample_index_{i}"] = helpers.build_sample_idx(
+                given[f"sizes_{i}"], given[f"order_{i}"], seq, epochs, tokens, bool(drop_last), bool(extra))
+        except AssertionError:  # >= 0.10's range check on its own output (a negative offset)
+            refused.append(i)
+    np.savez(out, **results)
+    return {"cases": n, "refused": refused}
+
+
+def _cpu_shims() -> None:
+    """What a CPU-only torch needs (no edit of Megatron's files): the CUDA RNG tracker's fork, entered
+    around attention dropout (0 here), becomes a no-op; ``torch.cuda.current_device()`` names the CPU,
+    so the tensors Megatron places there (the attention scratch buffer that baddbmm uses with beta=0,
+    dist_checkpointing's save status flags) live on the CPU; ``torch.cuda.synchronize`` (before the
+    save's write) does nothing, as there is no device."""
+    import contextlib
+
+    import torch
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def _arg(args, key: str, default=None):
+    return args.get(key, default) if isinstance(args, dict) else getattr(args, key, default)
+
+
+def build_gpt(args, tp: int):
+    """Megatron-core's GPTModel with the local (non-Transformer-Engine) layer spec, configured from a
+    checkpoint's Megatron args as Megatron-LM's core_transformer_config_from_args would (GPT-2 options)."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=_arg(args, "num_layers"), hidden_size=_arg(args, "hidden_size"),
+        num_attention_heads=_arg(args, "num_attention_heads"), ffn_hidden_size=_arg(args, "ffn_hidden_size"),
+        layernorm_epsilon=_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5)),
+        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=True,
+        # Megatron-LM's default --bias-gelu-fusion: the fused tanh GeLU (jit-scripted, runs on CPU).
+        activation_func=F.gelu, bias_activation_fusion=True,
+        masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, apply_query_key_layer_scaling=False)
+    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=_arg(args, "padded_vocab_size"),
+                    max_sequence_length=_arg(args, "max_position_embeddings"), pre_process=True,
+                    post_process=True, parallel_output=True, share_embeddings_and_output_weights=True,
+                    position_embedding_type="learned_absolute")
+
+
+def _logits(model, ids):
+    """[b, s] ids -> [b, s, padded vocab] fp32 logits, gathered over the tp group (rank order)."""
+    import torch
+    import torch.distributed as dist
+
+    s = ids.shape[1]
+    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # True = masked (get_ltor_masks_and_position_ids)
+    with torch.no_grad():
+        logits = model(ids, torch.arange(s)[None].expand_as(ids), mask)  # [b, s, vocab / tp]
+    parts = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, logits.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def _rank(rank: int, tp: int, store: str, job: dict) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    _cpu_shims()
+    ids = torch.from_numpy(np.load(job["tokens"]))
+    if "shard_files" in job:  # in: a checkpoint's shards, loaded as Megatron-LM's load_checkpoint does
+        shard = torch.load(job["shard_files"][rank], map_location="cpu", weights_only=False)
+        model = build_gpt(shard["args"], tp)
+        model.load_state_dict(shard["model"], strict=True)
+    else:  # out: Megatron's own weights, saved as Megatron-LM saves --ckpt-format torch_dist
+        args = megatron_args(job)
+        _export(model := _fresh_model(args, tp), args, job, rank)
+    model.eval()
+    logits = _logits(model, ids)
+    if rank == 0:
+        np.save(job["out"], logits.numpy())
+    dist.destroy_process_group()
+
+
+def _fresh_model(args, tp: int):
+    """GPTModel with Megatron's own init (seeded), biases and norms moved off 0/1 so that a dropped or
+    misplaced one shows in the logits (the same noise on every tp rank keeps replicated ones equal)."""
+    import torch
+
+    torch.manual_seed(1234)  # use_cpu_initialization: the full weight from torch's RNG, then split
+    model = build_gpt(args, tp)
+    g = torch.Generator().manual_seed(7)  # the same on every rank: replicated params stay equal
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
+def megatron_args(job: dict):
+    """Megatron-LM's args for the export: those core_v0.8.0's Megatron-LM wrote for a genuine fixture
+    (``job["args_from"]``, a torch_dist common.pt), with ``job["args"]`` applied on top."""
+    import torch
+
+    args = torch.load(job["args_from"], map_location="cpu", weights_only=False)["args"]
+    for key, value in job["args"].items():
+        setattr(args, key, value)
+    return args
+
+
+def _export(model, args, job: dict, rank: int) -> None:
+    """Save as Megatron-LM's save_checkpoint does: ``torch_dist`` (sharded_state_dict +
+    dist_checkpointing.save) or ``torch`` (state_dict_for_save_checkpoint per tp rank)."""
+    import os
+
+    import torch
+
+    iter_dir = f"{job['dir']}/iter_{job['iteration']:07d}"
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": job["iteration"]}
+    if job["format"] == "torch_dist":
+        from megatron.core import dist_checkpointing
+
+        if rank == 0:
+            os.makedirs(iter_dir, exist_ok=True)
+        torch.distributed.barrier()
+        dist_checkpointing.save({**state, "model": model.sharded_state_dict()}, iter_dir)
+    else:
+        os.makedirs(f"{iter_dir}/mp_rank_{rank:02d}", exist_ok=True)
+        torch.save({**state, "model": model.state_dict_for_save_checkpoint()},
+                   f"{iter_dir}/mp_rank_{rank:02d}/model_optim_rng.pt")
+    torch.distributed.barrier()
+    if rank == 0:
+        with open(f"{job['dir']}/latest_checkpointed_iteration.txt", "w") as f:
+            f.write(str(job["iteration"]))
+
+
+def model(jobs: list[dict], store: str) -> dict:
+    """Each job on ``job["tp"]`` forked gloo ranks (megatron-core is imported once, before the forks):
+    ``shard_files`` jobs load a checkpoint into GPTModel; ``dir`` jobs save a fresh GPTModel there as
+    torch_dist. Both write the logits on ``tokens`` (.npy [b, s]) to ``out`` (.npy)."""
+    import torch.multiprocessing as mp
+    from megatron.core.models.gpt import GPTModel  # noqa: F401 (imported before forking)
+
+    for i, job in enumerate(jobs):
+        mp.start_processes(_rank, args=(job["tp"], f"{store}{i}", job), nprocs=job["tp"], start_method="fork")
+    return {"jobs": len(jobs)}
+
+
+def data(indexed_args: dict, gpt_args: dict, sample_args: dict) -> dict:
+    """The data checks in one process (an interpreter with megatron-core takes ~5 s to start)."""
+    return {"indexed": indexed(**indexed_args), "gpt": gpt_datasets(**gpt_args),
+            "sample": sample_indices(**sample_args)}
+
+
+CHECKS = {"indexed": indexed, "gpt_datasets": gpt_datasets, "data": data, "model": model}
+
+
+def main(argv: list[str]) -> int:
+    import megatron.core
+
+    name, kwargs = argv[0], json.loads(argv[1])
+    result = CHECKS[name](**kwargs)
+    print(json.dumps({"megatron_core": megatron.core.__version__, **result}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,141 @@
+"""Checkpoints both ways between Slipway and megatron-core's GPTModel, version by version.
+
+In: Megatron-core's GPTModel (local layer spec, gloo, CPU) built from the args of a checkpoint Slipway's
+trainer wrote with checkpoint.format=mcore, each tp rank loading its shard with
+``load_state_dict(strict=True)`` as Megatron-LM's ``load_checkpoint`` does, gives Slipway's logits
+(tp 1 and tp 2; the runs train 2 steps so biases and norms are off their init).
+
+Out: a GPTModel's own weights at tp 2, saved the way Megatron-LM saves ``--ckpt-format torch_dist``
+(``sharded_state_dict`` + ``dist_checkpointing.save``; 0.8.0: ``--ckpt-format torch``, see
+versions.EXPORT_FORMAT), with the args Megatron-LM writes: a genuine
+core_v0.8.0 fixture's, and ``add_qkv_bias=True`` from 0.10 on, which validate_args sets whenever
+``add_bias_linear`` is), converts with ``python -m trainer.convert.to_hf`` and the HF model gives
+Megatron's logits, and starts a Slipway run (checkpoint.load=model-only at tp 1) whose checkpoint
+still does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from packaging.version import Version
+
+from tests.mcore.harness import run_check, versions
+from tests.mcore.versions import EXPORT_FORMAT
+from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
+from trainer.convert.reference import SlipwayGPTSource
+from trainer.convert.shards import load_merged
+from trainer.convert.spec import spec_from_checkpoint
+
+ITERS = 2
+FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
+
+
+def _train(rank: int, cfg: dict) -> None:
+    assert run_cfg(cfg).exit_code == 0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """tp -> the iteration folder of a trained tp-way run written in Megatron-core names."""
+    root = tmp_path_factory.mktemp("mcore_runs")
+    data = write_dataset(str(root / "data"))
+    out = {}
+    for tp in (1, 2):
+        cfg = tiny_config(str(root / f"tp{tp}"), data, parallel={"tp_size": tp, "pp_size": 1},
+                          model={"hidden_dropout": 0.0, "attention_dropout": 0.0},
+                          train={"micro_batch_size": 2, "global_batch_size": 2, "iters": ITERS,
+                                 "eval_interval": None},
+                          checkpoint={"format": "mcore"}, run_id=f"mcore-tp{tp}")
+        spawn(tp, str(root), _train, cfg)
+        out[tp] = root / f"tp{tp}" / "checkpoints" / f"iter_{ITERS:07d}"
+    return out
+
+
+def export_args(version: str) -> dict:
+    tok = FIXTURES / "tokenizer"
+    args = {"vocab_file": str(tok / "vocab.json"), "merge_file": str(tok / "merges.txt"),
+            "tensor_model_parallel_size": 2}
+    if Version(version) >= Version("0.10.0"):
+        args["add_qkv_bias"] = True  # validate_args: add_qkv_bias = True whenever add_bias_linear
+    return args
+
+
+@pytest.fixture(scope="module", params=versions)
+def megatron(request, runs, tmp_path_factory):
+    """One subprocess per version: GPTModel loads the tp 1 and tp 2 runs, and exports its own weights."""
+    version, out = request.param, tmp_path_factory.mktemp(f"mcore_model_{request.param}")
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    np.save(out / "ids.npy", ids.numpy())
+    jobs = [{"tp": tp, "tokens": str(out / "ids.npy"), "out": str(out / f"in_tp{tp}.npy"),
+             "shard_files": [str(runs[tp] / f"mp_rank_{r:02d}" / "model_optim_rng.pt") for r in range(tp)]}
+            for tp in (1, 2)]
+    jobs.append({"tp": 2, "tokens": str(out / "ids.npy"), "out": str(out / "export.npy"),
+                 "dir": str(out / "export"), "iteration": 5, "args": export_args(version),
+                 "format": EXPORT_FORMAT.get(version, "torch_dist"),
+                 "args_from": str(FIXTURES / "mcore_torch_dist_tp2" / "iter_0000007" / "common.pt")})
+    run_check(version, "model", jobs=jobs, store=str(out / "store"))
+    return version, out, ids
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_gpt_model_reproduces_slipways_logits(runs, megatron, tp):
+    version, out, ids = megatron
+    merged = load_merged(runs[tp], ITERS)
+    spec = spec_from_checkpoint(merged.args, merged.state, merged.checkpoint_version, None)
+    source = SlipwayGPTSource(merged.state, spec)
+    ours = torch.stack([source.logits(row) for row in ids])
+    theirs = torch.from_numpy(np.load(out / f"in_tp{tp}.npy"))
+    assert theirs.shape == (2, 16, 256) and ours.shape == (2, 16, spec.vocab_size)
+    diff = (theirs[..., :spec.vocab_size] - ours).abs().max().item()
+    print(f"MATRIX {version} in tp{tp} {diff:.2e}")
+    assert diff <= 1e-5, f"megatron-core {version} tp {tp}: max |logit diff| {diff:.3g}"
+
+
+def test_megatron_gpt_model_weights_convert_with_to_hf(tmp_path, megatron):
+    from transformers import GPT2LMHeadModel
+
+    from trainer.convert.to_hf import main
+
+    version, out, ids = megatron
+    assert main(["--checkpoint-dir", str(out / "export"), "--output-dir", str(tmp_path / "hf")]) == 0
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        ours = hf(ids).logits
+    theirs = torch.from_numpy(np.load(out / "export.npy"))
+    diff = (theirs[..., :ours.shape[-1]] - ours).abs().max().item()
+    print(f"MATRIX {version} out {diff:.2e}")
+    assert diff <= 1e-5, f"megatron-core {version}: HF logits differ from GPTModel's by {diff:.3g}"
+
+
+def test_megatron_gpt_model_weights_start_a_slipway_run(tmp_path, megatron):
+    """checkpoint.load=model-only from the GPTModel's save at tp 1 (it was saved at tp 2); the one step
+    has learning rate 0 (warm-up), so the run's checkpoint still computes Megatron's logits."""
+    from transformers import GPT2LMHeadModel
+
+    from trainer.convert.to_hf import main
+
+    version, out, ids = megatron
+    tok = FIXTURES / "tokenizer"
+    cfg = tiny_config(str(tmp_path / "run"), write_dataset(str(tmp_path / "data")),
+                      model={"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
+                             "max_position_embeddings": 64, "vocab_size": 1024, "hidden_dropout": 0.0,
+                             "attention_dropout": 0.0},
+                      optim={"warmup_iters": 4},
+                      train={"micro_batch_size": 1, "global_batch_size": 1, "iters": 1,
+                             "eval_interval": None},
+                      tokenizer={"vocab_file": str(tok / "vocab.json"),
+                                 "merge_file": str(tok / "merges.txt")},
+                      checkpoint={"load": "model-only", "load_dir": str(out / "export")})
+    spawn(1, str(tmp_path), _train, cfg)
+    assert main(["--checkpoint-dir", str(tmp_path / "run" / "checkpoints"), "--output-dir",
+                 str(tmp_path / "hf")]) == 0
+    with torch.no_grad():
+        ours = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()(ids).logits
+    theirs = torch.from_numpy(np.load(out / "export.npy"))
+    diff = (theirs[..., :ours.shape[-1]] - ours).abs().max().item()
+    print(f"MATRIX {version} run-start {diff:.2e}")
+    assert diff <= 1e-5, f"megatron-core {version}: the run's weights give logits {diff:.3g} away"
