@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-VERSIONS = ("0.8.0", "0.13.1", "0.16.1")
+VERSIONS = ("0.8.0", "0.10.0", "0.13.1", "0.16.1")
 
 
 def install(version: str) -> Path:
