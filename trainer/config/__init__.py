@@ -25,7 +25,7 @@ from typing import Any
 from trainer.checks import ConfigIssue, Section, choice, issue, positive
 from trainer.config.model import ATTENTION_BACKENDS, ModelConfig, ParallelConfig
 from trainer.config.train import DECAY_STYLES, OPTIM_IMPLS, PRECISIONS, OptimConfig, TrainConfig
-from trainer.data.blend import Blend, BlendError, parse_blend
+from trainer.data.blend import Blend, BlendError, blend_paths, parse_blend
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.data.splits import parse_split
 from trainer.log import get_logger
@@ -99,6 +99,10 @@ class DataConfig(Section):
         self.paths = [str(p) for p in self.paths]
         if isinstance(self.corpus, dict):
             self.corpus = _build(CorpusConfig, self.corpus, "data.corpus")
+
+    def inputs(self) -> list[str]:
+        """The files (or prefixes) of ``paths``, without a blend's weights."""
+        return blend_paths(self.paths)
 
     def blend(self) -> Blend:
         """``paths`` read as Megatron reads --data-path (raises ValueError; ``problems`` reports it)."""

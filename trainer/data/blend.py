@@ -89,6 +89,15 @@ def parse_blend(entries: list[str]) -> Blend:
     return Blend(tuple(entries[i + 1] for i in numbers), weights)
 
 
+def blend_paths(entries: list[str]) -> list[str]:
+    """The paths of ``data.paths`` without its weights; for a broken blend, every entry that is not a
+    number (so file checks and the plan still run while the blend's own problem is reported)."""
+    try:
+        return list(parse_blend(entries).paths)
+    except BlendError:
+        return [e for e in (str(x).strip() for x in entries) if _weight(e) is None]
+
+
 def target_sizes(normalized: list[float], num_samples: int, surplus: float = 0.0) -> list[int]:
     """Samples of each corpus for a blend of ``num_samples`` (megatron-core's
     ``_get_size_per_split_per_dataset``): ``ceil(ceil(N * w) * (1 + surplus))``."""
