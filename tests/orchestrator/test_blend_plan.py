@@ -80,4 +80,5 @@ def test_a_zero_weight_and_a_missing_file_are_plan_problems_together(tmp_path, c
     found = {p.code: p for p in err.value.problems}
     assert "entry 0, the weight 0 of" in found["blend"].message and a in found["blend"].message
     assert found["blend"].key == "data.paths" and "raise it" in found["blend"].fix
-    assert [(p.key, p.value) for p in err.value.problems if p.code == "file_missing"] == [("data.paths", missing)]
+    missing_files = [(p.key, p.value) for p in err.value.problems if p.code == "file_missing"]
+    assert missing_files == [("data.paths", missing)]
