@@ -12,20 +12,30 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-VERSIONS = ("0.8.0", "0.10.0", "0.13.1", "0.16.1")
+VERSIONS = ("0.8.0", "0.10.0", "0.13.1", "0.16.1")  # as tests/mcore/versions.py (branch mcore-oracle)
 
 
 def install(version: str) -> Path:
-    """``.make/mcore/<version>``, installed on first use (a stamp file marks a complete install)."""
+    """``.make/mcore/<version>``, installed on first use: into ``<version>.tmp``, stamped ``.installed``
+    (the mcore-oracle branch's stamp, so either side reuses the other's install), then renamed into place,
+    so an interrupted install is redone rather than half-used."""
     target = REPO / ".make" / "mcore" / version
-    if not (target / "megatron" / "core" / "datasets").is_dir():
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                        f"megatron-core=={version}"], check=True)
+    if (target / ".installed").is_file():
+        return target
+    tmp = target.with_name(version + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(tmp),
+           f"megatron-core=={version}"]
+    subprocess.run(cmd, check=True)
+    (tmp / ".installed").write_text(" ".join(cmd[5:]) + "\n")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
     return target
 
 
@@ -44,32 +54,33 @@ import megatron.core
 class Tok:  # GPTDatasetConfig insists on a tokenizer; sample tokens never consult it
     eod, pad, vocab_size, unique_identifiers = 0, -1, None, {"class": "Tok"}
 
-a = json.loads(sys.argv[1])
-config = GPTDatasetConfig(random_seed=a["seed"], sequence_length=a["seq_length"], blend=(a["prefixes"],
-                          a["weights"]), split=a["split"], path_to_cache=None, tokenizer=Tok(),
-                          reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
-splits = BlendedMegatronDatasetBuilder(GPTDataset, a["sizes"], lambda: True, config).build()
-out = {"version": megatron.core.__version__}
-for name, blend in zip(("train", "valid", "test"), splits):
-    if blend is None or not a["sizes"][("train", "valid", "test").index(name)]:
-        continue
-    di, si = np.asarray(blend.dataset_index), np.asarray(blend.dataset_sample_index)
-    tokens = [blend.datasets[int(d)]._query_document_sample_shuffle_indices(int(s))[0].tolist()
-              for d, s in zip(di[:a["read"]], si[:a["read"]])]
-    out[name] = {"dataset_index": di.tolist(), "dataset_sample_index": si.tolist(),
-                 "lengths": [len(d) for d in blend.datasets], "tokens": tokens}
+def blend(a):
+    config = GPTDatasetConfig(random_seed=a["seed"], sequence_length=a["seq_length"], blend=(a["prefixes"],
+                              a["weights"]), split=a["split"], path_to_cache=None, tokenizer=Tok(),
+                              reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+    splits = BlendedMegatronDatasetBuilder(GPTDataset, a["sizes"], lambda: True, config).build()
+    out = {}
+    for i, (name, blend) in enumerate(zip(("train", "valid", "test"), splits)):
+        if blend is None or not a["sizes"][i]:
+            continue
+        di, si = np.asarray(blend.dataset_index), np.asarray(blend.dataset_sample_index)
+        tokens = [blend.datasets[int(d)]._query_document_sample_shuffle_indices(int(s))[0].tolist()
+                  for d, s in zip(di[:a["read"]], si[:a["read"]])]
+        out[name] = {"dataset_index": di.tolist(), "dataset_sample_index": si.tolist(),
+                     "lengths": [len(d) for d in blend.datasets], "tokens": tokens}
+    return out
+
+out = {"version": megatron.core.__version__, "blends": [blend(a) for a in json.loads(sys.argv[1])]}
 print("ORACLE " + json.dumps(out))
 """
 
 
-def megatron_blend(version: str, prefixes: list[str], weights: list[float], sizes: list[int], *,
-                   seq_length: int, seed: int, split: str, read: int) -> dict:
-    """megatron-core ``version``'s blend of ``prefixes`` (see ``ORACLE``); ``read``: positions whose tokens
-    come back."""
-    args = {"prefixes": prefixes, "weights": weights, "sizes": sizes, "seq_length": seq_length, "seed": seed,
-            "split": split, "read": read}
+def megatron_blends(version: str, cases: list[dict]) -> dict:
+    """megatron-core ``version``'s blends (see ``ORACLE``), one per case: ``prefixes``, ``weights``,
+    ``sizes`` (train, valid, test samples), ``seq_length``, ``seed``, ``split`` and ``read`` (positions
+    whose tokens come back). Returns ``{"version", "blends": [per case {split: ...}]}``."""
     env = {**os.environ, "PYTHONPATH": str(install(version))}  # this version only, not the worktree
-    proc = subprocess.run([sys.executable, "-c", ORACLE, json.dumps(args)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", ORACLE, json.dumps(cases)], env=env, capture_output=True,
                           text=True, timeout=600)
     line = next((x for x in proc.stdout.splitlines() if x.startswith("ORACLE ")), None)
     if proc.returncode or line is None:

@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from tests.data.mcore_blend import VERSIONS, megatron_blend
+from tests.data.mcore_blend import VERSIONS, megatron_blends
 from tests.data.test_gpt_dataset_indexed import write_pair
 from trainer.checks import deferred
 from trainer.config import DataConfig, TrainConfig
@@ -42,36 +42,49 @@ def corpora(tmp_path_factory) -> list[str]:
     return prefixes
 
 
-def slipway_blend(prefixes: list[str], cache_dir: str, weights: list[float] = WEIGHTS):
+def slipway_blend(prefixes: list[str], cache_dir: str, weights: list[float] = WEIGHTS,
+                  sizes: tuple[int, int] = (TRAIN, VALID)):
     request = BlendRequest([IndexedDataset(p) for p in prefixes], prefixes, parse_blend(
         [x for w, p in zip(weights, prefixes, strict=True) for x in (str(w), p)]).normalized)
     config = GPTDatasetConfig(seq_length=SEQ, seed=SEED, split=SPLIT, cache_dir=cache_dir)
-    return build_blended_datasets(request, {"train": TRAIN, "valid": VALID}, config, is_builder=True)
+    return build_blended_datasets(request, dict(zip(("train", "valid"), sizes, strict=True)), config,
+                                  is_builder=True)
+
+
+def cases(corpora: list[str]) -> list[tuple[list[str], list[float], tuple[int, int]]]:
+    """(prefixes, weights, (train, valid) samples): three corpora, the smallest with the largest weight
+    (it runs 3 epochs); Megatron's own 0.3/0.7 spelling at 1000 samples; one weighted corpus (a blend of
+    one, which Megatron sizes with the margin unlike a plain path)."""
+    return [(corpora, WEIGHTS, (TRAIN, VALID)), ([corpora[0], corpora[2]], [0.3, 0.7], (1000, 30)),
+            ([corpora[1]], [1.0], (200, 20))]
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_blend_order_and_samples_equal_megatron_core(version, corpora, tmp_path):
-    ours = slipway_blend(corpora, str(tmp_path / "cache"))
-    theirs = megatron_blend(version, corpora, WEIGHTS, [TRAIN, VALID, 0], seq_length=SEQ, seed=SEED,
-                            split=SPLIT, read=TRAIN)
+    todo = cases(corpora)
+    theirs = megatron_blends(version, [
+        {"prefixes": p, "weights": w, "sizes": [*n, 0], "seq_length": SEQ, "seed": SEED, "split": SPLIT,
+         "read": n[0]} for p, w, n in todo])
     assert theirs["version"] == version
-    for name, wanted in (("train", TRAIN), ("valid", VALID)):
-        blend, mc = ours[name], theirs[name]
-        # megatron-core 0.8.0-0.10.0 draw ceil(N * w * 1.005) per corpus, later ones ceil(N * w): the
-        # common positions (at least the N the trainer reads) must be the same (corpus, sample).
-        common = min(len(blend), len(mc["dataset_index"]))
-        assert common >= wanted
-        if tuple(int(x) for x in version.split(".")) >= (0, 13):  # today's rule, which Slipway follows
-            assert len(blend) == len(mc["dataset_index"])
-        np.testing.assert_array_equal(blend.dataset_index[:common], mc["dataset_index"][:common])
-        np.testing.assert_array_equal(blend.dataset_sample_index[:common],
-                                      mc["dataset_sample_index"][:common])
-        assert [len(d) for d in blend.datasets] == mc["lengths"]
-    for i, tokens in enumerate(theirs["train"]["tokens"]):
-        np.testing.assert_array_equal(ours["train"][i], tokens, err_msg=f"train position {i}")
-    counts = np.bincount(ours["train"].dataset_index[:TRAIN], minlength=3)
-    assert counts.tolist() == [60, 150, 90]  # the weights, exactly at this N
-    assert ours["train"].datasets[1].num_epochs == 3  # ...and corpus 1's share takes 3 epochs of it
+    newer = tuple(int(x) for x in version.split(".")) >= (0, 13)  # today's sizing rule, which Slipway follows
+    for case, ((prefixes, weights, sizes), mc_case) in enumerate(zip(todo, theirs["blends"], strict=True)):
+        ours = slipway_blend(prefixes, str(tmp_path / f"cache{case}"), weights, sizes)
+        for name, wanted in zip(("train", "valid"), sizes, strict=True):
+            blend, mc = ours[name], mc_case[name]
+            # megatron-core 0.8.0-0.10.0 draw ceil(N * w * 1.005) per corpus, later ones ceil(N * w): the
+            # common positions (at least the N the trainer reads) must be the same (corpus, sample).
+            common = min(len(blend), len(mc["dataset_index"]))
+            assert common >= wanted and (len(blend) == len(mc["dataset_index"]) or not newer), case
+            np.testing.assert_array_equal(blend.dataset_index[:common], mc["dataset_index"][:common])
+            np.testing.assert_array_equal(blend.dataset_sample_index[:common],
+                                          mc["dataset_sample_index"][:common])
+            assert [len(d) for d in blend.datasets] == mc["lengths"], (case, name)
+        for i, tokens in enumerate(mc_case["train"]["tokens"]):
+            np.testing.assert_array_equal(ours["train"][i], tokens, err_msg=f"case {case} train position {i}")
+        if case == 0:
+            counts = np.bincount(ours["train"].dataset_index[:TRAIN], minlength=3)
+            assert counts.tolist() == [60, 150, 90]  # the weights, exactly at this N
+            assert ours["train"].datasets[1].num_epochs == 3  # ...and corpus 1's share takes 3 epochs of it
 
 
 def test_resume_mid_blend_reads_the_uninterrupted_sequence(corpora, tmp_path):
