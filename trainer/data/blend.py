@@ -19,6 +19,7 @@ sample counts reads the same (dataset, sample) at every position:
 from __future__ import annotations
 
 import math
+from array import array
 from dataclasses import dataclass
 
 import numpy as np
@@ -121,13 +122,15 @@ def blend_sizes(normalized: list[float], num_samples: int) -> BlendSizes:
 
 def blending_indices(normalized: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """(dataset_index int16, dataset_sample_index int64) of ``size`` positions: Megatron's greedy rule
-    (helpers.cpp ``build_blending_indices``) in float64, the same arithmetic in the same order."""
+    (helpers.cpp ``build_blending_indices``) in float64, the same arithmetic in the same order.
+
+    Plain Python: about 0.3 s per million positions per two corpora (CodeParrot's 28.8M: ~10-20 s, 300 MB),
+    once per run on the builder rank, then cached; a C++ op beside ``build_sample_idx`` would make it ~0."""
     if len(normalized) >= 32767:
         raise ValueError(f"a blend holds at most 32766 corpora (int16 dataset index), got {len(normalized)}")
     weights = [float(w) for w in normalized]
     drawn = [0] * len(weights)
-    chosen: list[int] = []
-    nth: list[int] = []
+    chosen, nth = array("h"), array("q")  # compact (2 + 8 bytes a position), not lists of int objects
     rest = list(enumerate(weights))[1:]
     w0 = weights[0]
     for t in range(size):
@@ -140,4 +143,6 @@ def blending_indices(normalized: list[float], size: int) -> tuple[np.ndarray, np
         chosen.append(best)
         nth.append(drawn[best])
         drawn[best] += 1
-    return np.array(chosen, dtype=np.int16), np.array(nth, dtype=np.int64)
+    if not size:
+        return np.zeros(0, np.int16), np.zeros(0, np.int64)
+    return np.frombuffer(chosen, dtype=np.int16), np.frombuffer(nth, dtype=np.int64)
