@@ -9,8 +9,9 @@ sample counts reads the same (dataset, sample) at every position:
   without weights keeps Slipway's concatenation (Megatron would weight those by their lengths instead).
 - weights are normalised to sum 1; per split, corpus i is asked for ``ceil(N * w_i)`` samples (the blend
   draws ``sum_i ceil(N * w_i)`` positions) and its GPT dataset is built for ``ceil(ceil(N * w_i) * 1.005)``
-  (``mid_level_dataset_surplus``), megatron-core >= 0.10's rule; 0.8.0 built ``ceil(N * w_i * 1.005)``
-  and drew all of them, which changes a corpus's epoch count only when it sits on an epoch boundary.
+  (``mid_level_dataset_surplus``), the rule of megatron-core 0.13.1 and 0.16.1 (tested; 0.11/0.12 not);
+  0.8.0 and 0.10.0 built ``ceil(N * w_i * 1.005)`` and drew all of them, which changes a corpus's samples
+  only when the smaller count ends its GPT dataset an epoch earlier.
 - position t goes to the corpus whose share lags most (``w_i * max(t, 1) - drawn_i``, lowest index on a
   tie); its sample is the next unread one of that corpus.
 - ``data.split`` applies to each corpus on its own documents, as Megatron's does.
