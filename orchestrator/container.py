@@ -71,7 +71,7 @@ def host_paths(cfg: SlipwayConfig) -> list[tuple[str, str]]:
     and ``container.binds`` are added by the renderers (the repository first, so it is never hidden)."""
     tok, ck = cfg.tokenizer, cfg.checkpoint
     out = [("runs_root", cfg.runs_root), ("cache_dir", cfg.cache_dir)]  # a null cache_dir is in runs_root
-    out += [("data.paths", os.path.dirname(os.path.abspath(p))) for p in cfg.data.paths]
+    out += [("data.paths", os.path.dirname(os.path.abspath(p))) for p in cfg.data.inputs()]
     files = (("tokenizer.vocab_file", tok.vocab_file), ("tokenizer.merge_file", tok.merge_file))
     out += [(key, os.path.dirname(os.path.abspath(p))) for key, p in files if p]
     out += [("data.corpus.roots", p) for p in (cfg.data.corpus.roots if cfg.data.corpus else [])]

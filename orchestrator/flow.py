@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import launches, queue, redaction
+from orchestrator.data_shares import corpus_shares, shares_table
 from orchestrator.estimate import fmt_duration, memory_table, options_table
 from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.guards import known_secrets
@@ -91,7 +92,7 @@ class LaunchResult:
 def gather_facts(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> PlanInputs:
     run_id = cfg.run_id or mint_run_id()
     tok = cfg.tokenizer
-    files = [*cfg.data.paths, tok.vocab_file or "", tok.merge_file or ""]
+    files = [*cfg.data.inputs(), tok.vocab_file or "", tok.merge_file or ""]
     prints = {p: fp for p in files if p and (fp := fingerprint(p))}
     hf = tok.type == HF_TOKENIZER_TYPE
     if hf and (fp := tokenizer_dir_fingerprint(tok.model)):
@@ -121,6 +122,7 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         f"{cfg.train.micro_batch_size} per step",
         f"  vocab {plan.vocab_size}, precision {cfg.train.precision}, {cfg.train.iters} iterations, "
         f"{lay.global_batch * cfg.model.seq_length * cfg.train.iters / 1e9:.2f} B tokens",
+        *shares_table(corpus_shares(cfg, lay.global_batch, plan.stage("preprocess").job.prefixes)),
         "",
         "Memory per device (the busiest pipeline stage):",
         memory_table(plan.memory, cfg.cluster.device_name),

@@ -3,7 +3,8 @@ key and the fix instead of a Slurm job after its retries:
 
 - ``data.paths``: a directory, an empty file, or a JSONL with no non-empty document; and, when the files
   are small enough to scan whole (``SCAN_BYTES``), a document count that leaves a split the run draws from
-  without documents (the trainer's own rule, :mod:`trainer.data.splits`) — one 30 MB document, say.
+  without documents (the trainer's own rule, :mod:`trainer.data.splits`) — one 30 MB document, say; a
+  weighted blend's corpora are checked one by one (each is split on its own).
 - ``tokenizer.vocab_file`` / ``merge_file``: loaded the way the jobs load them; a merges file of another
   tokenizer is named with both files.
 - ``container.image`` with pyxis: a file must be squashfs (an Apptainer .sif is not; enroot cannot start it).
@@ -18,6 +19,7 @@ import os
 from orchestrator.container import SQUASHFS_MAGIC, image_is_file
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import Problem
+from trainer.data.blend import BlendError
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 
 SCAN_BYTES = 32 << 20  # per file; larger inputs are checked only for a first non-empty document
@@ -43,8 +45,8 @@ def _documents(path: str, key: str) -> tuple[int, bool]:
 def data_problems(cfg: SlipwayConfig) -> list[Problem]:
     if cfg.data.corpus is not None:
         return []
-    out, total, whole = [], 0, True
-    for path in cfg.data.paths:
+    out, counts = [], {}
+    for path in cfg.data.inputs():
         if os.path.isdir(path):
             out.append(Problem("data_is_dir", "data.paths", path, "is a directory, not a JSONL file",
                                f"list its files: data.paths=[{path.rstrip('/')}/part1.jsonl,...]"))
@@ -52,27 +54,37 @@ def data_problems(cfg: SlipwayConfig) -> list[Problem]:
         if not os.path.isfile(path):
             continue  # file_missing says so
         docs, complete = _documents(path, cfg.data.json_key)
-        total, whole = total + docs, whole and complete
+        counts[path] = docs if complete else None
         if docs == 0 and complete:
             empty = os.path.getsize(path) == 0
             out.append(Problem(
                 "data_empty", "data.paths", path,
                 "the file is empty" if empty else f"no line has a non-empty {cfg.data.json_key!r} field",
                 "point data.paths at the training text, or set data.json_key to the field that holds it"))
-    if out or not whole or total == 0:
+    if out or None in counts.values() or not counts:
         return out
+    try:
+        weighted = cfg.data.blend().weights is not None
+    except BlendError:
+        return out  # the blend's own problem is reported by the config checks
+    # A blend splits each corpus on its own documents (Megatron's rule); several plain paths are one dataset.
+    corpora = counts.items() if weighted else [("data.paths", sum(counts.values()))]
+    return out + [p for name, total in corpora for p in _split_problems(cfg, name, total)]
+
+
+def _split_problems(cfg: SlipwayConfig, name: str, total: int) -> list[Problem]:
     from trainer.data.splits import samples_drawn, split_ranges
 
-    t = cfg.train
+    t, out = cfg.train, []
     ranges = split_ranges(cfg.data.split, total)
     gbs = t.global_batch_size or t.micro_batch_size
-    for name, wanted in samples_drawn(t.iters, gbs, t.eval_interval, t.eval_iters).items():
-        docs = ranges[name]
+    for split, wanted in samples_drawn(t.iters, gbs, t.eval_interval, t.eval_iters).items():
+        docs = ranges[split]
         if wanted and (docs is None or docs[0] >= docs[1]):
             out.append(Problem(
                 "data_split", "data.split", cfg.data.split,
-                f"the {name} split needs {wanted} samples but gets no document of the {total} in data.paths",
-                f"add documents, or give {name} a larger weight (each split needs at least one document)"))
+                f"the {split} split needs {wanted} samples but gets no document of the {total} in {name}",
+                f"add documents, or give {split} a larger weight (each split needs at least one document)"))
     return out
 
 

@@ -31,6 +31,7 @@ from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import Problem, validate
 from trainer.checks import deferred
 from trainer.config import RunConfig
+from trainer.data.blend import BlendError, blend_paths
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.eval.results import EVAL_DIR
 
@@ -132,7 +133,7 @@ def _preprocess_stage(cfg: SlipwayConfig, facts: PlanInputs, corpus: StagePlan |
     if corpus is not None:
         inputs, source_id = [os.path.join(corpus.state_dir, "corpus.jsonl")], {"corpus": corpus.key}
     else:
-        inputs = list(d.paths)
+        inputs = d.inputs()
         source_id = {"inputs": [(p, facts.fingerprints.get(p)) for p in inputs]}
     tok, model = cfg.tokenizer, cfg.tokenizer.model
     tok_id = (
@@ -181,7 +182,11 @@ def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> di
     out = {f.name: dataclasses.asdict(getattr(cfg, f.name)) if dataclasses.is_dataclass(getattr(cfg, f.name))
            else getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)}
     job: PreprocessJob = prep.job
-    out["data"]["paths"] = [f"{p}_{cfg.data.json_key}_document" for p in job.prefixes]
+    prefixes = [f"{p}_{cfg.data.json_key}_document" for p in job.prefixes]
+    try:  # a blend's weights go with the prefixes of the same inputs (a broken blend is a plan problem)
+        out["data"]["paths"] = cfg.data.blend().with_paths(prefixes).spelled()
+    except BlendError:
+        out["data"]["paths"] = prefixes
     out["tokenizer"].update(vocab_file=job.vocab_file, merge_file=job.merge_file)
     out["checkpoint"]["dir"] = cfg.checkpoint.dir or os.path.join(facts.run_dir, "checkpoints")
     wandb = out["logging"]["wandb"]
@@ -243,7 +248,8 @@ def _eval_stage(cfg: SlipwayConfig, tcfg: dict[str, Any], ckey: str, hf_dir: str
     settings = dataclasses.asdict(cfg.eval)
     key = stable_hash({"convert": ckey, "eval": {k: v for k, v in settings.items() if k != "workers"}})
     run_dir = tcfg["run_dir"]  # held-out perplexity reads the first dataset (several are merged for training)
-    job = EvalJob(run_dir, hf_dir, os.path.join(run_dir, EVAL_DIR), settings, tcfg["data"]["paths"][0],
+    first = blend_paths(tcfg["data"]["paths"])[0]  # a blend's first entry is a weight
+    job = EvalJob(run_dir, hf_dir, os.path.join(run_dir, EVAL_DIR), settings, first,
                   cfg.data.split, cfg.model.seq_length, cfg.data.json_key, tcfg["run_id"],
                   tcfg["logging"]["wandb"])
     return StagePlan("eval", key, os.path.join(state, "eval"), False, ("convert",), job)

@@ -338,7 +338,7 @@ def _names(cfg: SlipwayConfig) -> list[Problem]:
 def check_files(cfg: SlipwayConfig, exists: Callable[[str], bool] = os.path.exists) -> list[Problem]:
     """Inputs the stages read must exist now (they are not produced by an earlier stage)."""
     out = []
-    files = [] if cfg.data.corpus is not None else [("data.paths", p) for p in cfg.data.paths]
+    files = [] if cfg.data.corpus is not None else [("data.paths", p) for p in cfg.data.inputs()]
     files += [
         (k, v)
         for k, v in (

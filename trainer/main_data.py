@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from trainer.data.blend import parse_blend
+from trainer.data.blended_dataset import BlendRequest, build_blended_datasets
 from trainer.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 from trainer.data.indexed_dataset import IndexedDataset, index_file_path, merge_datasets
 from trainer.data.sampler import SamplerConfig, micro_batches
@@ -73,13 +75,17 @@ def build_data(data, train, shape: DataShape, ps: ParallelState, state: TrainSta
     global_batch_size, run_dir = shape.global_batch_size, shape.run_dir
     if not data.paths:
         raise ValueError("data.paths is empty: set it to the preprocessed dataset prefix(es)")
-    prefixes = [resolve_prefix(p, data.json_key) for p in data.paths]
-    prefix = prefixes[0] if len(prefixes) == 1 else _merged_prefix(prefixes, run_dir, ps.rank)
-    source = IndexedDataset(prefix)
+    blend = parse_blend(data.paths)
+    prefixes = [resolve_prefix(p, data.json_key) for p in blend.paths]
     wants = samples_drawn(train.iters, global_batch_size, train.eval_interval, train.eval_iters)
     config = GPTDatasetConfig(seq_length=shape.seq_length, seed=train.seed, split=data.split,
                               cache_dir=data.cache_dir)
-    datasets = build_gpt_datasets(source, prefix, wants, config, is_builder=ps.rank == 0)
+    if blend.weights is not None:  # Megatron's weighted blend: each corpus split and sized on its own
+        request = BlendRequest([IndexedDataset(p) for p in prefixes], prefixes, blend.normalized)
+        datasets = build_blended_datasets(request, wants, config, is_builder=ps.rank == 0)
+    else:  # several unweighted prefixes are concatenated into one dataset
+        prefix = prefixes[0] if len(prefixes) == 1 else _merged_prefix(prefixes, run_dir, ps.rank)
+        datasets = build_gpt_datasets(IndexedDataset(prefix), prefix, wants, config, is_builder=ps.rank == 0)
     train_stream = valid_stream = None
     if state.iteration < train.iters:
         train_stream = _stream(datasets["train"], state.consumed_train_samples, train.micro_batch_size, ps)

@@ -26,6 +26,7 @@ from typing import Any
 from trainer.checks import ConfigIssue, Section, choice, issue, positive
 from trainer.config.model import ATTENTION_BACKENDS, ModelConfig, ParallelConfig
 from trainer.config.train import DECAY_STYLES, OPTIM_IMPLS, PRECISIONS, OptimConfig, TrainConfig
+from trainer.data.blend import Blend, BlendError, blend_paths, parse_blend
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.data.splits import parse_split
 from trainer.log import get_logger
@@ -71,7 +72,10 @@ class DataConfig(Section):
     paths: list[str] = field(default_factory=list)
     """JSONL files (one document per line, .gz allowed) to preprocess; ignored when corpus is set. The
     trainer reads dataset prefixes: the full prefix (corpus_content_document) or the preprocess output
-    prefix (corpus), to which _{json_key}_document is appended; several are concatenated."""
+    prefix (corpus), to which _{json_key}_document is appended. Several paths are concatenated into one
+    dataset; weight/path pairs, Megatron's --data-path spelling ([0.3,/data/a.jsonl,0.7,/data/b.jsonl]),
+    are a weighted blend with megatron-core's BlendedDataset order: weights normalised, each corpus split
+    by data.split on its own and drawn in proportion."""
     json_key: str = "content"
     """The JSON field that holds each document's text."""
     split: str = "969,30,1"
@@ -87,7 +91,8 @@ class DataConfig(Section):
     corpus: CorpusConfig | None = None
     """Build the corpus on the cluster (see data.corpus); null: read paths."""
     cache_dir: str | None = None
-    """Where the trainer caches the sample/shuffle indices; null: next to the data (Megatron's default)."""
+    """Where the trainer caches the sample/shuffle indices and a blend's indices (Megatron's
+    --data-cache-path); null: index-cache/ next to the (first) dataset."""
 
     def _normalise(self) -> None:
         if isinstance(self.paths, str):
@@ -96,10 +101,22 @@ class DataConfig(Section):
         if isinstance(self.corpus, dict):
             self.corpus = _build(CorpusConfig, self.corpus, "data.corpus")
 
+    def inputs(self) -> list[str]:
+        """The files (or prefixes) of ``paths``, without a blend's weights."""
+        return blend_paths(self.paths)
+
+    def blend(self) -> Blend:
+        """``paths`` read as Megatron reads --data-path (raises ValueError; ``problems`` reports it)."""
+        return parse_blend(self.paths)
+
     def problems(self) -> list[ConfigIssue]:
         out = choice("data.on_error", self.on_error, ON_ERROR) + positive("data.workers", self.workers)
         if self.corpus is not None:
             out += self.corpus.problems()
+        try:
+            self.blend()
+        except BlendError as err:
+            out.append(issue("blend", "data.paths", self.paths, err.message, err.fix))
         try:
             parse_split(str(self.split))
         except ValueError as err:
