@@ -1,7 +1,8 @@
 """Weighted blends (``data.paths=[0.2,A,0.5,B,0.3,C]``) against real megatron-core, and resume mid-blend.
 
-The oracle is megatron-core's own ``BlendedMegatronDatasetBuilder`` (``tests/data/mcore_blend.py``, one
-private install per version) building the blend of the same ``.bin/.idx`` prefixes that Slipway writes.
+The oracle is megatron-core's own ``BlendedMegatronDatasetBuilder`` (``blends`` in
+``tests/mcore/checks.py``, run under each version of the ``make mcore`` matrix) building the blend of the
+same ``.bin/.idx`` prefixes that Slipway writes.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import re
 import numpy as np
 import pytest
 
-from tests.data.mcore_blend import VERSIONS, megatron_blends
 from tests.data.test_gpt_dataset_indexed import write_pair
+from tests.mcore.harness import run_check, versions
 from trainer.checks import deferred
 from trainer.config import DataConfig, TrainConfig
 from trainer.data.blend import BlendError, parse_blend
@@ -59,13 +60,12 @@ def cases(corpora: list[str]) -> list[tuple[list[str], list[float], tuple[int, i
             ([corpora[1]], [1.0], (200, 20))]
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", versions)
 def test_blend_order_and_samples_equal_megatron_core(version, corpora, tmp_path):
     todo = cases(corpora)
-    theirs = megatron_blends(version, [
+    theirs = run_check(version, "blends", timeout=600, cases=[
         {"prefixes": p, "weights": w, "sizes": [*n, 0], "seq_length": SEQ, "seed": SEED, "split": SPLIT,
          "read": n[0]} for p, w, n in todo])
-    assert theirs["version"] == version
     newer = tuple(int(x) for x in version.split(".")) >= (0, 13)  # today's sizing rule, which Slipway follows
     for case, ((prefixes, weights, sizes), mc_case) in enumerate(zip(todo, theirs["blends"], strict=True)):
         ours = slipway_blend(prefixes, str(tmp_path / f"cache{case}"), weights, sizes)

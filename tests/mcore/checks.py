@@ -240,7 +240,36 @@ def data(indexed_args: dict, gpt_args: dict, sample_args: dict) -> dict:
             "sample": sample_indices(**sample_args)}
 
 
-CHECKS = {"indexed": indexed, "gpt_datasets": gpt_datasets, "data": data, "model": model}
+def blends(cases: list[dict]) -> dict:
+    """Megatron's BlendedMegatronDatasetBuilder over weighted prefixes (``--data-path W1 P1 W2 P2``), one
+    blend per case (``prefixes``, ``weights``, ``sizes`` = train/valid/test samples, ``seq_length``,
+    ``seed``, ``split``, ``read``): per split, the (dataset, sample) of every position, each corpus's GPT
+    dataset length, and the tokens of the first ``read`` positions."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    tokenizer = SimpleNamespace(eod=0, pad=-1, vocab_size=None, unique_identifiers={"class": "oracle"})
+    found = []
+    for a in cases:
+        config = GPTDatasetConfig(random_seed=a["seed"], sequence_length=a["seq_length"],
+                                  blend=(a["prefixes"], a["weights"]), split=a["split"], path_to_cache=None,
+                                  tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+                                  eod_mask_loss=False)
+        built = BlendedMegatronDatasetBuilder(GPTDataset, a["sizes"], lambda: True, config).build()
+        out = {}
+        for i, (name, blend) in enumerate(zip(("train", "valid", "test"), built, strict=True)):
+            if blend is None or not a["sizes"][i]:
+                continue
+            di, si = np.asarray(blend.dataset_index), np.asarray(blend.dataset_sample_index)
+            tokens = [blend.datasets[int(d)]._query_document_sample_shuffle_indices(int(s))[0].tolist()
+                      for d, s in zip(di[:a["read"]], si[:a["read"]], strict=True)]
+            out[name] = {"dataset_index": di.tolist(), "dataset_sample_index": si.tolist(),
+                         "lengths": [len(d) for d in blend.datasets], "tokens": tokens}
+        found.append(out)
+    return {"blends": found}
+
+
+CHECKS = {"indexed": indexed, "gpt_datasets": gpt_datasets, "data": data, "model": model, "blends": blends}
 
 
 def main(argv: list[str]) -> int:
