@@ -13,7 +13,7 @@ from pathlib import Path
 
 from orchestrator.jobs import FAILED as FAILED_MARKER
 from orchestrator.launches import INCOMPLETE, current, history, is_incomplete
-from orchestrator.queue import CANCELLED, FAILED, category, local_state, query_slurm_checked
+from orchestrator.queue import CANCELLED, FAILED, PENDING, category, local_state, query_slurm_checked
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import pass_at_1, read_results
@@ -46,7 +46,7 @@ class JobRow:
     tokens_per_s: float | None = None
     wandb: str = ""
     log: str = ""
-    health: str = ""  # heartbeats: "ok 4", or the stale/stalled/hung ranks with their hosts
+    health: str = ""  # heartbeats: "ok 4/4", or the stale/stalled/hung ranks with their hosts
     ranks: list[RankHealth] = field(default_factory=list)
     checkpoint_warnings: list[str] = field(default_factory=list)  # damaged/skipped at load (trainer)
     kernel_fallbacks: list[str] = field(default_factory=list)  # ops the start-up self-check refused
@@ -195,6 +195,9 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
                 state, reason = sq[jid]
             else:
                 state, reason = sa.get(jid, {}).get("state", "UNKNOWN"), sa.get(jid, {}).get("reason", "")
+            # Slurm keeps a job's last pending reason ("Dependency") after it ran; only a job still waiting
+            # has one (an ended one that failed gets its reason line below the table).
+            reason = reason if category(state) == PENDING else ""
             row = JobRow(run_dir.name, stage, jid, state, reason, name=str(data.get("name") or run_dir.name))
             row.failure = _failure(state, e, sa.get(jid, {}))
             if stage == "eval":

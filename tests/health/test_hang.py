@@ -87,7 +87,7 @@ def test_sigstopped_rank_ends_the_run(tmp_path):
         # Healthy: neither rank is stalled or stale (judged with the generous bound: a loaded machine may
         # delay a heartbeat write by seconds, which is not what this line is about).
         [row] = collect(str(run_dir), stale_after_s=NEVER_S)
-        assert row.health == "ok 2", format_rows([row])
+        assert row.health == "ok 2/2", format_rows([row])
         rank1.send_signal(signal.SIGSTOP)
         err = rank0.communicate(timeout=HANG_TIMEOUT_S + NEVER_S)[1]
         assert rank0.returncode == EXIT_HANG, err[-3000:]
@@ -120,7 +120,7 @@ def test_sigstopped_rank_ends_the_run(tmp_path):
             err = p.communicate(timeout=NEVER_S)[1]  # reads the pipe as it fills
             assert p.returncode == 0, err[-3000:]
         status = _status(run_dir)
-        assert "ok 2" in status or "exited 2" in status, status
+        assert "ok 2/2" in status or "exited 2/2" in status, status
         recorded = (f"HANG (recorded): run run iteration {hung_at}: stopped progressing: rank 1 on nodeB "
                     f"(pid {rank1.pid}")
         assert recorded in status and "(watchdog fired on rank 0, exit 70)" in status, status

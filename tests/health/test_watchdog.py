@@ -168,7 +168,7 @@ def test_judgement():
     assert judge({**beat, "time": now - 999, "phase": "exited"}, now).state == "exited"
     starting = judge({**beat, "time": now - 1, "progress_time": now - 999, "phase": "startup"}, now)
     assert starting.state == "ok"  # an index build is not a stall
-    assert summarize([ok, ok]) == "ok 2"
+    assert summarize([ok, ok]) == "ok 2/2"
     assert summarize([ok, stale, stalled]) == "stale: rank 3@n2 (51 s); stalled: rank 3@n2 (400 s)"
 
 

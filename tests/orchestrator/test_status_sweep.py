@@ -182,3 +182,28 @@ def test_status_says_when_slurmctld_does_not_answer(tmp_path, monkeypatch):
     text = format_rows(rows)
     assert "SLURM: slurmctld did not answer (squeue exited 1: slurm_load_jobs error: Unable" in text
     assert "states above come from accounting (sacct) and may be stale" in text
+
+
+def test_an_ended_job_shows_no_stale_pending_reason_and_its_ranks_as_a_fraction(tmp_path, monkeypatch):
+    """sacct keeps a job's last pending reason ('Dependency') after it ran; a COMPLETED row must not show
+    it, a pending one must. Ended ranks read 'exited 2/2', never a bare 'exited 2' (an exit code?)."""
+    import time
+
+    from orchestrator import status
+    from trainer.health.heartbeat import heartbeat_path
+
+    run = tmp_path / "run"
+    jobs = {"train": [{"job_id": "41", "executor": "slurm", "state_dir": str(run / "stages" / "train")}],
+            "convert": [{"job_id": "42", "executor": "slurm", "state_dir": str(run / "stages" / "c")}]}
+    write_json(run / "run.json", {"run_id": "run", "jobs": jobs})
+    for rank in range(2):
+        write_json(Path(heartbeat_path(str(run), rank)),
+                   {"rank": rank, "host": "n1", "pid": 7, "iteration": 20, "phase": "exited",
+                    "time": time.time() - 3600, "interval_s": 10.0})
+    acct = {"41": {"state": "COMPLETED", "exit": "0:0", "nodes": "n1", "reason": "Dependency", "records": "1"}}
+    monkeypatch.setattr(status, "query_slurm_checked",
+                        lambda ids: ({"42": ("PENDING", "Dependency")}, acct, ""))
+    rows = {r.stage: r for r in collect(str(run))}
+    assert (rows["train"].state, rows["train"].reason, rows["train"].health) == ("COMPLETED", "", "exited 2/2")
+    assert (rows["convert"].state, rows["convert"].reason) == ("PENDING", "Dependency")
+    assert "Dependency" not in format_rows([rows["train"]])

@@ -82,12 +82,14 @@ def read_heartbeats(run_dir: str, now: float | None = None, stale_after_s: float
 
 
 def summarize(ranks: list[RankHealth]) -> str:
-    """One status cell: 'ok 4/4' or the problems, e.g. 'stale: rank 1@n2 (95 s)'."""
+    """One status cell: 'ok 4/4' (ranks healthy of ranks reporting; 'exited 4/4' once all have ended) or
+    the problems, e.g. 'stale: rank 1@n2 (95 s)'. A bare count read as an exit code ('exited 4')."""
     if not ranks:
         return ""
     bad = [r for r in ranks if r.state not in ("ok", "exited")]
     if not bad:
-        return f"{ranks[0].state if all(r.state == ranks[0].state for r in ranks) else 'ok'} {len(ranks)}"
+        label = ranks[0].state if all(r.state == ranks[0].state for r in ranks) else "ok"
+        return f"{label} {len(ranks)}/{len(ranks)}"
     by_state: dict[str, list[str]] = {}
     for r in bad:
         secs = r.age_s if r.state == "stale" else r.idle_s
