@@ -200,10 +200,12 @@ def test_an_ended_job_shows_no_stale_pending_reason_and_its_ranks_as_a_fraction(
         write_json(Path(heartbeat_path(str(run), rank)),
                    {"rank": rank, "host": "n1", "pid": 7, "iteration": 20, "phase": "exited",
                     "time": time.time() - 3600, "interval_s": 10.0})
-    acct = {"41": {"state": "COMPLETED", "exit": "0:0", "nodes": "n1", "reason": "Dependency", "records": "1"}}
+    acct = {"41": {"state": "COMPLETED", "exit": "0:0", "nodes": "n1", "reason": "Dependency",
+                   "records": "1"}}
     monkeypatch.setattr(status, "query_slurm_checked",
                         lambda ids: ({"42": ("PENDING", "Dependency")}, acct, ""))
     rows = {r.stage: r for r in collect(str(run))}
-    assert (rows["train"].state, rows["train"].reason, rows["train"].health) == ("COMPLETED", "", "exited 2/2")
+    train = rows["train"]
+    assert (train.state, train.reason, train.health) == ("COMPLETED", "", "exited 2/2")
     assert (rows["convert"].state, rows["convert"].reason) == ("PENDING", "Dependency")
     assert "Dependency" not in format_rows([rows["train"]])
