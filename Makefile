@@ -71,12 +71,15 @@ test: install mcore lint cuda-check
 	$(DEVCLUSTER) down >/dev/null 2>&1; exit $$rc
 
 # The timing-sensitive tests (tests/stress.py's list) STRESS_REPS times under two CPU hogs, the devcluster up
-# for the Slurm ones; the report goes to bench/results/stress.txt. Not part of `make test` (~1 h).
+# for the Slurm ones, STRESS_STREAMS pytest runs at a time (more load); the report goes to
+# bench/results/stress.txt. Not part of `make test` (~1 h).
 STRESS_REPS ?= 20
+STRESS_STREAMS ?= 2
 test-stress: install
 	@set -o pipefail; $(DEVCLUSTER) up | tail -n 5 || { $(DEVCLUSTER) down >/dev/null 2>&1; exit 1; }; \
 	eval "$$($(DEVCLUSTER) env)"; \
-	$(PYTHON) -m tests.stress --reps $(STRESS_REPS) --hogs 2 --out bench/results/stress.txt; rc=$$?; \
+	$(PYTHON) -m tests.stress --reps $(STRESS_REPS) --streams $(STRESS_STREAMS) --hogs 2 \
+	  --out bench/results/stress.txt; rc=$$?; \
 	$(DEVCLUSTER) down >/dev/null 2>&1; exit $$rc
 
 test-fast: install mcore
