@@ -99,3 +99,18 @@ def pytest_runtest_setup(item):
     if IN_CI:
         pytest.fail(f"CI is set, so the devcluster is required, but: {problem}", pytrace=False)
     pytest.skip(f"devcluster not available: {problem}")
+
+
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test gets the environment it started with back. Code under test may export variables into
+    its own process (submitit's TorchDistributedEnvironment().export() sets MASTER_ADDR, RANK, ... when a
+    stage runs in-process); left behind, they reach every later job this process submits to Slurm, whose
+    own export then refuses ('MASTER_ADDR is already set')."""
+    before = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(before) - {"PYTEST_CURRENT_TEST"}:  # pytest's own, set per phase
+        del os.environ[name]
+    for name, value in before.items():
+        if os.environ.get(name) != value and name != "PYTEST_CURRENT_TEST":
+            os.environ[name] = value
