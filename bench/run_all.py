@@ -23,6 +23,7 @@ BENCHES = [
     ["kernel_check.py"],
     ["recompute.py"],
     ["convert.py"],
+    ["megatron_lm.py"],  # Megatron-LM's git directory: $MEGATRON_LM_REPO or the mirror; NOT RUN without
     ["eval.py"],
     ["train.py"],
 ]
