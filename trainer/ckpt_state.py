@@ -96,9 +96,16 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
         # The distributed optimizer keeps 16-bit weights (the fp32 masters are in distrib_optim.pt).
         "params_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(t["precision"], "float32")
         if o.get("distributed") else "float32",
-        # Megatron-core names in the shard: current Megatron-LM loads it without --use-legacy-models.
-        "use_legacy_models": c["checkpoint"].get("format", "legacy") != "mcore",
+        **_format_args(c["checkpoint"].get("format", "legacy")),
     })
+
+
+def _format_args(fmt: str) -> dict:
+    """Megatron-LM's checkpoint-format fields: Megatron-core names (mcore, torch_dist) load without
+    --use-legacy-models; torch_dist is what --ckpt-format torch_dist (--use-dist-ckpt before 0.9) writes."""
+    dist = fmt == "torch_dist"
+    return {"use_legacy_models": fmt == "legacy", "use_dist_ckpt": dist,
+            "ckpt_format": "torch_dist" if dist else "torch", "dist_ckpt_format": "torch_dist"}
 
 
 def _virtual_args(gpt: GPTConfig, model: ParallelModel) -> dict:

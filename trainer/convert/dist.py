@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.layout import DIST_COMMON, DIST_METADATA
+from trainer.checkpoint.layout import DIST_COMMON, DIST_INFO, DIST_METADATA
 from trainer.convert.layout import CheckpointError, load_shard
 
 METADATA, COMMON = DIST_METADATA, DIST_COMMON
@@ -36,7 +36,7 @@ def is_dist(iter_dir: Path) -> bool:
 
 
 def _backend(iter_dir: Path) -> None:
-    info = iter_dir / "metadata.json"
+    info = iter_dir / DIST_INFO
     backend = json.loads(info.read_text()).get("sharded_backend") if info.is_file() else "torch_dist"
     if backend != "torch_dist":
         raise CheckpointError(f"{iter_dir} is a Megatron distributed checkpoint in the {backend!r} format; "
@@ -77,8 +77,12 @@ def _reader(iter_dir: Path):
     return Reader(str(iter_dir))
 
 
-def _read_tensors(iter_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint at its global shape (objects such as RNG states are skipped)."""
+OPTIMIZER = "optimizer."  # Megatron's optimizer state (``optimizer.state.exp_avg.<param key>``, …)
+
+
+def _read_tensors(iter_dir: Path, keep=lambda key: not key.startswith(OPTIMIZER)) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors that ``keep`` selects (by default the model's: not the optimizer state),
+    at their global shape (objects such as RNG states are skipped)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -88,8 +92,8 @@ def _read_tensors(iter_dir: Path) -> dict[str, torch.Tensor]:
     except Exception as e:  # noqa: BLE001 - reported with the folder and what to check
         raise CheckpointError(f"{iter_dir}/{METADATA} cannot be read ({type(e).__name__}: {e}): the "
                               "checkpoint is incomplete or not a torch.distributed.checkpoint") from e
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+             if isinstance(m, TensorStorageMetadata) and keep(k)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
