@@ -26,6 +26,7 @@ import torch
 
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import reshard
+from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.dist_write import Piece, save_dist_checkpoint
 from trainer.checkpoint.distrib_optim import _step_of, gather_state, is_distributed, load_by_name
 from trainer.checkpoint.layout import DIST_COMMON, CheckpointError, arg
@@ -102,8 +103,13 @@ def pieces(model: ParallelModel, opt_state: dict[str, dict], rng_states: list[di
         if ps.tp_rank == 0:  # Megatron's ShardedObject keys: {key}/shard_{offset}_{global shape}
             out += [Piece(f"{names.MCORE_LAYERS}{m}{EXTRA}/shard_{g}_{num_layers}", [None])
                     for g in range(chunk.stage.layer_start, chunk.stage.layer_end) for m in LINEARS]
-    out.append(Piece(f"rng_state/shard_{ps.pp_rank}.{ps.tp_rank}_{ps.pp_size}.{ps.tp_size}", [rng_states]))
+    out.append(Piece(rng_key(ps), [rng_states]))
     return out
+
+
+def rng_key(ps: Any) -> str:
+    """Megatron's ShardedObject key of a (pp, tp) rank's RNG states (all its dp ranks' in one list)."""
+    return f"rng_state/shard_{ps.pp_rank}.{ps.tp_rank}_{ps.pp_size}.{ps.tp_size}"
 
 
 def save_torch_dist(ckpt_dir: str, keep: int | None, model: ParallelModel, parts: Restorable, args: Any,
@@ -137,10 +143,23 @@ def _sources(iter_dir: Path, common: dict, with_optimizer: bool) -> dict[str, re
             for s, g in groups.items()}
 
 
+def _restore_rng(iter_dir: Path, args: Any, model: ParallelModel) -> None:
+    ps = model.pstate
+    saved = tuple(arg(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                         "data_parallel_size"))
+    if saved != (ps.tp_size, ps.pp_size, ps.dp_size) or virtual_size(args) != len(model.chunks):
+        log.warning("the checkpoint was saved at (tp, pp, dp) = %s, this run is (%d, %d, %d): its RNG states "
+                    "are not restored, so dropout masks differ from an uninterrupted run's", saved,
+                    ps.tp_size, ps.pp_size, ps.dp_size)
+        return
+    states = dist_ckpt.read_object(iter_dir, rng_key(ps))[0]
+    model.tracker.load_state_dict(ckpt.set_rng_state(states[ps.dp_rank]))
+
+
 def restore_dist(iter_dir: Path, model: ParallelModel, parts: Restorable | None) -> TrainState:
     """A torch_dist checkpoint Slipway wrote, at any (tp, pp, dp): weights, and with ``parts`` the Adam
-    state, schedule, loss scaler and counters (the RNG states are not restored: dropout masks after the
-    resume differ from an uninterrupted run's)."""
+    state, schedule, loss scaler, counters and (at the saved layout: they belong to its ranks) the RNG
+    states, so that a resume at the saved layout continues bit for bit."""
     common = load_shard(iter_dir / DIST_COMMON)
     extra = common.get("slipway") or {}
     if parts is not None and "optimizer_step" not in extra:
@@ -165,6 +184,7 @@ def restore_dist(iter_dir: Path, model: ParallelModel, parts: Restorable | None)
     scaler = extra.get("grad_scaler")
     if parts.scaler.dynamic and scaler and "growth_tracker" in scaler:
         parts.scaler.load_state_dict(scaler)
+    _restore_rng(iter_dir, common.get("args"), model)
     log.info("resumed from torch_dist checkpoint %s (iteration %s) at tp=%d pp=%d dp=%d", iter_dir,
              common.get("iteration"), model.pstate.tp_size, model.pstate.pp_size, model.pstate.dp_size)
     return train_state_from(common)

@@ -100,6 +100,33 @@ def _read_tensors(iter_dir: Path, keep=lambda key: not key.startswith(OPTIMIZER)
     return state
 
 
+def read_object(iter_dir: Path, key: str) -> Any:
+    """One object of the checkpoint (a Megatron ShardedObject: the list of its data) by its key,
+    unpickled weights-only with :mod:`trainer.checkpoint.pickles`' allowances (no code runs)."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from trainer.checkpoint import pickles
+
+    raw: dict[str, bytes] = {}
+
+    class KeepBytes(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # torch's own unpickles anything
+            raw[read_item.dest_index.fqn] = value.getvalue()
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load({key: io.BytesIO()}, storage_reader=_reader(iter_dir), planner=KeepBytes(), no_dist=True)
+        with pickles.allowed():
+            return torch.load(io.BytesIO(raw[key]), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - reported with the folder and the key
+        raise CheckpointError(f"{iter_dir}: the object {key!r} cannot be read ({type(e).__name__}: {e}); "
+                              "the checkpoint is incomplete or was saved with another layout") from e
+
+
 def unstack(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """``decoder.layers.X`` [L, ...] → ``decoder.layers.{i}.X`` [...] for i < L."""
     out = {}
