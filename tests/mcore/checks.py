@@ -251,13 +251,26 @@ def model(jobs: list[dict], store: str) -> dict:
     """Each job on ``job["tp"]`` forked gloo ranks (megatron-core is imported once, before the forks):
     ``shard_files`` jobs load a checkpoint into GPTModel, ``dist_dir`` jobs a torch_dist one; ``dir``
     jobs save a fresh GPTModel there as torch_dist. All write the logits on ``tokens`` (.npy [b, s]) to
-    ``out`` (.npy)."""
+    ``out`` (.npy). ``common_as_is``: how this version's own ``load_common_state_dict`` fares with the
+    first torch_dist checkpoint before anything is registered ("ok", or its error's first line)."""
     import torch.multiprocessing as mp
     from megatron.core.models.gpt import GPTModel  # noqa: F401 (imported before forking)
 
+    dist = [job["dist_dir"] for job in jobs if "dist_dir" in job]
+    as_is = _common_as_is(dist[0]) if dist else None  # before the forks register anything
     for i, job in enumerate(jobs):
         mp.start_processes(_rank, args=(job["tp"], f"{store}{i}", job), nprocs=job["tp"], start_method="fork")
-    return {"jobs": len(jobs)}
+    return {"jobs": len(jobs), "common_as_is": as_is}
+
+
+def _common_as_is(iter_dir: str) -> str:
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    try:
+        load_common_state_dict(iter_dir)
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - the outcome is the result
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
 
 
 def data(indexed_args: dict, gpt_args: dict, sample_args: dict) -> dict:
