@@ -3,7 +3,8 @@
 A tp 2 run stopped and resumed from its own torch_dist checkpoint continues bit for bit (weights, Adam
 state, schedule, data position, every rank's RNG: test_resume's check), the folder holds Megatron's files
 plus a manifest that verifies, and the same checkpoint resumes at tp 1 with each parameter's Adam moments
-re-sliced from the stored global tensors.
+re-sliced from the stored global tensors. A SIGKILL in the middle of a torch_dist save leaves the previous
+checkpoint committed, and the restart continues bit for bit and cleans up (test_faults' check).
 """
 
 from __future__ import annotations
@@ -11,10 +12,14 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
+import torch.multiprocessing as mp
 
 from tests.train.harness import load_json, spawn, tiny_config, write_dataset
+from tests.train.test_faults import _resume, _run_with_failpoint, reference  # noqa: F401 (a fixture)
 from tests.train.test_resume import STOP_AT, _check, _resumed, _straight_and_stopped
+from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.layout import DIST_CONFIG
 from trainer.config import RunConfig
@@ -22,6 +27,7 @@ from trainer.convert import dist as dist_ckpt
 from trainer.convert import names
 from trainer.main import build_components, load_checkpoint, resolve_load
 from trainer.parallel import ParallelState
+from trainer.signals import EXIT_OK
 
 TP2 = {"parallel": {"tp_size": 2, "pp_size": 1}, "train": {"micro_batch_size": 1, "global_batch_size": 2},
        "checkpoint": {"format": "torch_dist"}}
@@ -69,3 +75,22 @@ def test_torch_dist_resumes_exactly_and_at_another_layout(tmp_path):
     spawn(2, str(tmp_path), _resumed, stopped, str(tmp_path / "second"))
     for rank in range(2):
         _check(load_json(f"{tmp_path}/first.{rank}"), load_json(f"{tmp_path}/second.{rank}"))
+
+
+# The two states a killed torch_dist save can leave: its files in the shared .tmp-iter_N folder (killed
+# before the rename), or a renamed iter_N that the tracker does not name (killed before the commit).
+@pytest.mark.parametrize("failpoint", ["mid_write", "after_rename"])
+def test_sigkill_during_a_torch_dist_save_keeps_the_previous_checkpoint(tmp_path, reference, failpoint):  # noqa: F811
+    data, straight = reference
+    d = tiny_config(str(tmp_path / "run"), data, train={"iters": 20, "save_interval": 5},
+                    checkpoint={"format": "torch_dist"})
+    with pytest.raises(mp.ProcessExitedException) as e:  # SIGKILLed at the failpoint of the save at 10
+        spawn(1, str(tmp_path), _run_with_failpoint, d, f"{failpoint}@10")
+    assert e.value.signal_name == "SIGKILL"
+    ckpt_dir = str(tmp_path / "run" / "checkpoints")
+    assert ckpt.read_tracker(ckpt_dir) == 5
+    spawn(1, str(tmp_path), _resume, d, str(tmp_path / "resumed.json"))
+    resumed = load_json(str(tmp_path / "resumed.json"))
+    assert resumed["code"] == EXIT_OK
+    assert {int(i): loss for i, loss in resumed["losses"].items()} == {i: straight[i] for i in range(6, 21)}
+    assert sorted(os.listdir(ckpt_dir)) == ["iter_0000015", "iter_0000020", ckpt.TRACKER]  # no leftovers
