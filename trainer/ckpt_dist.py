@@ -28,9 +28,9 @@ from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import reshard
 from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.dist_write import Piece, save_dist_checkpoint
-from trainer.checkpoint.distrib_optim import _step_of, gather_state, is_distributed, load_by_name
+from trainer.checkpoint.distrib_optim import gather_state, is_distributed, load_by_name, step_of
 from trainer.checkpoint.layout import DIST_COMMON, CheckpointError, arg
-from trainer.ckpt_state import Restorable, _targets, param_names, train_state_from
+from trainer.ckpt_state import Restorable, load_targets, param_names, train_state_from
 from trainer.convert import dist as dist_ckpt
 from trainer.convert import names
 from trainer.convert.layout import load_shard
@@ -60,7 +60,7 @@ def optimizer_by_name(model: ParallelModel, optimizer: Any) -> tuple[dict[str, d
         s = optimizer.state.get(p) or {}
         if "exp_avg" in s:
             state[name] = {k: s[k] for k in ("exp_avg", "exp_avg_sq")}
-            step = max(step, _step_of(s))
+            step = max(step, step_of(s))
     return state, step
 
 
@@ -133,7 +133,7 @@ def _sources(iter_dir: Path, common: dict, with_optimizer: bool) -> dict[str, re
     """"" → the weights, and each optimizer-state name → its tensors, merged and in Slipway's names."""
     args = common.get("args")
     num_layers, untied = int(arg(args, "num_layers")), untied_head(args)
-    tensors = dist_ckpt._read_tensors(iter_dir, keep=lambda k: with_optimizer or not k.startswith(OPTIM))
+    tensors = dist_ckpt.read_tensors(iter_dir, keep=lambda k: with_optimizer or not k.startswith(OPTIM))
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         state = next((s for s, m in STATE_KEYS.items() if key.startswith(f"{OPTIM}{m}.")), "")
@@ -167,7 +167,7 @@ def restore_dist(iter_dir: Path, model: ParallelModel, parts: Restorable | None)
                               "(written by Megatron-LM): Slipway starts from its weights only; set "
                               "checkpoint.load=model-only and checkpoint.load_dir to its directory")
     sources = _sources(iter_dir, common, parts is not None)
-    targets = _targets(model)
+    targets = load_targets(model)
     for c, (local, target) in enumerate(targets):
         model.load_megatron_state_dict(nest(reshard.reshard_model(sources[""], local, target)), c)
     if parts is None:

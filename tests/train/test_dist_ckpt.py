@@ -35,7 +35,7 @@ TP2 = {"parallel": {"tp_size": 2, "pp_size": 1}, "train": {"micro_batch_size": 1
 
 def _stored(iter_dir) -> dict[str, torch.Tensor]:
     """Every tensor of the folder by its torch_dist key, read by torch alone."""
-    return dist_ckpt._read_tensors(iter_dir, keep=lambda key: True)
+    return dist_ckpt.read_tensors(iter_dir, keep=lambda key: True)
 
 
 def _resume_at_tp1(tmp_path, stopped: dict, iter_dir) -> None:

@@ -80,7 +80,7 @@ def _reader(iter_dir: Path):
 OPTIMIZER = "optimizer."  # Megatron's optimizer state (``optimizer.state.exp_avg.<param key>``, …)
 
 
-def _read_tensors(iter_dir: Path, keep=lambda key: not key.startswith(OPTIMIZER)) -> dict[str, torch.Tensor]:
+def read_tensors(iter_dir: Path, keep=lambda key: not key.startswith(OPTIMIZER)) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors that ``keep`` selects (by default the model's: not the optimizer state),
     at their global shape (objects such as RNG states are skipped)."""
     import torch.distributed.checkpoint as dcp
@@ -150,5 +150,5 @@ def load_dist(iter_dir: Path, trust_pickle: bool = False) -> tuple[dict[str, tor
     num_layers = getattr(args, "num_layers", None) if args is not None else None
     if num_layers is None:
         raise CheckpointError(f"{iter_dir / COMMON} has no args.num_layers: cannot unstack the layers")
-    state = unstack(_read_tensors(iter_dir), int(num_layers))
+    state = unstack(read_tensors(iter_dir), int(num_layers))
     return state, {k: common.get(k) for k in ("args", "checkpoint_version", "iteration")}
