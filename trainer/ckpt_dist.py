@@ -179,7 +179,8 @@ def restore_dist(iter_dir: Path, model: ParallelModel, parts: Restorable | None)
             by_name[n if len(targets) == 1 else model.chunks[c].global_name(n)] = {
                 k: reshard.target_slice(src.full(g), n, target) for k, src in sources.items() if k}
     names_ = param_names(model, parts.optimizer)
-    load_by_name(parts.optimizer, names_, by_name, extra["optimizer_step"], model)
+    with torch.no_grad():  # a plain optimizer takes saved fp32 masters as its weights, in place
+        load_by_name(parts.optimizer, names_, by_name, extra["optimizer_step"], model)
     parts.scheduler.load_state_dict(common["opt_param_scheduler"])
     scaler = extra.get("grad_scaler")
     if parts.scaler.dynamic and scaler and "growth_tracker" in scaler:

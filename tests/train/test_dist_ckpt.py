@@ -29,8 +29,10 @@ from trainer.main import build_components, load_checkpoint, resolve_load
 from trainer.parallel import ParallelState
 from trainer.signals import EXIT_OK
 
+# The distributed optimizer writes its fp32 masters too (optimizer.state.fp32_param.*); the resume at tp 1
+# loads them into a plain optimizer. The plain optimizer's save is the SIGKILL test's.
 TP2 = {"parallel": {"tp_size": 2, "pp_size": 1}, "train": {"micro_batch_size": 1, "global_batch_size": 2},
-       "checkpoint": {"format": "torch_dist"}}
+       "optim": {"distributed": True}, "checkpoint": {"format": "torch_dist"}}
 
 
 def _stored(iter_dir) -> dict[str, torch.Tensor]:
@@ -39,8 +41,9 @@ def _stored(iter_dir) -> dict[str, torch.Tensor]:
 
 
 def _resume_at_tp1(tmp_path, stopped: dict, iter_dir) -> None:
-    """Full resume (not model-only) at tp 1 in this process: the Adam moments of every parameter are the
-    stored global ones (the run never had tp 1; vocabulary rows beyond the model's are padding)."""
+    """Full resume (not model-only) at tp 1 with a plain optimizer, in this process: the weights and Adam
+    moments of every parameter are the stored global ones (the run never had tp 1; vocabulary rows beyond
+    the model's are padding)."""
     one = tiny_config(str(tmp_path / "one"), stopped["data"]["paths"][0], parallel={"tp_size": 1},
                       checkpoint={"load_dir": stopped["checkpoint"]["dir"]})
     cfg = RunConfig.from_dict(one)
@@ -70,7 +73,9 @@ def test_torch_dist_resumes_exactly_and_at_another_layout(tmp_path):
         ".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", ckpt_verify.MANIFEST, "metadata.json"]
     assert json.loads((iter_dir / "metadata.json").read_text()) == DIST_CONFIG
     assert ckpt_verify.problems(str(iter_dir), ckpt_verify.SHARD_FILE) == []
-    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in _stored(iter_dir)
+    stored = _stored(iter_dir)
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in stored
+    assert "optimizer.state.fp32_param.decoder.layers.self_attention.linear_qkv.weight" in stored
     _resume_at_tp1(tmp_path, stopped, iter_dir)
     spawn(2, str(tmp_path), _resumed, stopped, str(tmp_path / "second"))
     for rank in range(2):
