@@ -96,9 +96,16 @@ def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
         # The distributed optimizer keeps 16-bit weights (the fp32 masters are in distrib_optim.pt).
         "params_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(t["precision"], "float32")
         if o.get("distributed") else "float32",
-        # Megatron-core names in the shard: current Megatron-LM loads it without --use-legacy-models.
-        "use_legacy_models": c["checkpoint"].get("format", "legacy") != "mcore",
+        **_format_args(c["checkpoint"].get("format", "legacy")),
     })
+
+
+def _format_args(fmt: str) -> dict:
+    """Megatron-LM's checkpoint-format fields: Megatron-core names (mcore, torch_dist) load without
+    --use-legacy-models; torch_dist is what --ckpt-format torch_dist (--use-dist-ckpt before 0.9) writes."""
+    dist = fmt == "torch_dist"
+    return {"use_legacy_models": fmt == "legacy", "use_dist_ckpt": dist,
+            "ckpt_format": "torch_dist" if dist else "torch", "dist_ckpt_format": "torch_dist"}
 
 
 def _virtual_args(gpt: GPTConfig, model: ParallelModel) -> dict:
@@ -236,7 +243,7 @@ def restore_merged(iter_dir: Path, model: ParallelModel) -> TrainState:
     optimizer, schedule and iteration start fresh (checkpoint.load=model-only)."""
     merged = load_merged(iter_dir, iter_dir.name)
     src = reshard.MergedSource({n.removeprefix(LEGACY_PREFIX): t for n, t in merged.state.items()})
-    for c, (local, target) in enumerate(_targets(model)):
+    for c, (local, target) in enumerate(load_targets(model)):
         model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)), c)
     log.warning("loaded the weights of checkpoint %s (iteration %s, tp=%d pp=%d) at tp=%d pp=%d", iter_dir,
                 merged.iteration, merged.tp_size, merged.pp_size, model.pstate.tp_size, model.pstate.pp_size)
@@ -250,7 +257,7 @@ def uneven_split(args: Any) -> bool:
                                       "decoder_last_pipeline_num_layers"))
 
 
-def _targets(model: ParallelModel) -> list[tuple[list[str], reshard.Target]]:
+def load_targets(model: ParallelModel) -> list[tuple[list[str], reshard.Target]]:
     """Per model chunk: its (chunk-local) parameter names and what it holds."""
     ps, out = model.pstate, []
     for chunk in model.chunks:
@@ -268,7 +275,7 @@ def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any]
     moments); RNG states are not carried over (they belong to the old layout's ranks)."""
     src_tp, src_pp, args = saved
     ps, src_v = model.pstate, virtual_size(args)
-    targets = _targets(model)
+    targets = load_targets(model)
     first_target = targets[0][1]
     # DistribSource: a SourceCheckpoint that also reads distrib_optim.pt (distributed optimizer)
     src = DistribSource(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")), src_v,

@@ -36,6 +36,7 @@ from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.distrib_optim import extra_files, is_distributed, read_beside
 from trainer.checkpoint.layout import MODEL_KEYS, model_differences
 from trainer.checks import ConfigError
+from trainer.ckpt_dist import restore_dist, save_torch_dist
 from trainer.ckpt_state import (
     Restorable,
     RunFacts,
@@ -197,12 +198,9 @@ def _load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Paralle
                      parts: Restorable) -> TrainState:
     ckpt_dir, iteration, model_only = plan
     iter_dir = Path(ckpt.iter_path(ckpt_dir, iteration))
-    if dist_ckpt.is_dist(iter_dir):  # Megatron-core's torch_dist: weights only
-        if not model_only:
-            raise ckpt.CheckpointError(f"{iter_dir} is a Megatron-core torch_dist checkpoint: Slipway starts "
-                                       "from its weights only; set checkpoint.load=model-only")
+    if dist_ckpt.is_dist(iter_dir):  # Megatron-core's torch_dist: Megatron-LM's (weights only) or Slipway's
         _check_model(load_shard(iter_dir / dist_ckpt.COMMON).get("args"), gpt, ckpt_dir, iteration)
-        return restore_merged(iter_dir, model)
+        return restore_merged(iter_dir, model) if model_only else restore_dist(iter_dir, model, parts)
     tp, pp, args = ckpt.saved_layout(ckpt_dir, iteration)
     _check_model(args, gpt, ckpt_dir, iteration)
     if uneven_split(args):
@@ -239,6 +237,9 @@ def _saver(cfg: RunConfig, gpt: GPTConfig, model: ParallelModel, parts: Restorab
 
     def save(state: TrainState) -> None:
         args = checkpoint_args(gpt, model, facts, state)
+        if cfg.checkpoint.format == "torch_dist":
+            save_torch_dist(cfg.checkpoint.dir, cfg.checkpoint.keep, model, parts, args, state, facts.config)
+            return
         shard = build_state(model, parts, args, state, facts.config)
         beside = extra_files(parts.optimizer)  # distrib_optim.pt (collective over dp) or nothing
         ckpt.save_checkpoint(cfg.checkpoint.dir, state.iteration, shard, layout, cfg.checkpoint.keep, beside)

@@ -160,6 +160,8 @@ def _rank(rank: int, tp: int, store: str, job: dict) -> None:
         shard = torch.load(job["shard_files"][rank], map_location="cpu", weights_only=False)
         model = build_gpt(shard["args"], tp)
         model.load_state_dict(shard["model"], strict=True)
+    elif "dist_dir" in job:  # in: a torch_dist checkpoint, at this tp whatever it was saved at
+        model = _load_dist(job["dist_dir"], tp)
     else:  # out: Megatron's own weights, saved as Megatron-LM saves --ckpt-format torch_dist
         args = megatron_args(job)
         _export(model := _fresh_model(args, tp), args, job, rank)
@@ -168,6 +170,29 @@ def _rank(rank: int, tp: int, store: str, job: dict) -> None:
     if rank == 0:
         np.save(job["out"], logits.numpy())
     dist.destroy_process_group()
+
+
+def _load_dist(iter_dir: str, tp: int):
+    """GPTModel from a torch_dist checkpoint as Megatron-LM's load_checkpoint reads one: the args from
+    common.pt (load_common_state_dict), then ``dist_checkpointing.load`` of the model's own
+    ``sharded_state_dict()`` (default strictness: every requested key must be there, extra keys such as
+    optimizer state are fine) and ``load_state_dict(strict=True)``.
+
+    argparse.Namespace is registered as a safe global first, as megatron-core 0.16 does on import
+    (megatron/core/safe_globals.py): 0.8 and 0.10 call ``torch.load(common.pt)`` without
+    ``weights_only``, which torch >= 2.6 defaults to True, so they refuse any checkpoint's Namespace args
+    otherwise (0.13 passes weights_only=False). common.pt must load weights-only with nothing else."""
+    import argparse
+
+    import torch
+    from megatron.core import dist_checkpointing
+
+    torch.serialization.add_safe_globals([argparse.Namespace])
+    args = torch.load(f"{iter_dir}/common.pt", map_location="cpu", weights_only=True)["args"]
+    model = build_gpt(args, tp)
+    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, iter_dir)
+    model.load_state_dict(loaded["model"], strict=True)
+    return model
 
 
 def _fresh_model(args, tp: int):
@@ -224,14 +249,28 @@ def _export(model, args, job: dict, rank: int) -> None:
 
 def model(jobs: list[dict], store: str) -> dict:
     """Each job on ``job["tp"]`` forked gloo ranks (megatron-core is imported once, before the forks):
-    ``shard_files`` jobs load a checkpoint into GPTModel; ``dir`` jobs save a fresh GPTModel there as
-    torch_dist. Both write the logits on ``tokens`` (.npy [b, s]) to ``out`` (.npy)."""
+    ``shard_files`` jobs load a checkpoint into GPTModel, ``dist_dir`` jobs a torch_dist one; ``dir``
+    jobs save a fresh GPTModel there as torch_dist. All write the logits on ``tokens`` (.npy [b, s]) to
+    ``out`` (.npy). ``common_as_is``: how this version's own ``load_common_state_dict`` fares with the
+    first torch_dist checkpoint before anything is registered ("ok", or its error's first line)."""
     import torch.multiprocessing as mp
     from megatron.core.models.gpt import GPTModel  # noqa: F401 (imported before forking)
 
+    dist = [job["dist_dir"] for job in jobs if "dist_dir" in job]
+    as_is = _common_as_is(dist[0]) if dist else None  # before the forks register anything
     for i, job in enumerate(jobs):
         mp.start_processes(_rank, args=(job["tp"], f"{store}{i}", job), nprocs=job["tp"], start_method="fork")
-    return {"jobs": len(jobs)}
+    return {"jobs": len(jobs), "common_as_is": as_is}
+
+
+def _common_as_is(iter_dir: str) -> str:
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    try:
+        load_common_state_dict(iter_dir)
+        return "ok"
+    except Exception as e:  # noqa: BLE001 - the outcome is the result
+        return f"{type(e).__name__}: {str(e).splitlines()[0]}"
 
 
 def data(indexed_args: dict, gpt_args: dict, sample_args: dict) -> dict:

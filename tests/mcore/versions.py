@@ -32,6 +32,12 @@ VERSIONS: dict[str, tuple[str, ...]] = {
 # then hangs in its async writer); those versions export in Megatron-LM's --ckpt-format torch instead.
 EXPORT_FORMAT = {"0.8.0": "torch", "0.10.0": "torch"}
 
+# Versions whose dist_checkpointing reads common.pt with a bare torch.load (strategies/common.py), which
+# torch >= 2.6 makes weights-only: they refuse any checkpoint's argparse.Namespace args, Megatron-LM's own
+# too, unless the caller allows it (torch.serialization.add_safe_globals([argparse.Namespace]); 0.13
+# passes weights_only=False, 0.16 registers Namespace on import). The torch_dist check asserts this error.
+COMMON_NEEDS_NAMESPACE = ("0.8.0", "0.10.0")
+
 STAMP = ".installed"
 
 

@@ -1,4 +1,4 @@
-"""Checkpoints in Megatron's legacy layout (``formats.md`` §4): written atomically, verified, resharded.
+"""Checkpoints in Megatron's layouts (``formats.md`` §4; torch_dist): written atomically, verified, resharded.
 
 - :mod:`~trainer.checkpoint.layout` — folder and file names, the tracker (torch-free; ``convert/`` and the
   orchestrator read checkpoints through it).
@@ -8,6 +8,8 @@
   quarantining damaged ones (torch-free: the plan checks sizes on the login node).
 - :mod:`~trainer.checkpoint.space` — bytes a save needs and whether an error means a full disk.
 - :mod:`~trainer.checkpoint.reshard` — loading a checkpoint saved at one (tp, pp) into another.
+- :mod:`~trainer.checkpoint.dist_write` — writing Megatron-core's ``torch_dist`` format (chunks at their
+  global offsets) through the same protocol; what a rank writes is ``trainer.ckpt_dist``'s.
 
 The resume state (what a shard holds for the training loop, ``trainer.ckpt_state``) stays outside this
 package: it imports the loop, and ``convert/`` must never sit above the loop. This ``__init__`` imports

@@ -112,7 +112,7 @@ def load_state(opt: DistributedOptimizer, by_name: dict[str, dict], step: int) -
     opt.gather_params()
 
 
-def _step_of(entry: dict) -> int:
+def step_of(entry: dict) -> int:
     s = entry.get("step", 0)
     return int(s.item()) if torch.is_tensor(s) else int(s)
 
@@ -148,7 +148,7 @@ def load_optimizer(optimizer: object, saved: dict, names: list[str], distrib: di
     else:
         state = saved["optimizer"]["state"]
         by_name = {n: {**state[i], "param": weights[n]} for i, n in enumerate(names) if i in state}
-        step = max((_step_of(e) for e in state.values()), default=0)
+        step = max((step_of(e) for e in state.values()), default=0)
         if not is_distributed(optimizer):
             optimizer.load_state_dict(saved["optimizer"])  # type: ignore[attr-defined]
             return
@@ -196,7 +196,7 @@ def load_resharded(optimizer: object, names: list[str], moments: dict[str, dict]
     by_name = {n: m for n, m in moments.items() if m}
     if not by_name:
         return
-    step = max(_step_of(e) for e in by_name.values())
+    step = max(step_of(e) for e in by_name.values())
     if is_distributed(optimizer):
         load_state(optimizer, by_name, step)  # type: ignore[arg-type]
         return

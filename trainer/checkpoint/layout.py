@@ -5,6 +5,7 @@ Layout::
     {dir}/latest_checkpointed_iteration.txt            the bare iteration number, no newline ("release": 0)
     {dir}/iter_{N:07d}/mp_rank_{tp:02d}/model_optim_rng.pt          pp_size == 1
     {dir}/iter_{N:07d}/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt pp_size > 1
+    {dir}/iter_{N:07d}/{.metadata, __R_I.distcp, common.pt, metadata.json}  checkpoint.format=torch_dist
 
 Torch-free: the orchestrator reads trackers and folders at plan time.
 """
@@ -18,8 +19,11 @@ from typing import Any
 CHECKPOINT_VERSION = 3.0  # Megatron's: QKV rows per head as [heads, 3, head_dim]
 TRACKER = "latest_checkpointed_iteration.txt"
 SHARD_FILE = "model_optim_rng.pt"
-# Megatron-core torch_dist: torch.distributed.checkpoint metadata and Megatron's common (non-tensor) part.
-DIST_METADATA, DIST_COMMON = ".metadata", "common.pt"
+# Megatron-core torch_dist: torch.distributed.checkpoint metadata, Megatron's common (non-tensor) part and
+# its format record, with the content Megatron-core 0.8-0.16 write (dist_checkpointing/core.py).
+DIST_METADATA, DIST_COMMON, DIST_INFO = ".metadata", "common.pt", "metadata.json"
+DIST_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch",
+               "common_backend_version": 1}
 SHARD_DIR_RE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
 ITER_DIR_RE = re.compile(r"^iter_(\d{7,})$")
 

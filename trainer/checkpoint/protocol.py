@@ -43,6 +43,8 @@ from trainer.checkpoint import pickles
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.layout import (  # noqa: F401 (the layout's names, re-exported for the trainer)
     CHECKPOINT_VERSION,
+    DIST_COMMON,
+    DIST_METADATA,
     SHARD_FILE,
     TRACKER,
     CheckpointError,
@@ -331,9 +333,12 @@ def saved_layout(ckpt_dir: str, iteration: int, *, mmap: bool = False) -> tuple[
         raise CheckpointError(f"{base} does not exist; available iterations in {ckpt_dir}: "
                               f"{list_iterations(ckpt_dir) or 'none'}")
     first = [n for n in sorted(os.listdir(base)) if n.startswith("mp_rank_00")]
-    if not first:
+    if os.path.isfile(os.path.join(base, DIST_METADATA)):  # torch_dist: the args are in common.pt
+        path = os.path.join(base, DIST_COMMON)
+    elif not first:
         raise CheckpointError(f"{base} holds no mp_rank_* shard: incomplete checkpoint")
-    path = os.path.join(base, first[0], SHARD_FILE)
+    else:
+        path = os.path.join(base, first[0], SHARD_FILE)
     args = load_file(path, mmap=mmap).get("args")
     sizes = [arg(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")]
     if None in sizes:

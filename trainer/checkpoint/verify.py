@@ -74,16 +74,23 @@ def _atomic_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+def _read_digest(folder: str, digest_name: str) -> dict:
+    with open(os.path.join(folder, digest_name), encoding="utf-8") as f:
+        size, digest = f.read().split()
+    return {"size": int(size), "sha256": digest}
+
+
 def write_manifest(iter_dir: str, iteration: int, tp_size: int, pp_size: int, file_name: str) -> None:
-    """Rank 0's half, after the barrier: collect every shard's digest into the manifest."""
+    """Rank 0's half, after the barrier: collect every shard's digest into the manifest (a torch_dist
+    folder has no shard folders: the digests of its files lie beside them, at the top)."""
     files = {}
     for shard in sorted(n for n in os.listdir(iter_dir) if SHARD_DIR_RE.match(n)):
         beside = sorted(n.removeprefix(f"{DIGEST_FILE}.") for n in os.listdir(os.path.join(iter_dir, shard))
                         if n.startswith(f"{DIGEST_FILE}."))
         for name in [file_name, *beside]:
-            with open(os.path.join(iter_dir, shard, _digest_name(name)), encoding="utf-8") as f:
-                size, digest = f.read().split()
-            files[f"{shard}/{name}"] = {"size": int(size), "sha256": digest}
+            files[f"{shard}/{name}"] = _read_digest(os.path.join(iter_dir, shard), _digest_name(name))
+    for digest in sorted(n for n in os.listdir(iter_dir) if n.startswith(f"{DIGEST_FILE}.")):
+        files[digest.removeprefix(f"{DIGEST_FILE}.")] = _read_digest(iter_dir, digest)
     _atomic_json(os.path.join(iter_dir, MANIFEST), {
         "version": MANIFEST_VERSION, "iteration": iteration, "tp_size": tp_size, "pp_size": pp_size,
         "files": files, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")})

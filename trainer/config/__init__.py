@@ -39,7 +39,7 @@ __all__ = ["CheckpointConfig", "CorpusConfig", "DataConfig", "LoggingConfig", "M
 
 WANDB_MODES = ("online", "offline", "disabled")
 ON_ERROR = ("fail", "skip")
-CHECKPOINT_FORMATS = ("legacy", "mcore")
+CHECKPOINT_FORMATS = ("legacy", "mcore", "torch_dist")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", HF_TOKENIZER_TYPE)
 KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile")
 
@@ -180,11 +180,13 @@ class CheckpointConfig(Section):
     load_dir: str | None = None
     """Where load looks when it is not dir: another run's checkpoints, one written by
     trainer.convert.from_hf, or Megatron-LM's own (legacy or Megatron-core names, torch or torch_dist
-    format; torch_dist only with load=model-only); null: dir."""
+    format; Megatron-LM's torch_dist only with load=model-only); null: dir."""
     format: str = "legacy"
-    """Parameter names of the saved shards: legacy (Megatron's language_model.encoder.*, read by
-    Megatron-LM --use-legacy-models and transformers' converter) or mcore (Megatron-core's
-    decoder.layers.*, what current Megatron-LM loads by default). Either format resumes."""
+    """How checkpoints are written: legacy (Megatron's torch format, language_model.encoder.* names, read
+    by Megatron-LM --use-legacy-models and transformers' converter), mcore (the torch format with
+    Megatron-core's decoder.layers.* names: Megatron-LM --ckpt-format torch) or torch_dist (Megatron-core's
+    distributed format, Megatron-LM's default since core 0.7: loads at any tp/pp in Megatron-LM, with
+    --no-load-optim as the optimizer state is Slipway's). Every format resumes, torch_dist at any layout."""
 
     def _normalise(self) -> None:
         if self.load is None:  # "resume when there is something to resume"

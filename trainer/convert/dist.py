@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.layout import DIST_COMMON, DIST_METADATA
+from trainer.checkpoint.layout import DIST_COMMON, DIST_INFO, DIST_METADATA
 from trainer.convert.layout import CheckpointError, load_shard
 
 METADATA, COMMON = DIST_METADATA, DIST_COMMON
@@ -36,7 +36,7 @@ def is_dist(iter_dir: Path) -> bool:
 
 
 def _backend(iter_dir: Path) -> None:
-    info = iter_dir / "metadata.json"
+    info = iter_dir / DIST_INFO
     backend = json.loads(info.read_text()).get("sharded_backend") if info.is_file() else "torch_dist"
     if backend != "torch_dist":
         raise CheckpointError(f"{iter_dir} is a Megatron distributed checkpoint in the {backend!r} format; "
@@ -77,8 +77,12 @@ def _reader(iter_dir: Path):
     return Reader(str(iter_dir))
 
 
-def _read_tensors(iter_dir: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint at its global shape (objects such as RNG states are skipped)."""
+OPTIMIZER = "optimizer."  # Megatron's optimizer state (``optimizer.state.exp_avg.<param key>``, …)
+
+
+def read_tensors(iter_dir: Path, keep=lambda key: not key.startswith(OPTIMIZER)) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors that ``keep`` selects (by default the model's: not the optimizer state),
+    at their global shape (objects such as RNG states are skipped)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -88,12 +92,39 @@ def _read_tensors(iter_dir: Path) -> dict[str, torch.Tensor]:
     except Exception as e:  # noqa: BLE001 - reported with the folder and what to check
         raise CheckpointError(f"{iter_dir}/{METADATA} cannot be read ({type(e).__name__}: {e}): the "
                               "checkpoint is incomplete or not a torch.distributed.checkpoint") from e
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in meta.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+             if isinstance(m, TensorStorageMetadata) and keep(k)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
     return state
+
+
+def read_object(iter_dir: Path, key: str) -> Any:
+    """One object of the checkpoint (a Megatron ShardedObject: the list of its data) by its key,
+    unpickled weights-only with :mod:`trainer.checkpoint.pickles`' allowances (no code runs)."""
+    import io
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from trainer.checkpoint import pickles
+
+    raw: dict[str, bytes] = {}
+
+    class KeepBytes(DefaultLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # torch's own unpickles anything
+            raw[read_item.dest_index.fqn] = value.getvalue()
+
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load({key: io.BytesIO()}, storage_reader=_reader(iter_dir), planner=KeepBytes(), no_dist=True)
+        with pickles.allowed():
+            return torch.load(io.BytesIO(raw[key]), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - reported with the folder and the key
+        raise CheckpointError(f"{iter_dir}: the object {key!r} cannot be read ({type(e).__name__}: {e}); "
+                              "the checkpoint is incomplete or was saved with another layout") from e
 
 
 def unstack(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -119,5 +150,5 @@ def load_dist(iter_dir: Path, trust_pickle: bool = False) -> tuple[dict[str, tor
     num_layers = getattr(args, "num_layers", None) if args is not None else None
     if num_layers is None:
         raise CheckpointError(f"{iter_dir / COMMON} has no args.num_layers: cannot unstack the layers")
-    state = unstack(_read_tensors(iter_dir), int(num_layers))
+    state = unstack(read_tensors(iter_dir), int(num_layers))
     return state, {k: common.get(k) for k in ("args", "checkpoint_version", "iteration")}

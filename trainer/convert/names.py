@@ -230,6 +230,19 @@ def from_mcore(name: str, untied: bool = False) -> str | None:
     return None
 
 
+def to_dist(mcore_name: str) -> tuple[str, int | None]:
+    """A Megatron-core flat name → (its key in a torch_dist checkpoint, its layer number or None): the
+    layers are stacked into one ``decoder.layers.X`` tensor and the norms take the Transformer-Engine-style
+    names (:data:`MCORE_ALIASES` read backwards), as Megatron-core's ``sharded_state_dict`` names them."""
+    if not mcore_name.startswith(MCORE_LAYERS):
+        return mcore_name, None
+    i, rest = mcore_name[len(MCORE_LAYERS):].split(".", 1)
+    rest = "." + rest
+    for te_style, own in MCORE_ALIASES:
+        rest = rest.replace(own, te_style)
+    return MCORE_LAYERS + rest[1:], int(i)
+
+
 def to_mcore(name: str) -> str:
     """Slipway's (legacy) flat name in Megatron-core's spelling (the inverse of :func:`from_mcore`)."""
     if name == HEAD_EMBEDDINGS:
