@@ -34,7 +34,7 @@ from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.distrib_optim import extra_files, is_distributed, read_beside
-from trainer.checkpoint.layout import MODEL_KEYS, model_differences
+from trainer.checkpoint.layout import MODEL_KEYS, architecture_differences, model_differences
 from trainer.checks import ConfigError
 from trainer.ckpt_dist import restore_dist, save_torch_dist
 from trainer.ckpt_state import (
@@ -50,6 +50,7 @@ from trainer.ckpt_state import (
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig, TokenizerConfig
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.layout import load_shard
+from trainer.convert.spec import unsupported_options
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
 from trainer.main_data import DataShape, build_data
@@ -223,8 +224,14 @@ def _load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Paralle
 
 
 def _check_model(args: Any, gpt: GPTConfig, ckpt_dir: str, iteration: int) -> None:
-    """The saved shape must be the configured one (keys the args leave out are not compared)."""
+    """The saved model must be one Slipway's GPT computes, of the configured shape and architecture
+    (keys the args leave out are not compared)."""
+    unsupported = unsupported_options(args)
+    if unsupported:  # the same weights names and shapes, another computation: never load them silently
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} iteration {iteration} cannot be loaded: Slipway's "
+                                   f"GPT has no such option: {'; and '.join(unsupported)}")
     wrong = model_differences(args, {k: getattr(gpt, k) for k in MODEL_KEYS})
+    wrong.update(architecture_differences(args, gpt.megatron_architecture()))
     if wrong:
         raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} iteration {iteration} is a different model "
                                    f"(saved, configured): {wrong}; fix the model section or load another")

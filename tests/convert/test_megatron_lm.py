@@ -100,6 +100,8 @@ def test_the_restricted_reader_refuses_other_globals(tmp_path):
     (["decoder.layers.0.mlp.router.weight"], "mixture-of-experts"),
     (["binary_head.weight"], "BERT"),
     (["encoder.layers.0.self_attention.linear_qkv.weight"], "T5"),
+    # mcore names all start with "decoder.": that is no hint of T5
+    (["decoder.layers.0.self_attention.q_layernorm.weight"], "queries and keys"),
 ])
 def test_unsupported_megatron_variants_are_named(names, feature):
     with pytest.raises(CheckpointError, match=feature):

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
+
+from tests.mcore.megatron_gpt import build_gpt, export, fresh_model, megatron_args
 
 
 def indexed(prefixes: list[str], out: str) -> dict:
@@ -103,35 +106,6 @@ def _cpu_shims() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
 
 
-def _arg(args, key: str, default=None):
-    return args.get(key, default) if isinstance(args, dict) else getattr(args, key, default)
-
-
-def build_gpt(args, tp: int):
-    """Megatron-core's GPTModel with the local (non-Transformer-Engine) layer spec, configured from a
-    checkpoint's Megatron args as Megatron-LM's core_transformer_config_from_args would (GPT-2 options)."""
-    import torch
-    import torch.nn.functional as F
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    config = TransformerConfig(
-        num_layers=_arg(args, "num_layers"), hidden_size=_arg(args, "hidden_size"),
-        num_attention_heads=_arg(args, "num_attention_heads"), ffn_hidden_size=_arg(args, "ffn_hidden_size"),
-        layernorm_epsilon=_arg(args, "norm_epsilon", _arg(args, "layernorm_epsilon", 1e-5)),
-        tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32,
-        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=True,
-        # Megatron-LM's default --bias-gelu-fusion: the fused tanh GeLU (jit-scripted, runs on CPU).
-        activation_func=F.gelu, bias_activation_fusion=True,
-        masked_softmax_fusion=False, bias_dropout_fusion=False, gradient_accumulation_fusion=False,
-        persist_layer_norm=False, apply_query_key_layer_scaling=False)
-    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=_arg(args, "padded_vocab_size"),
-                    max_sequence_length=_arg(args, "max_position_embeddings"), pre_process=True,
-                    post_process=True, parallel_output=True, share_embeddings_and_output_weights=True,
-                    position_embedding_type="learned_absolute")
-
-
 def _logits(model, ids):
     """[b, s] ids -> [b, s, padded vocab] fp32 logits, gathered over the tp group (rank order)."""
     import torch
@@ -141,9 +115,22 @@ def _logits(model, ids):
     mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # True = masked (get_ltor_masks_and_position_ids)
     with torch.no_grad():
         logits = model(ids, torch.arange(s)[None].expand_as(ids), mask)  # [b, s, vocab / tp]
+    # Float16Module's float16_to_fp32 on the last stage: bf16 logits leave the model as fp32.
+    logits = logits.float().contiguous()
     parts = [torch.empty_like(logits) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, logits.contiguous())
+    dist.all_gather(parts, logits)
     return torch.cat(parts, dim=-1)
+
+
+def _fp32_twin(model, args, tp: int):
+    """An fp32 GPTModel holding the bf16 model's weights exactly (upcast): its logits separate what the
+    weights are (an exact check) from what bf16 arithmetic does to them."""
+    import torch
+
+    twin = build_gpt(args, tp, torch.float32)
+    twin.load_state_dict({k: v.float() if torch.is_tensor(v) else v for k, v in model.state_dict().items()},
+                         strict=True)
+    return twin.eval()
 
 
 def _rank(rank: int, tp: int, store: str, job: dict) -> None:
@@ -155,20 +142,24 @@ def _rank(rank: int, tp: int, store: str, job: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=tp)
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     _cpu_shims()
-    ids = torch.from_numpy(np.load(job["tokens"]))
     if "shard_files" in job:  # in: a checkpoint's shards, loaded as Megatron-LM's load_checkpoint does
         shard = torch.load(job["shard_files"][rank], map_location="cpu", weights_only=False)
-        model = build_gpt(shard["args"], tp)
+        args = shard["args"]
+        model = build_gpt(args, tp)
         model.load_state_dict(shard["model"], strict=True)
     elif "dist_dir" in job:  # in: a torch_dist checkpoint, at this tp whatever it was saved at
         model = _load_dist(job["dist_dir"], tp)
-    else:  # out: Megatron's own weights, saved as Megatron-LM saves --ckpt-format torch_dist
+    else:  # out: Megatron's own weights, saved as Megatron-LM saves them (job["format"])
         args = megatron_args(job)
-        _export(model := _fresh_model(args, tp), args, job, rank)
-    model.eval()
-    logits = _logits(model, ids)
-    if rank == 0:
-        np.save(job["out"], logits.numpy())
+        export(model := fresh_model(args, tp), args, job, rank)
+    if "out" in job:  # refusal jobs only save
+        ids = torch.from_numpy(np.load(job["tokens"]))
+        found = {"out": _logits(model.eval(), ids)}
+        if next(model.parameters()).dtype == torch.bfloat16:
+            found["out_fp32"] = _logits(_fp32_twin(model, args, tp), ids)
+        if rank == 0:
+            for key, logits in found.items():
+                np.save(job[key] if key in job else job["out"].replace(".npy", "_fp32.npy"), logits.numpy())
     dist.destroy_process_group()
 
 
@@ -195,72 +186,24 @@ def _load_dist(iter_dir: str, tp: int):
     return model
 
 
-def _fresh_model(args, tp: int):
-    """GPTModel with Megatron's own init (seeded), biases and norms moved off 0/1 so that a dropped or
-    misplaced one shows in the logits (the same noise on every tp rank keeps replicated ones equal)."""
-    import torch
-
-    torch.manual_seed(1234)  # use_cpu_initialization: the full weight from torch's RNG, then split
-    model = build_gpt(args, tp)
-    g = torch.Generator().manual_seed(7)  # the same on every rank: replicated params stay equal
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
-
-
-def megatron_args(job: dict):
-    """Megatron-LM's args for the export: those core_v0.8.0's Megatron-LM wrote for a genuine fixture
-    (``job["args_from"]``, a torch_dist common.pt), with ``job["args"]`` applied on top."""
-    import torch
-
-    args = torch.load(job["args_from"], map_location="cpu", weights_only=False)["args"]
-    for key, value in job["args"].items():
-        setattr(args, key, value)
-    return args
-
-
-def _export(model, args, job: dict, rank: int) -> None:
-    """Save as Megatron-LM's save_checkpoint does: ``torch_dist`` (sharded_state_dict +
-    dist_checkpointing.save) or ``torch`` (state_dict_for_save_checkpoint per tp rank)."""
-    import os
-
-    import torch
-
-    iter_dir = f"{job['dir']}/iter_{job['iteration']:07d}"
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": job["iteration"]}
-    if job["format"] == "torch_dist":
-        from megatron.core import dist_checkpointing
-
-        if rank == 0:
-            os.makedirs(iter_dir, exist_ok=True)
-        torch.distributed.barrier()
-        dist_checkpointing.save({**state, "model": model.sharded_state_dict()}, iter_dir)
-    else:
-        os.makedirs(f"{iter_dir}/mp_rank_{rank:02d}", exist_ok=True)
-        torch.save({**state, "model": model.state_dict_for_save_checkpoint()},
-                   f"{iter_dir}/mp_rank_{rank:02d}/model_optim_rng.pt")
-    torch.distributed.barrier()
-    if rank == 0:
-        with open(f"{job['dir']}/latest_checkpointed_iteration.txt", "w") as f:
-            f.write(str(job["iteration"]))
-
-
 def model(jobs: list[dict], store: str) -> dict:
     """Each job on ``job["tp"]`` forked gloo ranks (megatron-core is imported once, before the forks):
     ``shard_files`` jobs load a checkpoint into GPTModel, ``dist_dir`` jobs a torch_dist one; ``dir``
-    jobs save a fresh GPTModel there as torch_dist. All write the logits on ``tokens`` (.npy [b, s]) to
-    ``out`` (.npy). ``common_as_is``: how this version's own ``load_common_state_dict`` fares with the
+    jobs save a fresh GPTModel there (``format``: torch or torch_dist). With ``out``, the logits on
+    ``tokens`` (.npy [b, s]) go there (.npy), and for a bf16 model the fp32 twin's to ``out`` with ``_fp32``
+    before ``.npy``. ``common_as_is``: how this version's own ``load_common_state_dict`` fares with the
     first torch_dist checkpoint before anything is registered ("ok", or its error's first line)."""
     import torch.multiprocessing as mp
     from megatron.core.models.gpt import GPTModel  # noqa: F401 (imported before forking)
 
     dist = [job["dist_dir"] for job in jobs if "dist_dir" in job]
     as_is = _common_as_is(dist[0]) if dist else None  # before the forks register anything
+    seconds = []
     for i, job in enumerate(jobs):
+        start = time.monotonic()
         mp.start_processes(_rank, args=(job["tp"], f"{store}{i}", job), nprocs=job["tp"], start_method="fork")
-    return {"jobs": len(jobs), "common_as_is": as_is}
+        seconds.append(round(time.monotonic() - start, 2))
+    return {"jobs": len(jobs), "seconds": seconds, "common_as_is": as_is}
 
 
 def _common_as_is(iter_dir: str) -> str:

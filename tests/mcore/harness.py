@@ -31,8 +31,11 @@ def run_check(version: str, check: str, timeout: float = 300, **kwargs) -> dict:
     """``tests.mcore.checks.<check>(**kwargs)`` under megatron-core ``version``; returns its JSON result.
     Arrays go through files the check writes (paths in ``kwargs``)."""
     require(version)
+    # TORCHDYNAMO_DISABLE: from 0.10 Megatron's jit_fuser is torch.compile, which compiled its fused
+    # activations anew in every forked rank of every job (2-3 s each on CPU); disabled, torch.compile
+    # hands back the function itself, so Megatron's same fused-activation code runs eagerly.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target(version)), str(ROOT)]),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TORCHDYNAMO_DISABLE="1")
     proc = subprocess.run([sys.executable, "-m", "tests.mcore.checks", check, json.dumps(kwargs)],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if proc.returncode != 0:

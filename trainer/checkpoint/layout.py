@@ -51,6 +51,38 @@ def model_differences(args: Any, configured: dict[str, Any]) -> dict[str, tuple[
             if arg(args, k) is not None and configured.get(k) is not None and arg(args, k) != configured[k]}
 
 
+# The architecture fields (ModelConfig.megatron_architecture's names) that must match for the weights to
+# mean the same computation; the rotary ones only with rope.
+ARCH_KEYS = ("position_embedding_type", "normalization", "norm_epsilon", "swiglu", "add_bias_linear",
+             "untie_embeddings_and_output_weights", "num_query_groups")
+ROPE_KEYS = ("rotary_base", "rotary_percent")
+
+
+def _kv_groups(args: Any) -> Any:
+    """KV heads as both sides count them: Megatron-LM leaves num_query_groups at 1 (its default) unless
+    --group-query-attention is set, so without it the groups are the heads."""
+    if arg(args, "group_query_attention") is False:
+        return arg(args, "num_attention_heads")
+    return arg(args, "num_query_groups")
+
+
+def architecture_differences(args: Any, configured: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{field: (saved, configured)} where a checkpoint's architecture (rope, RMSNorm, SwiGLU, GQA, biases,
+    untied head, epsilon, rotary base) differs from ``configured`` (ModelConfig.megatron_architecture);
+    a field the args leave out (older checkpoints) is skipped. Shapes alone do not tell these apart: a
+    GPT-2 and a Llama layer of one size load into each other's parameters and compute something else."""
+    saved = {k: arg(args, k) for k in ARCH_KEYS}
+    saved["num_query_groups"] = _kv_groups(args)
+    keys = ARCH_KEYS + (ROPE_KEYS if configured.get("position_embedding_type") == "rope" else ())
+    saved.update({k: arg(args, k) for k in ROPE_KEYS})
+
+    def same(a: Any, b: Any) -> bool:
+        return float(a) == float(b) if isinstance(a, int | float) and isinstance(b, int | float) else a == b
+
+    return {k: (saved[k], configured.get(k)) for k in keys
+            if saved[k] is not None and configured.get(k) is not None and not same(saved[k], configured[k])}
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded; the message says what is wrong and how to fix it."""
 

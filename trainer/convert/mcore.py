@@ -79,23 +79,26 @@ def normalise_names(flat: dict[str, Any], mcore: bool, where: object, untied: bo
         out[name] = tensor
     if unknown:
         raise CheckpointError(f"{where} is not a GPT checkpoint Slipway can convert "
-                              f"({unsupported(unknown)}); unexpected parameters: "
+                              f"({unsupported(unknown, mcore)}); unexpected parameters: "
                               f"{unknown[:6]}{' …' if len(unknown) > 6 else ''}")
     return out
 
 
-# Parameter-name hints of Megatron models that are not a GPT-2-architecture GPT (mcore GPTs have no
-# "encoder.", legacy GPTs no "decoder." once normalised: either in the unknown names means T5).
+# Parameter-name hints of Megatron models that are not a GPT-2- or Llama-architecture GPT. The T5 hint is
+# the other family's stack: mcore GPT names all start with "decoder.", legacy ones hold "encoder." — so
+# each format's own prefix must not count (q/k LayerNorm names once read as "T5" for that reason).
 _VARIANTS = ((".experts.", "a mixture-of-experts (MoE) model"),
              (".router.", "a mixture-of-experts (MoE) model"),
              ("binary_head", "a BERT model"), ("lm_head.dense", "a BERT model"),
-             ("encoder.", "an encoder-decoder (T5) model"), ("decoder.", "an encoder-decoder (T5) model"),
-             ("linear_q_down_proj", "a multi-latent-attention model"))
+             ("linear_q_down_proj", "a multi-latent-attention model"),
+             (".q_layernorm.", "a model with LayerNorm on queries and keys (--qk-layernorm)"),
+             (".k_layernorm.", "a model with LayerNorm on queries and keys (--qk-layernorm)"))
+_T5 = "an encoder-decoder (T5) model"
 
 
-def unsupported(unknown: list[str]) -> str:
+def unsupported(unknown: list[str], mcore: bool = True) -> str:
     """What the unexpected names say the model is (the README lists what Slipway converts)."""
-    for hint, what in _VARIANTS:
+    for hint, what in (*_VARIANTS, ("encoder." if mcore else "decoder.", _T5)):
         if any(hint in n for n in unknown):
             return f"it looks like {what}, which Slipway does not convert"
     return ("GPT-2 architecture (learned positions, LayerNorm, GeLU MLP, tied head) or Llama's (rope, "

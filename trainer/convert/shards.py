@@ -34,6 +34,7 @@ from trainer.convert.layout import (
     write_tracker,
 )
 from trainer.convert.mcore import is_mcore_model, normalise_names, untied_head
+from trainer.convert.spec import check_convertible
 from trainer.log import get_logger
 from trainer.model.names import layer_index, renumber
 from trainer.parallel import sharding
@@ -122,6 +123,7 @@ def load_merged(iter_dir: Path, iteration: int | str, trust_pickle: bool = False
     Megatron-core's torch_dist — and merge TP and PP into a single full state in Slipway's names."""
     if dist.is_dist(iter_dir):
         flat, meta = dist.load_dist(iter_dir, trust_pickle)
+        check_convertible(meta["args"])  # before the names: an unknown name is only a symptom of the option
         state = normalise_names(flat, mcore=True, where=iter_dir, untied=untied_head(meta["args"]))
         tp_size, pp_size = (int(arg(meta["args"], k, 1)) for k in ("tensor_model_parallel_size",
                                                                            "pipeline_model_parallel_size"))
@@ -151,6 +153,7 @@ def _merge_stages(iter_dir: Path, tp_size: int, pp_size: int, trust_pickle: bool
             shard = load_shard(path, trust_pickle)
             if meta is None:  # keep only what is needed: the rest (optimizer state) stays unread on disk
                 meta = {k: shard.get(k) for k in ("args", "checkpoint_version", "iteration")}
+                check_convertible(meta["args"])
             part, interleaved = _stage_model(shard, path, pp, pp_size)
             parts.append(part)
             del shard

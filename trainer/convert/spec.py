@@ -4,8 +4,9 @@ Slipway and Megatron-LM both store ``args`` as an ``argparse.Namespace`` with Me
 Slipway checkpoints: a dict; :func:`trainer.checkpoint.layout.arg` reads either). Two families convert:
 GPT-2 architecture (``GPT2LMHeadModel``) and Llama's (rope, RMSNorm, SwiGLU, any number of KV groups,
 with or without biases and tied head: ``LlamaForCausalLM``). Options neither has (post-LN residuals,
-mixture of experts, fp8 Transformer Engine weights, interleaved rotary, mixes of the two families) are
-refused with the option named.
+mixture of experts, fp8 Transformer Engine weights, interleaved rotary, q/k LayerNorm, mixes of the two
+families) are refused with the option named and the fix (:func:`unsupported_options`; the trainer's
+checkpoint.load refuses the same list).
 """
 
 from __future__ import annotations
@@ -23,14 +24,21 @@ from trainer.convert.layout import CheckpointError
 EOD_TOKEN = "<|endoftext|>"
 GPT2, LLAMA = "gpt2", "llama"  # the Hugging Face architectures a checkpoint converts to
 
-# (arg, value every convertible model has, what it means) — any other value converts to neither
-# GPT2LMHeadModel nor LlamaForCausalLM.
+# (arg, value every convertible model has, what it means, the fix) — any other value converts to neither
+# GPT2LMHeadModel nor LlamaForCausalLM, and Slipway's GPT (checkpoint.load) has no such option either.
+_RETRAIN = "train the model without "
 _UNSUPPORTED = (
-    ("apply_residual_connection_post_layernorm", False, "post-LayerNorm residual"),
-    ("num_experts", None, "mixture of experts"),
-    ("fp8", None, "fp8 (Transformer Engine) training"),
-    ("rotary_interleaved", False, "interleaved rotary layout (Slipway and HF Llama rotate halves)"),
-    ("apply_layernorm_1p", False, "LayerNorm with 1 + weight"),
+    ("apply_residual_connection_post_layernorm", False, "post-LayerNorm residual",
+     _RETRAIN + "--apply-residual-connection-post-layernorm"),
+    ("num_experts", None, "mixture of experts",
+     "Slipway converts dense GPTs only: train without --num-experts, or convert with a tool that writes a "
+     "mixture-of-experts architecture (e.g. MixtralForCausalLM)"),
+    ("fp8", None, "fp8 (Transformer Engine) training", _RETRAIN + "--fp8-format"),
+    ("rotary_interleaved", False, "interleaved rotary layout (Slipway and HF Llama rotate halves)",
+     _RETRAIN + "--rotary-interleaved (Megatron's default rotates halves)"),
+    ("apply_layernorm_1p", False, "LayerNorm with 1 + weight", _RETRAIN + "--apply-layernorm-1p"),
+    ("qk_layernorm", False, "LayerNorm on queries and keys (neither architecture has one)",
+     _RETRAIN + "--qk-layernorm"),
 )
 _POSITIONS = {v: k for k, v in MEGATRON_POSITION.items()}
 _NORMS = {v: k for k, v in MEGATRON_NORMALIZATION.items()}
@@ -129,25 +137,34 @@ def _activation(args: Any) -> str:
     return "gelu"
 
 
-def check_convertible(args: Any) -> None:
-    """Refuse Megatron options that neither GPT2LMHeadModel nor LlamaForCausalLM has."""
-    for key, needed, what in _UNSUPPORTED:
+def unsupported_options(args: Any) -> list[str]:
+    """The Megatron options in ``args`` that neither GPT2LMHeadModel, LlamaForCausalLM nor Slipway's GPT
+    has, each with its value, its meaning and the fix; [] for a convertible model."""
+    found = []
+    for key, needed, what, fix in _UNSUPPORTED:
         value = arg(args, key, needed)
         if value != needed and not (needed is None and not value):
-            raise CheckpointError(f"this checkpoint cannot be converted: {key}={value!r} ({what}); "
-                                  f"GPT2LMHeadModel and LlamaForCausalLM need {needed!r}")
+            found.append(f"{key}={value!r} ({what}; GPT2LMHeadModel and LlamaForCausalLM need {needed!r}); "
+                         f"fix: {fix}")
     # Since core_v0.10.0 validate_args sets add_qkv_bias=True whenever add_bias_linear is (every linear
     # biased, GPT-2's case); only with add_bias_linear=False does it mean a bias on the QKV projection alone.
     if arg(args, "add_qkv_bias", False) and not arg(args, "add_bias_linear", True):
-        raise CheckpointError("this checkpoint cannot be converted: add_qkv_bias=True with add_bias_linear="
-                              "False (a bias on the QKV projection only, the other linear layers have "
-                              "none); GPT2LMHeadModel has biases on every linear layer and "
-                              "LlamaForCausalLM on none")
+        found.append("add_qkv_bias=True with add_bias_linear=False (a bias on the QKV projection only, the "
+                     "other linear layers have none; GPT2LMHeadModel has biases on every linear layer and "
+                     "LlamaForCausalLM on none); fix: train without --add-qkv-bias, or with biases on every "
+                     "linear layer (no --disable-bias-linear)")
     for key, table in (("position_embedding_type", _POSITIONS), ("normalization", _NORMS)):
         value = arg(args, key, None)
         if value is not None and value not in table:
-            raise CheckpointError(f"this checkpoint cannot be converted: {key}={value!r}; Slipway knows "
-                                  f"{sorted(table)}")
+            found.append(f"{key}={value!r}; Slipway knows {sorted(table)}")
+    return found
+
+
+def check_convertible(args: Any) -> None:
+    """Refuse Megatron options that neither GPT2LMHeadModel nor LlamaForCausalLM has."""
+    found = unsupported_options(args)
+    if found:
+        raise CheckpointError("this checkpoint cannot be converted: " + "; and ".join(found))
 
 
 def _required(args: Any, key: str, fallback: int | None) -> int:
