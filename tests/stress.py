@@ -52,7 +52,8 @@ def _hog() -> None:
 
 
 def _one_rep(nodes: list[str], rep: int, workdir: Path) -> tuple[Counter, list[str], float]:
-    """One pytest run of ``nodes``: outcome per test id, the failures' ids, seconds."""
+    """One pytest run of ``nodes``: outcome per test id, the failures (id: pytest's one-line message, so
+    a failure seen once under load can be understood without reproducing it), seconds."""
     xml = workdir / f"rep{rep}.xml"
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -64,15 +65,15 @@ def _one_rep(nodes: list[str], rep: int, workdir: Path) -> tuple[Counter, list[s
         return Counter({"<pytest crashed>": 1}), [proc.stdout[-2000:] + proc.stderr[-2000:]], seconds
     for case in ET.parse(xml).getroot().iter("testcase"):
         name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        kind = "passed"
+        kind, why = "passed", ""
         for child in case:
             if child.tag in ("failure", "error"):
-                kind = "failed"
+                kind, why = "failed", " ".join((child.get("message") or child.tag).split())[:400]
             elif child.tag == "skipped":
                 kind = "skipped"
         outcomes[(name, kind)] += 1
         if kind == "failed":
-            failed.append(name)
+            failed.append(f"{name}: {why}")
     return outcomes, failed, seconds
 
 
@@ -97,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             for done in as_completed(reps):
                 outcomes, failed, seconds = done.result()
                 total.update(outcomes)
-                line = (f"rep {reps[done]:2d}/{args.reps}: {seconds:6.1f} s, {len(failed)} failed "
-                        f"{' '.join(failed)}")
+                line = "".join([f"rep {reps[done]:2d}/{args.reps}: {seconds:6.1f} s, {len(failed)} failed",
+                                *(f"\n    {f}" for f in failed)])
                 lines.append(line)
                 print(line, flush=True)
     finally:
