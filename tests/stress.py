@@ -37,6 +37,7 @@ TIMING_SENSITIVE = [  # the one list: what each waits for is said in the test it
     "tests/eval/test_harness.py::test_hostile_completions_are_contained_and_fail",
     "tests/eval/test_harness.py::test_a_forked_daemon_does_not_outlive_its_program",
     "tests/eval/test_harness.py::test_a_socket_to_a_listening_server_is_refused",
+    "tests/eval/test_harness.py::test_a_fork_bomb_does_not_starve_the_programs_running_beside_it",
     "tests/train/test_cli.py",
     "tests/train/test_faults.py::test_signals_during_save_do_not_corrupt_it",
     "tests/train/test_kernel_check.py::test_a_clean_check_is_summarised",

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import socket
+import tempfile
+import threading
 import uuid
 
 import pytest
@@ -170,3 +173,35 @@ def test_the_working_directory_is_empty_and_the_environment_clean():
              "assert os.environ['HOME'] == os.getcwd()\nassert sys.flags.isolated")
     assert run_program(probe, LIMITS).passed
     assert not run_program("raise SystemExit(3)", LIMITS).passed
+
+
+def test_a_fork_bomb_does_not_starve_the_programs_running_beside_it():
+    """RLIMIT_NPROC counts a uid's processes machine-wide: with every program as ``nobody`` a fork bomb
+    used up the budget of all the others running meanwhile (evaluation workers, other jobs on the node),
+    which then failed to start and counted as wrong answers. Each program now has a uid of its own."""
+    level = isolation()[0]
+    if not level.endswith("+uid"):
+        skip_unless_ci(f"programs do not drop to their own uid here ({level}): not running as root")
+    token = f"slipway-bomb-{uuid.uuid4().hex}"
+    stop_dir = tempfile.mkdtemp()
+    os.chmod(stop_dir, 0o755)  # the bomb's uid must see the stop file appear
+    stop = os.path.join(stop_dir, "stop")
+    child = f"[sys.executable, '-c', 'import time; time.sleep(600)', {token!r}]"
+    bomb = (f"import os, sys, time\nwhile not os.path.exists({stop!r}):\n    try:\n"
+            f"        if os.fork() == 0:\n            os.execv(sys.executable, {child})\n"
+            "    except BlockingIOError:\n        time.sleep(0.05)\n")
+    ended = []
+    thread = threading.Thread(target=lambda: ended.append(run_program(bomb, LIMITS)))
+    thread.start()
+    try:
+        # The bomb holds (nearly) its whole process budget: the event, not a time, starts the neighbour.
+        wait_until(lambda: len(_processes_with(token)) >= LIMITS.processes - 4, "the bomb to fill its budget")
+        neighbour = run_program("import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\n"
+                                "assert os.waitpid(pid, 0)[1] == 0", LIMITS)
+    finally:
+        open(stop, "w").close()
+        thread.join(NEVER_S)
+        shutil.rmtree(stop_dir)
+    assert neighbour.passed, neighbour
+    assert ended and ended[0].passed, ended  # the bomb itself stopped when told, its processes with it
+    wait_until(lambda: _processes_with(token) == [], "the bomb's processes to be gone")

@@ -10,16 +10,19 @@ open sockets or read the environment. Each runs in its own subprocess with
   site, no PYTHON* variables, no bytecode written);
 - a clean environment: PATH, LANG and HOME only, so no secret of the job's reaches it;
 - no network: a new network namespace (``unshare --net``), with a PID namespace and its own /proc (the
-  program sees no other process, so not the job's /proc/PID/environ either), and as root the uid
-  ``nobody`` (root ignores RLIMIT_NPROC). Where namespaces cannot be made (no ``unshare``, unprivileged
-  user namespaces off) the program runs without them; :func:`isolation` says which level was reached
-  and the results record it.
+  program sees no other process, so not the job's /proc/PID/environ either), and as root a uid of its
+  own (root ignores RLIMIT_NPROC, which counts a uid's processes machine-wide: programs sharing ``nobody``
+  shared one budget, so a fork bomb made its neighbours fail to start). Where namespaces cannot be made
+  (no ``unshare``, unprivileged user namespaces off) the program runs without them; :func:`isolation`
+  says which level was reached and the results record it.
 
 A time-out, a crash or any non-zero exit is a failed sample, never an error of the caller.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
 import resource
@@ -29,7 +32,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 
-NOBODY = 65534
+NOBODY = 65534  # the probe's uid: it may execute what any unprivileged uid may
+# Each program run as root gets a uid no other program runs as meanwhile (held by a lock file, so also
+# across processes and jobs on this node), far above any account's; nothing is ever owned by it for long.
+PRIVATE_UID_BASE = 2_000_000_000
+PRIVATE_UID_SLOTS = 4096
+_UID_LOCKS = os.path.join(tempfile.gettempdir(), "slipway-sandbox-uids")
 STDERR_TAIL = 2000  # characters of a failed program's stderr kept (why it failed)
 # Strongest first: (label, unshare arguments); "none" runs the program directly.
 _LEVELS = (
@@ -44,7 +52,7 @@ class Limits:
     timeout_s: float = 3.0
     memory_mb: int = 1024
     file_size_mb: int = 16
-    processes: int = 64  # RLIMIT_NPROC counts all of the uid's processes (as nobody: every sandbox's)
+    processes: int = 64  # RLIMIT_NPROC: the program's processes (each program has its own uid)
     open_files: int = 64
 
 
@@ -56,9 +64,10 @@ class Outcome:
 
 
 def _candidates() -> list[tuple[str, list[str], str]]:
-    """(label, unshare prefix, interpreter), strongest first. As root the program drops to ``nobody``
-    (root ignores RLIMIT_NPROC), which needs an interpreter that ``nobody`` may execute: this one, else
-    the system's (HumanEval's programs need only the standard library); then root inside the namespaces."""
+    """(label, unshare prefix, interpreter), strongest first. As root the program drops to a private uid
+    (root ignores RLIMIT_NPROC; ``run_program`` adds the ``--setuid``), which needs an interpreter any uid
+    may execute: this one, else the system's (HumanEval's programs need only the standard library); then
+    root inside the namespaces."""
     unshare = shutil.which("unshare")
     if unshare is None:
         return []
@@ -67,8 +76,7 @@ def _candidates() -> list[tuple[str, list[str], str]]:
     out = []
     for label, args in _LEVELS:
         if os.geteuid() == 0:
-            drop = ["--setuid", str(NOBODY), "--setgid", str(NOBODY)]
-            out += [(f"{label}+nobody", [unshare, *args, *drop], py) for py in pythons]
+            out += [(f"{label}+uid", [unshare, *args], py) for py in pythons]
             out.append((f"{label}+root", [unshare, *args], sys.executable))
         else:
             out.append((f"{label}+userns", [unshare, "--map-root-user", *args], sys.executable))
@@ -80,14 +88,41 @@ def isolation() -> tuple[str, tuple[str, ...], str]:
     """(level, command prefix, interpreter): the strongest containment this machine lets us create,
     probed once."""
     for label, prefix, python in _candidates():
+        drop = _drop(NOBODY) if label.endswith("+uid") else []
         try:
-            probe = subprocess.run([*prefix, python, "-I", "-S", "-c", "pass"], capture_output=True,
+            probe = subprocess.run([*prefix, *drop, python, "-I", "-S", "-c", "pass"], capture_output=True,
                                    timeout=20, cwd="/", env=_clean_env("/"))
         except (OSError, subprocess.TimeoutExpired):
             continue
         if probe.returncode == 0:
             return label, tuple(prefix), python
     return "none (no namespaces: the programs could reach the network)", (), sys.executable
+
+
+def _drop(uid: int) -> list[str]:
+    return ["--setuid", str(uid), "--setgid", str(uid)]
+
+
+@contextlib.contextmanager
+def _private_uid():
+    """A uid that no other program is running as while the block runs (see PRIVATE_UID_BASE)."""
+    os.makedirs(_UID_LOCKS, mode=0o700, exist_ok=True)
+    first = os.getpid() % PRIVATE_UID_SLOTS  # spreads the processes' searches
+    for i in range(PRIVATE_UID_SLOTS):
+        uid = PRIVATE_UID_BASE + (first + i) % PRIVATE_UID_SLOTS
+        fd = os.open(os.path.join(_UID_LOCKS, str(uid)), os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when fd closes, even on a crash
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        try:
+            yield uid
+        finally:
+            os.close(fd)
+        return
+    raise RuntimeError(f"all {PRIVATE_UID_SLOTS} sandbox uids from {PRIVATE_UID_BASE} are in use (locks in "
+                       f"{_UID_LOCKS}): run fewer evaluation workers on this node")
 
 
 def _clean_env(home: str) -> dict[str, str]:
@@ -128,12 +163,15 @@ def run_program(program: str, limits: Limits) -> Outcome:
     """Run ``program`` (Python source) contained; passed means exit status 0 within the time limit."""
     level, prefix, python = isolation()
     with tempfile.TemporaryDirectory(prefix="slipway-exec-") as work, \
-            tempfile.TemporaryFile(mode="w+b") as err:
-        if level.endswith("+nobody"):
-            os.chown(work, NOBODY, NOBODY)  # the program runs as nobody; its directory is its own
+            tempfile.TemporaryFile(mode="w+b") as err, \
+            (_private_uid() if level.endswith("+uid") else contextlib.nullcontext()) as uid:
+        drop = []
+        if uid is not None:
+            os.chown(work, uid, uid)  # the program runs as its own uid; its directory is its own
+            drop = _drop(uid)
         limit = _limits_prefix(limits)
         proc = subprocess.Popen(
-            [*limit, *prefix, python, "-I", "-S", "-B", "-"], cwd=work, env=_clean_env(work),
+            [*limit, *prefix, *drop, python, "-I", "-S", "-B", "-"], cwd=work, env=_clean_env(work),
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
             preexec_fn=None if limit else functools.partial(_set_limits, limits))
         try:
