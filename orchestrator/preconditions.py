@@ -81,10 +81,12 @@ def checkpoint_problems(plan: Plan) -> list[Problem]:
 
 def model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
     """The checkpoint the training job would resume from must be the configured model: the trainer's
-    own comparison (trainer.checkpoint.layout.model_differences), made here so that a relaunch with a
-    changed model section is refused before anything is submitted or recorded."""
-    from trainer.checkpoint.layout import CheckpointError, model_differences
+    own comparison (trainer.checkpoint.layout.config_differences: shape and architecture), made here so
+    that a relaunch with a changed model section is refused before anything is submitted or recorded."""
+    from trainer.checkpoint.layout import CheckpointError, config_differences
     from trainer.checkpoint.protocol import saved_layout
+    from trainer.checks import ConfigError
+    from trainer.config import ModelConfig
 
     try:
         args = saved_layout(ckpt_dir, iteration, mmap=True)[2]
@@ -96,7 +98,10 @@ def model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
         tok = tc["tokenizer"]
         model["vocab_size"] = (hf_vocab_entries(tok.get("model")) if tok.get("type") == HF_TOKENIZER_TYPE
                                else vocab_entries(tok.get("vocab_file")))
-    wrong = model_differences(args, model)
+    try:
+        wrong = config_differences(args, ModelConfig(**model))
+    except (ConfigError, TypeError, ValueError):
+        return []  # a broken model section: the config checks report it
     if not wrong:
         return []
     diffs = ", ".join(f"{k} {saved} → {now}" for k, (saved, now) in wrong.items())

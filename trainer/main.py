@@ -34,7 +34,7 @@ from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.distrib_optim import extra_files, is_distributed, read_beside
-from trainer.checkpoint.layout import MODEL_KEYS, architecture_differences, model_differences
+from trainer.checkpoint.layout import config_differences
 from trainer.checks import ConfigError
 from trainer.ckpt_dist import restore_dist, save_torch_dist
 from trainer.ckpt_state import (
@@ -230,8 +230,7 @@ def _check_model(args: Any, gpt: GPTConfig, ckpt_dir: str, iteration: int) -> No
     if unsupported:  # the same weights names and shapes, another computation: never load them silently
         raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} iteration {iteration} cannot be loaded: Slipway's "
                                    f"GPT has no such option: {'; and '.join(unsupported)}")
-    wrong = model_differences(args, {k: getattr(gpt, k) for k in MODEL_KEYS})
-    wrong.update(architecture_differences(args, gpt.megatron_architecture()))
+    wrong = config_differences(args, gpt)
     if wrong:
         raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} iteration {iteration} is a different model "
                                    f"(saved, configured): {wrong}; fix the model section or load another")

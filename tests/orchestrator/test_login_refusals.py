@@ -81,3 +81,18 @@ def test_data_paths_with_the_corpus_stage_are_refused(tmp_path, corpus):
     assert bool(hits) == corpus, [str(p) for p in problems]
     if corpus:
         assert str(data) in str(hits[0]) and "data.corpus=null" in str(hits[0])
+
+
+def test_an_architecture_change_of_the_same_shape_is_refused_as_the_trainer_refuses_it(tmp_path):
+    """RMSNorm instead of LayerNorm has the same parameter shapes: only the architecture comparison the
+    trainer makes (config_differences) tells them apart, and the login node makes the same one."""
+    plan, ckpt = _dry(tmp_path, "model.normalization=rmsnorm")
+    hits = [str(p) for p in plan.problems if p.code == "checkpoint_model"]
+    assert len(hits) == 1 and "normalization LayerNorm → RMSNorm" in hits[0], [str(p) for p in plan.problems]
+    from trainer.checkpoint.layout import CheckpointError
+    from trainer.checkpoint.protocol import saved_layout
+    from trainer.main import _check_model, gpt_config
+
+    gpt = gpt_config(compose_cfg([*SAME_MODEL, "model.normalization=rmsnorm"]).model, 1024)
+    with pytest.raises(CheckpointError, match="'normalization': \\('LayerNorm', 'RMSNorm'\\)"):
+        _check_model(saved_layout(str(ckpt), 7)[2], gpt, str(ckpt), 7)

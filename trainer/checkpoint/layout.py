@@ -83,6 +83,15 @@ def architecture_differences(args: Any, configured: dict[str, Any]) -> dict[str,
             if saved[k] is not None and configured.get(k) is not None and not same(saved[k], configured[k])}
 
 
+def config_differences(args: Any, model: Any) -> dict[str, tuple[Any, Any]]:
+    """Every difference the trainer refuses a checkpoint for, between its ``args`` and a ``ModelConfig``:
+    the shape (:func:`model_differences`) and the architecture (:func:`architecture_differences`). The one
+    comparison both the training job and the login node's relaunch check make."""
+    wrong = model_differences(args, {k: getattr(model, k) for k in MODEL_KEYS})
+    wrong.update(architecture_differences(args, model.megatron_architecture()))
+    return wrong
+
+
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be loaded; the message says what is wrong and how to fix it."""
 
