@@ -12,18 +12,17 @@ losing it only costs a rehash. Login nodes only (the orchestrator); torch-free.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
 from pathlib import Path
 
+from trainer.disk import sha256_file
 from trainer.log import get_logger
 
 log = get_logger(__name__)
 
 MEMO_FILE = "content_hashes.json"
-_CHUNK = 8 << 20
 _LOG_ABOVE = 1 << 30  # bytes: say what takes the time when hashing a large file
 
 
@@ -53,14 +52,6 @@ def _write_memo(path: Path, memo: dict) -> None:
         os.replace(tmp, path)
     except OSError as e:
         log.warning("could not save the input hashes to %s (%s); the next launch hashes them again", path, e)
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def content_fingerprint(path: str, memo_file: Path | None = None) -> str | None:

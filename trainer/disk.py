@@ -8,6 +8,7 @@ another exception (``torch.save`` raises a RuntimeError), or numpy's short write
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -50,3 +51,12 @@ def as_open_would(path: str) -> None:
     umask = os.umask(0)  # the only portable way to read it; restored at once
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
+
+
+def sha256_file(path: str) -> str:
+    """The hex SHA-256 of a file's bytes, read in 8 MiB chunks (checkpoint manifests, input fingerprints)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()

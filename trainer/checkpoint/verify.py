@@ -16,7 +16,6 @@ Torch-free: the orchestrator checks sizes at plan time (``full=False``) without 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -33,20 +32,12 @@ from trainer.checkpoint.layout import (
     parse_tracker,
     tracker_text,
 )
+from trainer.disk import sha256_file
 
 MANIFEST = "manifest.json"
 DIGEST_FILE = ".sha256"
 MANIFEST_VERSION = 1
 WARNINGS_FILE = "checkpoint_warnings.jsonl"  # in the run directory: read by status and the summary
-_CHUNK = 8 << 20
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _digest_name(file_name: str) -> str:
