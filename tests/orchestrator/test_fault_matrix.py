@@ -209,25 +209,25 @@ def test_8_double_launch_is_refused_while_the_run_is_active(matrix):
     first = job_ids(run)["train"]
     assert states(run)["train"] in ("PENDING", "RUNNING")
     before, newest = (run / "run.json").read_text(), newest_job_id()
-    # Suspend the running job while the second launch.py plans (its imports take seconds on a busy box):
-    # otherwise the run may finish first and the relaunch is, correctly, no double launch at all.
+    # Suspend the running job while both second launches plan (their imports take seconds on a busy box):
+    # otherwise the run may finish first and a relaunch is, correctly, no double launch at all.
     # A pending job cannot be suspended and stays pending; both states count as active.
     suspended = states(run)["train"] == "RUNNING"
     if suspended:
         slurm("scontrol", "suspend", str(first))
+    other = [*matrix.overrides["base"], "run_id=other", f"checkpoint.dir={run / 'checkpoints'}"]
     try:
         assert states(run)["train"] in ("PENDING", "RUNNING", "SUSPENDED")
         res = subprocess.run([sys.executable, "launch.py", *matrix.overrides["base"]], cwd=REPO,
                              capture_output=True, text=True, timeout=300, env=os.environ)
+        with pytest.raises(PlanError) as err:
+            launch(compose_cfg(other), out=io.StringIO())
     finally:
         if suspended:
             slurm("scontrol", "resume", str(first))
     assert res.returncode == 2, res.stdout + res.stderr
     assert "[run_active]" in res.stderr and f"train job {first}" in res.stderr, res.stderr
     assert f"python -m orchestrator status {run}" in res.stderr
-    other = [*matrix.overrides["base"], "run_id=other", f"checkpoint.dir={run / 'checkpoints'}"]
-    with pytest.raises(PlanError) as err:
-        launch(compose_cfg(other), out=io.StringIO())
     assert f"train job {first} of run {run}" in str(err.value) and str(run / "checkpoints") in str(err.value)
     assert newest_job_id() == newest  # nothing was submitted
     assert (run / "run.json").read_text() == before
