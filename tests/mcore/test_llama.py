@@ -28,44 +28,18 @@ each, naming the option and the fix.
 from __future__ import annotations
 
 import copy
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from tests.mcore.harness import run_check, versions
-from tests.mcore.versions import EXPORT_FORMAT
-from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
+from tests.mcore.model_cases import ITERS, LLAMA, REFUSED, TOKENIZER
+from tests.train.harness import tiny_config, write_dataset
 from trainer.convert.reference import SlipwayGPTSource
 from trainer.convert.shards import load_merged
 from trainer.convert.spec import spec_from_checkpoint
 
-ITERS = 2
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
-TOKENIZER = FIXTURES / "tokenizer"
-LLAMA = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_query_groups": 2,
-         "ffn_hidden_size": 64, "position_embedding": "rope", "rotary_base": 500000.0,
-         "normalization": "rmsnorm", "activation": "swiglu", "add_bias_linear": False,
-         "tie_word_embeddings": False, "hidden_dropout": 0.0, "attention_dropout": 0.0}
-# Slipway runs: name -> (tp, precision). bf16 with the distributed optimizer keeps bf16 weights.
-RUNS = {"tp1": (1, "fp32"), "tp2": (2, "fp32"), "bf16": (2, "bf16")}
-# Megatron-LM's args for a Llama-style model (on top of a genuine core_v0.8.0 fixture's): what
-# --position-embedding-type rope --rotary-base 500000 --normalization RMSNorm --swiglu
-# --group-query-attention --num-query-groups 2 --disable-bias-linear
-# --untie-embeddings-and-output-weights write.
-MEGATRON_LLAMA = {"position_embedding_type": "rope", "use_rotary_position_embeddings": True,
-                  "add_position_embedding": False, "rotary_base": 500000, "normalization": "RMSNorm",
-                  "swiglu": True, "ffn_hidden_size": 128, "group_query_attention": True,
-                  "num_query_groups": 2, "add_bias_linear": False, "add_qkv_bias": False,
-                  "untie_embeddings_and_output_weights": True,
-                  "vocab_file": str(TOKENIZER / "vocab.json"), "merge_file": str(TOKENIZER / "merges.txt")}
-# Options Slipway refuses, each as Megatron-LM's args record it, on the Llama model above (tp 1).
-REFUSED = {"num_experts": {"num_experts": 2, "moe_router_topk": 2},
-           "rotary_interleaved": {"rotary_interleaved": True},
-           "qk_layernorm": {"qk_layernorm": True},
-           "add_qkv_bias": {"add_qkv_bias": True}}
 # bf16 keeps 8 significant bits: one rounding moves a value by up to 2^-9 of it, and a bf16 forward rounds
 # every matmul output, norm and residual sum. Two bf16 forwards of the same weights that order their
 # arithmetic differently (Megatron vs HF, or Megatron's bf16 vs its fp32 twin) differ by a few such
@@ -81,60 +55,20 @@ def _bf16_tol(reference: torch.Tensor) -> float:
     return BF16_REL * reference.abs().max().item()
 
 
-def _train(rank: int, cfg: dict) -> None:
-    assert run_cfg(cfg).exit_code == 0
+@pytest.fixture
+def runs(model_runs) -> dict:
+    """name -> the iteration folder of a trained Llama-style run written in Megatron-core names
+    (model_cases.LLAMA_RUNS: tp1, tp2 in fp32; bf16 at tp 2)."""
+    return {name: model_runs[f"llama_{name}"] for name in ("tp1", "tp2", "bf16")}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """name -> the iteration folder of a trained Llama-style run written in Megatron-core names."""
-    root = tmp_path_factory.mktemp("mcore_llama_runs")
-    data = write_dataset(str(root / "data"))
-    out = {}
-    for name, (tp, precision) in RUNS.items():
-        cfg = tiny_config(str(root / name), data, parallel={"tp_size": tp, "pp_size": 1}, model=LLAMA,
-                          # no warm-up: the 2 steps move the norms off 1 by ~1e-2, so a swapped or
-                          # dropped norm shows far above 1e-5
-                          optim={"distributed": precision == "bf16", "warmup_iters": 0},
-                          train={"micro_batch_size": 2, "global_batch_size": 2, "iters": ITERS,
-                                 "eval_interval": None, "precision": precision},
-                          checkpoint={"format": "mcore"}, run_id=f"mcore-llama-{name}")
-        spawn(tp, str(root), _train, cfg)
-        out[name] = root / name / "checkpoints" / f"iter_{ITERS:07d}"
-    return out
-
-
-def _export_job(out: Path, name: str, version: str, tp: int, extra: dict, forward: bool = True,
-                fmt: str | None = None) -> dict:
-    job = {"tp": tp, "dir": str(out / name), "iteration": 5,
-           "format": fmt or EXPORT_FORMAT.get(version, "torch_dist"),
-           "args": {**MEGATRON_LLAMA, "tensor_model_parallel_size": tp, **extra},
-           "args_from": str(FIXTURES / "mcore_torch_dist_tp2" / "iter_0000007" / "common.pt")}
-    if forward:
-        job.update(tokens=str(out / "ids.npy"), out=str(out / f"{name}.npy"))
-    return job
-
-
-@pytest.fixture(scope="module", params=versions)
-def megatron(request, runs, tmp_path_factory):
-    """One subprocess per version: GPTModel loads the three runs, exports its own Llama-style weights
-    (fp32 and bf16), and saves one model per refused option."""
-    version, out = request.param, tmp_path_factory.mktemp(f"mcore_llama_{request.param}")
-    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
-    np.save(out / "ids.npy", ids.numpy())
-    jobs = [{"tp": RUNS[name][0], "tokens": str(out / "ids.npy"), "out": str(out / f"in_{name}.npy"),
-             "shard_files": [str(runs[name] / f"mp_rank_{r:02d}" / "model_optim_rng.pt")
-                             for r in range(RUNS[name][0])]} for name in RUNS]
-    jobs += [_export_job(out, "export", version, 2, {}),
-             _export_job(out, "export_bf16", version, 2, {"bf16": True})]
-    # A torch_dist save takes 3-6 s on this CPU: the MoE model goes in the version's default format (the
-    # refusal must come before torch_dist's names are read), the others in --ckpt-format torch.
-    jobs += [_export_job(out, f"refused_{opt}", version, 1, extra, forward=False,
-                         fmt=None if opt == "num_experts" else "torch") for opt, extra in REFUSED.items()]
-    start = time.monotonic()
-    seconds = run_check(version, "model", jobs=jobs, store=str(out / "store"))["seconds"]
-    print(f"TIME {version} megatron {time.monotonic() - start:.1f} s, jobs {seconds}")
-    return version, out, ids
+@pytest.fixture
+def megatron(megatron_models):
+    """(version, Megatron's Llama outputs, ids): conftest's one subprocess per version
+    (model_cases.llama_jobs: GPTModel loads the three runs, exports its own Llama-style weights in fp32
+    and bf16, and saves one model per refused option)."""
+    version, out, ids = megatron_models
+    return version, out / "llama", ids
 
 
 def _slipway_logits(iter_dir: Path, ids: torch.Tensor) -> torch.Tensor:

@@ -19,79 +19,32 @@ still does.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from packaging.version import Version
 
-from tests.mcore.harness import run_check, versions
-from tests.mcore.versions import COMMON_NEEDS_NAMESPACE, EXPORT_FORMAT
-from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
+from tests.mcore.model_cases import DIST_LAYOUTS, FIXTURES, ITERS, train
+from tests.mcore.versions import COMMON_NEEDS_NAMESPACE
+from tests.train.harness import spawn, tiny_config, write_dataset
 from trainer.convert.reference import SlipwayGPTSource
 from trainer.convert.shards import load_merged
 from trainer.convert.spec import spec_from_checkpoint
 
-ITERS = 2
-# (Slipway's tp at save, Megatron's at load) of the torch_dist check: crosswise, so that each load
-# reassembles the tensors from another split (the harder case; ~2 s a load per version).
-DIST_LAYOUTS = [(1, 2), (2, 1)]
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
+
+@pytest.fixture
+def runs(model_runs) -> dict:
+    """tp -> the iteration folder of the trained tp-way GPT-2 run written in Megatron-core names (torch
+    format); "dist{tp}" -> the same run written with checkpoint.format=torch_dist (same weights)."""
+    return {1: model_runs["mcore1"], 2: model_runs["mcore2"], "dist1": model_runs["dist1"],
+            "dist2": model_runs["dist2"]}
 
 
-def _train(rank: int, *cfgs: dict) -> None:
-    for cfg in cfgs:
-        assert run_cfg(cfg).exit_code == 0
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """tp -> the iteration folder of a trained tp-way run written in Megatron-core names (torch format);
-    "dist{tp}" -> the same run written with checkpoint.format=torch_dist (deterministic: same weights)."""
-    root = tmp_path_factory.mktemp("mcore_runs")
-    data = write_dataset(str(root / "data"))
-    out = {}
-    for tp in (1, 2):
-        cfgs = [tiny_config(str(root / f"{fmt}{tp}"), data, parallel={"tp_size": tp, "pp_size": 1},
-                            model={"hidden_dropout": 0.0, "attention_dropout": 0.0},
-                            train={"micro_batch_size": 2, "global_batch_size": 2, "iters": ITERS,
-                                   "eval_interval": None},
-                            checkpoint={"format": fmt}, run_id=f"{fmt}-tp{tp}")
-                for fmt in ("mcore", "torch_dist")]
-        spawn(tp, str(root), _train, *cfgs)
-        out[tp] = root / f"mcore{tp}" / "checkpoints" / f"iter_{ITERS:07d}"
-        out[f"dist{tp}"] = root / f"torch_dist{tp}" / "checkpoints" / f"iter_{ITERS:07d}"
-    return out
-
-
-def export_args(version: str) -> dict:
-    tok = FIXTURES / "tokenizer"
-    args = {"vocab_file": str(tok / "vocab.json"), "merge_file": str(tok / "merges.txt"),
-            "tensor_model_parallel_size": 2}
-    if Version(version) >= Version("0.10.0"):
-        args["add_qkv_bias"] = True  # validate_args: add_qkv_bias = True whenever add_bias_linear
-    return args
-
-
-@pytest.fixture(scope="module", params=versions)
-def megatron(request, runs, tmp_path_factory):
-    """One subprocess per version: GPTModel loads the tp 1 and tp 2 runs, and exports its own weights."""
-    version, out = request.param, tmp_path_factory.mktemp(f"mcore_model_{request.param}")
-    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
-    np.save(out / "ids.npy", ids.numpy())
-    jobs = [{"tp": tp, "tokens": str(out / "ids.npy"), "out": str(out / f"in_tp{tp}.npy"),
-             "shard_files": [str(runs[tp] / f"mp_rank_{r:02d}" / "model_optim_rng.pt") for r in range(tp)]}
-            for tp in (1, 2)]
-    jobs += [{"tp": mtp, "tokens": str(out / "ids.npy"), "out": str(out / f"dist_s{stp}_m{mtp}.npy"),
-              "dist_dir": str(runs[f"dist{stp}"])} for stp, mtp in DIST_LAYOUTS]
-    jobs.append({"tp": 2, "tokens": str(out / "ids.npy"), "out": str(out / "export.npy"),
-                 "dir": str(out / "export"), "iteration": 5, "args": export_args(version),
-                 "format": EXPORT_FORMAT.get(version, "torch_dist"),
-                 "args_from": str(FIXTURES / "mcore_torch_dist_tp2" / "iter_0000007" / "common.pt")})
-    result = run_check(version, "model", jobs=jobs, store=str(out / "store"))
-    (out / "result.json").write_text(json.dumps(result))
-    return version, out, ids
+@pytest.fixture
+def megatron(megatron_models):
+    """(version, Megatron's GPT outputs, ids): conftest's subprocess per version (model_cases.gpt_jobs)."""
+    version, out, ids = megatron_models
+    return version, out / "gpt", ids
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -137,7 +90,7 @@ def test_which_megatron_versions_need_namespace_allowed_to_read_common_pt(megatr
     per version: without it 0.8/0.10 refuse common.pt on this torch, for an upstream reason
     (versions.COMMON_NEEDS_NAMESPACE); 0.13/0.16 read it as they come."""
     version, out, _ = megatron
-    as_is = json.loads((out / "result.json").read_text())["common_as_is"]
+    as_is = json.loads((out.parent / "result.json").read_text())["common_as_is"]
     if version in COMMON_NEEDS_NAMESPACE:
         assert as_is.startswith("UnpicklingError: Weights only load failed"), as_is
     else:
@@ -179,7 +132,7 @@ def test_megatron_gpt_model_weights_start_a_slipway_run(tmp_path, megatron):
                       tokenizer={"vocab_file": str(tok / "vocab.json"),
                                  "merge_file": str(tok / "merges.txt")},
                       checkpoint={"load": "model-only", "load_dir": str(out / "export")})
-    spawn(1, str(tmp_path), _train, cfg)
+    spawn(1, str(tmp_path), train, cfg)
     assert main(["--checkpoint-dir", str(tmp_path / "run" / "checkpoints"), "--output-dir",
                  str(tmp_path / "hf")]) == 0
     with torch.no_grad():

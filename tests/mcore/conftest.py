@@ -1,0 +1,47 @@
+"""The model checks' shared fixtures: every Slipway run they read, trained once (one spawn per tp), and
+per megatron-core version one subprocess that runs all of test_model's and test_llama's Megatron jobs
+(``model_cases``). Session-scoped and parametrised by version, so pytest runs each version's tests of
+both modules together and the subprocess once per version."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.mcore import model_cases
+from tests.mcore.harness import run_check, versions
+from tests.train.harness import spawn, write_dataset
+
+
+@pytest.fixture(scope="session")
+def model_runs(tmp_path_factory) -> dict[str, Path]:
+    """name (model_cases.run_configs) -> the iteration folder of that trained Slipway run."""
+    root = tmp_path_factory.mktemp("mcore_runs")
+    data = write_dataset(str(root / "data"))
+    configs = model_cases.run_configs(root, data)
+    for tp in sorted({tp for tp, _ in configs.values()}):
+        spawn(tp, str(root), model_cases.train, *[cfg for t, cfg in configs.values() if t == tp])
+    return {name: root / name / "checkpoints" / f"iter_{model_cases.ITERS:07d}" for name in configs}
+
+
+@pytest.fixture(scope="session", params=versions)
+def megatron_models(request, model_runs, tmp_path_factory):
+    """(version, out folder, ids): Megatron's outputs of every model job under that version, in
+    ``out/gpt`` and ``out/llama``; ``out/result.json`` is the check's JSON result."""
+    version, out = request.param, tmp_path_factory.mktemp(f"mcore_models_{request.param}")
+    ids = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(0))
+    np.save(out / "ids.npy", ids.numpy())
+    for family in ("gpt", "llama"):
+        (out / family).mkdir()
+    jobs = (model_cases.gpt_jobs(version, out / "gpt", out / "ids.npy", model_runs)
+            + model_cases.llama_jobs(version, out / "llama", out / "ids.npy", model_runs))
+    start = time.monotonic()
+    result = run_check(version, "model", jobs=jobs, store=str(out / "store"))
+    print(f"TIME {version} megatron {time.monotonic() - start:.1f} s, jobs {result['seconds']}")
+    (out / "result.json").write_text(json.dumps(result))
+    return version, out, ids
