@@ -34,6 +34,7 @@ from trainer.config import RunConfig
 from trainer.data.blend import BlendError, blend_paths
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.eval.results import EVAL_DIR
+from trainer.formulas import model_vocab_size
 
 
 def stable_hash(obj: Any, n: int = 16) -> str:
@@ -97,7 +98,8 @@ def _cache_dir(cfg: SlipwayConfig) -> str:
 
 
 def resolve_vocab(cfg: SlipwayConfig, facts: PlanInputs) -> int:
-    return facts.vocab_from_file or cfg.tokenizer.vocab_size or 0
+    """The vocabulary the trainer will build (trainer.formulas.model_vocab_size); 0 when unknown here."""
+    return model_vocab_size(cfg.model.vocab_size, facts.vocab_from_file or cfg.tokenizer.vocab_size) or 0
 
 
 def _tokenizer_files(cfg: SlipwayConfig, corpus: StagePlan | None) -> tuple[str | None, str | None]:
@@ -192,8 +194,6 @@ def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> di
     wandb = out["logging"]["wandb"]
     wandb["group"] = wandb["group"] or (facts.sweep.sweep_id if facts.sweep else None)
     wandb["name"] = run_name(cfg, facts)
-    if out["logging"]["peak_tflops"] is None and cfg.cluster.gpus_per_node:
-        out["logging"]["peak_tflops"] = cfg.cluster.device_peak_tflops
     out.update(run_dir=facts.run_dir, run_id=facts.run_id)
     return out
 

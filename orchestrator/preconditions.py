@@ -34,6 +34,7 @@ from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import PlanError, Problem
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
+from trainer.formulas import model_vocab_size
 
 LOCK = ".slipway-launch.lock"
 WRITER = ".slipway-writer.json"
@@ -94,10 +95,11 @@ def model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
         return []  # not a Slipway checkpoint (torch_dist, foreign): the trainer says what to do with it
     tc = plan.stage("train").job.trainer_config
     model = dict(tc["model"])
-    if not model.get("vocab_size"):  # as trainer.main.resolve_vocab: the tokenizer's size when readable
-        tok = tc["tokenizer"]
-        model["vocab_size"] = (hf_vocab_entries(tok.get("model")) if tok.get("type") == HF_TOKENIZER_TYPE
-                               else vocab_entries(tok.get("vocab_file")))
+    tok = tc["tokenizer"]  # the tokenizer is read only when its size matters (loading one takes seconds)
+    entries = None if model.get("vocab_size") else (
+        hf_vocab_entries(tok.get("model")) if tok.get("type") == HF_TOKENIZER_TYPE
+        else vocab_entries(tok.get("vocab_file")))
+    model["vocab_size"] = model_vocab_size(model.get("vocab_size"), entries)  # as the trainer builds it
     try:
         wrong = config_differences(args, ModelConfig(**model))
     except (ConfigError, TypeError, ValueError):

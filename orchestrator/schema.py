@@ -85,7 +85,8 @@ class ClusterConfig(Section):
     device_memory_gb: float = 0.0
     """Planning: memory of one device in GB; 0: unknown, the memory check is skipped."""
     device_peak_tflops: float = 0.05
-    """Planning and MFU: dense peak TFLOP/s of one device in the training precision (A100 312, H100 989)."""
+    """Planning: dense peak TFLOP/s of one device in the training precision (A100 312, H100 989), for the
+    plan's time estimate. The trainer's MFU uses the GPU it runs on (logging.peak_tflops overrides)."""
     device_bf16: bool = True
     """Planning: the device supports bf16 (false refuses train.precision=bf16)."""
     mfu: float = 0.4

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
+def model_vocab_size(configured: int | None, tokenizer_entries: int | None) -> int | None:
+    """The vocabulary the model is built with (before padding): ``model.vocab_size`` when set (it may
+    exceed the tokenizer's, to leave room for added tokens), else the tokenizer's entries (Megatron's
+    vocab_size). The plan sizes memory and FLOPs with it, the trainer builds with it."""
+    return configured or tokenizer_entries or None
+
+
 def padded_vocab_size(vocab_size: int, tp_size: int = 1, divisible_by: int = 128) -> int:
     """Megatron's rule: round the vocab up to a multiple of ``divisible_by · tp_size``.
 

@@ -108,15 +108,15 @@ def resolve_vocab(model: ModelConfig, tokenizer: TokenizerConfig) -> tuple[int, 
         from trainer.data.hf_tokenizer import load_hf_tokenizer
 
         tok = load_hf_tokenizer(tokenizer.model)
-        size, eod = model.vocab_size or tok.vocab_size, tok.eod_id
+        size, eod = formulas.model_vocab_size(model.vocab_size, tok.vocab_size), tok.eod_id
     elif tokenizer.vocab_file:
         from trainer.data.tokenizer import read_vocab
 
         vocab = read_vocab(tokenizer.vocab_file)
         eod = vocab.get("<|endoftext|>")
-        size = model.vocab_size or len(vocab)
+        size = formulas.model_vocab_size(model.vocab_size, len(vocab))
     else:
-        size = model.vocab_size or tokenizer.vocab_size
+        size = formulas.model_vocab_size(model.vocab_size, tokenizer.vocab_size)
     if not size:
         raise ValueError("the vocabulary size is unknown: set tokenizer.vocab_file (vocab.json), "
                          "tokenizer.model (HuggingFaceTokenizer) or model.vocab_size")

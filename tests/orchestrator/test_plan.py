@@ -174,3 +174,42 @@ def test_llama_1b_plan_counts_its_architecture():
     assert plan.time.flops_per_iter != formulas.model_flops_per_iteration(gpt, 512, 32768)
     text = format_plan(cfg, plan, {})
     assert "1040.25 M" in text and f"{plan.time.flops_per_iter / 1e12:.1f} TFLOP per iteration" in text
+
+
+def test_mfu_uses_the_detected_gpu_unless_the_user_sets_a_peak(monkeypatch):
+    """cluster.device_peak_tflops (312, an A100, in cluster/slurm.yaml) is the plan's estimate only: it
+    once went into the trainer's logging.peak_tflops, which overrides the GPU detection, so every log
+    line on an H100/H200 node said MFU 3.2x too high."""
+    import torch
+
+    from trainer.config import RunConfig
+    from trainer.metrics import detect_peak_tflops
+
+    cfg, plan = _plan(["+experiment=codeparrot", "cluster=slurm"])
+    assert cfg.cluster.gpus_per_node and cfg.cluster.device_peak_tflops == 312.0
+    rc = RunConfig.from_dict(plan.stage("train").job.trainer_config)
+    assert rc.logging.peak_tflops is None
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    assert detect_peak_tflops(torch.device("cuda", 0), rc.logging.peak_tflops) == 989.0
+    _, plan = _plan(["+experiment=codeparrot", "cluster=slurm", "logging.peak_tflops=400"])
+    rc = RunConfig.from_dict(plan.stage("train").job.trainer_config)
+    assert detect_peak_tflops(torch.device("cuda", 0), rc.logging.peak_tflops) == 400.0
+
+
+@pytest.mark.parametrize("model_vocab", [None, 50304])
+def test_the_plan_sizes_the_vocabulary_the_trainer_builds(tmp_path, model_vocab):
+    """model.vocab_size wins over the tokenizer's entries in the trainer (trainer.main.resolve_vocab);
+    the plan's parameter count, memory and FLOPs use the same number."""
+    import json
+
+    from trainer.config import ModelConfig, TokenizerConfig
+    from trainer.main import resolve_vocab
+
+    vocab_file = tmp_path / "vocab.json"
+    vocab_file.write_text(json.dumps({f"t{i}": i for i in range(32768)}))
+    over = [] if model_vocab is None else [f"model.vocab_size={model_vocab}"]
+    cfg, plan = _plan(CP + over, PlanInputs("r", "/runs/r", vocab_from_file=32768))
+    tok = TokenizerConfig(vocab_file=str(vocab_file), merge_file=str(vocab_file))
+    built, _ = resolve_vocab(ModelConfig(**{**dataclasses.asdict(cfg.model)}), tok)
+    assert built == (model_vocab or 32768)
+    assert plan.vocab_size == built

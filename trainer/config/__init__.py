@@ -241,8 +241,8 @@ class LoggingConfig(Section):
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases settings."""
     peak_tflops: float | None = None
-    """Peak dense TFLOP/s of one device for MFU; null: detected from the GPU name (no MFU on CPU). The
-    launcher sets it from cluster.device_peak_tflops on GPU clusters."""
+    """Peak dense TFLOP/s of one device for MFU; null: detected from the GPU name (no MFU on CPU). Set it
+    only to override the detection (cluster.device_peak_tflops is the plan's, not the trainer's)."""
 
     def _normalise(self) -> None:
         if isinstance(self.wandb, dict):
