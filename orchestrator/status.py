@@ -15,6 +15,7 @@ from orchestrator.jobs import FAILED as FAILED_MARKER
 from orchestrator.launches import INCOMPLETE, current, history, is_incomplete
 from orchestrator.queue import CANCELLED, FAILED, PENDING, category, local_state, query_slurm_checked
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
+from trainer.checkpoint.layout import parse_tracker, tracker_text
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import pass_at_1, read_results
 from trainer.health import RankHealth, read_hangs, read_heartbeats, summarize
@@ -107,10 +108,9 @@ def _restarts(state_dir: Path, slurm_requeues: int = 0) -> int:
 
 def _checkpoint_iter(run_dir: Path, data: dict) -> int | None:
     ck = data.get("config", {}).get("checkpoint", {}).get("dir") or str(run_dir / "checkpoints")
-    p = Path(ck) / "latest_checkpointed_iteration.txt"
-    try:
-        return int(p.read_text().strip())
-    except (OSError, ValueError):
+    try:  # the trainer's reader: Megatron's "release" is 0; a tracker naming no iteration shows as none
+        return parse_tracker(tracker_text(ck))
+    except OSError:
         return None
 
 

@@ -17,6 +17,7 @@ from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows, log_records, plot
 from tests.orchestrator.conftest import REPO
 from tests.waits import JOB_S, wait_until
+from trainer.checkpoint.layout import TRACKER
 
 
 def test_parse_squeue_and_sacct():
@@ -62,6 +63,15 @@ def _fake_run(root: Path, name: str, losses: list[float]) -> Path:
         },
     )
     return run
+
+
+@pytest.mark.parametrize("tracker,shown", [("release", 0), ("20\n", 20), ("garbage", None)])
+def test_status_reads_the_tracker_as_megatron_does(tmp_path, tracker, shown):
+    """A Megatron ``release`` tracker is iteration 0 (a bare int() once showed it as no checkpoint); a
+    tracker that names no iteration shows as none rather than failing the table."""
+    run = _fake_run(tmp_path, "runA", [5.0])
+    (run / "checkpoints" / TRACKER).write_text(tracker)
+    assert collect(str(run))[0].checkpoint_iter == shown
 
 
 def test_collect_table_and_plot(tmp_path):

@@ -16,9 +16,9 @@ import torch
 
 from tests.convert.conftest import random_megatron_state
 from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
-from trainer.checkpoint.layout import CHECKPOINT_VERSION
+from trainer.checkpoint.layout import CHECKPOINT_VERSION, write_tracker
 from trainer.convert import names
-from trainer.convert.layout import SHARD_FILE, nest, save_shard, shard_dir_name, write_tracker
+from trainer.convert.layout import SHARD_FILE, nest, save_shard, shard_dir_name
 from trainer.convert.shards import load_merged, split
 from trainer.convert.spec import GPTSpec
 from trainer.model.names import layer_index, renumber

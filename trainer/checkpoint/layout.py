@@ -131,6 +131,32 @@ def tracker_text(ckpt_dir: str) -> str | None:
         return None
 
 
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new file in ``path`` durable (the entry lives in the folder)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_tracker(ckpt_dir: str, iteration: int | str, before_commit=None) -> None:
+    """Megatron's tracker, the bare iteration with no newline (or ``release``), written last: the commit
+    point of a checkpoint. Through a fsync'd temporary renamed over the tracker and a fsync of the folder,
+    so a reader sees the old iteration or the new one, never a partial file, and a crash after this
+    returns keeps the new one. ``before_commit`` runs between the temporary and the rename (the save
+    protocol's failpoint)."""
+    tmp = os.path.join(ckpt_dir, f"{TRACKER}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    if before_commit is not None:
+        before_commit()
+    os.replace(tmp, os.path.join(ckpt_dir, TRACKER))
+    fsync_dir(ckpt_dir)
+
+
 def parse_tracker(text: str | None) -> int | None:
     """The iteration a tracker's text names (0 for Megatron's ``release``); None if it names none."""
     if text == "release":

@@ -50,12 +50,14 @@ from trainer.checkpoint.layout import (  # noqa: F401 (the layout's names, re-ex
     CheckpointError,
     CheckpointSpaceError,
     arg,
+    fsync_dir,
     iter_dir_name,
     iter_path,
     list_iterations,
     read_tracker,
     shard_dir_name,
     shard_path,
+    write_tracker,
 )
 from trainer.checkpoint.space import mib as _mib
 from trainer.checkpoint.space import state_bytes, sum_over_ranks
@@ -102,14 +104,6 @@ def _failpoint(name: str, iteration: int) -> None:
             except FileExistsError:
                 return
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _barrier() -> None:
@@ -175,25 +169,18 @@ def _write_shard(state: dict, final_dir: str, iteration: int, extra_files: dict[
         raise CheckpointSpaceError(_enospc_message(final_dir, iteration, files)) from e
     for name in files:
         ckpt_verify.write_digest(tmp, name)  # for the manifest; hashed from what is on disk
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     _failpoint("before_rename", iteration)
     if os.path.exists(final_dir):  # an uncommitted leftover of this iteration (see save_checkpoint)
         _remove_aside(final_dir)
     os.rename(tmp, final_dir)
-    _fsync_dir(parent)
+    fsync_dir(parent)
     _failpoint("after_rename", iteration)
 
 
 def _write_tracker(ckpt_dir: str, iteration: int) -> None:
-    """Step 3: the commit point."""
-    tmp = os.path.join(ckpt_dir, f"{TRACKER}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    _failpoint("before_tracker", iteration)
-    os.replace(tmp, os.path.join(ckpt_dir, TRACKER))
-    _fsync_dir(ckpt_dir)
+    """Step 3: the commit point (layout.write_tracker, the one writer of the tracker)."""
+    write_tracker(ckpt_dir, iteration, before_commit=lambda: _failpoint("before_tracker", iteration))
     _failpoint("after_tracker", iteration)
 
 

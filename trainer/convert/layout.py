@@ -128,13 +128,6 @@ def save_shard(path: Path, payload: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
-def write_tracker(checkpoint_dir: Path, iteration: int | str) -> None:
-    """Megatron's tracker: the bare iteration, no newline; written last so readers see whole checkpoints."""
-    tmp = checkpoint_dir / (TRACKER + ".tmp")
-    tmp.write_text(str(iteration))
-    tmp.replace(checkpoint_dir / TRACKER)
-
-
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested Megatron model dict → flat dotted names (already-flat entries pass through)."""
     flat = {}

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.chunks import chunk_entries
-from trainer.checkpoint.layout import CHECKPOINT_VERSION, arg, iter_dir_name
+from trainer.checkpoint.layout import CHECKPOINT_VERSION, arg, iter_dir_name, write_tracker
 from trainer.convert import dist, names
 from trainer.convert.layout import (
     SHARD_FILE,
@@ -31,7 +31,6 @@ from trainer.convert.layout import (
     nest,
     save_shard,
     shard_dir_name,
-    write_tracker,
 )
 from trainer.convert.mcore import is_mcore_model, normalise_names, untied_head
 from trainer.convert.spec import check_convertible
@@ -227,5 +226,5 @@ def write_checkpoint(checkpoint_dir: Path, state: dict[str, torch.Tensor], args:
         payload = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
                    "model": nest(stage)}
         save_shard(iter_dir / shard_dir_name(tp, pp, pp_size) / SHARD_FILE, payload)
-    write_tracker(checkpoint_dir, iteration)
+    write_tracker(str(checkpoint_dir), iteration)
     return iter_dir
