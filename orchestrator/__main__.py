@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
+
+from trainer.run_files import LOSS_PLOT, RUN_JSON, RunDir
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m orchestrator")
     sub = parser.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("status", help="a table per run and stage (one squeue + one sacct call)")
-    st.add_argument("path", help="a run directory (run.json) or a sweep directory (sweep.json)")
+    st.add_argument("path", help=f"a run directory ({RUN_JSON}) or a sweep directory (sweep.json)")
     st.add_argument(
         "--plot",
         nargs="?",
         const="",
         default=None,
-        help="also write the loss curves to this PNG (default: PATH/loss.png)",
+        help=f"also write the loss curves to this PNG (default: PATH/{LOSS_PLOT})",
     )
     st.add_argument(
         "--stale-after",
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.history:
         sys.stdout.write("\nLaunches:\n" + format_history(args.path) + "\n")
     if args.plot is not None:
-        out = args.plot or str(Path(args.path) / "loss.png")
+        out = args.plot or str(RunDir(args.path).loss_plot)
         sys.stdout.write(f"loss curves: {plot(args.path, out)}\n")
     return 0
 

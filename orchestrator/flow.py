@@ -58,6 +58,7 @@ from orchestrator.summary import write_summary
 from orchestrator.validate import PlanError
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
+from trainer.run_files import RunDir
 from trainer.testing_hooks import launch_failpoint
 
 log = get_logger(__name__)
@@ -163,7 +164,7 @@ def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str], overrides: 
     from omegaconf import OmegaConf
 
     run = Path(plan.run_dir)
-    (run / "logs").mkdir(parents=True, exist_ok=True)
+    RunDir(run).logs.mkdir(parents=True, exist_ok=True)
     resolved = OmegaConf.structured(cfg)
     git = git_state()
     identity = {"run_id": plan.run_id, "experiment": plan.experiment, "name": run_name(cfg, _facts(plan)),
@@ -258,7 +259,7 @@ def _failed(plan: Plan) -> list[tuple[str, str, str]]:
             for r in collect(plan.run_dir)]
     first = next((i for i, r in enumerate(rows) if not queue.succeeded(r[1])), None)
     if first is None:  # every job completed, yet a stage did not (a marker is missing)
-        return [("run", "INCOMPLETE", os.path.join(plan.run_dir, "logs"))]
+        return [("run", "INCOMPLETE", str(RunDir(plan.run_dir).logs))]
     return [(st, state, _stage_log(plan, st, jid, ex)) for st, state, jid, ex in rows[first:]]
 
 

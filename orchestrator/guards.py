@@ -22,6 +22,7 @@ from orchestrator.redaction import HEX40, is_secret_name, secret_assignments, se
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import Problem
 from trainer import testing_hooks
+from trainer.run_files import RUN_JSON
 from trainer.wandb_key import has_wandb_key, missing_key_message
 
 _REMOVE = "remove it from the config and export it in the environment you launch from (Slurm passes it on)"
@@ -49,7 +50,7 @@ def _cluster_secrets(cfg: SlipwayConfig) -> list[Problem]:
         for name, value in entries.items():
             key = f"cluster.{section}.{name}"
             if is_secret_name(name):
-                out.append(_secret(key, "a secret-named entry; configs, job scripts and run.json are "
+                out.append(_secret(key, f"a secret-named entry; configs, job scripts and {RUN_JSON} are "
                                         "written to disk", f"remove it and export {name} in the environment "
                                                            "you launch from (Slurm passes it on)"))
             elif kind := secret_kind(str(value), secret_position=True):

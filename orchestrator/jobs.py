@@ -16,9 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config import CorpusConfig
-
-COMPLETE = "_COMPLETE"
-FAILED = "_FAILED"
+from trainer.run_files import COMPLETE, FAILED  # noqa: F401 (the stage markers, re-exported)
 
 
 @dataclass(frozen=True)

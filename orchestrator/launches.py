@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.runs import RUN_JSON, read_json, write_json
+from trainer.run_files import CONFIG
 
 FORMAT = 2
 LAUNCHES_DIR = "launches"
-CONFIG = "config.yaml"  # the resolved config: launches/<n>/config.yaml; the top-level one links the latest
+# CONFIG (run_files): the resolved config: launches/<n>/config.yaml; the top-level one links the latest
 RECORDING, SUBMITTING, SUBMITTED = "recording", "submitting", "submitted"
 INCOMPLETE = "incomplete"  # what status calls a launch that stopped before SUBMITTED
 # Fields of a previous-format run.json that belong to its one launch.

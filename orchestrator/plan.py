@@ -33,8 +33,8 @@ from trainer.checks import deferred
 from trainer.config import RunConfig
 from trainer.data.blend import BlendError, blend_paths
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
-from trainer.eval.results import EVAL_DIR
 from trainer.formulas import model_vocab_size
+from trainer.run_files import RunDir, document_prefix
 
 
 def stable_hash(obj: Any, n: int = 16) -> str:
@@ -184,13 +184,13 @@ def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> di
     out = {f.name: dataclasses.asdict(getattr(cfg, f.name)) if dataclasses.is_dataclass(getattr(cfg, f.name))
            else getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)}
     job: PreprocessJob = prep.job
-    prefixes = [f"{p}_{cfg.data.json_key}_document" for p in job.prefixes]
+    prefixes = [document_prefix(p, cfg.data.json_key) for p in job.prefixes]
     try:  # a blend's weights go with the prefixes of the same inputs (a broken blend is a plan problem)
         out["data"]["paths"] = cfg.data.blend().with_paths(prefixes).spelled()
     except BlendError:
         out["data"]["paths"] = prefixes
     out["tokenizer"].update(vocab_file=job.vocab_file, merge_file=job.merge_file)
-    out["checkpoint"]["dir"] = cfg.checkpoint.dir or os.path.join(facts.run_dir, "checkpoints")
+    out["checkpoint"]["dir"] = cfg.checkpoint.dir or str(RunDir(facts.run_dir).checkpoints)
     wandb = out["logging"]["wandb"]
     wandb["group"] = wandb["group"] or (facts.sweep.sweep_id if facts.sweep else None)
     wandb["name"] = run_name(cfg, facts)
@@ -212,12 +212,12 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
             "code": code,
         }
     )
-    state = os.path.join(facts.run_dir, "stages")
+    run = RunDir(facts.run_dir)
     stages = [
         StagePlan(
             "train",
             tkey,
-            os.path.join(state, "train"),
+            str(run.stage_state("train")),
             False,
             ("preprocess",),
             TrainJob(facts.run_dir, tcfg, cfg.fail_train, cfg.stall_train, _summaries(prep)),
@@ -228,7 +228,7 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
         job = ConvertJob(
             facts.run_dir,
             tcfg["checkpoint"]["dir"],
-            os.path.join(facts.run_dir, "hf"),
+            str(run.hf),
             tcfg["tokenizer"]["vocab_file"],
             tcfg["tokenizer"]["merge_file"],
             cfg.convert.verify,
@@ -236,23 +236,24 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
             sample_tokens=max(1, min(64, cfg.model.max_position_embeddings // 4)),
             tokenizer_model=prep.job.tokenizer_model,
         )
-        stages.append(StagePlan("convert", ckey, os.path.join(state, "convert"), False, ("train",), job))
+        stages.append(StagePlan("convert", ckey, str(run.stage_state("convert")), False, ("train",), job))
         if cfg.eval.enabled:
-            stages.append(_eval_stage(cfg, tcfg, ckey, job.output_dir, state))
+            stages.append(_eval_stage(cfg, tcfg, ckey, job.output_dir))
     return stages
 
 
-def _eval_stage(cfg: SlipwayConfig, tcfg: dict[str, Any], ckey: str, hf_dir: str, state: str) -> StagePlan:
+def _eval_stage(cfg: SlipwayConfig, tcfg: dict[str, Any], ckey: str, hf_dir: str) -> StagePlan:
     """HumanEval + perplexity of the converted model (afterok convert); keyed by the model and the settings
     (how many sandboxes run at once changes no result)."""
     settings = dataclasses.asdict(cfg.eval)
     key = stable_hash({"convert": ckey, "eval": {k: v for k, v in settings.items() if k != "workers"}})
     run_dir = tcfg["run_dir"]  # held-out perplexity reads the first dataset (several are merged for training)
     first = blend_paths(tcfg["data"]["paths"])[0]  # a blend's first entry is a weight
-    job = EvalJob(run_dir, hf_dir, os.path.join(run_dir, EVAL_DIR), settings, first,
+    run = RunDir(run_dir)
+    job = EvalJob(run_dir, hf_dir, str(run.eval), settings, first,
                   cfg.data.split, cfg.model.seq_length, cfg.data.json_key, tcfg["run_id"],
                   tcfg["logging"]["wandb"])
-    return StagePlan("eval", key, os.path.join(state, "eval"), False, ("convert",), job)
+    return StagePlan("eval", key, str(run.stage_state("eval")), False, ("convert",), job)
 
 
 # The options that trade memory for time or communication without changing the math, as

@@ -35,6 +35,7 @@ from orchestrator.validate import PlanError, Problem
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.formulas import model_vocab_size
+from trainer.run_files import document_prefix
 
 LOCK = ".slipway-launch.lock"
 WRITER = ".slipway-writer.json"
@@ -51,7 +52,7 @@ def reused_data_problems(plan: Plan) -> list[Problem]:
     out = []
     for prefix in job.prefixes:
         try:
-            IndexedDataset(f"{prefix}_{job.json_key}_document").close()
+            IndexedDataset(document_prefix(prefix, job.json_key)).close()
         except IndexedDatasetError as err:
             out.append(Problem(
                 "data_corrupt", "cache_dir", prep.state_dir,

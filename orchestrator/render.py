@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from orchestrator.redaction import is_secret_name
 from orchestrator.schema import ClusterConfig, ContainerConfig
 from trainer.eval.config import EvalConfig
+from trainer.run_files import ATTEMPT_ENV, REQUEUES, RETRIES
 from trainer.signals import EXIT_REQUEUE, FATAL_MARKER, STOPPED_MARKER
 
 
@@ -175,7 +176,7 @@ step=""
 trap '[ -n "$step" ] && kill -USR2 "$step" 2>/dev/null' USR2
 attempt=0
 while true; do
-  export SLIPWAY_ATTEMPT=$attempt
+  export {attempt_env}=$attempt
   srun --unbuffered --kill-on-bad-exit=1 \
     --output "$logs/{stage}_%j_r${{restart}}_a${{attempt}}_%t.out" \
     --error "$logs/{stage}_%j_r${{restart}}_a${{attempt}}_%t.err" \
@@ -196,7 +197,7 @@ while true; do
         echo "slipway: timed out $n times (max {max_timeouts})" >&2; exit {requeue}
       fi
     fi
-    echo "$(date +%s) requeue restart=$restart attempt=$attempt" >> "$state/requeues"
+    echo "$(date +%s) requeue restart=$restart attempt=$attempt" >> "$state/{requeues}"
     scontrol requeue "$SLURM_JOB_ID" && sleep 600
     exit {requeue}
   fi
@@ -207,7 +208,7 @@ while true; do
   fi
   if [ "$attempt" -ge {max_retries} ]; then exit "$rc"; fi
   attempt=$(( attempt + 1 ))
-  echo "$(date +%s) retry attempt=$attempt after rc=$rc" >> "$state/retries"
+  echo "$(date +%s) retry attempt=$attempt after rc=$rc" >> "$state/{retries}"
 done
 """
 
@@ -255,6 +256,9 @@ def render_sbatch(spec: ScriptSpec) -> str:
                 max_timeouts=r.max_timeouts,
                 max_retries=r.max_retries,
                 requeue=EXIT_REQUEUE,
+                attempt_env=ATTEMPT_ENV,
+                requeues=REQUEUES,
+                retries=RETRIES,
                 **_SHELL_MARKERS,
             ).rstrip("\n")
         )

@@ -20,9 +20,9 @@ from typing import Any
 
 from orchestrator.content_hash import content_fingerprint
 from orchestrator.schema import SlipwayConfig
+from trainer.run_files import RUN_JSON  # noqa: F401 (re-exported: the launcher reads it here)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-RUN_JSON = "run.json"
 SWEEP_JSON = "sweep.json"
 
 

@@ -34,6 +34,7 @@ from orchestrator.jobs import (
 from orchestrator.queue import process_alive
 from trainer import testing_hooks
 from trainer.log import get_logger
+from trainer.run_files import ATTEMPT_ENV, RunDir
 from trainer.signals import (
     EXIT_NONFINITE,
     EXIT_PERMANENT,
@@ -46,7 +47,6 @@ from trainer.signals import (
 log = get_logger(__name__)
 
 LOCAL_REQUEUE = 144  # submitit's local controller restarts the tasks on this exit code
-DATA_REPORT = "data_report.json"
 # The specs are re-exported: pickles of older runs name this module.
 __all__ = ["COMPLETE", "FAILED", "ConvertJob", "CorpusJob", "EvalJob", "PreprocessJob", "TrainJob",
            "Upstream", "STAGE_CALLABLES", "wait_for"]
@@ -191,8 +191,8 @@ def write_data_report(summaries: list[str], run_dir: str) -> Path | None:
         "skipped_examples": [e for s in found for e in s.get("skipped_examples", [])],
         "summaries": found,
     }
-    out = Path(run_dir) / DATA_REPORT
-    tmp = out.with_name(f"{DATA_REPORT}.tmp-{os.getpid()}")
+    out = RunDir(run_dir).data_report
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(report, indent=1) + "\n")
     os.replace(tmp, out)
     if report["skipped_lines"]:
@@ -264,7 +264,7 @@ class TrainStage(Stage):
         rank = int(os.environ["RANK"])
         pid_dir = Path(job.run_dir) / "pids"
         pid_dir.mkdir(parents=True, exist_ok=True)
-        attempt = os.environ.get("SLIPWAY_ATTEMPT", "0")
+        attempt = os.environ.get(ATTEMPT_ENV, "0")
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")
         (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()} {restart} {attempt}\n")
         # The trainer names the environment's hooks itself; these two are the stage's.

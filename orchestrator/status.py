@@ -27,6 +27,7 @@ from trainer.metrics_file import (
     last_kernel_check,
     read_metrics,
 )
+from trainer.run_files import REQUEUES, RETRIES, RunDir
 from trainer.wandb_online import FALLBACK_KEY
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
@@ -74,7 +75,7 @@ def log_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
         return recs
     by_iter: dict[int, tuple[int, float | None, float | None]] = {}
     files = sorted(
-        list((run_dir / "logs").glob("train_*")) + list((run_dir / "jobs" / "train").glob("*_log.*")),
+        list(RunDir(run_dir).logs.glob("train_*")) + list(RunDir(run_dir).jobs("train").glob("*_log.*")),
         key=lambda p: p.stat().st_mtime,
     )
     for f in files:
@@ -103,11 +104,11 @@ def _restarts(state_dir: Path, slurm_requeues: int = 0) -> int:
         p = state_dir / name
         return len([x for x in p.read_text().splitlines() if x.strip()]) if p.exists() else 0
 
-    return lines("retries") + max(lines("requeues"), slurm_requeues)
+    return lines(RETRIES) + max(lines(REQUEUES), slurm_requeues)
 
 
 def _checkpoint_iter(run_dir: Path, data: dict) -> int | None:
-    ck = data.get("config", {}).get("checkpoint", {}).get("dir") or str(run_dir / "checkpoints")
+    ck = data.get("config", {}).get("checkpoint", {}).get("dir") or str(RunDir(run_dir).checkpoints)
     try:  # the trainer's reader: Megatron's "release" is 0; a tracker naming no iteration shows as none
         return parse_tracker(tracker_text(ck))
     except OSError:
@@ -154,7 +155,7 @@ def _hangs(run_dir: Path) -> list[str]:
 
 def _wandb_offline(run_dir: Path) -> str:
     """Why online W&B fell back to offline in a job of this run, and how to upload what it wrote."""
-    p = run_dir / "wandb_run.json"
+    p = RunDir(run_dir).wandb_run
     fallback = read_json(p).get(FALLBACK_KEY) if p.exists() else None
     if not isinstance(fallback, dict):
         return ""
@@ -162,7 +163,7 @@ def _wandb_offline(run_dir: Path) -> str:
 
 
 def _wandb_path(run_dir: Path, data: dict) -> str:
-    p = run_dir / "wandb_run.json"
+    p = RunDir(run_dir).wandb_run
     if not p.exists():
         return ""
     wid = read_json(p).get("id", "")
@@ -207,7 +208,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
             if stage == "train":
                 recs = log_records(run_dir)
                 slurm_runs = int(sa.get(jid, {}).get("records", "1"))
-                state_dir = Path(e.get("state_dir", run_dir / "stages" / "train"))
+                state_dir = Path(e.get("state_dir", RunDir(run_dir).stage_state("train")))
                 row.restarts = _restarts(state_dir, slurm_runs - 1)
                 row.checkpoint_iter = _checkpoint_iter(run_dir, data)
                 if recs:
@@ -215,7 +216,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
                 row.wandb = _wandb_path(run_dir, data)
                 row.wandb_offline = _wandb_offline(run_dir)
                 row.hangs = _hangs(run_dir)
-                row.log = str(run_dir / "logs")
+                row.log = str(RunDir(run_dir).logs)
                 row.ranks = read_heartbeats(str(run_dir), stale_after_s=stale_after_s)
                 check = last_kernel_check(run_dir)
                 row.health = "; ".join(x for x in (summarize(row.ranks), kernel_cell(check)) if x)

@@ -38,6 +38,7 @@ from orchestrator.runs import REPO_ROOT
 from orchestrator.schema import ContainerConfig, SlipwayConfig
 from orchestrator.stages import STAGE_CALLABLES
 from trainer.log import get_logger
+from trainer.run_files import JOBS, LOGS, RunDir
 from trainer.testing_hooks import launch_failpoint
 
 log = get_logger(__name__)
@@ -79,11 +80,13 @@ def job_command(python: str, folder: str) -> str:
 
 
 def stage_folder(plan: Plan, stage: StagePlan) -> str:
-    return os.path.join(stage.state_dir if stage.shared else plan.run_dir, "jobs", stage.name)
+    if stage.shared:  # a shared stage's jobs live beside its output, where every run finds them
+        return os.path.join(stage.state_dir, JOBS, stage.name)
+    return str(RunDir(plan.run_dir).jobs(stage.name))
 
 
 def stage_log_dir(plan: Plan, stage: StagePlan) -> str:
-    return os.path.join(stage.state_dir, "logs") if stage.shared else os.path.join(plan.run_dir, "logs")
+    return os.path.join(stage.state_dir, LOGS) if stage.shared else str(RunDir(plan.run_dir).logs)
 
 
 def _abs(p: str) -> str:

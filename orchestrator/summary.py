@@ -13,9 +13,7 @@ from orchestrator.runs import RUN_JSON, read_json
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import describe, read_results, results_path
 from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, kernel_fallbacks, last_kernel_check, series
-
-LOSS_PNG = "loss.png"
-SUMMARY_TXT = "summary.txt"
+from trainer.run_files import COMPLETE, RunDir
 
 
 @dataclass
@@ -43,16 +41,16 @@ def _losses(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, flo
 
 def _convert_result(run_dir: Path, meta: dict) -> tuple[str | None, str | None]:
     state = meta.get("stages", {}).get("convert", {}).get("dir")
-    if not state or not (Path(state) / "_COMPLETE").exists():
+    if not state or not (Path(state) / COMPLETE).exists():
         return None, None
-    result = read_json(Path(state) / "_COMPLETE").get("result") or {}
+    result = read_json(Path(state) / COMPLETE).get("result") or {}
     verdict = str(result.get("result", ""))
     return result.get("hf"), verdict.split(": ", 1)[-1] or None
 
 
 def _sample(run_dir: Path) -> tuple[str | None, str]:
     """(text, how it was decoded) from ``sample.txt``, whose first line is a ``# sample (how) ...`` header."""
-    path = run_dir / "sample.txt"
+    path = RunDir(run_dir).sample
     if not path.exists():
         return None, ""
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -64,7 +62,7 @@ def _sample(run_dir: Path) -> tuple[str | None, str]:
 def _wandb_dirs(run_dir: Path) -> list[str]:
     """The offline folders of the run's W&B id, oldest first: each job that resumed the run (a requeued
     training, the eval stage) wrote its own, and ``wandb sync`` uploads them into the one run."""
-    state = run_dir / "wandb_run.json"
+    state = RunDir(run_dir).wandb_run
     run_id = read_json(state).get("id") if state.exists() else None
     if not run_id:
         return []
@@ -164,7 +162,7 @@ def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = No
 def write_summary(run_dir: str, elapsed_s: float | None = None) -> str:
     """Write ``loss.png`` and ``summary.txt`` into the run directory; return the summary text."""
     o = outcome(run_dir)
-    png = plot_losses(o, Path(run_dir) / LOSS_PNG)
+    png = plot_losses(o, RunDir(run_dir).loss_plot)
     text = format_summary(o, png, elapsed_s)
-    (Path(run_dir) / SUMMARY_TXT).write_text(text, encoding="utf-8")
+    RunDir(run_dir).summary.write_text(text, encoding="utf-8")
     return text

@@ -25,6 +25,7 @@ from orchestrator.redaction import redact
 from orchestrator.schema import SlipwayConfig
 from trainer.checks import ConfigIssue
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
+from trainer.run_files import RUN_JSON
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,7 @@ def _pyxis(cfg: SlipwayConfig) -> list[Problem]:
         return out  # a file: file_missing and container_image_format check it
     if CREDENTIALS.match(image):
         out.append(Problem("container_image_credentials", "container.image", "<redacted>",
-                           "holds USER:PASSWORD@ (job scripts and run.json are written to disk)",
+                           f"holds USER:PASSWORD@ (job scripts and {RUN_JSON} are written to disk)",
                            "keep only USER@ and put the password in enroot's credentials file "
                            "($ENROOT_CONFIG_PATH/.credentials, see enroot's import docs)"))
     elif not REGISTRY_REF.fullmatch(image):

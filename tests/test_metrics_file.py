@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 from trainer.metrics_file import (
-    METRICS_FILE,
     TRAIN_LOSS,
     VALID_LOSS,
     last_at_or_before,
@@ -18,6 +16,7 @@ from trainer.metrics_file import (
     read_records,
     series,
 )
+from trainer.run_files import METRICS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,33 +62,8 @@ def test_missing_file_is_no_records(tmp_path):
     assert read_records(tmp_path / "nowhere") == []
     assert read_metrics(tmp_path, TRAIN_LOSS) == [] and series(tmp_path, VALID_LOSS) == []
     assert last_at_or_before(tmp_path, VALID_LOSS, 100) is None
-    (tmp_path / METRICS_FILE).mkdir()  # not a file either
+    (tmp_path / METRICS).mkdir()  # not a file either
     assert read_records(tmp_path) == []
-
-
-def _docstring_nodes(tree: ast.AST) -> set[int]:
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            body = node.body
-            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-                found.add(id(body[0].value))
-    return found
-
-
-def test_only_metrics_file_names_the_file_in_code():
-    owner = ROOT / "trainer" / "metrics_file.py"
-    offenders = []
-    for path in sorted([*(ROOT / "trainer").rglob("*.py"), *(ROOT / "orchestrator").rglob("*.py")]):
-        if path == owner:
-            continue
-        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-        docs = _docstring_nodes(tree)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs \
-                    and METRICS_FILE in node.value:
-                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert offenders == [], f"use trainer.metrics_file instead of the literal {METRICS_FILE!r}"
 
 
 def test_import_loads_no_torch():

@@ -23,6 +23,7 @@ from trainer.data.sampler import SamplerConfig, micro_batches
 from trainer.data.splits import samples_drawn
 from trainer.log import get_logger
 from trainer.parallel import ParallelState
+from trainer.run_files import document_prefix
 from trainer.training import TrainState
 
 log = get_logger(__name__)
@@ -30,14 +31,15 @@ log = get_logger(__name__)
 
 def resolve_prefix(path: str, json_key: str) -> str:
     """A dataset prefix: ``path`` itself when ``path.idx`` exists, else ``{path}_{json_key}_document``."""
-    for candidate in (path, f"{path}_{json_key}_document"):
+    for candidate in (path, document_prefix(path, json_key)):
         if os.path.exists(index_file_path(candidate)):
             return candidate
     if path.endswith((".jsonl", ".json", ".gz")):
         raise FileNotFoundError(f"data.paths entry {path!r} is raw JSON; the trainer reads preprocessed "
                                 "data: run `python -m trainer.data.preprocess` and pass its output prefix")
-    raise FileNotFoundError(f"no dataset at {path!r}: neither {path}.idx nor {path}_{json_key}_document.idx "
-                            "exists; set data.paths to preprocessed prefixes")
+    raise FileNotFoundError(f"no dataset at {path!r}: neither {path}.idx nor "
+                            f"{document_prefix(path, json_key)}.idx exists; set data.paths to preprocessed "
+                            "prefixes")
 
 
 def _merged_prefix(prefixes: list[str], run_dir: str, rank: int) -> str:

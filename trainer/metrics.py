@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.log import get_logger
-from trainer.metrics_file import METRICS_FILE
+from trainer.run_files import METRICS, RunDir
 from trainer.wandb_key import has_wandb_key, missing_key_message
 from trainer.wandb_online import FALLBACK_KEY, WandbError, base_url, probe, unreachable_message
 
@@ -191,7 +191,7 @@ class WandbLogger:
     def __init__(self, wandb_cfg, run_dir: str, run_id: str | None, config: dict, enabled: bool) -> None:
         self.run = None
         self.id: str | None = None
-        self.state_path = os.path.join(run_dir, "wandb_run.json")
+        self.state_path = str(RunDir(run_dir).wandb_run)
         self.resume_after = -1
         if not enabled or wandb_cfg.mode == "disabled":
             return
@@ -237,7 +237,7 @@ class WandbLogger:
             self.run.log(metrics, step=step)
         except Exception as e:  # noqa: BLE001 - a monitoring outage must not stop training
             log.warning("W&B: logging step %d failed (%s: %s); training continues, the values are in %s",
-                        step, type(e).__name__, e, METRICS_FILE)
+                        step, type(e).__name__, e, METRICS)
             return
         if step > self.last_step:
             self.last_step = step

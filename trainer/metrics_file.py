@@ -17,7 +17,8 @@ import json
 import os
 from pathlib import Path
 
-METRICS_FILE = "train_metrics.jsonl"
+from trainer.run_files import METRICS
+
 TRAIN_LOSS = "train/lm_loss"
 VALID_LOSS = "valid/lm_loss"
 TOKENS_PER_S = "perf/tokens_per_s"
@@ -25,7 +26,7 @@ KERNEL_CHECK = "kernel_check"  # the start-up kernel self-check's verdict (train
 
 
 def metrics_path(run_dir: str | os.PathLike) -> str:
-    return os.path.join(run_dir, METRICS_FILE)
+    return os.path.join(run_dir, METRICS)
 
 
 def append_record(path: str, row: dict) -> None:

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator.launches import current, current_jobs
-from orchestrator.summary import LOSS_PNG, SUMMARY_TXT
 from tests.orchestrator.conftest import REPO
 from tests.train.wandb_reader import history, run_files
+from trainer.run_files import LOSS_PLOT, SUMMARY
 
 ITERS = 20
 SMALLER = [
@@ -60,7 +60,7 @@ def test_demo_runs_every_stage_at_tp2_pp2(demo):
 @pytest.mark.timeout(600)
 def test_demo_summary_is_printed_saved_and_true(demo):
     res, run = demo
-    text = (run / SUMMARY_TXT).read_text()
+    text = (run / SUMMARY).read_text()
     assert text in res.stdout  # printed at the end, and saved
     rows = [json.loads(x) for x in (run / "train_metrics.jsonl").read_text().splitlines()]
     last_train = [r for r in rows if "train/lm_loss" in r][-1]
@@ -69,8 +69,8 @@ def test_demo_summary_is_printed_saved_and_true(demo):
     assert f"train loss       {last_train['train/lm_loss']:.3f} (iteration {ITERS})" in text
     assert f"validation loss  {last_valid['valid/lm_loss']:.3f} (iteration {ITERS})" in text
     assert last_train["train/lm_loss"] < [r for r in rows if "train/lm_loss" in r][0]["train/lm_loss"]
-    assert f"loss curve       {run / LOSS_PNG}" in text
-    assert (run / LOSS_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"loss curve       {run / LOSS_PLOT}" in text
+    assert (run / LOSS_PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"HF model         {run / 'hf'}" in text
     assert re.search(r"verification PASSED: max \|Δlogit\| = [\d.e+-]+ \(fp32, limit 0.0001\)", text), text
     sample = (run / "sample.txt").read_text()
@@ -94,7 +94,7 @@ def test_demo_hf_folder_loads_and_wandb_offline_run_has_every_iteration(demo):
     files = run_files(str(run))
     assert len(files) == 2, files  # the training's, then the eval stage's (the same W&B run resumed)
     offline = Path(files[0]).parent
-    assert f"wandb sync {offline}" in (run / SUMMARY_TXT).read_text()
+    assert f"wandb sync {offline}" in (run / SUMMARY).read_text()
     steps = sorted({r["_step"] for r in history(files[0]) if "train/lm_loss" in r})
     assert steps == list(range(5, ITERS + 1, 5)), steps
 
@@ -116,7 +116,7 @@ def test_demo_evaluates_the_smoke_model_in_budget(demo):
     # The converted model on held-out samples, beside the trainer's own last validation loss.
     assert held["training_valid_loss"]["iteration"] == ITERS
     assert results["seconds"] < EVAL_BUDGET_S, results["seconds"]
-    text = (run / SUMMARY_TXT).read_text()
+    text = (run / SUMMARY).read_text()
     assert "evaluation       pass@1 " in text and "on held-out valid split" in text
     assert "## Evaluation" in (run / "hf" / "README.md").read_text()
     files = run_files(str(run))

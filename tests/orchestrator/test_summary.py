@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 
 from orchestrator.follow import LogFollower, failure_tails, log_path
-from orchestrator.summary import LOSS_PNG, SUMMARY_TXT, write_summary
+from orchestrator.summary import write_summary
+from trainer.run_files import LOSS_PLOT, SUMMARY
 
 
 def _run_dir(tmp_path: Path) -> Path:
@@ -74,8 +75,8 @@ def test_summary_names_every_output_and_draws_the_loss_curve(tmp_path):
     offline.mkdir(parents=True)
 
     text = write_summary(str(run), elapsed_s=200.0)
-    assert (run / SUMMARY_TXT).read_text() == text
-    assert (run / LOSS_PNG).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (run / SUMMARY).read_text() == text
+    assert (run / LOSS_PLOT).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"run directory    {run}" in text and "3.3 min" in text
     assert "train loss       4.500 (iteration 300), from 7.500 at iteration 10" in text
     assert "validation loss  4.900 (iteration 300)" in text
@@ -88,4 +89,4 @@ def test_summary_names_every_output_and_draws_the_loss_curve(tmp_path):
 def test_summary_of_a_run_without_outputs_says_so(tmp_path):
     run = _run_dir(tmp_path)
     text = write_summary(str(run))
-    assert "train loss       n/a" in text and "no conversion" in text and not (run / LOSS_PNG).exists()
+    assert "train loss       n/a" in text and "no conversion" in text and not (run / LOSS_PLOT).exists()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +29,7 @@ from trainer.data.blend import Blend, BlendError, blend_paths, parse_blend
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.data.splits import parse_split
 from trainer.log import get_logger
+from trainer.run_files import RunDir
 
 log = get_logger(__name__)
 
@@ -287,7 +287,7 @@ class RunConfig(Section):
         if self.run_dir is None:
             self.run_dir = "runs/local"
         if self.checkpoint.dir is None:
-            self.checkpoint.dir = os.path.join(self.run_dir, "checkpoints")
+            self.checkpoint.dir = str(RunDir(self.run_dir).checkpoints)
 
     def problems(self) -> list[ConfigIssue]:
         """Every broken rule of every section (each section also raises its own when built)."""

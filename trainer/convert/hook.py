@@ -20,9 +20,9 @@ from trainer.convert.layout import iteration_path
 from trainer.convert.to_hf import ConversionResult, ToHFConfig, convert_checkpoint
 from trainer.log import get_logger
 from trainer.metrics_file import VALID_LOSS, last_at_or_before
+from trainer.run_files import RunDir
 
 log = get_logger(__name__)
-SAMPLE_FILE = "sample.txt"
 
 
 @dataclass
@@ -77,7 +77,7 @@ def write_sample(hf_dir: Path, out: Path, prompt: str, new_tokens: int, repetiti
 
 
 def _run_info(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "run.json"
+    path = RunDir(run_dir).run_json
     try:
         return json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
@@ -106,8 +106,8 @@ def convert_run(run_dir: str | os.PathLike, cfg: ConvertRunConfig | None = None,
     if not cfg.verify:
         log.warning("convert.verify=false is ignored: verification is part of conversion and always runs")
     info = _run_info(run)
-    out = Path(cfg.output_dir or run / "hf")
-    checkpoint_dir = Path(cfg.checkpoint_dir or run / "checkpoints")
+    out = Path(cfg.output_dir or RunDir(run).hf)
+    checkpoint_dir = Path(cfg.checkpoint_dir or RunDir(run).checkpoints)
     _, iteration = iteration_path(checkpoint_dir, cfg.iteration)
     val_loss = cfg.val_loss if cfg.val_loss is not None else final_val_loss(run, iteration)
     to_hf = ToHFConfig(
@@ -118,7 +118,7 @@ def convert_run(run_dir: str | os.PathLike, cfg: ConvertRunConfig | None = None,
         tokenizer_model=Path(cfg.tokenizer_model) if cfg.tokenizer_model else None, overwrite=True,
         provenance={"run_id": info.get("run_id"), "val_loss": val_loss})
     result = convert_checkpoint(to_hf)
-    write_sample(out, run / SAMPLE_FILE, cfg.prompt, cfg.sample_tokens, cfg.repetition_penalty)
+    write_sample(out, RunDir(run).sample, cfg.prompt, cfg.sample_tokens, cfg.repetition_penalty)
     if token:
         log.info("pushed %s to %s", out, push(out, cfg.hub_repo, token, cfg.hub_private))
     return result

@@ -54,6 +54,7 @@ from trainer.data.progress import Progress
 from trainer.data.tokenizer import load_gpt2_bpe
 from trainer.disk import out_of_space
 from trainer.log import get_logger
+from trainer.run_files import document_prefix
 
 log = get_logger("trainer.data.preprocess")
 
@@ -156,7 +157,7 @@ class PreprocessConfig:
         return load_gpt2_bpe(self.vocab_file, self.merge_file, self.backend)
 
     def output_prefix_for(self, key: str) -> str:
-        return f"{self.output_prefix}_{key}_document"
+        return document_prefix(self.output_prefix, key)
 
     @property
     def summary_path(self) -> str:

@@ -11,12 +11,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-EVAL_DIR = "eval"  # <run_dir>/eval
+from trainer.run_files import RunDir
+
 RESULTS_FILE = "results.json"
 
 
 def results_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / EVAL_DIR / RESULTS_FILE
+    return RunDir(run_dir).eval / RESULTS_FILE
 
 
 def read_results(run_dir: str | Path) -> dict[str, Any] | None:

@@ -1,0 +1,88 @@
+"""trainer.run_files is the one place that names a file of a run: the launcher, the trainer and the
+status table ask it. Read from the source with ``ast`` (docstrings and comments may name files)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from trainer import run_files
+from trainer.run_files import RunDir, document_prefix
+
+ROOT = Path(__file__).resolve().parents[1]
+OWNER = ROOT / "trainer" / "run_files.py"
+# Names distinctive enough that any string holding them is a copy (a path, a message, a shell line).
+DISTINCT = [run_files.RUN_JSON, run_files.WANDB_RUN, run_files.METRICS, run_files.DATA_REPORT,
+            run_files.SAMPLE, run_files.LOSS_PLOT, run_files.SUMMARY, run_files.COMPLETE, run_files.FAILED,
+            run_files.ATTEMPT_ENV]
+# The dataset-prefix rule: an f-string part that starts with it ("{prefix}_{key}_document").
+PREFIX_RULE = "_document"
+# Folder names that are also ordinary words (the "eval" stage, a "logs" key): a copy is one used as a
+# path component, ``x / "checkpoints"`` or ``os.path.join(x, "checkpoints")``.
+FOLDERS = {run_files.CHECKPOINTS, run_files.HF, run_files.EVAL, run_files.LOGS, run_files.JOBS,
+           run_files.STAGES, run_files.LAUNCHES, run_files.REQUEUES, run_files.RETRIES, run_files.CONFIG}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    """Bare string statements: docstrings, and the attribute docstrings of config fields."""
+    return {id(node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+
+
+def _path_parts(node: ast.AST) -> list[ast.AST]:
+    """The operands that a node joins into a path: ``a / b`` and ``os.path.join(a, b, ...)``."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+        return [node.left, node.right]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join" \
+            and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "path":
+        return list(node.args)
+    return []
+
+
+def copies(source: str, name: str) -> list[str]:
+    """``line: text`` of each place in ``source`` that names a run file outside run_files."""
+    tree = ast.parse(source, name)
+    docs, found = _docstrings(tree), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+            found += [f"{name}:{node.lineno}: {d!r}" for d in DISTINCT if d in node.value]
+            if node.value.startswith(PREFIX_RULE):
+                found.append(f"{name}:{node.lineno}: the prefix rule {node.value!r}")
+        for part in _path_parts(node):
+            if isinstance(part, ast.Constant) and part.value in FOLDERS:
+                found.append(f"{name}:{node.lineno}: path part {part.value!r}")
+    return found
+
+
+def test_no_module_but_run_files_names_a_file_of_a_run():
+    offenders = []
+    for path in sorted([*(ROOT / "trainer").rglob("*.py"), *(ROOT / "orchestrator").rglob("*.py"),
+                        ROOT / "launch.py"]):
+        if path != OWNER:
+            offenders += copies(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+    assert offenders == [], "name these through trainer.run_files (RunDir):\n" + "\n".join(offenders)
+
+
+def test_the_check_sees_each_kind_of_copy():
+    """The scan above is only as good as what it recognises: a literal, a path join, an f-string."""
+    assert copies('p = run_dir / "checkpoints"', "a.py")
+    assert copies('p = os.path.join(run_dir, "logs")', "a.py")
+    assert copies('p = f"{run}/wandb_run.json"', "a.py")
+    assert copies('p = f"{prefix}_{key}_document"', "a.py")
+    assert not copies('"""run.json: what was launched"""\nstage = "eval"', "a.py")
+
+
+def test_run_dir_paths_and_the_prefix_rule():
+    run = RunDir("/runs/r1")
+    assert run.checkpoints == Path("/runs/r1/checkpoints") and run.stage_state("train") == Path(
+        "/runs/r1/stages/train")
+    assert run.metrics.name == "train_metrics.jsonl" and run.jobs("eval") == Path("/runs/r1/jobs/eval")
+    # Megatron's preprocess_data.py names its output {output_prefix}_{json_key}_document
+    assert document_prefix("/data/codeparrot", "content") == "/data/codeparrot_content_document"
+
+
+def test_the_contract_loads_no_torch():
+    code = "import sys, trainer.run_files; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)

@@ -1,0 +1,88 @@
+"""The files of a run, named once: the contract between the launcher (``orchestrator/``), which plans and
+reads a run, and the trainer, which writes it. Torch-free and import-free, so both sides and the status
+table can import it. A module that needs a run's file asks :class:`RunDir` (or uses a name below); a
+literal file name of a run anywhere else is a second copy (tests/test_run_files.py fails on it).
+
+    <run_dir>/
+      run.json                 what was launched: stages, jobs, config (orchestrator/runs.py)
+      config.yaml              link to the latest launch's resolved config (launches/<n>/config.yaml)
+      launches/<n>/            each launch: config.yaml, scripts/
+      checkpoints/             Megatron's layout: iter_XXXXXXX/, latest_checkpointed_iteration.txt
+      hf/                      the converted Hugging Face model
+      eval/                    results.json of the eval stage
+      logs/                    job logs (train_<jobid>_r<restart>_a<attempt>_<rank>.err, ...)
+      jobs/<stage>/            submitit's pickles and local logs
+      stages/<stage>/          stage state: _COMPLETE / _FAILED markers, requeues, retries, fatal_*
+      wandb_run.json           the W&B run id, so a restart resumes the same run
+      train_metrics.jsonl      the trainer's log-line values, one JSON object per line
+      data_report.json         the preprocessing summaries of the run's data
+      sample.txt               the converted model's sample continuation
+      loss.png                 the loss curve (``python -m orchestrator --plot``)
+      summary.txt              what a finished local run printed (orchestrator/summary.py)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+RUN_JSON = "run.json"
+CONFIG = "config.yaml"
+LAUNCHES = "launches"
+CHECKPOINTS = "checkpoints"
+HF = "hf"
+EVAL = "eval"
+LOGS = "logs"
+JOBS = "jobs"
+STAGES = "stages"
+WANDB_RUN = "wandb_run.json"
+METRICS = "train_metrics.jsonl"
+DATA_REPORT = "data_report.json"
+SAMPLE = "sample.txt"
+LOSS_PLOT = "loss.png"
+SUMMARY = "summary.txt"
+
+# Stage state (in stages/<stage>/, or a shared stage's output folder).
+COMPLETE = "_COMPLETE"  # the stage succeeded; its JSON holds the stage's result
+FAILED = "_FAILED"  # the stage's callable raised; its JSON holds the error
+REQUEUES = "requeues"  # one line per requeue of the training job (Slipway's or Slurm's)
+RETRIES = "retries"  # one line per crashed attempt retried inside the allocation
+
+# The environment variable the training job script sets per attempt (0, 1, ...), read by the stage.
+ATTEMPT_ENV = "SLIPWAY_ATTEMPT"
+
+
+def document_prefix(output_prefix: str, json_key: str) -> str:
+    """The dataset prefix preprocessing writes for one JSON key (Megatron's preprocess_data.py rule):
+    ``{output_prefix}_{json_key}_document`` (.bin/.idx)."""
+    return f"{output_prefix}_{json_key}_document"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every path of one run."""
+
+    root: Path
+
+    def __init__(self, root: str | Path) -> None:
+        object.__setattr__(self, "root", Path(root))
+
+    run_json = property(lambda self: self.root / RUN_JSON)
+    config = property(lambda self: self.root / CONFIG)
+    launches = property(lambda self: self.root / LAUNCHES)
+    checkpoints = property(lambda self: self.root / CHECKPOINTS)
+    hf = property(lambda self: self.root / HF)
+    eval = property(lambda self: self.root / EVAL)
+    logs = property(lambda self: self.root / LOGS)
+    wandb_run = property(lambda self: self.root / WANDB_RUN)
+    metrics = property(lambda self: self.root / METRICS)
+    data_report = property(lambda self: self.root / DATA_REPORT)
+    sample = property(lambda self: self.root / SAMPLE)
+    loss_plot = property(lambda self: self.root / LOSS_PLOT)
+    summary = property(lambda self: self.root / SUMMARY)
+
+    def jobs(self, stage: str) -> Path:
+        return self.root / JOBS / stage
+
+    def stage_state(self, stage: str) -> Path:
+        return self.root / STAGES / stage
