@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.config import CorpusConfig
+from trainer.convert.run_config import ConvertRunConfig
 from trainer.run_files import COMPLETE, FAILED  # noqa: F401 (the stage markers, re-exported)
 
 
@@ -32,8 +33,8 @@ class Upstream:
 class CorpusJob:
     output_dir: str
     corpus: CorpusConfig  # the data.corpus section itself (trainer/config)
-    vocab_size: int | None = None  # train a BPE of this size on the corpus when set
-    json_key: str = "content"
+    vocab_size: int | None  # train a BPE of this size on the corpus when set
+    json_key: str
 
 
 @dataclass
@@ -42,12 +43,13 @@ class PreprocessJob:
     inputs: list[str]
     vocab_file: str | None
     merge_file: str | None
-    json_key: str = "content"
-    append_eod: bool = True
-    workers: int = 2
-    progress: str = "log"  # "bar": a tqdm bar in the job's log (a local run streams it to the terminal)
-    on_error: str = "fail"  # bad JSONL lines: fail (name file:line) or skip (count them in the summary)
-    tokenizer_type: str = "GPT2BPETokenizer"
+    # The data section's values (trainer/config DataConfig and trainer/data/preprocess.py hold the defaults).
+    json_key: str
+    append_eod: bool
+    workers: int
+    progress: str  # "log" or "bar": a tqdm bar in the job's log (a local run streams it to the terminal)
+    on_error: str  # bad JSONL lines: fail (name file:line) or skip (count them in the summary)
+    tokenizer_type: str
     tokenizer_model: str | None = None  # HuggingFaceTokenizer: the tokenizer.json directory
 
     @property
@@ -70,26 +72,4 @@ class TrainJob:
 @dataclass
 class ConvertJob:
     run_dir: str
-    checkpoint_dir: str
-    output_dir: str
-    vocab_file: str | None
-    merge_file: str | None
-    verify: bool = True
-    sample_tokens: int = 64  # the sample text generated from the HF model (must fit max positions)
-    prompt: str = "def fibonacci("  # what the sample continues (greedy), written to <run_dir>/sample.txt
-    repetition_penalty: float = 1.3  # keeps a tiny model's greedy sample from looping on one token
-    tokenizer_model: str | None = None  # HuggingFaceTokenizer: its files are copied into hf/
-
-
-@dataclass
-class EvalJob:
-    run_dir: str
-    hf_dir: str
-    output_dir: str  # <run_dir>/eval: results.json
-    settings: dict[str, Any]  # the eval section (trainer/eval/config.EvalConfig) as a dict
-    heldout_prefix: str | None = None  # the preprocessed dataset the held-out split is read from
-    split: str = "969,30,1"
-    seq_length: int = 1024
-    json_key: str = "content"
-    run_id: str | None = None
-    wandb: dict[str, Any] | None = None  # the run's logging.wandb (the eval logs into the same W&B run)
+    config: ConvertRunConfig  # the hook's own config (trainer/convert/run_config.py), built by the plan

@@ -25,14 +25,16 @@ from orchestrator.estimate import (
     estimate_time,
 )
 from orchestrator.guards import guard_problems
-from orchestrator.jobs import ConvertJob, CorpusJob, EvalJob, PreprocessJob, TrainJob
+from orchestrator.jobs import ConvertJob, CorpusJob, PreprocessJob, TrainJob
 from orchestrator.layout import Layout, layout_of
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import Problem, validate
 from trainer.checks import deferred
 from trainer.config import RunConfig
+from trainer.convert.run_config import ConvertRunConfig
 from trainer.data.blend import BlendError, blend_paths
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
+from trainer.eval.config import EvalConfig, EvalRun
 from trainer.formulas import model_vocab_size
 from trainer.run_files import RunDir, document_prefix
 
@@ -225,20 +227,15 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
     ]
     if cfg.convert.enabled:
         ckey = stable_hash({"train": tkey, "verify": cfg.convert.verify, "code": code})
-        job = ConvertJob(
-            facts.run_dir,
-            tcfg["checkpoint"]["dir"],
-            str(run.hf),
-            tcfg["tokenizer"]["vocab_file"],
-            tcfg["tokenizer"]["merge_file"],
-            cfg.convert.verify,
+        job = ConvertJob(facts.run_dir, ConvertRunConfig(
+            checkpoint_dir=tcfg["checkpoint"]["dir"], output_dir=str(run.hf),
+            vocab_file=tcfg["tokenizer"]["vocab_file"], merge_file=tcfg["tokenizer"]["merge_file"],
+            tokenizer_model=prep.job.tokenizer_model, verify=cfg.convert.verify,
             # The sample generated after conversion must fit the model's positions (prompt included).
-            sample_tokens=max(1, min(64, cfg.model.max_position_embeddings // 4)),
-            tokenizer_model=prep.job.tokenizer_model,
-        )
+            sample_tokens=max(1, min(64, cfg.model.max_position_embeddings // 4))))
         stages.append(StagePlan("convert", ckey, str(run.stage_state("convert")), False, ("train",), job))
         if cfg.eval.enabled:
-            stages.append(_eval_stage(cfg, tcfg, ckey, job.output_dir))
+            stages.append(_eval_stage(cfg, tcfg, ckey, job.config.output_dir))
     return stages
 
 
@@ -250,9 +247,10 @@ def _eval_stage(cfg: SlipwayConfig, tcfg: dict[str, Any], ckey: str, hf_dir: str
     run_dir = tcfg["run_dir"]  # held-out perplexity reads the first dataset (several are merged for training)
     first = blend_paths(tcfg["data"]["paths"])[0]  # a blend's first entry is a weight
     run = RunDir(run_dir)
-    job = EvalJob(run_dir, hf_dir, str(run.eval), settings, first,
-                  cfg.data.split, cfg.model.seq_length, cfg.data.json_key, tcfg["run_id"],
-                  tcfg["logging"]["wandb"])
+    with deferred():  # a refused eval section is one of the plan's problems, not an exception here
+        checked = EvalConfig(**settings)
+    job = EvalRun(hf_dir, str(run.eval), checked, first, cfg.data.split, cfg.model.seq_length,
+                  cfg.data.json_key, run_dir, tcfg["run_id"], tcfg["logging"]["wandb"])
     return StagePlan("eval", key, str(run.stage_state("eval")), False, ("convert",), job)
 
 

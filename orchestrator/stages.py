@@ -26,7 +26,6 @@ from orchestrator.jobs import (
     FAILED,
     ConvertJob,
     CorpusJob,
-    EvalJob,
     PreprocessJob,
     TrainJob,
     Upstream,
@@ -48,7 +47,7 @@ log = get_logger(__name__)
 
 LOCAL_REQUEUE = 144  # submitit's local controller restarts the tasks on this exit code
 # The specs are re-exported: pickles of older runs name this module.
-__all__ = ["COMPLETE", "FAILED", "ConvertJob", "CorpusJob", "EvalJob", "PreprocessJob", "TrainJob",
+__all__ = ["COMPLETE", "FAILED", "ConvertJob", "CorpusJob", "PreprocessJob", "TrainJob",
            "Upstream", "STAGE_CALLABLES", "wait_for"]
 
 
@@ -315,33 +314,19 @@ class ConvertStage(Stage):
         from trainer.convert import convert_run
 
         job: ConvertJob = self.job
-        result = convert_run(
-            job.run_dir,
-            checkpoint_dir=job.checkpoint_dir,
-            output_dir=job.output_dir,
-            vocab_file=job.vocab_file,
-            merge_file=job.merge_file,
-            tokenizer_model=job.tokenizer_model,
-            verify=job.verify,
-            sample_tokens=job.sample_tokens,
-            prompt=job.prompt,
-            repetition_penalty=job.repetition_penalty,
-        )
-        return {"hf": job.output_dir, "result": str(result)}
+        result = convert_run(job.run_dir, job.config)
+        return {"hf": job.config.output_dir, "result": str(result)}
 
 
 class EvalStage(Stage):
     """HumanEval and perplexity of <run_dir>/hf (trainer/eval); a failed sample is a result, not an error."""
 
     def run(self) -> dict[str, Any]:
-        from trainer.eval.config import EvalConfig
-        from trainer.eval.results import flat_metrics
+        from trainer.eval.results import RESULTS_FILE, flat_metrics
         from trainer.eval.run import EvalRun, run_eval
 
-        job: EvalJob = self.job
-        run = EvalRun(job.hf_dir, job.output_dir, EvalConfig(**job.settings), job.heldout_prefix, job.split,
-                      job.seq_length, job.json_key, job.run_dir, job.run_id, job.wandb)
-        return {"results": os.path.join(job.output_dir, "results.json"), **flat_metrics(run_eval(run))}
+        run: EvalRun = self.job  # the trainer's own spec, built by the plan
+        return {"results": os.path.join(run.out_dir, RESULTS_FILE), **flat_metrics(run_eval(run))}
 
 
 STAGE_CALLABLES = {

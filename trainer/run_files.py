@@ -52,6 +52,9 @@ RETRIES = "retries"  # one line per crashed attempt retried inside the allocatio
 ATTEMPT_ENV = "SLIPWAY_ATTEMPT"
 
 
+DEFAULT_JSON_KEY = "content"  # the JSON field with the text (CodeParrot's); part of the prefix below
+
+
 def document_prefix(output_prefix: str, json_key: str) -> str:
     """The dataset prefix preprocessing writes for one JSON key (Megatron's preprocess_data.py rule):
     ``{output_prefix}_{json_key}_document`` (.bin/.idx)."""

@@ -29,9 +29,9 @@ def test_eval_follows_convert_on_the_converted_folder():
     cfg, plan = _plan(SMOKE)
     ev = plan.stage("eval")
     assert [s.name for s in plan.stages][-2:] == ["convert", "eval"] and ev.depends_on == ("convert",)
-    assert ev.job.hf_dir == plan.stage("convert").job.output_dir == "/runs/r/hf"
-    assert ev.job.output_dir == "/runs/r/eval" and ev.job.heldout_prefix.endswith("_content_document")
-    assert ev.job.settings["humaneval_problems"] == 4 and ev.job.settings["n_samples"] == 2
+    assert ev.job.hf_dir == plan.stage("convert").job.config.output_dir == "/runs/r/hf"
+    assert ev.job.out_dir == "/runs/r/eval" and ev.job.heldout_prefix.endswith("_content_document")
+    assert ev.job.settings.humaneval_problems == 4 and ev.job.settings.n_samples == 2
     assert ev.job.wandb["mode"] == "offline" and ev.job.run_id == "r"
     assert ev.key != plan.stage("convert").key
     assert _plan(SMOKE + ["eval.n_samples=4"])[1].stage("eval").key != ev.key
@@ -44,9 +44,8 @@ def test_eval_follows_convert_on_the_converted_folder():
 def test_codeparrot_runs_the_codex_protocol_on_a_gpu():
     cfg, plan = _plan(["+experiment=codeparrot"])
     s = plan.stage("eval").job.settings
-    assert (s["n_samples"], s["pass_at_k"], s["temperatures"], s["top_p"]) == (200, [1, 10, 100],
-                                                                              [0.2, 0.6, 0.8], 0.95)
-    assert s["humaneval_problems"] is None and s["device"] == "cuda" and plan.problems == []
+    assert (s.n_samples, s.pass_at_k, s.temperatures, s.top_p) == (200, [1, 10, 100], [0.2, 0.6, 0.8], 0.95)
+    assert s.humaneval_problems is None and s.device == "cuda" and plan.problems == []
     res = stage_resources("eval", cfg.cluster, cfg.experiment, 8, cfg.eval)
     assert res.gpus_per_node == 1 and res.tasks_per_node == 1 and res.time_limit_min == 480
     assert res.partition == cfg.cluster.partition

@@ -30,7 +30,7 @@ def test_stages_carry_the_directory_and_key_on_its_content(tmp_path):
     prep = plan.stage("preprocess")
     assert (prep.job.tokenizer_type, prep.job.tokenizer_model, prep.job.vocab_file) == (
         "HuggingFaceTokenizer", str(model_dir), None)
-    assert plan.stage("convert").job.tokenizer_model == str(model_dir)
+    assert plan.stage("convert").job.config.tokenizer_model == str(model_dir)
     assert trainer_config(cfg, facts, prep)["tokenizer"]["model"] == str(model_dir)
     assert facts.vocab_from_file == HFOracle(model_dir).vocab_size  # for the plan's memory table
     # Same size and mtime, other content (eos <|endoftext|> -> <s>): new data.

@@ -29,7 +29,8 @@ def test_every_failed_stage_gets_a_reason_line(tmp_path, monkeypatch):
     # Preprocessing that cannot start: its tokenizer file is missing.
     prep_dir = tmp_path / "cache"
     job = PreprocessJob(str(prep_dir), [str(tmp_path / "in.jsonl")], str(tmp_path / "nope" / "vocab.json"),
-                        str(tmp_path / "nope" / "merges.txt"))
+                        str(tmp_path / "nope" / "merges.txt"), "content", True, 1, "log", "fail",
+                        "GPT2BPETokenizer")
     with pytest.raises(Exception):  # noqa: B017 - whatever it raises, status must show its words
         PreprocessStage(job, str(prep_dir), [], "k")()
     # Training whose W&B must be online and cannot be: the stage raises a WandbError.

@@ -27,9 +27,9 @@ from trainer.config.model import ATTENTION_BACKENDS, ModelConfig, ParallelConfig
 from trainer.config.train import DECAY_STYLES, OPTIM_IMPLS, PRECISIONS, OptimConfig, TrainConfig
 from trainer.data.blend import Blend, BlendError, blend_paths, parse_blend
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
-from trainer.data.splits import parse_split
+from trainer.data.splits import DEFAULT_SPLIT, parse_split
 from trainer.log import get_logger
-from trainer.run_files import RunDir
+from trainer.run_files import DEFAULT_JSON_KEY, RunDir
 
 log = get_logger(__name__)
 
@@ -76,9 +76,9 @@ class DataConfig(Section):
     dataset; weight/path pairs, Megatron's --data-path spelling ([0.3,/data/a.jsonl,0.7,/data/b.jsonl]),
     are a weighted blend with megatron-core's BlendedDataset order: weights normalised, each corpus split
     by data.split on its own and drawn in proportion."""
-    json_key: str = "content"
+    json_key: str = DEFAULT_JSON_KEY
     """The JSON field that holds each document's text."""
-    split: str = "969,30,1"
+    split: str = DEFAULT_SPLIT
     """Relative weights of the train, validation and test documents (Megatron's split string)."""
     append_eod: bool = True
     """Append <|endoftext|> to every document (preprocessing)."""

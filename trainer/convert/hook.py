@@ -10,46 +10,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainer.convert.hf_io import hf_positions
 from trainer.convert.hub import check_hub, push
 from trainer.convert.layout import iteration_path
+from trainer.convert.run_config import ConvertRunConfig
 from trainer.convert.to_hf import ConversionResult, ToHFConfig, convert_checkpoint
 from trainer.log import get_logger
 from trainer.metrics_file import VALID_LOSS, last_at_or_before
 from trainer.run_files import RunDir
 
 log = get_logger(__name__)
-
-
-@dataclass
-class ConvertRunConfig:
-    """What the post-job conversion does. Paths default to the run directory's standard layout."""
-
-    checkpoint_dir: str | None = None  # default <run_dir>/checkpoints
-    output_dir: str | None = None  # default <run_dir>/hf
-    vocab_file: str | None = None  # the run's tokenizer; default: the paths in the checkpoint's args
-    merge_file: str | None = None
-    tokenizer_model: str | None = None  # a HuggingFaceTokenizer directory; default: the checkpoint's args
-    iteration: int | None = None  # default: the latest committed one
-    verify: bool = True  # verification always runs (it is part of conversion); False only logs a warning
-    prompt: str = "def print_hello_world():"  # the sample written to <run_dir>/sample.txt
-    sample_tokens: int = 64
-    repetition_penalty: float = 1.0  # >1 keeps a small model's greedy sample out of loops (1.0: plain greedy)
-    val_loss: float | None = None  # for the model card; default: the last one in train_metrics.jsonl
-    write_bin: bool = False
-    push_to_hub: bool = False
-    hub_repo: str | None = None  # "user/name" on the Hub
-    hub_private: bool = True
-
-    def __post_init__(self) -> None:
-        if self.sample_tokens < 1:
-            raise ValueError(f"sample_tokens={self.sample_tokens} must be ≥ 1")
-        if self.push_to_hub and not self.hub_repo:
-            raise ValueError("push_to_hub=true needs hub_repo ('user/model-name')")
 
 
 def write_sample(hf_dir: Path, out: Path, prompt: str, new_tokens: int, repetition_penalty: float = 1.0

@@ -19,7 +19,7 @@ import torch
 
 from trainer.data.index_cache import IndexCacheConfig, load_or_build
 from trainer.data.index_helpers import GPTIndices, IndexSpec
-from trainer.data.splits import SPLIT_NAMES, megatron_num_samples, parse_split, split_ranges  # noqa: F401
+from trainer.data.splits import DEFAULT_SPLIT, SPLIT_NAMES, megatron_num_samples, parse_split, split_ranges  # noqa: F401
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -53,7 +53,7 @@ class GPTDatasetConfig:
 
     seq_length: int
     seed: int = 1234
-    split: str = "969,30,1"
+    split: str = DEFAULT_SPLIT
     cache_dir: str | None = None
     wait_timeout_s: float = 900.0
     impl: str = "auto"

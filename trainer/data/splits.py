@@ -8,6 +8,7 @@ import math
 import re
 
 SPLIT_NAMES = ("train", "valid", "test")
+DEFAULT_SPLIT = "969,30,1"  # train,valid,test weights over the documents: the HF guide's CodeParrot split
 
 
 def parse_split(split: str) -> list[float]:

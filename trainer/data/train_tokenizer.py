@@ -20,6 +20,7 @@ from pathlib import Path
 
 from trainer.data.tokenizer import EOD_TOKEN
 from trainer.log import get_logger
+from trainer.run_files import DEFAULT_JSON_KEY
 
 log = get_logger("trainer.data.train_tokenizer")
 
@@ -36,7 +37,7 @@ class TokenizerTrainConfig:
     """Folder that receives vocab.json and merges.txt (created if missing; existing files replaced)."""
     vocab_size: int = 32768
     """Entries in vocab.json including <|endoftext|> (CodeParrot: 32768, which stays uint16 on disk)."""
-    json_key: str = "content"
+    json_key: str = DEFAULT_JSON_KEY
     """Field holding the text."""
     min_frequency: int = 2
     """A pair must occur this often to be merged."""
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", nargs="+", required=True, help="JSONL file(s)")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--vocab-size", type=int, default=32768)
-    parser.add_argument("--json-key", default="content")
+    parser.add_argument("--json-key", default=DEFAULT_JSON_KEY)
     parser.add_argument("--min-frequency", type=int, default=2)
     parser.add_argument("--max-documents", type=int, default=None)
     args = parser.parse_args(argv)

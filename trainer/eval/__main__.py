@@ -8,6 +8,7 @@ import json
 import sys
 
 from trainer.checks import ConfigError
+from trainer.data.splits import DEFAULT_SPLIT
 from trainer.eval.config import EvalConfig
 from trainer.eval.run import EvalRun, run_eval
 
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--device", default="cpu")
     p.add_argument("--data-prefix", default=None, help="a .bin/.idx prefix: perplexity on its held-out split")
-    p.add_argument("--split", default="969,30,1", help="the training's data.split")
+    p.add_argument("--split", default=DEFAULT_SPLIT, help="the training's data.split")
     p.add_argument("--seq-length", type=int, default=1024)
     p.add_argument("--jsonl", nargs="*", default=[], help="JSONL files whose perplexity is reported")
     p.add_argument("--allow-code-execution", action="store_true",

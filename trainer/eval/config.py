@@ -9,8 +9,11 @@ pass@100 at T = 0.8 (each k from the samples drawn at its own temperature).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from trainer.checks import ConfigIssue, Section, choice, issue, positive
+from trainer.data.splits import DEFAULT_SPLIT
+from trainer.run_files import DEFAULT_JSON_KEY
 
 # A completion ends where the model starts a new top-level statement (Codex §3.2).
 STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
@@ -96,3 +99,20 @@ class EvalConfig(Section):
     def num_problems(self) -> int:
         n = HUMANEVAL_PROBLEMS if self.humaneval_problems is None else self.humaneval_problems
         return max(0, min(n, HUMANEVAL_PROBLEMS))
+
+
+@dataclass
+class EvalRun:
+    """One evaluation: the model folder, where results go, the settings and the data to score. The eval
+    stage's job as the plan builds it (torch-free, like EvalConfig)."""
+
+    hf_dir: str
+    out_dir: str
+    settings: EvalConfig = field(default_factory=EvalConfig)
+    heldout_prefix: str | None = None  # the run's preprocessed dataset prefix (…_content_document)
+    split: str = DEFAULT_SPLIT
+    seq_length: int = 1024
+    json_key: str = DEFAULT_JSON_KEY
+    run_dir: str | None = None  # for W&B (wandb_run.json) and the trainer's last validation loss
+    run_id: str | None = None
+    wandb: dict[str, Any] | None = None  # the run's logging.wandb section; None: no W&B

@@ -9,11 +9,10 @@ import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.eval.config import STOP_SEQUENCES, EvalConfig
+from trainer.eval.config import STOP_SEQUENCES, EvalConfig, EvalRun  # noqa: F401 (EvalRun: re-exported)
 from trainer.eval.humaneval import evaluate, load_problems
 from trainer.eval.results import RESULTS_FILE, flat_metrics
 from trainer.eval.sandbox import Limits, isolation
@@ -21,22 +20,6 @@ from trainer.log import get_logger
 from trainer.metrics_file import VALID_LOSS, series
 
 log = get_logger(__name__)
-
-
-@dataclass
-class EvalRun:
-    """One evaluation: the model folder, where results go, the settings and the data to score."""
-
-    hf_dir: str
-    out_dir: str
-    settings: EvalConfig = field(default_factory=EvalConfig)
-    heldout_prefix: str | None = None  # the run's preprocessed dataset prefix (…_content_document)
-    split: str = "969,30,1"
-    seq_length: int = 1024
-    json_key: str = "content"
-    run_dir: str | None = None  # for W&B (wandb_run.json) and the trainer's last validation loss
-    run_id: str | None = None
-    wandb: dict[str, Any] | None = None  # the run's logging.wandb section; None: no W&B
 
 
 def _humaneval(run: EvalRun, model, tok, device) -> dict[str, Any]:
