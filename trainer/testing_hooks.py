@@ -23,7 +23,7 @@ CONFIG_HOOKS = {
 CKPT_FAILPOINT = "SLIPWAY_CKPT_FAILPOINT"  # trainer/checkpoint/protocol.py
 CKPT_FAILPOINT_ONCE = "SLIPWAY_CKPT_FAILPOINT_ONCE"
 PREFLIGHT_FAILPOINT = "SLIPWAY_PREFLIGHT_FAILPOINT"  # trainer/health/preflight.py
-NODE_NAME = "SLIPWAY_NODE_NAME"  # trainer/health.py
+NODE_NAME = "SLIPWAY_NODE_NAME"  # trainer/health/heartbeat.py
 KERNEL_FAULT = "SLIPWAY_KERNEL_FAULT"  # trainer/ops/inject.py
 LAUNCH_FAILPOINT = "SLIPWAY_LAUNCH_FAILPOINT"  # orchestrator/flow.py, submit.py: launch_failpoint below
 

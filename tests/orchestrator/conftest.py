@@ -24,6 +24,12 @@ def compose_cfg(overrides: list[str]) -> SlipwayConfig:
         return to_typed(cfg, choices)
 
 
+def user_docs() -> str:
+    """What users read: README.md and every page of docs/ (the runbook moved there from the README)."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    return "\n".join(p.read_text(encoding="utf-8") for p in pages)
+
+
 def group_options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 

@@ -6,11 +6,12 @@ import dataclasses
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from orchestrator import docs, schema
-from tests.orchestrator.conftest import REPO
+from tests.orchestrator.conftest import REPO, user_docs
 
 
 def cells(line: str) -> list[str]:
@@ -119,10 +120,11 @@ def _resolves(key: str) -> bool:
 
 
 def test_every_key_the_readme_names_exists():
-    """README advice that names a key the schema lacks (a removed or planning-only option) fails here."""
+    """Advice in README.md or docs/ that names a key the schema lacks (a removed or planning-only option)
+    fails here."""
     root = dataclasses.fields(schema.SlipwayConfig)
     sections = {f.name for f in root if dataclasses.is_dataclass(_default(f))}
-    text = (REPO / "README.md").read_text()
+    text = user_docs()
     # A key followed by "(" is Python in a code sample (model.generate(...)), not a configuration key.
     keys = set(re.findall(rf"(?<![\w./+-])\+?((?:{'|'.join(sections)})\.[a-z_]+(?:\.[A-Za-z_]+)*)(?![\w(])",
                           text))
@@ -133,7 +135,7 @@ def test_every_key_the_readme_names_exists():
 
 def test_every_problem_code_the_readme_names_exists():
     """The troubleshooting row lists problem codes; each must still be a code the orchestrator reports."""
-    row = next(line for line in (REPO / "README.md").read_text().splitlines()
+    row = next(line for line in (REPO / "docs" / "troubleshooting.md").read_text().splitlines()
                if line.startswith("| `N configuration problem(s)"))
     advice = row.split(" | ")[1]
     single_words = ("memory", "warmup", "name", "world", "batch", "precision")
@@ -143,3 +145,48 @@ def test_every_problem_code_the_readme_names_exists():
     source = "".join(p.read_text() for p in files)
     assert len(codes) >= 10, codes
     assert sorted(c for c in codes if f'"{c}"' not in source) == []
+
+
+# Top-level folders whose files the docs name by path.
+REPO_DIRS = ("trainer", "orchestrator", "tests", "bench", "hydra_conf", "slurm", "containers", "csrc", "docs")
+# Files the docs tell users to create: examples, not references.
+USER_FILES = {"hydra_conf/cluster/mysite.yaml", "containers/slipway-ngc.sif"}
+
+
+def doc_references(text: str) -> dict[str, set[str]]:
+    """What the docs name that must exist: ``python -m`` modules, repository paths, make targets, and
+    relative Markdown links (from README.md or docs/)."""
+    paths = re.findall(rf"(?<![\w./-])((?:{'|'.join(REPO_DIRS)})/[\w./-]*[\w/])", text)
+    return {"modules": set(re.findall(r"python -m ([a-z_][\w.]*)", text)),
+            "paths": {p for p in paths if "<" not in p and "*" not in p and p not in USER_FILES},
+            "targets": set(re.findall(r"(?:`|^\s*)make ([a-z][\w-]*)", text, re.M)),
+            "links": set(re.findall(r"\]\(((?!https?:|#)[^)#\s]+)", text))}
+
+
+def _missing(refs: dict[str, set[str]], base: Path) -> list[str]:
+    import importlib.util
+
+    targets = set(re.findall(r"^([a-z][\w-]*):", (REPO / "Makefile").read_text(), re.M))
+    ours = ("trainer", "orchestrator", "tests", "bench")  # other modules (pip, wandb) are not ours to check
+    out = [f"python -m {m}" for m in refs["modules"]
+           if m.split(".")[0] in ours and importlib.util.find_spec(m) is None]
+    out += [p for p in refs["paths"] if not (REPO / p).exists()]
+    out += [f"make {t}" for t in refs["targets"] if t not in targets]
+    out += [f"link {link}" for link in refs["links"] if not (base / link).exists()]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.name for p in (REPO / "docs").glob("*.md"))])
+def test_every_module_path_target_and_link_a_doc_names_exists(page):
+    """A doc that names a module, a file, a make target or a page that does not exist (renamed, moved,
+    removed) fails here: README.md and every page of docs/."""
+    path = REPO / page if page == "README.md" else REPO / "docs" / page
+    refs = doc_references(path.read_text(encoding="utf-8"))
+    assert _missing(refs, path.parent) == []
+
+
+def test_the_reference_check_sees_what_it_looks_for():
+    refs = doc_references("run `python -m trainer.nothing_here` (see `trainer/health.py`), `make tset`, "
+                          "[the runbook](docs/nowhere.md) and [ok](README.md)")
+    assert _missing(refs, REPO) == ["docs/nowhere.md", "link docs/nowhere.md", "make tset",
+                                    "python -m trainer.nothing_here", "trainer/health.py"]

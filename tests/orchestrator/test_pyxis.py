@@ -22,7 +22,7 @@ from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.preconditions import pyxis_problems
 from orchestrator.runs import REPO_ROOT
 from orchestrator.submit import render_stage
-from tests.orchestrator.conftest import REPO, compose_cfg
+from tests.orchestrator.conftest import REPO, compose_cfg, user_docs
 from tests.orchestrator.test_secrets import ENV_SECRETS
 
 SQSH = b"hsqs" + bytes(60)  # a squashfs superblock's magic
@@ -292,7 +292,7 @@ def test_srun_is_asked_only_for_pyxis_on_slurm(tmp_path, monkeypatch):
 
 
 def test_readme_and_containers_readme_describe_pyxis():
-    text = (REPO / "README.md").read_text() + (REPO / "containers" / "README.md").read_text()
+    text = user_docs() + (REPO / "containers" / "README.md").read_text()
     for needle in ("container=pyxis", "--container-env", "build_sqsh.sh"):
         assert needle in text, needle
     assert re.search(r"pyxis.*not (been )?(run|tested)", text, re.S)  # says what is not tested here

@@ -18,7 +18,7 @@ import pytest
 from orchestrator import redaction
 from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED
 from orchestrator.guards import known_secrets, secret_problems
-from tests.orchestrator.conftest import REPO, compose_cfg
+from tests.orchestrator.conftest import REPO, compose_cfg, user_docs
 
 HF = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
 GHP = "ghp_abcdefghijklmnopqrstuvwxyz0123456789AB"
@@ -159,7 +159,7 @@ def test_failed_local_run_ends_with_slipways_message_and_no_secret(tmp_path: Pat
 
 
 def test_readme_documents_launch_exit_codes():
-    text = (REPO / "README.md").read_text()
+    text = user_docs()
     table = text.split("`launch.py` ends with one of these exit codes")[1].split("\n\n")[1]
     codes = {int(line.split("|")[1]) for line in table.splitlines()[2:]}
     assert {0, EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED} <= codes

@@ -1,8 +1,8 @@
 """Adapters to NVIDIA apex's fused kernels (present in NGC PyTorch images), used when ``kernels`` is
 ``apex`` or ``auto`` on CUDA. Apex covers LayerNorm and the upper-triangular masked softmax; the other
 ops have no standalone apex kernel and resolve to csrc. (apex ``FusedAdam`` is an optimizer class:
-``optim.impl=apex`` in trainer/optim.py picks it.) Nothing here runs without apex and a GPU, so it is
-kept to thin calls with shape/dtype guards that fall back to the next implementation.
+``optim.impl=apex`` in trainer/optim/optimizer.py picks it.) Nothing here runs without apex and a GPU, so
+it is kept to thin calls with shape/dtype guards that fall back to the next implementation.
 """
 
 from __future__ import annotations
