@@ -51,10 +51,11 @@ def synthetic_tokenizer(out: Path, vocab_size: int) -> None:
 
 def make_checkpoint(root: Path, a: argparse.Namespace) -> tuple[Path, int]:
     """A random GPT (Slipway's init) saved at (tp, pp); returns the folder and the parameter count."""
+    from trainer.config.model import ModelConfig
     from trainer.convert.shards import write_checkpoint
-    from trainer.model import GPTConfig, build_gpt
+    from trainer.model import build_gpt
 
-    cfg = GPTConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
+    cfg = ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                     seq_length=a.seq, vocab_size=a.vocab)
     model = build_gpt(cfg, seed=1234)
     state = {"language_model." + k: v.detach() for k, v in model.named_parameters()}

@@ -2,7 +2,7 @@
 
 For dp = 1, 2, 4 (gloo worlds on CPU) and fp32 / bf16, with optim.distributed off and on: build the
 model, take one optimizer step (so lazily created state exists), and count what one rank holds by its
-tensors' storages (trainer.parallel.memory: weights, gradient buffers, optimizer state incl. fp32
+tensors' storages (bench.counters: weights, gradient buffers, optimizer state incl. fp32
 masters), next to ``trainer.formulas.state_bytes_per_param`` (Megatron's table: fp32 4 + 4 + 8/d, bf16
 2 + 4 + 12/d; 16 without the option). The only expected difference is each bucket's padding to a
 multiple of dp (under dp elements per bucket).
@@ -27,10 +27,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.counters import measure_state_bytes  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 from trainer.config import OptimConfig  # noqa: E402
+from trainer.config.model import ModelConfig  # noqa: E402
 from trainer.formulas import state_bytes_per_param  # noqa: E402
-from trainer.model import GPTConfig  # noqa: E402
 from trainer.optim.optimizer import build_optimizer  # noqa: E402
 from trainer.optim.precision import DTYPES  # noqa: E402
 from trainer.parallel import (  # noqa: E402
@@ -41,14 +42,13 @@ from trainer.parallel import (  # noqa: E402
     train_step,
 )
 from trainer.parallel.dist_optimizer import DistributedOptimizer  # noqa: E402
-from trainer.parallel.memory import measure_state_bytes  # noqa: E402
 
-BENCH_CFG = GPTConfig(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=32, vocab_size=1024,
+BENCH_CFG = ModelConfig(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=32, vocab_size=1024,
                       hidden_dropout=0.0, attention_dropout=0.0)
 PRECISIONS = ("fp32", "bf16")  # the rows of Megatron's table (fp16 keeps what bf16 does)
 
 
-def measure(pstate: ParallelState, cfg: GPTConfig, precision: str, distributed: bool) -> dict:
+def measure(pstate: ParallelState, cfg: ModelConfig, precision: str, distributed: bool) -> dict:
     """One row: build, one step, count this rank's bytes per parameter."""
     model = build_model(cfg, ParallelConfig(), pstate, 1234, kernels="csrc")
     optim = OptimConfig(lr=1e-3)
@@ -73,7 +73,7 @@ def measure(pstate: ParallelState, cfg: GPTConfig, precision: str, distributed: 
             "rel_diff": round(sum(got) / sum(formula) - 1, 7)}
 
 
-def world_job(rank: int, world: int, port: int, cfg: GPTConfig, out: str) -> None:
+def world_job(rank: int, world: int, port: int, cfg: ModelConfig, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
@@ -87,7 +87,7 @@ def world_job(rank: int, world: int, port: int, cfg: GPTConfig, out: str) -> Non
         dist.destroy_process_group()
 
 
-def run_world(world: int, cfg: GPTConfig) -> list[dict]:
+def run_world(world: int, cfg: ModelConfig) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -40,8 +40,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.meta import commit  # noqa: E402
+from trainer.config.model import ModelConfig  # noqa: E402
 from trainer.formulas import bubble_fraction  # noqa: E402
-from trainer.model import GPTConfig  # noqa: E402
 from trainer.parallel import ParallelConfig, ParallelState, build_model, train_step  # noqa: E402
 from trainer.parallel.interleaved import ACTIVATION_TAG, GRADIENT_TAG, RingP2P  # noqa: E402
 from trainer.parallel.pipeline import P2P  # noqa: E402
@@ -49,7 +49,7 @@ from trainer.parallel.pipeline import P2P  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
 
 
-def batches(cfg: GPTConfig, m: int, micro_batch: int) -> list[dict[str, torch.Tensor]]:
+def batches(cfg: ModelConfig, m: int, micro_batch: int) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, cfg.vocab_size, (m, micro_batch, cfg.seq_length + 1), generator=g)
     return [{"tokens": s[:, :-1], "labels": s[:, 1:]} for s in seq]
@@ -126,7 +126,7 @@ def time_steps(model, data, warmup: int, iters: int,
     return min(t[0] for t in times), min(t[1] for t in times), min(t[2] for t in times)
 
 
-def _stage_worker(rank: int, p: int, port: int, args: argparse.Namespace, cfg: GPTConfig, out: str) -> None:
+def _stage_worker(rank: int, p: int, port: int, args: argparse.Namespace, cfg: ModelConfig, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=p)
     pstate = ParallelState.build(1, p)
@@ -160,7 +160,7 @@ def free_port() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    cfg = GPTConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+    cfg = ModelConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                     seq_length=args.seq, vocab_size=args.vocab, hidden_dropout=0.0, attention_dropout=0.0)
     rows, load_before = [], os.getloadavg()
     for p in args.stages:

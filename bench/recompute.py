@@ -1,7 +1,7 @@
 """Activation memory kept for backward, per transformer layer and micro-batch, measured against
 Korthikanti et al. 2022 (table 2), and the time recomputation costs.
 
-The count is exact and device-independent (trainer.model.memory: a ``saved_tensors_hooks`` pack hook
+The count is exact and device-independent (bench.counters: a ``saved_tensors_hooks`` pack hook
 records every tensor autograd saves during one layer's forward, each storage once, the parameters'
 storages excluded). The model runs in bf16 (16-bit activations, as the paper counts them) on CPU, one
 layer, no tensor parallelism. Each row is compared with the paper's coefficients and with the kernel
@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.counters import saved_activation_bytes  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
+from trainer.config.model import ModelConfig  # noqa: E402
 from trainer.formulas import activation_bytes_per_layer, activation_profile  # noqa: E402
-from trainer.model import GPTConfig  # noqa: E402
 from trainer.model import recompute as R  # noqa: E402
 from trainer.model.gpt import build_gpt  # noqa: E402
-from trainer.model.memory import saved_activation_bytes  # noqa: E402
 
 SHAPES = [(512, 2, 256, 8), (1024, 1, 512, 8), (256, 4, 512, 16)]  # (s, b, h, a)
 SETTINGS = ["none", "selective", "full"]
@@ -46,7 +46,7 @@ def step_seconds(layer: torch.nn.Module, x: torch.Tensor, repeats: int) -> float
 
 def measure(kernels: str, backend: str, shape: tuple[int, int, int, int], repeats: int) -> list[dict]:
     s, b, h, a = shape
-    cfg = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=256,
+    cfg = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=256,
                     attention_backend=backend)
     model = build_gpt(cfg, 1, kernels=kernels).to(torch.bfloat16).train()
     rows, base_time = [], None

@@ -39,10 +39,10 @@ from trainer.checkpoint.chunks import chunk_entries, model_keys, virtual_size
 from trainer.checkpoint.distrib_optim import DistribSource, is_distributed, load_optimizer, load_resharded
 from trainer.checkpoint.layout import arg
 from trainer.checkpoint.megatron_args import megatron_args
+from trainer.config.model import ModelConfig
 from trainer.convert.mcore import LEGACY_PREFIX, gpt_flat, to_mcore_model
 from trainer.convert.shards import load_merged
 from trainer.log import get_logger
-from trainer.model.config import GPTConfig
 from trainer.model.names import nest
 from trainer.optim.lr import OptimizerParamScheduler
 from trainer.optim.precision import LossScaler
@@ -62,7 +62,7 @@ class RunFacts:
     run_id: str | None
 
 
-def checkpoint_args(gpt: GPTConfig, model: ParallelModel, facts: RunFacts,
+def checkpoint_args(gpt: ModelConfig, model: ParallelModel, facts: RunFacts,
                     state: TrainState) -> argparse.Namespace:
     """Megatron-named ``args`` (plain values; see the module docstring)."""
     c, ps = facts.config, model.pstate
@@ -108,7 +108,7 @@ def _format_args(fmt: str) -> dict:
             "ckpt_format": "torch_dist" if dist else "torch", "dist_ckpt_format": "torch_dist"}
 
 
-def _virtual_args(gpt: GPTConfig, model: ParallelModel) -> dict:
+def _virtual_args(gpt: ModelConfig, model: ParallelModel) -> dict:
     """Megatron's interleaving fields: None without it (as Megatron writes them)."""
     v = len(model.chunks)
     per_chunk = gpt.num_layers // (model.pstate.pp_size * v)

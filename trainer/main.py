@@ -56,7 +56,6 @@ from trainer.log import get_logger
 from trainer.main_data import DataShape, build_data
 from trainer.main_kernels import checked_kernels, optimizer_after_check
 from trainer.metrics_file import metrics_path, truncate_after
-from trainer.model.config import GPTConfig
 from trainer.model.recompute import Recompute
 from trainer.ops.selfcheck import KernelCheck
 from trainer.optim.lr import LRSchedule, OptimizerParamScheduler
@@ -123,7 +122,7 @@ def resolve_vocab(model: ModelConfig, tokenizer: TokenizerConfig) -> tuple[int, 
     return size, eod
 
 
-def gpt_config(model: ModelConfig, vocab_size: int) -> GPTConfig:
+def gpt_config(model: ModelConfig, vocab_size: int) -> ModelConfig:
     """The model section with the vocabulary resolved (the GPT's config is the section itself)."""
     return dataclasses.replace(model, vocab_size=vocab_size)
 
@@ -186,7 +185,7 @@ def _latest(ckpt_dir: str, run_dir: str | None, act: bool) -> int | None:
     return choice.iteration
 
 
-def load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: ParallelModel,
+def load_checkpoint(plan: tuple[str, int, bool], gpt: ModelConfig, model: ParallelModel,
                     parts: Restorable) -> TrainState:
     """Restore from ``plan`` (see resolve_load), resharding when the saved (tp, pp) differ."""
     state = _load_checkpoint(plan, gpt, model, parts)
@@ -195,7 +194,7 @@ def load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Parallel
     return state
 
 
-def _load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: ParallelModel,
+def _load_checkpoint(plan: tuple[str, int, bool], gpt: ModelConfig, model: ParallelModel,
                      parts: Restorable) -> TrainState:
     ckpt_dir, iteration, model_only = plan
     iter_dir = Path(ckpt.iter_path(ckpt_dir, iteration))
@@ -223,7 +222,7 @@ def _load_checkpoint(plan: tuple[str, int, bool], gpt: GPTConfig, model: Paralle
     return state
 
 
-def _check_model(args: Any, gpt: GPTConfig, ckpt_dir: str, iteration: int) -> None:
+def _check_model(args: Any, gpt: ModelConfig, ckpt_dir: str, iteration: int) -> None:
     """The saved model must be one Slipway's GPT computes, of the configured shape and architecture
     (keys the args leave out are not compared)."""
     unsupported = unsupported_options(args)
@@ -236,7 +235,7 @@ def _check_model(args: Any, gpt: GPTConfig, ckpt_dir: str, iteration: int) -> No
                                    f"(saved, configured): {wrong}; fix the model section or load another")
 
 
-def _saver(cfg: RunConfig, gpt: GPTConfig, model: ParallelModel, parts: Restorable,
+def _saver(cfg: RunConfig, gpt: ModelConfig, model: ParallelModel, parts: Restorable,
            facts: RunFacts) -> Callable[[TrainState], None]:
     ps = model.pstate
     layout = ckpt.ShardLayout(ps.tp_rank, ps.pp_rank, ps.tp_size, ps.pp_size, ps.dp_rank, ps.dp_size)
@@ -257,7 +256,7 @@ def _saver(cfg: RunConfig, gpt: GPTConfig, model: ParallelModel, parts: Restorab
 class Components:
     """This rank's model and what updates it (``build_components``)."""
 
-    gpt: GPTConfig
+    gpt: ModelConfig
     model: ParallelModel
     parts: Restorable
     global_batch_size: int

@@ -8,9 +8,9 @@ import dataclasses
 import os
 
 from trainer.config import OptimConfig, RunConfig
+from trainer.config.model import ModelConfig
 from trainer.log import get_logger
 from trainer.metrics_file import KERNEL_CHECK, append_record, metrics_path
-from trainer.model.config import GPTConfig
 from trainer.ops import resolve
 from trainer.ops.inject import inject
 from trainer.ops.selfcheck import (
@@ -27,7 +27,7 @@ from trainer.parallel import ParallelState
 log = get_logger(__name__)
 
 
-def check_setup(cfg: RunConfig, gpt: GPTConfig, pstate: ParallelState) -> CheckSetup:
+def check_setup(cfg: RunConfig, gpt: ModelConfig, pstate: ParallelState) -> CheckSetup:
     """The device, the dtypes the kernels see and the shapes of this rank's shard: activations in the
     compute dtype (matmul outputs) and in the parameters' dtype (the residual stream autocast promotes)."""
     t = cfg.train
@@ -36,7 +36,7 @@ def check_setup(cfg: RunConfig, gpt: GPTConfig, pstate: ParallelState) -> CheckS
     return CheckSetup(pstate.device, tuple(dict.fromkeys((DTYPES[t.precision], params))), params, shapes)
 
 
-def checked_kernels(cfg: RunConfig, gpt: GPTConfig, pstate: ParallelState, start_iteration: int = 0
+def checked_kernels(cfg: RunConfig, gpt: ModelConfig, pstate: ParallelState, start_iteration: int = 0
                     ) -> KernelCheck:
     """The kernel set the run uses after the self-check; the verdict is appended to the metrics file
     (rank 0). Raises :class:`KernelCheckError` under ``train.kernel_check=fail`` when an op failed."""

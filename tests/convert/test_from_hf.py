@@ -73,14 +73,15 @@ def test_slipway_hf_slipway_exact(tmp_path, tokenizer_dir):
 def test_loadable_by_slipway_checkpoint_and_model(tmp_path, tokenizer_dir):
     """The written shards are what trainer.checkpoint / trainer.model load (safe torch.load, exact names)."""
     from trainer.checkpoint.protocol import load_file, saved_layout
-    from trainer.model import GPT, GPTConfig, StageSpec, load_megatron_state_dict
+    from trainer.config.model import ModelConfig
+    from trainer.model import GPT, StageSpec, load_megatron_state_dict
 
     _, src = _random_gpt2(tmp_path, tokenizer_dir)
     convert_hf_model(FromHFConfig(src, tmp_path / "ckpt", tp_size=1, pp_size=2))
     tp, pp, args = saved_layout(str(tmp_path / "ckpt"), 0)
     assert (tp, pp) == (1, 2) and args.vocab_size == VOCAB and args.padded_vocab_size == 1024
     assert args.bias_gelu_fusion and not args.openai_gelu  # the same Namespace form as a trained run's
-    cfg = GPTConfig(num_layers=4, hidden_size=48, num_attention_heads=4, seq_length=80, vocab_size=VOCAB)
+    cfg = ModelConfig(num_layers=4, hidden_size=48, num_attention_heads=4, seq_length=80, vocab_size=VOCAB)
     for stage, (start, end) in enumerate([(0, 2), (2, 4)]):
         model = GPT(cfg, StageSpec(start, end, pre_process=stage == 0, post_process=stage == 1), 1024)
         shard = load_file(str(tmp_path / "ckpt" / "iter_0000000" / f"mp_rank_00_00{stage}" / SHARD))

@@ -1,5 +1,5 @@
 """The plan's activation coefficients (trainer.formulas.ACTIVATION_PROFILES) against what autograd
-really keeps (trainer.model.memory, a saved_tensors_hooks byte count): per layer for every CPU kernel set,
+really keeps (bench.counters, a saved_tensors_hooks byte count): per layer for every CPU kernel set,
 recompute setting and precision, under tensor and sequence parallelism on 2 gloo ranks, and the plan's
 whole-stage figure for a composed config. Each must agree within 10 %."""
 
@@ -12,23 +12,23 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.counters import saved_activation_bytes
 from orchestrator.estimate import estimate_memory
 from orchestrator.layout import layout_of
 from tests.orchestrator.conftest import compose_cfg
 from tests.parallel import harness as H
 from trainer import formulas
-from trainer.model import GPTConfig
+from trainer.config.model import ModelConfig
 from trainer.model import recompute as R
 from trainer.model.gpt import build_gpt
-from trainer.model.memory import saved_activation_bytes
 from trainer.parallel import ParallelConfig, ParallelState, build_model
 
 SHAPES = [(256, 2, 128, 4), (128, 2, 256, 8)]  # (s, b, h, a): attention-heavy and linear-heavy
 TOLERANCE = 0.10
 
 
-def _cfg(s: int, h: int, a: int, backend: str, layers: int = 1) -> GPTConfig:
-    return GPTConfig(num_layers=layers, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=256,
+def _cfg(s: int, h: int, a: int, backend: str, layers: int = 1) -> ModelConfig:
+    return ModelConfig(num_layers=layers, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=256,
                      attention_backend=backend)
 
 
@@ -142,7 +142,7 @@ def test_architecture_options_match_what_a_layer_keeps(kernels, dtype, arch):
         options = dict(ARCHITECTURES[arch])
         if options.get("ffn_hidden_size"):
             options["ffn_hidden_size"] *= h
-        cfg = GPTConfig(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=256,
+        cfg = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=256,
                         attention_backend="softmax", **options)
         profile = formulas.activation_profile("cpu", kernels, "softmax", precision).for_architecture(cfg)
         model = build_gpt(cfg, 0, kernels=kernels).to(dtype).train()

@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trainer.config.model import ModelConfig
+from trainer.formulas import padded_vocab_size
 from trainer.model import (
     GPT,
-    GPTConfig,
     StageSpec,
     build_gpt,
     init_weights,
     load_megatron_state_dict,
     masked_mean,
     megatron_state_dict,
-    padded_vocab_size,
 )
 
 TINY = dict(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
@@ -57,7 +57,7 @@ def to_hf_state_dict(model: GPT) -> dict:
 def test_logits_and_loss_match_hf_gpt2(backend):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPTConfig(**TINY, attention_backend=backend)
+    cfg = ModelConfig(**TINY, attention_backend=backend)
     model = build_gpt(cfg, seed=3).eval()
     hf = GPT2LMHeadModel(GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.max_position_embeddings,
                                     n_embd=cfg.hidden_size, n_layer=cfg.num_layers,
@@ -76,7 +76,7 @@ def test_logits_and_loss_match_hf_gpt2(backend):
 
 
 def test_padded_vocab_is_zero_and_out_of_the_loss():
-    cfg = GPTConfig(**TINY)
+    cfg = ModelConfig(**TINY)
     model = build_gpt(cfg, seed=0)
     emb = model.embedding.word_embeddings.weight
     assert emb.shape[0] == 128 and emb[100:].abs().max() == 0
@@ -89,7 +89,7 @@ def test_padded_vocab_is_zero_and_out_of_the_loss():
 
 
 def test_init_rules():
-    cfg = GPTConfig(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
+    cfg = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
     model = build_gpt(cfg, seed=0)
     params = dict(model.named_parameters())
     qkv = params["encoder.layers.3.self_attention.query_key_value.weight"]
@@ -107,7 +107,7 @@ def test_init_rules():
 
 
 def test_pipeline_stages_compose_to_the_whole_model():
-    cfg = GPTConfig(**TINY)
+    cfg = ModelConfig(**TINY)
     whole = build_gpt(cfg, seed=5)
     first, last = GPT(cfg, StageSpec(0, 1, True, False)), GPT(cfg, StageSpec(1, 4, False, True))
     init_weights(first, 5), init_weights(last, 5)
@@ -123,7 +123,7 @@ def test_pipeline_stages_compose_to_the_whole_model():
 
 
 def test_megatron_layout_roundtrip():
-    cfg = GPTConfig(**TINY)
+    cfg = ModelConfig(**TINY)
     stage = GPT(cfg, StageSpec(2, 4, False, True))
     init_weights(stage, 1)
     nested = megatron_state_dict(stage)
@@ -147,12 +147,12 @@ def test_config_validation_and_padding():
     assert padded_vocab_size(32768) == 32768 and padded_vocab_size(50257) == 50304
     assert padded_vocab_size(100, tp_size=2) == 256
     with pytest.raises(ValueError, match="num_attention_heads"):
-        GPTConfig(num_layers=1, hidden_size=30, num_attention_heads=4, seq_length=8, vocab_size=10)
+        ModelConfig(num_layers=1, hidden_size=30, num_attention_heads=4, seq_length=8, vocab_size=10)
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        GPTConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=10,
+        ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=10,
                   max_position_embeddings=4)
     with pytest.raises(ValueError, match="kernels"):
-        GPT(GPTConfig(**TINY), kernels="nope")
+        GPT(ModelConfig(**TINY), kernels="nope")
 
 
 def test_model_imports_neither_distributed_nor_parallel():
@@ -173,8 +173,9 @@ def test_model_imports_neither_distributed_nor_parallel():
             bad = [n for n in names if n.startswith(("torch.distributed", "trainer.parallel"))]
             assert not bad, f"{path.name}:{node.lineno} imports {bad}"
         assert "dist." not in path.read_text().replace("_dist.", ""), path
-    code = ("import sys, trainer.model; from trainer.model import build_gpt, GPTConfig\n"
-            "build_gpt(GPTConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, "
+    code = ("import sys, trainer.model; from trainer.model import build_gpt\n"
+            "from trainer.config.model import ModelConfig\n"
+            "build_gpt(ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, seq_length=4, "
             "vocab_size=9), 0)\n"
             "print(sorted(m for m in sys.modules if m.startswith('trainer.parallel')))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -10,7 +10,8 @@ import torch
 import yaml
 
 from trainer.checks import ConfigError
-from trainer.model import GPT, GPTConfig, build_gpt
+from trainer.config.model import ModelConfig
+from trainer.model import GPT, build_gpt
 
 LLAMA = dict(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=24,
              vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0, position_embedding="rope",
@@ -41,7 +42,7 @@ def to_llama_state_dict(model: GPT) -> dict:
     return out
 
 
-def _hf_llama(cfg: GPTConfig):
+def _hf_llama(cfg: ModelConfig):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
@@ -55,7 +56,7 @@ def _hf_llama(cfg: GPTConfig):
 
 @pytest.mark.parametrize("groups", [2, 1, 4], ids=["gqa", "mqa", "mha"])
 def test_llama_options_match_hf_llama(groups):
-    cfg = GPTConfig(**{**LLAMA, "num_query_groups": groups})
+    cfg = ModelConfig(**{**LLAMA, "num_query_groups": groups})
     model = build_gpt(cfg, seed=3, kernels="eager").eval()
     with torch.no_grad():  # non-trivial norm weights, so a swapped norm would show
         for name, p in model.named_parameters():
@@ -74,8 +75,8 @@ def test_llama_options_match_hf_llama(groups):
 def test_grouped_query_attention_is_mha_with_each_groups_kv_repeated():
     """GQA's [ng, (np/ng) q + k + v, d] rows: repeating each group's k and v for its heads gives an MHA
     model with the same logits (query head j uses KV group j // (np/ng))."""
-    gqa = build_gpt(GPTConfig(**LLAMA), seed=5, kernels="eager").eval()
-    mha = build_gpt(GPTConfig(**{**LLAMA, "num_query_groups": 4}), seed=5, kernels="eager").eval()
+    gqa = build_gpt(ModelConfig(**LLAMA), seed=5, kernels="eager").eval()
+    mha = build_gpt(ModelConfig(**{**LLAMA, "num_query_groups": 4}), seed=5, kernels="eager").eval()
     n, g, d, h = 4, 2, 16, 64
     sd = gqa.state_dict()
     for i in range(LLAMA["num_layers"]):
@@ -91,18 +92,18 @@ def test_grouped_query_attention_is_mha_with_each_groups_kv_repeated():
 
 
 def test_options_shape_the_parameters():
-    names = {n: tuple(p.shape) for n, p in GPT(GPTConfig(**LLAMA), kernels="eager").named_parameters()}
+    names = {n: tuple(p.shape) for n, p in GPT(ModelConfig(**LLAMA), kernels="eager").named_parameters()}
     assert names["encoder.layers.0.self_attention.query_key_value.weight"] == ((4 + 2 * 2) * 16, 64)
     assert names["encoder.layers.0.mlp.dense_h_to_4h.weight"] == (2 * 96, 64)  # [gate; up]
     assert names["output_layer.weight"] == (128, 64)
     assert not [n for n in names if n.endswith(".bias")]  # RMSNorm and add_bias_linear=false
     assert "embedding.position_embeddings.weight" not in names  # rope: no table
-    tied = GPT(GPTConfig(**{**LLAMA, "tie_word_embeddings": True}), kernels="eager")
+    tied = GPT(ModelConfig(**{**LLAMA, "tie_word_embeddings": True}), kernels="eager")
     assert not hasattr(tied, "output_layer") and tied.head_weight() is tied.embedding.word_embeddings.weight
 
 
 def test_defaults_are_gpt2_and_the_megatron_names_of_the_options():
-    cfg = GPTConfig(vocab_size=100)
+    cfg = ModelConfig(vocab_size=100)
     assert (cfg.position_embedding, cfg.normalization, cfg.activation) == ("learned", "layernorm", "gelu")
     assert cfg.query_groups == cfg.num_attention_heads and cfg.add_bias_linear and cfg.tie_word_embeddings
     assert cfg.megatron_architecture() == {
@@ -110,21 +111,21 @@ def test_defaults_are_gpt2_and_the_megatron_names_of_the_options():
         "use_rotary_position_embeddings": False, "rotary_base": 10000.0, "rotary_percent": 1.0,
         "normalization": "LayerNorm", "norm_epsilon": 1e-5, "swiglu": False, "add_bias_linear": True,
         "group_query_attention": False, "num_query_groups": 12, "untie_embeddings_and_output_weights": False}
-    llama = GPTConfig(**LLAMA).megatron_architecture()
+    llama = ModelConfig(**LLAMA).megatron_architecture()
     assert llama["position_embedding_type"] == "rope" and llama["normalization"] == "RMSNorm"
     assert llama["swiglu"] and llama["group_query_attention"] and llama["untie_embeddings_and_output_weights"]
     # Megatron's --swiglu default width: int(4h·2/3 / 64)·64.
-    assert GPTConfig(hidden_size=2048, num_attention_heads=16, activation="swiglu").ffn_hidden_size == 5440
+    assert ModelConfig(hidden_size=2048, num_attention_heads=16, activation="swiglu").ffn_hidden_size == 5440
 
 
 def test_config_refuses_what_cannot_be_built():
     with pytest.raises(ConfigError, match="num_query_groups=3.*does not divide"):
-        GPTConfig(**{**LLAMA, "num_query_groups": 3})
+        ModelConfig(**{**LLAMA, "num_query_groups": 3})
     with pytest.raises(ConfigError, match="model.activation"):
-        GPTConfig(**{**LLAMA, "activation": "geglu"})
+        ModelConfig(**{**LLAMA, "activation": "geglu"})
     with pytest.raises(ConfigError, match="rotary_percent"):
-        GPTConfig(**{**LLAMA, "rotary_percent": 0.1})  # 1.6 of 16 dims
-    issues = GPTConfig(**LLAMA).tp_issues(4)
+        ModelConfig(**{**LLAMA, "rotary_percent": 0.1})  # 1.6 of 16 dims
+    issues = ModelConfig(**LLAMA).tp_issues(4)
     assert [i.code for i in issues] == ["tp_num_query_groups"] and "num_query_groups=2" in str(issues[0])
 
 
@@ -134,7 +135,7 @@ def test_partial_rotary_leaves_the_other_dims_alone():
     tokens = torch.randint(0, 100, (1, 24), generator=torch.Generator().manual_seed(2))
     outs = []
     for percent in (1.0, 0.5):
-        model = build_gpt(GPTConfig(**{**LLAMA, "rotary_percent": percent}), seed=1, kernels="eager").eval()
+        model = build_gpt(ModelConfig(**{**LLAMA, "rotary_percent": percent}), seed=1, kernels="eager").eval()
         assert model.encoder.layers[0].self_attention.rotary.rotary_dim == int(16 * percent)
         with torch.no_grad():
             outs.append(model(tokens=tokens))
@@ -144,7 +145,7 @@ def test_partial_rotary_leaves_the_other_dims_alone():
 @pytest.mark.parametrize("preset,params", [("llama_tiny", None), ("llama_1b", 1_235_814_400)])
 def test_presets_build(preset, params):
     values = yaml.safe_load((PRESETS / f"{preset}.yaml").read_text())
-    cfg = GPTConfig(**values, vocab_size=128256 if params else 1000)
+    cfg = ModelConfig(**values, vocab_size=128256 if params else 1000)
     with torch.device("meta"):
         model = GPT(cfg, kernels="eager")
     assert cfg.position_embedding == "rope" and cfg.query_groups < cfg.num_attention_heads

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainer.model import GPTConfig
+from trainer.config.model import ModelConfig
 from trainer.parallel import (
     ParallelConfig,
     ParallelState,
@@ -33,14 +33,15 @@ from trainer.parallel import (
     train_step,
 )
 
-CFG = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
+CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100,
                 hidden_dropout=0.0, attention_dropout=0.0)
 # The Llama options at the same size: GQA (2 KV groups for 4 heads, so tp=2 holds one group per rank),
 # rope with a non-default base, RMSNorm, SwiGLU (ffn 64: the GLU split), no biases, an untied head.
-LLAMA_CFG = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16,
-                      vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0, position_embedding="rope",
-                      rotary_base=500000.0, normalization="rmsnorm", activation="swiglu", ffn_hidden_size=64,
-                      add_bias_linear=False, tie_word_embeddings=False)
+LLAMA_CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                        seq_length=16, vocab_size=100, hidden_dropout=0.0, attention_dropout=0.0,
+                        position_embedding="rope", rotary_base=500000.0, normalization="rmsnorm",
+                        activation="swiglu", ffn_hidden_size=64, add_bias_linear=False,
+                        tie_word_embeddings=False)
 MODELS = {"gpt": CFG, "llama": LLAMA_CFG}
 KERNELS = "csrc"  # the fused CPU kernels: layouts must agree with them too
 SEED, STEPS, MICRO_BATCH, GLOBAL_BATCH = 1234, 20, 2, 8

@@ -1,4 +1,4 @@
-"""Bytes per parameter, measured from the tensors' storages (trainer.parallel.memory), equal
+"""Bytes per parameter, measured from the tensors' storages (bench.counters), equal
 ``trainer.formulas.state_bytes_per_param`` for dp = 1, 2, 4, fp32 and bf16, with and without
 optim.distributed (bench/dist_optim.py's measurement on a smaller model); only the buckets' padding to a
 multiple of dp may add (< 1 %)."""
@@ -13,12 +13,12 @@ import pytest
 
 from bench import dist_optim as B
 from tests.parallel import harness as H
-from trainer.model import GPTConfig
+from trainer.config.model import ModelConfig
 from trainer.parallel import ParallelState
 
 # 2 layers, h=50, 9 positions, vocab 100 (padded 128): 68,250 parameters in one bucket, not a multiple of
 # 4, so the padding shows at dp=4.
-SMALL = GPTConfig(num_layers=2, hidden_size=50, num_attention_heads=5, seq_length=9, vocab_size=100,
+SMALL = ModelConfig(num_layers=2, hidden_size=50, num_attention_heads=5, seq_length=9, vocab_size=100,
                   hidden_dropout=0.0, attention_dropout=0.0)
 
 

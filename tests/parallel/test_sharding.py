@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from trainer.checkpoint import reshard
+from trainer.config.model import ModelConfig
 from trainer.convert import names as convert_names
-from trainer.model import GPTConfig
 from trainer.model.gpt import GPT, StageSpec
 from trainer.model.names import layer_index, renumber
 from trainer.parallel import sharding
@@ -19,16 +19,16 @@ from trainer.parallel.apply import apply_tensor_parallel, sequence_parallel_para
 from trainer.parallel.random import RNGTracker
 from trainer.parallel.state import Group
 
-CFG = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100)
+CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100)
 
 
 # The Llama options: GQA, SwiGLU (the GLU split), RMSNorm, no biases, an untied head (output_layer).
-LLAMA = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16,
+LLAMA = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, seq_length=16,
                   vocab_size=100, position_embedding="rope", normalization="rmsnorm", activation="swiglu",
                   add_bias_linear=False, tie_word_embeddings=False)
 
 
-def _stage(first: bool, last: bool, tp: int, cfg: GPTConfig = CFG) -> GPT:
+def _stage(first: bool, last: bool, tp: int, cfg: ModelConfig = CFG) -> GPT:
     """One pipeline stage (layers 2-3 when it is not the first), TP-planned for ``tp`` ranks on meta."""
     stage = StageSpec(0 if first else 2, 2 if not last else 4, pre_process=first, post_process=last)
     with torch.device("meta"):

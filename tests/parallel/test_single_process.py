@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.parallel import harness as H
-from trainer.model import GPTConfig, build_gpt, masked_mean
+from trainer.config.model import ModelConfig
+from trainer.model import build_gpt, masked_mean
 from trainer.parallel import (
     ParallelConfig,
     ParallelState,
@@ -40,7 +41,7 @@ def test_config_validation():
     assert num_microbatches(192, 12, 8) == 2
     with pytest.raises(ValueError, match=r"global_batch_size=100 .*micro_batch_size=4 × dp_size=8 \(= 32\)"):
         num_microbatches(100, 4, 8)
-    cfg = GPTConfig(num_layers=6, hidden_size=64, num_attention_heads=8, seq_length=10, vocab_size=50)
+    cfg = ModelConfig(num_layers=6, hidden_size=64, num_attention_heads=8, seq_length=10, vocab_size=50)
     with pytest.raises(ValueError, match="num_layers=6 does not divide by parallel.pp_size=4"):
         check_compatible(cfg, ParallelConfig(pp_size=4))
     with pytest.raises(ValueError, match="seq_length=10 divisible by parallel.tp_size=4"):

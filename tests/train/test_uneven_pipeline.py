@@ -87,11 +87,11 @@ def test_an_uneven_split_starts_a_run_at_any_layout(uneven, pp):
 
 def test_a_full_resume_of_an_uneven_split_names_the_setting(uneven):
     from trainer.checkpoint.layout import CheckpointError
+    from trainer.config.model import ModelConfig
     from trainer.main import _load_checkpoint
-    from trainer.model import GPTConfig
 
     root, _ = uneven
-    gpt = GPTConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200,
+    gpt = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200,
                     max_position_embeddings=16, ffn_hidden_size=128)
     with pytest.raises(CheckpointError, match="uneven pipeline split.*checkpoint.load=model-only"):
         _load_checkpoint((str(root / "megatron"), 10, False), gpt, None, None)

@@ -1,6 +1,6 @@
 """The ``model`` and ``parallel`` sections (torch-free): the GPT's shape and how it is split.
 
-``ModelConfig`` is also the GPT's own configuration (``trainer.model.GPTConfig`` is this class): the
+``ModelConfig`` is also the GPT's own configuration (trainer.model builds from this class): the
 model is built from the section itself once ``trainer.main`` has filled ``vocab_size`` from the
 tokenizer, so no second copy of the shape can disagree with the one users set.
 """

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.megatron_args import megatron_args
-from trainer.config.model import ModelConfig as GPTConfig
+from trainer.config.model import ModelConfig
 from trainer.convert import hf_io, llama, names
 from trainer.convert.layout import TRACKER, CheckpointError, prepare_output
 from trainer.convert.reference import make_source
@@ -180,7 +180,7 @@ def checkpoint_args(spec: GPTSpec, cfg: FromHFConfig, tok: RunTokenizer | None) 
     """The ``args`` Slipway's own checkpoints carry (Megatron's names, plain values; the architecture's
     fixed fields, tanh GeLU included, come from ``megatron_args``)."""
     return megatron_args({
-        **GPTConfig(**spec.model_config()).megatron_architecture(),
+        **ModelConfig(**spec.model_config()).megatron_architecture(),
         "num_layers": spec.num_layers, "hidden_size": spec.hidden_size,
         "num_attention_heads": spec.num_attention_heads, "ffn_hidden_size": spec.ffn_hidden_size,
         "seq_length": spec.max_position_embeddings, "max_position_embeddings": spec.max_position_embeddings,

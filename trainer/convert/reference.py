@@ -68,9 +68,10 @@ class SlipwayGPTSource:
     """The merged state loaded into ``trainer.model.GPT`` (eager kernels, fp32) without copying it."""
 
     def __init__(self, state: dict[str, torch.Tensor], spec: GPTSpec) -> None:
-        from trainer.model import GPT, GPTConfig
+        from trainer.config.model import ModelConfig
+        from trainer.model import GPT
 
-        cfg = GPTConfig(**spec.model_config(), hidden_dropout=0.0, attention_dropout=0.0)
+        cfg = ModelConfig(**spec.model_config(), hidden_dropout=0.0, attention_dropout=0.0)
         with torch.device("meta"):
             self.model = GPT(cfg, padded_vocab_size=spec.padded_vocab_size, kernels="eager")
         # The GPT's flat names are Megatron's without the language_model. prefix; assign=True adopts

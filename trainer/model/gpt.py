@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.model.config import GPTConfig
+from trainer.config.model import ModelConfig
 from trainer.model.layers import EmbeddingTable, Linear, RotaryTable, make_norm
 from trainer.model.names import renumber
 from trainer.model.recompute import Recompute, recomputed
@@ -98,7 +98,7 @@ class SelfAttention(nn.Module):
     (Megatron's and HF's repeat of K/V); rope rotates q and k per head after the split.
     """
 
-    def __init__(self, cfg: GPTConfig, kernels: KernelSet) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
         super().__init__()
         heads, groups, d = cfg.num_attention_heads, cfg.query_groups, cfg.head_dim
         self.query_key_value = Linear(cfg.hidden_size, (heads + 2 * groups) * d, cfg.add_bias_linear)
@@ -149,7 +149,7 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     """h → ffn → GeLU(tanh) → h, or SwiGLU: h → [gate; up] (2·ffn rows) → SiLU(gate)·up → h."""
 
-    def __init__(self, cfg: GPTConfig, kernels: KernelSet) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
         super().__init__()
         self.swiglu = cfg.activation == "swiglu"
         width = 2 * cfg.ffn_hidden_size if self.swiglu else cfg.ffn_hidden_size
@@ -169,7 +169,7 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
 
-    def __init__(self, cfg: GPTConfig, kernels: KernelSet) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
         super().__init__()
         norm = (cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, kernels)
         self.input_layernorm = make_norm(*norm)
@@ -195,7 +195,7 @@ class TransformerLayer(nn.Module):
 class Embedding(nn.Module):
     """Word (+ learned position, unless rope) embeddings → [s, b, h], then dropout."""
 
-    def __init__(self, cfg: GPTConfig, padded_vocab_size: int) -> None:
+    def __init__(self, cfg: ModelConfig, padded_vocab_size: int) -> None:
         super().__init__()
         self.word_embeddings = EmbeddingTable(padded_vocab_size, cfg.hidden_size)
         if cfg.position_embedding == "learned":
@@ -216,7 +216,7 @@ class Embedding(nn.Module):
 class Encoder(nn.Module):
     """This stage's transformer layers (local indices) and, on the last stage, the final LayerNorm."""
 
-    def __init__(self, cfg: GPTConfig, stage: StageSpec, kernels: KernelSet) -> None:
+    def __init__(self, cfg: ModelConfig, stage: StageSpec, kernels: KernelSet) -> None:
         super().__init__()
         self.layer_offset = stage.layer_start
         self.layers = nn.ModuleList(TransformerLayer(cfg, kernels)
@@ -247,7 +247,7 @@ class GPT(nn.Module):
     with ``labels``, the per-token loss [b, s] (reduce it with :func:`masked_mean`).
     """
 
-    def __init__(self, cfg: GPTConfig, stage: StageSpec | None = None,
+    def __init__(self, cfg: ModelConfig, stage: StageSpec | None = None,
                  padded_vocab_size: int | None = None, kernels: KernelSet | str = "auto") -> None:
         super().__init__()
         self.cfg = cfg
@@ -300,7 +300,7 @@ def masked_mean(losses: Tensor, loss_mask: Tensor | None = None) -> Tensor:
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
-def build_gpt(cfg: GPTConfig, seed: int, device: torch.device | str = "cpu", kernels: str = "auto") -> GPT:
+def build_gpt(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu", kernels: str = "auto") -> GPT:
     """A whole single-device GPT with the layout-independent initialisation for ``seed``."""
     from trainer.model.init import init_weights, materialize
 

@@ -18,7 +18,7 @@ import zlib
 import torch
 from torch import nn
 
-from trainer.model.config import GPTConfig
+from trainer.config.model import ModelConfig
 
 _OUTPUT_PROJECTIONS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
 _TIED = ("embedding.word_embeddings.weight", "word_embeddings_for_head.weight")
@@ -32,7 +32,7 @@ def param_seed(seed: int, global_name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(global_name.encode())) % (2**63)
 
 
-def full_init(cfg: GPTConfig, global_name: str, full_shape: torch.Size, seed: int) -> torch.Tensor:
+def full_init(cfg: ModelConfig, global_name: str, full_shape: torch.Size, seed: int) -> torch.Tensor:
     """The full (unsharded) fp32 CPU tensor for a parameter, drawn from its own generator."""
     leaf = global_name.rsplit(".", 1)[-1]
     if "layernorm" in global_name:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from trainer.model.config import GPTConfig
+from trainer.config.model import ModelConfig
 from trainer.model.gpt import GPT, StageSpec
 from trainer.parallel import sharding
 from trainer.parallel.config import ParallelConfig
@@ -29,7 +29,7 @@ from trainer.parallel.tensor_parallel import (
 )
 
 
-def check_compatible(cfg: GPTConfig, pcfg: ParallelConfig) -> None:
+def check_compatible(cfg: ModelConfig, pcfg: ParallelConfig) -> None:
     """The model's shape must split evenly under the layout; errors say which field to change."""
     tp, pp, v = pcfg.tp_size, pcfg.pp_size, pcfg.virtual_pp_size
     if cfg.num_layers % pp:

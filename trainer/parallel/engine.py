@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from trainer.model.config import GPTConfig
+from trainer.config.model import ModelConfig
 from trainer.model.gpt import GPT, masked_mean
 from trainer.model.init import init_weights, materialize
 from trainer.model.names import load_megatron_state_dict, megatron_state_dict
@@ -123,7 +123,7 @@ class ParallelModel:
         load_megatron_state_dict(self.chunks[chunk], nested)
 
 
-def build_model(cfg: GPTConfig, pcfg: ParallelConfig, pstate: ParallelState, seed: int,
+def build_model(cfg: ModelConfig, pcfg: ParallelConfig, pstate: ParallelState, seed: int,
                 dtype: torch.dtype = torch.float32, kernels: str | KernelSet = "auto",
                 recompute: Recompute = NO_RECOMPUTE) -> ParallelModel:
     """This rank's stage and TP shard, initialised from the full weights for ``seed`` (the same in every
