@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.schema import SlipwayConfig
+from trainer.formulas import global_batch_size, microbatches_per_step
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,6 @@ def layout_of(cfg: SlipwayConfig) -> Layout:
     world = c.nodes * tpn
     mp = max(p.tp_size, 1) * max(p.pp_size, 1)
     dp = world // mp if world % mp == 0 else 0
-    per_step = t.micro_batch_size * dp
-    gbs = per_step if t.global_batch_size is None else t.global_batch_size  # null: one micro-batch per rank
-    nmb = gbs // per_step if per_step and gbs % per_step == 0 else 0
-    return Layout(c.nodes, tpn, world, p.tp_size, p.pp_size, dp, nmb, gbs)
+    gbs = global_batch_size(t.global_batch_size, t.micro_batch_size, dp)  # the trainer's rule
+    return Layout(c.nodes, tpn, world, p.tp_size, p.pp_size, dp,
+                  microbatches_per_step(gbs, t.micro_batch_size, dp), gbs)

@@ -5,6 +5,27 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
+def global_batch_size(configured: int | None, micro_batch_size: int, dp_size: int) -> int:
+    """train.global_batch_size, or one micro-batch per data-parallel rank when it is null."""
+    return micro_batch_size * dp_size if configured is None else configured
+
+
+def microbatches_per_step(global_batch: int, micro_batch_size: int, dp_size: int) -> int:
+    """Micro-batches per step on each rank, global_batch / (micro_batch · dp); 0 when not whole."""
+    per_step = micro_batch_size * dp_size
+    return global_batch // per_step if per_step > 0 and global_batch % per_step == 0 else 0
+
+
+def num_microbatches(global_batch: int, micro_batch_size: int, dp_size: int) -> int:
+    """:func:`microbatches_per_step`, which the trainer needs whole: a ValueError naming the fix if not."""
+    per_step = micro_batch_size * dp_size
+    if micro_batch_size < 1 or not microbatches_per_step(global_batch, micro_batch_size, dp_size):
+        raise ValueError(f"train.global_batch_size={global_batch} is not a multiple of "
+                         f"train.micro_batch_size={micro_batch_size} × dp_size={dp_size} (= {per_step}); "
+                         f"pick one that is, e.g. {max(1, global_batch // max(per_step, 1)) * per_step}")
+    return microbatches_per_step(global_batch, micro_batch_size, dp_size)
+
+
 def model_vocab_size(configured: int | None, tokenizer_entries: int | None) -> int | None:
     """The vocabulary the model is built with (before padding): ``model.vocab_size`` when set (it may
     exceed the tokenizer's, to leave room for added tokens), else the tokenizer's entries (Megatron's

@@ -61,7 +61,7 @@ from trainer.ops.selfcheck import KernelCheck
 from trainer.optim.lr import LRSchedule, OptimizerParamScheduler
 from trainer.optim.optimizer import build_optimizer
 from trainer.optim.precision import ScalerSettings, make_scaler
-from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed, num_microbatches
+from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed
 from trainer.parallel.dist_optimizer import build_distributed_optimizer
 from trainer.parallel.interleaved import check_microbatches
 from trainer.signals import (
@@ -268,7 +268,7 @@ def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int
     """Model, optimizer, scheduler and loss scaler for this rank, on the kernels that passed the start-up
     self-check (``train.kernel_check``; its record names ``start_iteration``)."""
     t = cfg.train
-    gbs = t.global_batch_size or t.micro_batch_size * pstate.dp_size
+    gbs = formulas.global_batch_size(t.global_batch_size, t.micro_batch_size, pstate.dp_size)
     vocab_size, eod = resolve_vocab(cfg.model, cfg.tokenizer)
     gpt = gpt_config(cfg.model, vocab_size)
     check = checked_kernels(cfg, gpt, pstate, start_iteration)  # before the model: it takes the checked set
@@ -289,7 +289,7 @@ def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int
 def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, facts: RunFacts,
           monitor: health.Monitor) -> Loop:
     ps, t = b.model.pstate, cfg.train
-    m = num_microbatches(b.global_batch_size, t.micro_batch_size, ps.dp_size)
+    m = formulas.num_microbatches(b.global_batch_size, t.micro_batch_size, ps.dp_size)
     if len(b.model.chunks) > 1:  # refuse at start-up, not at the first step
         check_microbatches(m, ps.pp_size)
     shape = DataShape(b.gpt.seq_length, b.global_batch_size, cfg.run_dir)

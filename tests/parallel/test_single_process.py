@@ -7,6 +7,7 @@ import torch
 
 from tests.parallel import harness as H
 from trainer.config.model import ModelConfig
+from trainer.formulas import num_microbatches
 from trainer.model import build_gpt, masked_mean
 from trainer.parallel import (
     ParallelConfig,
@@ -16,7 +17,6 @@ from trainer.parallel import (
     clip_grad_norm,
     dist_env,
     eval_step,
-    num_microbatches,
     train_step,
 )
 from trainer.parallel.apply import check_compatible

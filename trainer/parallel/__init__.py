@@ -4,7 +4,7 @@ The training loop's API (see trainer.parallel.engine for a worked loop):
 
 - ``init_distributed(pcfg) -> ParallelState`` — from torchrun/Slurm env, or a world of one.
 - ``build_model(gpt_cfg, pcfg, pstate, seed) -> ParallelModel`` — this rank's stage and TP shard.
-- ``num_microbatches(global_batch, micro_batch, dp_size)``.
+- the batch rules (global batch, micro-batches per step) are trainer.formulas'.
 - ``train_step(model, batches) -> loss`` — forward+backward (1F1B or AFAB; interleaved over v model
   chunks per stage with ``parallel.virtual_pp_size`` > 1, trainer.parallel.interleaved) and full
   gradient sync.
@@ -12,7 +12,7 @@ The training loop's API (see trainer.parallel.engine for a worked loop):
 - ``eval_step(model, batches) -> loss``; ``finish_grad_sync(model)`` for custom schedules.
 """
 
-from trainer.parallel.config import ParallelConfig, num_microbatches
+from trainer.config.model import ParallelConfig
 from trainer.parallel.engine import ParallelModel, build_model, eval_step, finish_grad_sync, train_step
 from trainer.parallel.grad_norm import clip_grad_norm, grad_norm
 from trainer.parallel.launch import dist_env, init_distributed
@@ -20,4 +20,4 @@ from trainer.parallel.state import Group, ParallelState, check_layout
 
 __all__ = ["Group", "ParallelConfig", "ParallelModel", "ParallelState", "build_model", "check_layout",
            "clip_grad_norm", "dist_env", "eval_step", "finish_grad_sync", "grad_norm", "init_distributed",
-           "num_microbatches", "train_step"]
+           "train_step"]

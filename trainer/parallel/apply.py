@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from trainer.config.model import ModelConfig
+from trainer.config.model import ModelConfig, ParallelConfig
 from trainer.model.gpt import GPT, StageSpec
 from trainer.parallel import sharding
-from trainer.parallel.config import ParallelConfig
 from trainer.parallel.random import RNGTracker
 from trainer.parallel.state import ParallelState
 from trainer.parallel.tensor_parallel import (

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from trainer.config.model import ModelConfig
+from trainer.config.model import ModelConfig, ParallelConfig
 from trainer.model.gpt import GPT, masked_mean
 from trainer.model.init import init_weights, materialize
 from trainer.model.names import load_megatron_state_dict, megatron_state_dict
@@ -46,7 +46,6 @@ from trainer.parallel.apply import (
     stage_spec,
     tp_partition_dims,
 )
-from trainer.parallel.config import ParallelConfig
 from trainer.parallel.data_parallel import GradBuffers
 from trainer.parallel.interleaved import INTERLEAVED_SCHEDULES, RingP2P, interleaved_forward_only
 from trainer.parallel.pipeline import P2P, SCHEDULES, forward_only

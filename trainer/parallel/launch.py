@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from trainer.config.model import ParallelConfig
 from trainer.log import get_logger
-from trainer.parallel.config import ParallelConfig
 from trainer.parallel.state import ParallelState, check_layout
 
 log = get_logger(__name__)
