@@ -32,8 +32,8 @@ from bench.meta import run_meta  # noqa: E402
 from trainer.config import OptimConfig  # noqa: E402
 from trainer.config.model import ModelConfig  # noqa: E402
 from trainer.formulas import state_bytes_per_param  # noqa: E402
+from trainer.ops.dtypes import DTYPES  # noqa: E402
 from trainer.optim.optimizer import build_optimizer  # noqa: E402
-from trainer.optim.precision import DTYPES  # noqa: E402
 from trainer.parallel import (  # noqa: E402
     ParallelConfig,
     ParallelState,

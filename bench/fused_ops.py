@@ -30,7 +30,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.meta import commit, load  # noqa: E402
-from trainer.ops import _ext, reference, resolve  # noqa: E402
+from trainer import extension as _ext  # noqa: E402
+from trainer.ops import reference, resolve  # noqa: E402
 
 
 @dataclass

@@ -35,7 +35,7 @@ sys.path.insert(0, REPO)
 from trainer.config.model import ModelConfig  # noqa: E402
 from trainer.formulas import model_flops_per_iteration  # noqa: E402
 from trainer.metrics import detect_peak_tflops  # noqa: E402
-from trainer.optim.precision import DTYPES  # noqa: E402
+from trainer.ops.dtypes import DTYPES  # noqa: E402
 
 SLIPWAY_MODES = ("eager", "csrc", "apex", "compile")
 

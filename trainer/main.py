@@ -132,7 +132,7 @@ def _apply_autocast(model: ParallelModel, precision: str) -> None:
     trainer.optim.precision for why); backward is outside it, as PyTorch recommends."""
     if precision == "fp32":
         return
-    from trainer.optim.precision import DTYPES
+    from trainer.ops.dtypes import DTYPES
 
     device_type = model.pstate.device.type
     for chunk in model.chunks:

@@ -12,6 +12,7 @@ from trainer.config.model import ModelConfig
 from trainer.log import get_logger
 from trainer.metrics_file import KERNEL_CHECK, append_record, metrics_path
 from trainer.ops import resolve
+from trainer.ops.dtypes import DTYPES
 from trainer.ops.inject import inject
 from trainer.ops.selfcheck import (
     CheckSetup,
@@ -21,7 +22,7 @@ from trainer.ops.selfcheck import (
     fail_message,
     run_check,
 )
-from trainer.optim.precision import DTYPES, param_dtype
+from trainer.optim.precision import param_dtype
 from trainer.parallel import ParallelState
 
 log = get_logger(__name__)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from trainer import extension as _ext
 from trainer.data.index_helpers import (
     IndexSpec,
     SampleIndexArgs,
@@ -22,7 +23,6 @@ from trainer.data.index_helpers import (
     last_epoch_plan,
     sample_index_dtype,
 )
-from trainer.ops import _ext
 
 needs_ext = pytest.mark.skipif(not _ext.load(), reason="trainer._C not built (make install)")
 

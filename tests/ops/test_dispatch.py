@@ -8,7 +8,8 @@ import torch
 
 import trainer.ops as ops_mod
 from tests.logs import LogLines
-from trainer.ops import KERNEL_MODES, OPS, _ext, apex_impl, csrc_available, reference, resolve
+from trainer import extension as _ext
+from trainer.ops import KERNEL_MODES, OPS, apex_impl, csrc_available, reference, resolve
 
 EAGER = dict.fromkeys(OPS, "eager")
 CSRC = dict.fromkeys(OPS, "csrc")

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.ops.helpers import DEVICES
-from trainer.ops import _ext, reference
+from trainer import extension as _ext
+from trainer.ops import reference
 
 pytestmark = pytest.mark.skipif(not _ext.load(),
                                 reason="trainer._C not built (tests/ops/test_dispatch.py fails)")

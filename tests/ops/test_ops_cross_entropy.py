@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.ops.helpers import DEVICES, DTYPES, assert_close, rand
-from trainer.ops import _ext, reference
+from trainer import extension as _ext
+from trainer.ops import reference
 
 pytestmark = pytest.mark.skipif(not _ext.load(),
                                 reason="trainer._C not built (tests/ops/test_dispatch.py fails)")

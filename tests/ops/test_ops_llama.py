@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tests.ops.helpers import DEVICES, DTYPES, assert_close, non_contiguous, rand
-from trainer.ops import _ext, reference
+from trainer import extension as _ext
+from trainer.ops import reference
 from trainer.ops.selfcheck_cases import PARAM_GRAD_SCALE
 
 pytestmark = pytest.mark.skipif(not _ext.load(),

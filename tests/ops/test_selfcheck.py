@@ -13,8 +13,9 @@ import torch
 
 from tests.ops.helpers import DEVICES
 from tests.train.harness import spawn
+from trainer import extension as _ext
 from trainer.config import ModelConfig
-from trainer.ops import OPS, _ext, reference, resolve
+from trainer.ops import OPS, reference, resolve
 from trainer.ops.inject import KINDS, inject, parse
 from trainer.ops.selfcheck import CheckSetup, KernelCheckError, fail_message, run_check, with_eager
 from trainer.ops.selfcheck_cases import CheckShapes

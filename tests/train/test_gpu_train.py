@@ -30,7 +30,8 @@ import yaml
 from tests.parallel.harness import LOSS_RTOL
 from tests.train.harness import VOCAB, run_cfg, tiny_config, write_dataset
 from trainer.main import RunHooks
-from trainer.optim.precision import DTYPES, DynamicLossScaler, ScalerSettings
+from trainer.ops.dtypes import DTYPES
+from trainer.optim.precision import DynamicLossScaler, ScalerSettings
 
 REPO = Path(__file__).resolve().parents[2]
 ITERS = 12

@@ -26,6 +26,7 @@ from trainer.checks import ConfigIssue, Section, choice, issue, positive
 from trainer.config.model import ATTENTION_BACKENDS, ModelConfig, ParallelConfig
 from trainer.config.train import DECAY_STYLES, OPTIM_IMPLS, PRECISIONS, OptimConfig, TrainConfig
 from trainer.data.blend import Blend, BlendError, blend_paths, parse_blend
+from trainer.data.corpus_config import CorpusConfig
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.data.splits import DEFAULT_SPLIT, parse_split
 from trainer.log import get_logger
@@ -42,27 +43,6 @@ ON_ERROR = ("fail", "skip")
 CHECKPOINT_FORMATS = ("legacy", "mcore", "torch_dist")
 TOKENIZER_TYPES = ("GPT2BPETokenizer", HF_TOKENIZER_TYPE)
 KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile")
-
-
-@dataclass
-class CorpusConfig(Section):
-    """Optional corpus stage: build a JSONL corpus on the cluster instead of reading ``data.paths``."""
-
-    source: str = "stdlib"
-    """stdlib: the standard library of the interpreter that runs the job (when roots is empty)."""
-    roots: list[str] = field(default_factory=list)
-    """Folders searched for *.py files instead of the standard library."""
-    max_files: int | None = None
-    """Stop after this many files; null: every file."""
-    max_bytes: int | None = None
-    """Stop before the text exceeds this many bytes; null: no limit."""
-    exclude_tests: bool = False
-    """Skip folders named test, tests, idle_test and unittests."""
-
-    def problems(self) -> list[ConfigIssue]:
-        return (choice("data.corpus.source", self.source, ("stdlib",))
-                + positive("data.corpus.max_files", self.max_files, allow_none=True)
-                + positive("data.corpus.max_bytes", self.max_bytes, allow_none=True))
 
 
 @dataclass

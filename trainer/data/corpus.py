@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainer.config import CorpusConfig
+from trainer.data.corpus_config import CorpusConfig
 from trainer.log import get_logger
 
 log = get_logger("trainer.data.corpus")

@@ -175,7 +175,7 @@ def build_sample_index_numpy(args: SampleIndexArgs) -> np.ndarray:
 
 def build_sample_index_cpp(args: SampleIndexArgs) -> np.ndarray:
     """The C++ walk (torch.ops.slipway.build_sample_idx); raises if the extension is not built."""
-    from trainer.ops import _ext
+    from trainer import extension as _ext
 
     if not _ext.load():
         raise RuntimeError("trainer._C is not built; run `make install` (or use impl='numpy')")
@@ -198,7 +198,7 @@ def build_sample_index(args: SampleIndexArgs, impl: str = "auto") -> np.ndarray:
     if impl == "numpy":
         return build_sample_index_numpy(args)
     if impl == "auto":
-        from trainer.ops import _ext
+        from trainer import extension as _ext
 
         if not _ext.load():
             return build_sample_index_numpy(args)

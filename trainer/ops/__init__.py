@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from trainer import extension as _ext
 from trainer.config import KERNEL_SETS
 from trainer.log import get_logger
-from trainer.ops import _ext, reference
+from trainer.ops import reference
 
 log = get_logger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer.ops import _ext
+from trainer import extension as _ext
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from trainer.ops import _ext
+from trainer import extension as _ext
 
 
 def _check_shard(logits: torch.Tensor, vocab_start: int, vocab_end: int) -> None:

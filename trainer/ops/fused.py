@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.ops import _ext
+from trainer import extension as _ext
 
 if not _ext.load():  # pragma: no cover - resolve() never imports this module without the extension
     raise ImportError("trainer.ops.fused needs the compiled extension trainer._C; run `make install`")

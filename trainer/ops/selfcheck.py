@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from trainer.config import KERNEL_SETS, PRECISIONS, ModelConfig
     from trainer.ops import resolve
-    from trainer.optim.precision import DTYPES
+    from trainer.ops.dtypes import DTYPES
     from trainer.signals import EXIT_PERMANENT
 
     parser = argparse.ArgumentParser(prog="python -m trainer.ops.selfcheck", description=main.__doc__)

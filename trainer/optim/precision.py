@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from trainer.ops.dtypes import DTYPES
 
 
 def compute_dtype(precision: str) -> torch.dtype:

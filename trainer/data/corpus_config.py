@@ -1,0 +1,29 @@
+"""The ``data.corpus`` section (torch-free): what the corpus stage builds. It lives beside the corpus
+builder that reads it (trainer/data/corpus.py); trainer.config puts it in the data section."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.checks import ConfigIssue, Section, choice, positive
+
+
+@dataclass
+class CorpusConfig(Section):
+    """Optional corpus stage: build a JSONL corpus on the cluster instead of reading ``data.paths``."""
+
+    source: str = "stdlib"
+    """stdlib: the standard library of the interpreter that runs the job (when roots is empty)."""
+    roots: list[str] = field(default_factory=list)
+    """Folders searched for *.py files instead of the standard library."""
+    max_files: int | None = None
+    """Stop after this many files; null: every file."""
+    max_bytes: int | None = None
+    """Stop before the text exceeds this many bytes; null: no limit."""
+    exclude_tests: bool = False
+    """Skip folders named test, tests, idle_test and unittests."""
+
+    def problems(self) -> list[ConfigIssue]:
+        return (choice("data.corpus.source", self.source, ("stdlib",))
+                + positive("data.corpus.max_files", self.max_files, allow_none=True)
+                + positive("data.corpus.max_bytes", self.max_bytes, allow_none=True))
