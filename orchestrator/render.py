@@ -113,6 +113,14 @@ class ScriptSpec:
     master_port_base: int = 20000
     pyxis: PyxisSpec | None = None  # container.kind=pyxis: each srun runs its tasks in the image
     comment: str = ""  # --comment: the run, launch and stage (orchestrator/launches.py job_comment)
+    code_dir: str = ""  # the repository that was launched: first on PYTHONPATH (containers put it there too)
+
+
+def code_path_line(code_dir: str) -> str:
+    """Jobs run the code that was launched, not whichever copy of Slipway the job's Python would import
+    (an editable install follows the clone that was installed last; ``python -m`` puts the job's working
+    directory first, which is wherever the user launched from)."""
+    return f'export PYTHONPATH={shlex.quote(code_dir)}${{PYTHONPATH:+:$PYTHONPATH}}'
 
 
 def sbatch_directives(spec: ScriptSpec) -> list[str]:
@@ -157,6 +165,8 @@ def _env_lines(spec: ScriptSpec) -> list[str]:
         f"export SLIPWAY_RUN_ID={shlex.quote(spec.run_id)}",
         f"export SLIPWAY_STAGE={spec.stage}",
     ]
+    if spec.code_dir:
+        lines.append(code_path_line(spec.code_dir))
     for k, v in spec.env:
         # Secrets are forwarded by reference from the submitting environment, never by value.
         lines.append(f'export {k}="${{{k}}}"' if is_secret_name(k) else f"export {k}={shlex.quote(v)}")

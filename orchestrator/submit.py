@@ -129,6 +129,7 @@ def stage_job(
         tuple(cfg.cluster.setup),
         pyxis=pyxis_spec(cfg),
         comment=job_comment(plan.run_dir, launch_n or next_launch(plan.run_dir), stage.name),
+        code_dir=str(REPO_ROOT),
     )
     return StageJob(py, folder, spec)
 
@@ -179,7 +180,8 @@ def _queued(stage: StagePlan) -> dict[str, Any] | None:
 def _executor(job: StageJob) -> Any:
     if isinstance(job.spec, render.LocalSpec):
         ex = submitit.LocalExecutor(job.folder, python=job.python)
-        setup = [f"export {k}={shlex.quote(v)}" for k, v in job.spec.env]
+        env = [f"export {k}={shlex.quote(v)}" for k, v in job.spec.env]
+        setup = [render.code_path_line(str(REPO_ROOT)), *env]
         ex.update_parameters(setup=setup, **render.local_parameters(job.spec))
         return ex
     return SlipwaySlurmExecutor(job.folder, job.spec, job.python)

@@ -23,8 +23,21 @@ TINY = [
 ]
 
 
+def _decoy(root: Path) -> Path:
+    """Another copy of Slipway that a job's Python would import first (as an editable install of another
+    clone is, when the user launches from outside the repository): importing it fails loudly."""
+    for pkg in ("orchestrator", "trainer"):
+        (root / pkg).mkdir(parents=True)
+        (root / pkg / "__init__.py").write_text(f"raise ImportError('the decoy {pkg} was imported')\n")
+    return root
+
+
 @pytest.mark.timeout(300)
-def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path, capsys):
+def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path, capsys, monkeypatch):
+    # Launched from another directory, with another copy of the code first on the job's path: the jobs
+    # still run the code that was launched (the data stages below complete).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(_decoy(tmp_path / "decoy")))
     cfg = compose_cfg(TINY + [f"runs_root={tmp_path}", "fail_train=start", "testing=true", "wait=true"])
     with pytest.raises(RuntimeError, match="did not complete"):
         launch(cfg, out=io.StringIO())
