@@ -166,13 +166,8 @@ def package_cycles(mods: dict[str, Module]) -> list[list[str]]:
     return cycles(units)
 
 
-# Known, to be broken (issue 28): trainer.checkpoint.reshard reads a shard's names through
-# trainer.convert.mcore, while the converters read checkpoints through trainer.checkpoint.layout.
-KNOWN_PACKAGE_CYCLES = [["trainer.checkpoint", "trainer.convert"]]
-
-
-def test_no_package_cycles_beyond_the_known_one():
-    assert package_cycles(MODS) == KNOWN_PACKAGE_CYCLES
+def test_no_package_cycles():
+    assert package_cycles(MODS) == []
 
 
 def test_package_cycles_count_function_level_imports():

@@ -3,11 +3,12 @@
 Packages, one concern each: ``config`` (the configuration sections; torch-free, the Hydra schema is built
 from them), ``data``, ``model`` (single-device GPT), ``parallel`` (state, comm, TP layers, the one
 sharding table, pipeline schedules, data-parallel buckets), ``ops`` (kernels), ``optim`` (optimizer, LR,
-precision), ``checkpoint`` (layout, save protocol, verification, disk space, reshard), ``health``
-(heartbeats, watchdog, preflight), ``convert`` (Hugging Face and Megatron conversion). The loop is
-``training`` (its typed state) and ``main`` (``run(cfg)`` and the standalone CLI); ``ckpt_state`` is
-what a checkpoint holds for the loop. Facts the orchestrator also needs live in torch-free modules:
-``config``, ``checks``, ``formulas`` (FLOPs, vocab padding), ``signals`` (exit codes), ``metrics_file``.
+precision), ``checkpoint`` (layout, save protocol, verification, disk space), ``health``
+(heartbeats, watchdog, preflight), ``convert`` (Hugging Face and Megatron conversion), ``restore`` (a
+checkpoint back into a run at any layout: above both checkpoint and convert). The loop is ``training``
+(its typed state) and ``main`` (``run(cfg)`` and the standalone CLI). Facts the orchestrator also needs
+live in torch-free modules: ``config``, ``checks``, ``formulas`` (FLOPs, vocab padding, batch rules),
+``signals`` (exit codes), ``metrics_file``, ``run_files`` (every file of a run).
 
 Never imports hydra, omegaconf, submitit or orchestrator (tests/test_imports.py): it runs standalone
 from small dataclasses.

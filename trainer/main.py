@@ -33,20 +33,8 @@ from trainer import formulas, health, metrics, testing_hooks
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import virtual_size
-from trainer.checkpoint.distrib_optim import extra_files, is_distributed, read_beside
 from trainer.checkpoint.layout import config_differences
 from trainer.checks import ConfigError
-from trainer.ckpt_dist import restore_dist, save_torch_dist
-from trainer.ckpt_state import (
-    Restorable,
-    RunFacts,
-    build_state,
-    checkpoint_args,
-    restore_merged,
-    restore_resharded,
-    restore_same_layout,
-    uneven_split,
-)
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig, TokenizerConfig
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.layout import load_shard
@@ -64,6 +52,18 @@ from trainer.optim.precision import ScalerSettings, make_scaler
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed
 from trainer.parallel.dist_optimizer import build_distributed_optimizer
 from trainer.parallel.interleaved import check_microbatches
+from trainer.restore.dist import restore_dist, save_torch_dist
+from trainer.restore.distrib_optim import extra_files, is_distributed, read_beside
+from trainer.restore.state import (
+    Restorable,
+    RunFacts,
+    build_state,
+    checkpoint_args,
+    restore_merged,
+    restore_resharded,
+    restore_same_layout,
+    uneven_split,
+)
 from trainer.signals import (
     EXIT_NONFINITE,
     EXIT_OK,

@@ -9,7 +9,7 @@ import pytest
 
 from trainer.checkpoint.chunks import chunk_entries, model_keys, virtual_size
 from trainer.checkpoint.layout import CheckpointError
-from trainer.checkpoint.reshard import SourceCheckpoint
+from trainer.restore.reshard import SourceCheckpoint
 
 
 def test_keys_follow_megatron():

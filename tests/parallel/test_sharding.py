@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from trainer.checkpoint import reshard
 from trainer.config.model import ModelConfig
 from trainer.convert import names as convert_names
 from trainer.model.gpt import GPT, StageSpec
@@ -18,6 +17,7 @@ from trainer.parallel import sharding
 from trainer.parallel.apply import apply_tensor_parallel, sequence_parallel_param_names, tp_partition_dims
 from trainer.parallel.random import RNGTracker
 from trainer.parallel.state import Group
+from trainer.restore import reshard
 
 CFG = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100)
 

@@ -156,8 +156,8 @@ def test_distributed_checkpoint_reshards_across_tp_and_pp(tmp_path):
 def test_a_missing_distrib_optim_file_is_named():
     import pytest
 
-    from trainer.checkpoint.distrib_optim import load_optimizer
     from trainer.checkpoint.layout import CheckpointError
+    from trainer.restore.distrib_optim import load_optimizer
 
     saved = {"optimizer": {"state": {}, "param_groups": [], "distributed": True, "file": "distrib_optim.pt"}}
     with pytest.raises(CheckpointError, match="distrib_optim.pt is missing.*checkpoint.load=model-only"):
@@ -169,8 +169,8 @@ def test_a_foreign_distrib_optim_file_is_refused(tmp_path):
     misread as Slipway's: the error says to start from the weights."""
     import pytest
 
-    from trainer.checkpoint.distrib_optim import read_beside
     from trainer.checkpoint.layout import CheckpointError
+    from trainer.restore.distrib_optim import read_beside
 
     torch.save({"per_bucket_numel": [[10]], "0": {"param": torch.zeros(10)}}, tmp_path / "distrib_optim.pt")
     assert read_beside(str(tmp_path / "elsewhere" / "model_optim_rng.pt")) is None

@@ -3,7 +3,7 @@
 
 Megatron-LM's loader and the transformers conversion script read ``args`` by attribute, so a dict there
 fails both (``'dict' object has no attribute 'num_layers'``). :data:`READER_ARGS` is what they read;
-:func:`megatron_args` builds the Namespace that the trainer (``trainer.ckpt_state``) and the Hugging Face
+:func:`megatron_args` builds the Namespace that the trainer (``trainer.restore.state``) and the Hugging Face
 importer (``trainer.convert.from_hf``) both write, so the two never disagree on a name or a default.
 
 Values are plain (bool, int, float, str, list, None): the file loads with ``torch.load(weights_only=True)``

@@ -23,7 +23,7 @@ master starts from the fp32 initialisation, so every precision starts from the s
 
 The LR scheduler drives it through ``param_groups`` (``lr``, ``weight_decay``, ``wd_mult``, ``lr_mult``)
 like any torch optimizer; the checkpoint form (``distrib_optim.pt``, independent of dp) is
-trainer.checkpoint.distrib_optim's.
+trainer.restore.distrib_optim's.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 DISTRIB_FILE = "distrib_optim.pt"
-"""Where the state goes in a checkpoint (beside model_optim_rng.pt; trainer.checkpoint.distrib_optim)."""
+"""Where the state goes in a checkpoint (beside model_optim_rng.pt; trainer.restore.distrib_optim)."""
 DIST_IMPLS = ("csrc", "for_loop", "foreach")
 """optim.impl values the shard step can use (after ``auto`` is resolved)."""
 
@@ -211,7 +211,7 @@ class DistributedOptimizer:
 
     def state_dict(self) -> dict:
         """What ``model_optim_rng.pt`` records: the state itself is in ``distrib_optim.pt``
-        (trainer.checkpoint.distrib_optim); the empty ``state`` keeps torch-shaped readers working."""
+        (trainer.restore.distrib_optim); the empty ``state`` keeps torch-shaped readers working."""
         groups = [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
         return {"state": {}, "param_groups": groups, "distributed": True, "file": DISTRIB_FILE,
                 "step": self.step_count}

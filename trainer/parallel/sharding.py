@@ -2,7 +2,7 @@
 
 Every user reads this table instead of spelling the rules again: the TP plan (``parallel.apply`` picks
 Column/Row/Vocab-parallel modules by it; the modules' split dims come from :data:`DIM`), reshard-on-load
-(``trainer.checkpoint.reshard``), the converters' merge and split (``trainer.convert.names`` derives
+(``trainer.restore.reshard``), the converters' merge and split (``trainer.convert.names`` derives
 each rule's ``tp`` from it), and the sequence-parallel gradient sync (replicated parameters of the
 sharded region).
 

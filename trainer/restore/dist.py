@@ -25,12 +25,9 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import protocol as ckpt
-from trainer.checkpoint import reshard
 from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.dist_write import Piece, save_dist_checkpoint
-from trainer.checkpoint.distrib_optim import gather_state, is_distributed, load_by_name, step_of
 from trainer.checkpoint.layout import DIST_COMMON, CheckpointError, arg
-from trainer.ckpt_state import Restorable, load_targets, param_names, train_state_from
 from trainer.convert import dist as dist_ckpt
 from trainer.convert import names
 from trainer.convert.layout import load_shard
@@ -39,6 +36,9 @@ from trainer.log import get_logger
 from trainer.model.names import nest, renumber
 from trainer.parallel import ParallelModel
 from trainer.parallel.sharding import DIM, GLU, kind
+from trainer.restore import reshard
+from trainer.restore.distrib_optim import gather_state, is_distributed, load_by_name, step_of
+from trainer.restore.state import Restorable, load_targets, param_names, train_state_from
 from trainer.training import TrainState
 
 log = get_logger(__name__)

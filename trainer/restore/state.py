@@ -1,5 +1,5 @@
 """What a training checkpoint holds and how it is put back: the bridge between the loop and
-``trainer.checkpoint`` (file layout, atomic protocol) and ``trainer.checkpoint.reshard`` (layout changes).
+``trainer.checkpoint`` (file layout, atomic protocol) and ``trainer.restore.reshard`` (layout changes).
 
 ``args`` is an ``argparse.Namespace`` of plain values under Megatron's names
 (:func:`trainer.checkpoint.megatron_args.megatron_args`: what Megatron-LM and transformers read, plus the
@@ -34,9 +34,7 @@ import torch
 
 import trainer
 from trainer.checkpoint import protocol as ckpt
-from trainer.checkpoint import reshard
 from trainer.checkpoint.chunks import chunk_entries, model_keys, virtual_size
-from trainer.checkpoint.distrib_optim import DistribSource, is_distributed, load_optimizer, load_resharded
 from trainer.checkpoint.layout import arg
 from trainer.checkpoint.megatron_args import megatron_args
 from trainer.config.model import ModelConfig
@@ -47,6 +45,8 @@ from trainer.model.names import nest
 from trainer.optim.lr import OptimizerParamScheduler
 from trainer.optim.precision import LossScaler
 from trainer.parallel import ParallelModel
+from trainer.restore import reshard
+from trainer.restore.distrib_optim import DistribSource, is_distributed, load_optimizer, load_resharded
 from trainer.training import TrainState
 
 log = get_logger(__name__)

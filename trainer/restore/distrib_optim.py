@@ -21,8 +21,8 @@ import torch.distributed as dist
 
 from trainer.checkpoint.layout import CheckpointError, shard_dir_name
 from trainer.checkpoint.protocol import load_file
-from trainer.checkpoint.reshard import SourceCheckpoint
 from trainer.parallel.dist_optimizer import DISTRIB_FILE, DistributedOptimizer
+from trainer.restore.reshard import SourceCheckpoint
 
 if TYPE_CHECKING:
     from trainer.parallel.engine import ParallelModel
@@ -191,7 +191,7 @@ class DistribSource(SourceCheckpoint):
 
 def load_resharded(optimizer: object, names: list[str], moments: dict[str, dict],
                    model: ParallelModel) -> None:
-    """The reshard path's per-name state (trainer.checkpoint.reshard.reshard_moments) into either
+    """The reshard path's per-name state (trainer.restore.reshard.reshard_moments) into either
     optimizer; ``param`` entries (from :class:`DistribSource`) are masters, never optimizer state."""
     by_name = {n: m for n, m in moments.items() if m}
     if not by_name:
