@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from orchestrator.redaction import is_secret_name
 from orchestrator.schema import ClusterConfig, ContainerConfig
 from trainer.eval.config import EvalConfig
+from trainer.formulas import PORT_BASE, PORT_SPAN
 from trainer.run_files import ATTEMPT_ENV, REQUEUES, RETRIES
 from trainer.signals import EXIT_REQUEUE, FATAL_MARKER, STOPPED_MARKER
 
@@ -110,7 +111,7 @@ class ScriptSpec:
     dependency: tuple[str, ...] = ()  # job ids this job runs after (afterok)
     env: tuple[tuple[str, str], ...] = ()
     setup: tuple[str, ...] = ()
-    master_port_base: int = 20000
+    master_port_base: int = PORT_BASE
     pyxis: PyxisSpec | None = None  # container.kind=pyxis: each srun runs its tasks in the image
     comment: str = ""  # --comment: the run, launch and stage (orchestrator/launches.py job_comment)
     code_dir: str = ""  # the repository that was launched: first on PYTHONPATH (containers put it there too)
@@ -176,7 +177,7 @@ def _env_lines(spec: ScriptSpec) -> list[str]:
 _LOOP = r"""
 # MASTER_ADDR from the first node of the allocation; the port from the job id (same on every node).
 export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-export MASTER_PORT=$(( {port_base} + SLURM_JOB_ID % 20000 ))
+export MASTER_PORT=$(( {port_base} + SLURM_JOB_ID % {port_span} ))
 restart=${{SLURM_RESTART_COUNT:-0}}
 state={state}
 logs={log_dir}
@@ -257,6 +258,7 @@ def render_sbatch(spec: ScriptSpec) -> str:
         body.append(
             _LOOP.format(
                 port_base=spec.master_port_base,
+                port_span=PORT_SPAN,
                 state=shlex.quote(spec.state_dir),
                 log_dir=shlex.quote(spec.log_dir),
                 stage=spec.stage,

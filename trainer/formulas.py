@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+PORT_BASE = 20000  # MASTER_PORT of a Slurm job without one: PORT_BASE + job id mod PORT_SPAN, the same on
+PORT_SPAN = 20000  # every node (the job script exports it; the trainer derives it when run by hand)
+
+
+def master_port(job_id: int, base: int = PORT_BASE) -> int:
+    """The rendezvous port of a Slurm job: distinct for concurrent jobs, known to every node."""
+    return base + job_id % PORT_SPAN
+
 
 def global_batch_size(configured: int | None, micro_batch_size: int, dp_size: int) -> int:
     """train.global_batch_size, or one micro-batch per data-parallel rank when it is null."""

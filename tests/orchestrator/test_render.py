@@ -178,3 +178,16 @@ def test_redact():
     assert redaction.redact(text, {"WANDB_API_KEY": "abcd1234xyz", "HOME": "here"}) == (
         "token <redacted:WANDB_API_KEY> here"
     )
+
+
+def test_the_job_script_and_the_trainer_derive_the_same_master_port():
+    """The sbatch script exports MASTER_PORT; the trainer run by hand under Slurm derives it: one rule
+    (trainer.formulas.master_port), checked by running the script's line in bash."""
+    from trainer.parallel.launch import dist_env
+
+    line = next(ln for ln in _scripts("slurm", "none").splitlines() if ln.startswith("export MASTER_PORT="))
+    for job in ("7", "123457", "40000"):
+        out = subprocess.run(["bash", "-c", f"SLURM_JOB_ID={job}; {line}; echo $MASTER_PORT"],
+                             capture_output=True, text=True, check=True).stdout
+        env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "n1"}
+        assert int(out) == dist_env(env).master_port, (job, line)

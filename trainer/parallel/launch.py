@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config.model import ParallelConfig
+from trainer.formulas import master_port
 from trainer.log import get_logger
 from trainer.parallel.state import ParallelState, check_layout
 
@@ -58,7 +59,7 @@ def dist_env(environ: Mapping[str, str] | None = None) -> DistEnv:
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "127.0.0.1"
         port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else \
-            20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000
+            master_port(int(env.get("SLURM_JOB_ID", "0")))
         return DistEnv(int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0)),
                        env.get("MASTER_ADDR") or first_host(nodelist), port, "slurm")
     return DistEnv(0, 1, 0, "127.0.0.1", 0, "single")
