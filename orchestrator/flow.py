@@ -311,11 +311,11 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
     with single_writer(plan):  # refuses while a job of this run (or of its checkpoint dir) is active
         n = launches.next_launch(plan.run_dir)
         _record(cfg, plan, scripts_of(cfg, plan, n), overrides)
-        launch_failpoint(cfg.testing, "recorded")
+        launch_failpoint("recorded")
         submitted = submit_plan(cfg, plan, n)
         train = next((s for s in submitted if s.stage == "train"), None)
         record_writer(plan, train.job_id if train else None, cfg.cluster.executor)
-        launch_failpoint(cfg.testing, "submitted")
+        launch_failpoint("submitted")
         launches.set_state(plan.run_dir, n, launches.SUBMITTED)
     if sweep:
         add_to_sweep(

@@ -7,8 +7,8 @@
   launches from; the value is never shown (``<redacted>``).
 - ``wandb_key``: ``logging.wandb.mode=online`` with no W&B API key in the launching environment or
   ``~/.netrc`` (the jobs get both).
-- ``test_hook``: ``fail_train``/``stall_train``, or a hook variable (trainer/testing_hooks.py) in
-  ``cluster.env`` or the launching environment, without ``testing=true``.
+- ``test_hook``: a hook variable (trainer/testing_hooks.py) in ``cluster.env`` or the launching
+  environment, without the switch ``SLIPWAY_TESTING=1`` in the launching environment.
 
 Pure functions of the typed config and an environment mapping (the plan passes the launching one).
 """
@@ -82,15 +82,11 @@ def secret_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Prob
 
 
 def hook_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Problem]:
-    """Test-only hooks set in the config, ``cluster.env`` or ``environ``, unless ``testing=true``."""
-    if getattr(cfg, testing_hooks.SWITCH):
+    """Test-only hooks set in ``cluster.env`` or ``environ``, unless the switch is on in ``environ``."""
+    if testing_hooks.switch_on(environ):
         return []
-    fix = "tests that need it set testing=true"
-    out = [
-        Problem("test_hook", name, value, f"a test-only hook: {what}", f"remove {name}; {fix}")
-        for name, what in testing_hooks.CONFIG_HOOKS.items()
-        if (value := getattr(cfg, name)) not in (None, "")
-    ]
+    fix = f"tests that need it set {testing_hooks.SWITCH}=1"
+    out: list[Problem] = []
     for where, env in (("cluster.env.", cfg.cluster.env), ("environment variable ", environ)):
         for name, value in testing_hooks.active_env_hooks(env).items():
             undo = f"unset {name} in the shell you launch from" if where.startswith("env") else "remove it"

@@ -64,8 +64,6 @@ class PreprocessJob:
 class TrainJob:
     run_dir: str
     trainer_config: dict[str, Any]
-    fail: str | None = None  # test hook: "start" raises before training
-    stall_at: int | None = None  # test hook: pause after it until a signal (stages.stall_hook)
     data_summaries: list[str] = field(default_factory=list)  # preprocessing summaries → data_report.json
 
 

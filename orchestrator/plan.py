@@ -222,7 +222,7 @@ def _run_stages(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> list[
             str(run.stage_state("train")),
             False,
             ("preprocess",),
-            TrainJob(facts.run_dir, tcfg, cfg.fail_train, cfg.stall_train, _summaries(prep)),
+            TrainJob(facts.run_dir, tcfg, _summaries(prep)),
         )
     ]
     if cfg.convert.enabled:

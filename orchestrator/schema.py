@@ -177,17 +177,6 @@ class SlipwayConfig(RunConfig):
     wait: bool | None = None
     """Block until the run ends; null: block for the local executor (its jobs are this machine's
     processes), return at once for Slurm and for sweeps."""
-    fail_train: str | None = None
-    """Test hook: start makes training fail on purpose (exercises afterok and retries). Refused unless
-    testing=true."""
-    stall_train: int | None = None
-    """Test hook: after this iteration (once per run) every rank pauses until a signal arrives (at most
-    10 min), so fault tests can preempt, time out or kill a job at a known point. Refused unless
-    testing=true."""
-    testing: bool = False
-    """Allow the test-only hooks (fail_train, stall_train, and the SLIPWAY_* failpoint variables of
-    trainer/testing_hooks.py in cluster.env or the launching environment); without it the plan refuses
-    each one (test_hook). For Slipway's own fault tests; never set it for a real run."""
 
     def _normalise(self) -> None:
         pass  # run_dir and checkpoint.dir stay null until the plan knows the run id (plan.py)

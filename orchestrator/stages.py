@@ -3,19 +3,15 @@
 The callables import the trainer's entry points inside the call (the login node never imports torch for a
 submit, and the trainer never imports the orchestrator). Each writes the ``_COMPLETE``/``_FAILED`` markers
 (jobs.py) into its output directory. Two small pieces the training stage runs around the trainer live
-here too: :func:`write_data_report` (the run's copy of what preprocessing dropped) and :func:`stall_hook`
-(the ``stall_train`` test hook).
+here too: :func:`write_data_report` (the run's copy of what preprocessing dropped).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import select
-import signal
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -200,42 +196,6 @@ def write_data_report(summaries: list[str], run_dir: str) -> Path | None:
     return out
 
 
-def _wakeup_pipe() -> int:
-    """A pipe that receives a byte for every signal handled in Python (read end returned)."""
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
-    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    return r
-
-
-def stall_hook(iteration: int, marker_dir: str, rank: int, max_s: float = 600.0
-               ) -> Callable[[int, float], None]:
-    """``on_step`` callback of the ``stall_train`` test hook: after ``iteration`` the rank pauses until a
-    signal arrives (Slurm's time-limit USR2, a preemption, srun's kill after another rank died) or
-    ``max_s`` passes, so fault tests act at a known iteration instead of racing a fast run. The wait wakes
-    on any signal that has a Python handler (``signal.set_wakeup_fd``); the trainer's own handler then
-    stops the run at this step boundary.
-
-    Call it in the main thread before the trainer starts, so a signal that comes early is not missed.
-    The marker ``stalled_<iteration>_rank<rank>`` (written when the pause starts) makes it once per run:
-    a retry that replays the iteration passes through, and tests watch for it.
-    """
-    wake = _wakeup_pipe()
-    marker = Path(marker_dir) / f"stalled_{iteration}_rank{rank}"
-
-    def on_step(it: int, loss: float) -> None:
-        if it != iteration or marker.exists():
-            return
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(f"{time.time()}\n")
-        log.warning("stall_train=%d (test hook): pausing until a signal arrives", iteration)
-        ready, _, _ = select.select([wake], [], [], max_s)
-        log.warning("stall_train: %s", "signal received, continuing" if ready else "no signal, continuing")
-
-    return on_step
-
-
 def _export_torch_env() -> None:
     """RANK/WORLD_SIZE/MASTER_* from the Slurm (or local) job; the sbatch script sets MASTER_ADDR/PORT."""
     env = submitit.helpers.TorchDistributedEnvironment()
@@ -266,16 +226,17 @@ class TrainStage(Stage):
         attempt = os.environ.get(ATTEMPT_ENV, "0")
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")
         (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()} {restart} {attempt}\n")
-        # The trainer names the environment's hooks itself; these two are the stage's.
-        testing_hooks.warn_active(log, {}, {"fail_train": job.fail, "stall_train": job.stall_at})
-        if job.fail == "start":
-            raise RuntimeError("fail_train=start: training failed on purpose (test hook)")
+        seam = testing_hooks.seam()  # the test hooks, loaded only under the switch (tests/seam.py)
+        if seam is not None:
+            testing_hooks.warn_active(log, os.environ)
+            seam.train_stage_start()
         if rank == 0:
             write_data_report(job.data_summaries, job.run_dir)
         from trainer.config import RunConfig
         from trainer.main import RunHooks, run
 
-        hooks = RunHooks(on_step=stall_hook(job.stall_at, self.output_dir, rank)) if job.stall_at else None
+        on_step = seam.train_on_step(self.output_dir, rank) if seam is not None else None
+        hooks = RunHooks(on_step=on_step) if on_step is not None else None
         job_id = os.environ.get("SLURM_JOB_ID", "local")  # a relaunch (new job) never reads an old marker
         marker = Path(self.output_dir, FATAL_MARKER.format(job=job_id, restart=restart, attempt=attempt))
         try:

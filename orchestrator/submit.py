@@ -218,9 +218,9 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted
         ex = _executor(job_spec)
         comment = getattr(job_spec.spec, "comment", "")
         record_intent(plan.run_dir, launch_n, stage.name, comment)
-        launch_failpoint(cfg.testing, f"before_sbatch:{stage.name}")
+        launch_failpoint(f"before_sbatch:{stage.name}")
         job = ex.submit(fn)
-        launch_failpoint(cfg.testing, f"after_sbatch:{stage.name}")
+        launch_failpoint(f"after_sbatch:{stage.name}")
         script = getattr(ex, "script", None)  # Slurm: the text submitit wrote and sbatch got
         sub = Submitted(stage.name, "submitted", str(job.job_id), cfg.cluster.executor, script, job)
         done[stage.name] = sub
@@ -243,5 +243,5 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted
         log.info(
             "%s: submitted job %s%s", stage.name, sub.job_id, f" (afterok:{':'.join(deps)})" if deps else ""
         )
-        launch_failpoint(cfg.testing, f"after_record:{stage.name}")
+        launch_failpoint(f"after_record:{stage.name}")
     return list(done.values())

@@ -7,13 +7,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from trainer import testing_hooks
 from trainer.config import OptimConfig, RunConfig
 from trainer.config.model import ModelConfig
 from trainer.log import get_logger
 from trainer.metrics_file import KERNEL_CHECK, append_record, metrics_path
 from trainer.ops import resolve
 from trainer.ops.dtypes import DTYPES
-from trainer.ops.inject import inject
 from trainer.ops.selfcheck import (
     CheckSetup,
     CheckShapes,
@@ -41,7 +41,7 @@ def checked_kernels(cfg: RunConfig, gpt: ModelConfig, pstate: ParallelState, sta
                     ) -> KernelCheck:
     """The kernel set the run uses after the self-check; the verdict is appended to the metrics file
     (rank 0). Raises :class:`KernelCheckError` under ``train.kernel_check=fail`` when an op failed."""
-    kernels = inject(resolve(cfg.kernels, pstate.device.type), os.environ)  # the test hook, if set
+    kernels = testing_hooks.with_faults(resolve(cfg.kernels, pstate.device.type))  # a test hook, if on
     check = run_check(kernels, check_setup(cfg, gpt, pstate), cfg.train.kernel_check)
     if check.results and pstate.rank == 0:
         os.makedirs(cfg.run_dir, exist_ok=True)

@@ -24,6 +24,7 @@ from orchestrator.queue import query_slurm
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, job_ids, my_jobs, wait_states
+from tests.seam import enabled
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
@@ -71,8 +72,9 @@ def runs(tmp_path_factory):
         r.sweep1 = _sweep(root, "s1")
         pipeline = ["train.iters=6", "train.save_interval=3", "train.eval_interval=3", "wait=false"]
         r.smoke = Path(launch(_cfg(root, *pipeline), out=io.StringIO()).plan.run_dir)
-        failing = _cfg(root, *SMALL, "fail_train=start", "testing=true", "train.iters=4", "wait=false")
-        r.failing = Path(launch(failing, out=io.StringIO()).plan.run_dir)
+        failing = _cfg(root, *SMALL, "train.iters=4", "wait=false")
+        with enabled(FAIL_TRAIN="start"):  # sbatch hands the launching environment to the job
+            r.failing = Path(launch(failing, out=io.StringIO()).plan.run_dir)
         yield r
     finally:
         sweeps = [json.loads(s.read_text()) for s in root.glob("s*/sweep.json")]

@@ -2,8 +2,8 @@
 
 One module fixture builds a tiny dataset (12 stdlib files as JSONL with two bad lines, a 300-entry BPE),
 then submits every run at once; they share one preprocessing job (content key) and run side by side on
-the two nodes (tp=2 across n1 and n2, one task each: four such runs fit at a time). Faults are timed with
-the ``stall_train`` hook (every rank pauses after iteration N until a signal arrives), so nothing races a
+the two nodes (tp=2 across n1 and n2, one task each: four such runs fit at a time). Faults are timed with the
+``SLIPWAY_STALL_TRAIN`` hook (every rank pauses after iteration N until a signal arrives), so nothing races a
 fast run: a driver thread preempts or kills the stalled runs, Slurm's own time-limit signal wakes the
 time-limited one. The tests then only wait and compare.
 
@@ -44,6 +44,7 @@ from tests.orchestrator.devcluster_helpers import (
     wait_states,
 )
 from tests.slurm_cli import sacct_states, slurm
+from trainer import testing_hooks
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
@@ -72,8 +73,7 @@ COMMON = [
     # PyTorch's own kernels: the loss comparisons do not depend on how the C++ extension was built.
     "kernels=eager",
     "wait=false",
-    "testing=true",  # the runs use the test-only hooks (stall_train, the checkpoint failpoint)
-]
+]  # the runs use test-only hooks (the stall, the checkpoint failpoint): the fixture turns the switch on
 
 # name → extra overrides; submitted in this order (Slurm starts equal-priority jobs by id): the failing
 # preprocessing job first (it must not queue behind four training jobs that fill both nodes), then the
@@ -81,11 +81,11 @@ COMMON = [
 # 2-min limit gives 60-90 s before the signal (past the stall at iteration 6) and >= 30 s to save after it.
 RUNS = {
     "badfail": ["data.on_error=fail"],
-    "timelimit": ["stall_train=6", "cluster.time_limit_min=2", "cluster.signal_delay_s=30",
-                  "cluster.max_timeouts=3"],
+    "timelimit": ["+cluster.env.SLIPWAY_STALL_TRAIN=6", "cluster.time_limit_min=2",
+                  "cluster.signal_delay_s=30", "cluster.max_timeouts=3"],
     "base": [],
-    "usr2": ["stall_train=5"],
-    "killrank": ["stall_train=6"],
+    "usr2": ["+cluster.env.SLIPWAY_STALL_TRAIN=5"],
+    "killrank": ["+cluster.env.SLIPWAY_STALL_TRAIN=6"],
     "killsave": ["+cluster.env.SLIPWAY_CKPT_FAILPOINT=mid_write@8",
                  "+cluster.env.SLIPWAY_CKPT_FAILPOINT_ONCE={root}/killsave.once"],
     "diskfull": ["checkpoint.keep=1"],  # max_retries stays 2: a full disk must not be retried
@@ -167,6 +167,7 @@ def matrix(tmp_path_factory):
     driver = threading.Thread(target=_drive, args=(m,), daemon=True)
     key = os.environ.get("WANDB_API_KEY")
     os.environ["WANDB_API_KEY"] = FAKE_WANDB_KEY  # jobs get the launch's environment, as from a user's shell
+    os.environ[testing_hooks.SWITCH] = "1"  # the hooks are allowed for this module's launches and jobs
     try:
         for name in RUNS:
             launch(compose_cfg(overrides[name]), out=io.StringIO())
@@ -174,6 +175,7 @@ def matrix(tmp_path_factory):
         yield m
     finally:
         os.environ.pop("WANDB_API_KEY") if key is None else os.environ.update(WANDB_API_KEY=key)
+        os.environ.pop(testing_hooks.SWITCH, None)
         m.stop.set()
         cancel_runs(list(runs.values()))
         subprocess.run(["umount", "-l", str(runs["diskfull"] / "checkpoints")], timeout=30, check=False)

@@ -1,8 +1,10 @@
-"""Test-only hooks (trainer/testing_hooks.py, the one list) are refused by the plan unless testing=true:
-in the config, in cluster.env and in the environment launch.py runs in (Slurm passes it to the job)."""
+"""Test-only hooks (trainer/testing_hooks.py, the one list) are refused by the plan unless the switch
+SLIPWAY_TESTING=1 is on where launch.py runs: in cluster.env and in that environment (Slurm passes it to
+the job). They are never configuration keys, and without the switch a job does not load them."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -14,7 +16,7 @@ from tests.orchestrator.conftest import compose_cfg
 from trainer import testing_hooks
 
 SMOKE = ["+experiment=codeparrot_smoke"]
-CONFIG_VALUES = {"fail_train": "start", "stall_train": "3"}
+ON = {testing_hooks.SWITCH: "1"}
 
 
 def _hook_problems(overrides: list[str], environ: dict[str, str] | None = None) -> list:
@@ -23,16 +25,11 @@ def _hook_problems(overrides: list[str], environ: dict[str, str] | None = None) 
     return [p for p in plan.problems if p.code == "test_hook"]
 
 
-def test_every_config_hook_has_a_value_here():
-    assert set(CONFIG_VALUES) == set(testing_hooks.CONFIG_HOOKS)
+def test_the_public_config_has_no_test_keys():
+    from orchestrator.schema import SlipwayConfig
 
-
-@pytest.mark.parametrize("name", sorted(testing_hooks.CONFIG_HOOKS))
-def test_config_hook_is_refused_without_the_switch(name):
-    hits = _hook_problems([f"{name}={CONFIG_VALUES[name]}"])
-    assert [p.key for p in hits] == [name] and "testing=true" in hits[0].fix
-    assert str(CONFIG_VALUES[name]) in str(hits[0])
-    assert _hook_problems([f"{name}={CONFIG_VALUES[name]}", "testing=true"]) == []
+    fields = {f.name for f in dataclasses.fields(SlipwayConfig)}
+    assert not fields & {"testing", "fail_train", "stall_train"}, fields
 
 
 @pytest.mark.parametrize("name", sorted(testing_hooks.ENV_HOOKS))
@@ -41,7 +38,7 @@ def test_env_hook_is_refused_in_cluster_env_and_the_environment(name):
     assert [p.key for p in hits] == [f"cluster.env.{name}"], hits
     hits = _hook_problems([], {name: "x@1", "HOME": "/root"})
     assert [p.key for p in hits] == [f"environment variable {name}"] and f"unset {name}" in hits[0].fix
-    assert _hook_problems([f"+cluster.env.{name}=x@1", "testing=true"], {name: "x@1"}) == []
+    assert _hook_problems([f"+cluster.env.{name}=x@1"], {name: "x@1", **ON}) == []
     assert _hook_problems([], {name: ""}) == []  # set but empty: inert
 
 
@@ -50,6 +47,19 @@ def test_launch_reads_the_launching_environment(tmp_path, monkeypatch):
     result = launch(compose_cfg(SMOKE + [f"runs_root={tmp_path}", "dry_run=true"]), out=io.StringIO())
     assert "[test_hook] environment variable SLIPWAY_NODE_NAME='n7'" in result.text
     monkeypatch.delenv(testing_hooks.NODE_NAME)
-    with pytest.raises(PlanError, match=r"\[test_hook\] fail_train='start'"):
-        launch(compose_cfg(SMOKE + [f"runs_root={tmp_path}", "fail_train=start"]), out=io.StringIO())
+    monkeypatch.setenv(testing_hooks.FAIL_TRAIN, "start")
+    with pytest.raises(PlanError, match=r"\[test_hook\] environment variable SLIPWAY_FAIL_TRAIN='start'.*"
+                                        r"SLIPWAY_TESTING=1"):
+        launch(compose_cfg(SMOKE + [f"runs_root={tmp_path}"]), out=io.StringIO())
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_without_the_switch_a_job_loads_no_hook():
+    """A stray hook that reached a job anyway (set after the launch) changes nothing there: the seam is
+    not imported, the kernels stay as resolved."""
+    from trainer.ops import resolve
+
+    kernels = resolve("eager", "cpu")
+    stray = {testing_hooks.KERNEL_FAULT: "all", testing_hooks.FAIL_TRAIN: "start"}
+    assert testing_hooks.seam(stray) is None and testing_hooks.with_faults(kernels, stray) is kernels
+    assert testing_hooks.with_faults(kernels, {**stray, **ON}).names["layer_norm"].endswith("+fault")

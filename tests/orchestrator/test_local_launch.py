@@ -13,6 +13,7 @@ from orchestrator.flow import launch
 from orchestrator.launches import current, current_jobs
 from orchestrator.status import collect
 from tests.orchestrator.conftest import compose_cfg
+from tests.seam import hook_env
 
 TINY = [
     "+experiment=codeparrot_smoke",
@@ -38,7 +39,9 @@ def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path, capsy
     # still run the code that was launched (the data stages below complete).
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(_decoy(tmp_path / "decoy")))
-    cfg = compose_cfg(TINY + [f"runs_root={tmp_path}", "fail_train=start", "testing=true", "wait=true"])
+    for name, value in hook_env(FAIL_TRAIN="start").items():
+        monkeypatch.setenv(name, value)
+    cfg = compose_cfg(TINY + [f"runs_root={tmp_path}", "wait=true"])
     with pytest.raises(RuntimeError, match="did not complete"):
         launch(cfg, out=io.StringIO())
     # The stages' logs were streamed while they ran, and the failed training's error is shown at the end.
@@ -61,7 +64,7 @@ def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path, capsy
 
     # Same data again: corpus and preprocess are reused, not resubmitted.
     again = launch(
-        compose_cfg(TINY + [f"runs_root={tmp_path}", "fail_train=start", "testing=true", "wait=false"]),
+        compose_cfg(TINY + [f"runs_root={tmp_path}", "wait=false"]),
         out=io.StringIO(),
     )
     actions = {s.stage: s.action for s in again.submitted}

@@ -3,7 +3,7 @@ and a launcher killed at any step boundary of a submission never leaves a job do
 
 The jobs are submitted to begin in an hour (``--begin``): they stay PENDING and never run, so each case
 costs only its launches. The launcher is killed by the test-only failpoint ``SLIPWAY_LAUNCH_FAILPOINT`` (with
-``testing=true``), exactly where a login shell dying would stop it.
+the switch ``SLIPWAY_TESTING=1``), exactly where a login shell dying would stop it.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from orchestrator.status import launch_notes
 from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, newest_job_id, wait_for
+from tests.seam import hook_env
 from tests.slurm_cli import slurm
-from trainer.testing_hooks import LAUNCH_FAILPOINT
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
@@ -130,8 +130,8 @@ STEPS = ["recorded", "before_sbatch:corpus", "before_sbatch:train", "after_sbatc
 def test_a_launcher_killed_at_a_step_boundary_never_doubles_or_loses_a_job(tmp_path, step):
     run_id = "crash"
     run = tmp_path / "runs" / "codeparrot_smoke" / run_id
-    over = _overrides(tmp_path, run_id, "testing=true")
-    env = dict(os.environ, **{LAUNCH_FAILPOINT: step})
+    over = _overrides(tmp_path, run_id)
+    env = dict(os.environ, **hook_env(LAUNCH_FAILPOINT=step))
     res = subprocess.run([sys.executable, "launch.py", *over], cwd=REPO, capture_output=True, text=True,
                          timeout=300, env=env)
     try:

@@ -19,6 +19,7 @@ from orchestrator import redaction
 from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED
 from orchestrator.guards import known_secrets, secret_problems
 from tests.orchestrator.conftest import REPO, compose_cfg, user_docs
+from tests.seam import hook_env
 
 HF = "hf_AbCdEfGhIjKlMnOpQrStUvWxYz0123456789"
 GHP = "ghp_abcdefghijklmnopqrstuvwxyz0123456789AB"
@@ -59,8 +60,9 @@ def _leaks(root: Path, *texts: str) -> list[str]:
     return found
 
 
-def _launch(args: list[str], cwd: Path = REPO, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, **ENV_SECRETS)
+def _launch(args: list[str], cwd: Path = REPO, timeout: int = 240, hooks: dict | None = None
+            ) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **ENV_SECRETS, **(hooks or {}))
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run([sys.executable, str(REPO / "launch.py"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -137,13 +139,13 @@ def test_dry_run_and_refused_launch_show_and_write_no_secret(tmp_path: Path):
 
 @pytest.mark.timeout(400)
 def test_failed_local_run_ends_with_slipways_message_and_no_secret(tmp_path: Path):
-    """A run that fails (fail_train=start) ends with the failed stage, its log and the status command, and
-    exit code 3 — not Hydra's "Error executing job with overrides: [...]", which would echo every override,
-    such as the secret handed to the job through Hydra's env_set, nor a traceback of launch.py."""
+    """A run that fails (SLIPWAY_FAIL_TRAIN=start) ends with the failed stage, its log and the status command,
+    and exit code 3 — not Hydra's "Error executing job with overrides: [...]", which would echo every
+    override, such as the secret handed to the job through Hydra's env_set, nor a traceback of launch.py."""
     args = ["+experiment=codeparrot_smoke", "data.corpus.max_files=12", "data.corpus.max_bytes=200000",
-            "tokenizer.vocab_size=300", "data.workers=1", "fail_train=start", "testing=true",
+            "tokenizer.vocab_size=300", "data.workers=1",
             f"runs_root={tmp_path / 'runs'}", f"+hydra.job.env_set.HF_TOKEN={HF}", "hydra.verbose=true"]
-    out = _launch(args, cwd=tmp_path, timeout=380)
+    out = _launch(args, cwd=tmp_path, timeout=380, hooks=hook_env(FAIL_TRAIN="start"))
     assert out.returncode == EXIT_RUN_FAILED, out.stderr[-3000:]
     assert "Error executing job" not in out.stderr
     last = out.stderr.strip().splitlines()[-2:]
@@ -154,7 +156,7 @@ def test_failed_local_run_ends_with_slipways_message_and_no_secret(tmp_path: Pat
         (last[0], Path(log).read_text(errors="replace")[-4000:] if Path(log).is_file() else "no log")
     assert last[1].strip().startswith("status: python -m orchestrator status ")
     assert Path(log).is_file() and "training failed on purpose" in Path(log).read_text()
-    assert "TEST HOOK ACTIVE: fail_train=start" in out.stderr  # the stage names the active hook
+    assert "TEST HOOK ACTIVE: SLIPWAY_FAIL_TRAIN=start" in out.stderr  # the stage names the active hook
     assert _leaks(tmp_path, out.stdout, out.stderr) == []
 
 

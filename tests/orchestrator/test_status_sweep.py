@@ -16,6 +16,7 @@ from orchestrator.queue import parse_sacct, parse_squeue
 from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows, log_records, plot
 from tests.orchestrator.conftest import REPO
+from tests.seam import hook_env
 from tests.waits import JOB_S, wait_until
 from trainer.checkpoint.layout import TRACKER
 
@@ -119,16 +120,13 @@ def test_local_sweep_shares_preprocessing(tmp_path):
         "+experiment=codeparrot_smoke",
         "optim.lr=1e-3,2e-3",
         f"runs_root={tmp_path}",
-        "fail_train=start",
-        "testing=true",
         "data.corpus.max_files=12",
         "tokenizer.vocab_size=300",
         "data.workers=1",
         "hydra.sweep.dir=" + str(tmp_path / "sweep"),
     ]
-    out = subprocess.run(
-        cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=dict(os.environ, WANDB_MODE="offline")
-    )
+    env = dict(os.environ, WANDB_MODE="offline", **hook_env(FAIL_TRAIN="start"))
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     manifest = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
     points = sorted(manifest["points"], key=lambda p: p["point"])

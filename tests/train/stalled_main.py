@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout, when run as a script
 
 import trainer.main as cli  # noqa: E402
-from orchestrator.stages import stall_hook  # noqa: E402
+from tests.seam import stall_hook  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

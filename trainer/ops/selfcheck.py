@@ -365,10 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     setup = CheckSetup(torch.device(a.device), dtypes, torch.float32,
                        CheckShapes.for_model(model, a.tp, model.padded_vocab_size(a.tp)))
     from trainer import testing_hooks
-    from trainer.ops.inject import inject
 
     testing_hooks.warn_active(log, os.environ)
-    kernels = inject(resolve(a.kernels, torch.device(a.device).type), os.environ)
+    kernels = testing_hooks.with_faults(resolve(a.kernels, torch.device(a.device).type))
     check = run_check(kernels, setup, "fail")
     sys.stdout.write(json.dumps(check.record(), indent=1) + "\n")
     if check.fallbacks:

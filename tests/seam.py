@@ -1,0 +1,158 @@
+"""The test seam: the hooks that make a job misbehave on purpose, loaded by the product only when the switch
+``SLIPWAY_TESTING=1`` is on in the job (trainer.testing_hooks.seam; the plan refuses every hook without it).
+Nothing here runs in a real job.
+
+- ``SLIPWAY_FAIL_TRAIN=start``: the training stage raises at start (afterok, retries, failure reports).
+- ``SLIPWAY_STALL_TRAIN=N``: after iteration N every rank pauses until a signal arrives (at most 10 min), so
+  fault tests preempt, time out or kill a job at a known point instead of racing a fast run.
+- ``SLIPWAY_KERNEL_FAULT=op[:kind],...``: a resolved op made wrong, as a miscompiled or mismatched kernel
+  would be (the kernel self-check's tests). Kinds: ``value`` (default; the output 25 % too large, so its
+  gradients too; for ``adamw_step`` the updated weights), ``grad`` (the gradient flowing back 25 % too
+  large), ``raise`` (as a CUDA kernel built for another GPU does). The faulty op's implementation name
+  gains ``+fault``, so even a ``kernels=eager`` run has it checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import select
+import signal
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from trainer import testing_hooks
+from trainer.log import get_logger
+from trainer.ops import OPS, KernelSet
+from trainer.testing_hooks import FAIL_TRAIN, KERNEL_FAULT, STALL_TRAIN
+
+log = get_logger(__name__)
+
+
+def hook_env(**hooks: str) -> dict[str, str]:
+    """The environment variables that turn hooks on, switch included: ``hook_env(FAIL_TRAIN="start")``
+    (names as in trainer.testing_hooks)."""
+    return {testing_hooks.SWITCH: "1", **{getattr(testing_hooks, k): str(v) for k, v in hooks.items()}}
+
+
+@contextlib.contextmanager
+def enabled(**hooks: str) -> Iterator[None]:
+    """Hooks on in this process's environment (so in every job it launches now), restored after."""
+    values = hook_env(**hooks)
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def train_stage_start(environ: Mapping[str, str] | None = None) -> None:
+    """``SLIPWAY_FAIL_TRAIN=start``: the training stage fails before the trainer starts."""
+    if (os.environ if environ is None else environ).get(FAIL_TRAIN) == "start":
+        raise RuntimeError(f"{FAIL_TRAIN}=start: training failed on purpose (test hook)")
+
+
+def train_on_step(marker_dir: str, rank: int, environ: Mapping[str, str] | None = None
+                  ) -> Callable[[int, float], None] | None:
+    """The trainer's ``on_step`` hook for ``SLIPWAY_STALL_TRAIN`` (None when it is unset)."""
+    value = (os.environ if environ is None else environ).get(STALL_TRAIN)
+    return stall_hook(int(value), marker_dir, rank) if value else None
+
+
+def _wakeup_pipe() -> int:
+    """A pipe that receives a byte for every signal handled in Python (read end returned)."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    return r
+
+
+def stall_hook(iteration: int, marker_dir: str, rank: int, max_s: float = 600.0
+               ) -> Callable[[int, float], None]:
+    """``on_step`` callback of the ``SLIPWAY_STALL_TRAIN`` test hook: after ``iteration`` the rank pauses
+    until a signal arrives (Slurm's time-limit USR2, a preemption, srun's kill after another rank died) or
+    ``max_s`` passes, so fault tests act at a known iteration instead of racing a fast run. The wait wakes
+    on any signal that has a Python handler (``signal.set_wakeup_fd``); the trainer's own handler then
+    stops the run at this step boundary.
+
+    Call it in the main thread before the trainer starts, so a signal that comes early is not missed.
+    The marker ``stalled_<iteration>_rank<rank>`` (written when the pause starts) makes it once per run:
+    a retry that replays the iteration passes through, and tests watch for it.
+    """
+    wake = _wakeup_pipe()
+    marker = Path(marker_dir) / f"stalled_{iteration}_rank{rank}"
+
+    def on_step(it: int, loss: float) -> None:
+        if it != iteration or marker.exists():
+            return
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(f"{time.time()}\n")
+        log.warning("%s=%d (test hook): pausing until a signal arrives", STALL_TRAIN, iteration)
+        ready, _, _ = select.select([wake], [], [], max_s)
+        log.warning(f"{STALL_TRAIN}: %s", "signal received, continuing" if ready else "no signal, continuing")
+
+    return on_step
+
+
+KINDS = ("value", "grad", "raise")
+_FACTOR = 1.25
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad * _FACTOR
+
+
+def _wrong(op: str, fn: Callable, kind: str) -> Callable:
+    def wrong(*args, **kwargs):
+        if kind == "raise":
+            raise RuntimeError(f"CUDA error: no kernel image is available for execution on the device "
+                               f"({KERNEL_FAULT}: {op} made to raise)")
+        out = fn(*args, **kwargs)
+        if op == "adamw_step":  # in place: the updated masters are wrong
+            with torch.no_grad():
+                for p in args[0].params:
+                    p.mul_(_FACTOR)
+            return out
+        return out * _FACTOR if kind == "value" else _ScaleGrad.apply(out)
+
+    return wrong
+
+
+def parse(value: str) -> dict[str, str]:
+    """``op[:kind],...`` → {op: kind}; raises ValueError naming what is wrong."""
+    faults = {}
+    for item in filter(None, (x.strip() for x in value.split(","))):
+        op, _, kind = item.partition(":")
+        kind = kind or "value"
+        ops = OPS if op == "all" else (op,)
+        if op != "all" and op not in OPS or kind not in KINDS:
+            raise ValueError(f"{KERNEL_FAULT}={value!r}: {item!r} is not op[:kind] with op in {OPS} or 'all' "
+                             f"and kind in {KINDS}; unset {KERNEL_FAULT} (it is a test hook)")
+        faults.update(dict.fromkeys(ops, kind))
+    return faults
+
+
+def inject(kernels: KernelSet, environ: Mapping[str, str]) -> KernelSet:
+    """``kernels`` with the faults ``environ[KERNEL_FAULT]`` asks for (unchanged when it is unset)."""
+    faults = parse(environ.get(KERNEL_FAULT, ""))
+    if not faults:
+        return kernels
+    names = {**kernels.names, **{op: f"{kernels.names[op]}+fault" for op in faults}}
+    return dataclasses.replace(kernels, names=names,
+                               **{op: _wrong(op, getattr(kernels, op), kind) for op, kind in faults.items()})
