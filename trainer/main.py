@@ -35,13 +35,12 @@ from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.layout import config_differences
 from trainer.checks import ConfigError
-from trainer.config import CheckpointConfig, ModelConfig, RunConfig, TokenizerConfig
+from trainer.config import CheckpointConfig, ModelConfig, RunConfig
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.layout import load_shard
 from trainer.convert.spec import unsupported_options
-from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
-from trainer.main_data import DataShape, build_data
+from trainer.main_data import DataShape, build_data, resolve_vocab
 from trainer.main_kernels import checked_kernels, optimizer_after_check
 from trainer.metrics_file import metrics_path, truncate_after
 from trainer.model.recompute import Recompute
@@ -97,29 +96,6 @@ class RunResult:
     skipped_iters: int = 0
     wandb_run_id: str | None = None
     kernel_check: dict | None = None  # the start-up self-check's record (trainer.ops.selfcheck)
-
-
-def resolve_vocab(model: ModelConfig, tokenizer: TokenizerConfig) -> tuple[int, int | None]:
-    """(vocab_size, end-of-document id) from model.vocab_size, else the tokenizer's vocab.json or, for
-    HuggingFaceTokenizer, len(tokenizer) (Megatron's vocab_size for it)."""
-    eod = None
-    if tokenizer.type == HF_TOKENIZER_TYPE and tokenizer.model:
-        from trainer.data.hf_tokenizer import load_hf_tokenizer
-
-        tok = load_hf_tokenizer(tokenizer.model)
-        size, eod = formulas.model_vocab_size(model.vocab_size, tok.vocab_size), tok.eod_id
-    elif tokenizer.vocab_file:
-        from trainer.data.tokenizer import read_vocab
-
-        vocab = read_vocab(tokenizer.vocab_file)
-        eod = vocab.get("<|endoftext|>")
-        size = formulas.model_vocab_size(model.vocab_size, len(vocab))
-    else:
-        size = formulas.model_vocab_size(model.vocab_size, tokenizer.vocab_size)
-    if not size:
-        raise ValueError("the vocabulary size is unknown: set tokenizer.vocab_file (vocab.json), "
-                         "tokenizer.model (HuggingFaceTokenizer) or model.vocab_size")
-    return size, eod
 
 
 def gpt_config(model: ModelConfig, vocab_size: int) -> ModelConfig:

@@ -15,9 +15,12 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from trainer import formulas
+from trainer.config import ModelConfig, TokenizerConfig
 from trainer.data.blend import parse_blend
 from trainer.data.blended_dataset import BlendRequest, build_blended_datasets
 from trainer.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.data.indexed_dataset import IndexedDataset, index_file_path, merge_datasets
 from trainer.data.sampler import SamplerConfig, micro_batches
 from trainer.data.splits import samples_drawn
@@ -94,3 +97,26 @@ def build_data(data, train, shape: DataShape, ps: ParallelState, state: TrainSta
     if datasets.get("valid") is not None:
         valid_stream = _stream(datasets["valid"], state.consumed_valid_samples, train.micro_batch_size, ps)
     return train_stream, valid_stream
+
+
+def resolve_vocab(model: ModelConfig, tokenizer: TokenizerConfig) -> tuple[int, int | None]:
+    """(vocab_size, end-of-document id) from model.vocab_size, else the tokenizer's vocab.json or, for
+    HuggingFaceTokenizer, len(tokenizer) (Megatron's vocab_size for it)."""
+    eod = None
+    if tokenizer.type == HF_TOKENIZER_TYPE and tokenizer.model:
+        from trainer.data.hf_tokenizer import load_hf_tokenizer
+
+        tok = load_hf_tokenizer(tokenizer.model)
+        size, eod = formulas.model_vocab_size(model.vocab_size, tok.vocab_size), tok.eod_id
+    elif tokenizer.vocab_file:
+        from trainer.data.tokenizer import read_vocab
+
+        vocab = read_vocab(tokenizer.vocab_file)
+        eod = vocab.get("<|endoftext|>")
+        size = formulas.model_vocab_size(model.vocab_size, len(vocab))
+    else:
+        size = formulas.model_vocab_size(model.vocab_size, tokenizer.vocab_size)
+    if not size:
+        raise ValueError("the vocabulary size is unknown: set tokenizer.vocab_file (vocab.json), "
+                         "tokenizer.model (HuggingFaceTokenizer) or model.vocab_size")
+    return size, eod
