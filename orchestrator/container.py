@@ -1,9 +1,9 @@
 """What a containerised job needs from the host, for both runtimes (pure): the folders it reads or writes,
 each with the config key it comes from, and what kind of reference ``container.image`` is.
 
-Apptainer binds these folders (render.render_container_wrapper) and pyxis mounts them
-(render.pyxis_srun_flags); validate.py checks them. One list, so a folder added here reaches both runtimes
-and the plan's checks.
+Apptainer binds these folders (container_render.render_container_wrapper) and pyxis mounts them
+(container_render.pyxis_srun_flags); validate.py checks them. One list, so a folder added here reaches
+both runtimes and the plan's checks.
 
 pyxis reads ``--container-image`` as a squashfs file when it starts with ``/`` or ``.`` and as an enroot
 registry reference otherwise (NVIDIA/pyxis ``pyxis_slurmstepd.c``); the documented form is
@@ -48,8 +48,8 @@ MOUNT_UNSAFE = {
     "apptainer": (re.compile(r"[,:]"), "',' or ':'"),
     "pyxis": (re.compile(r"[,:\s]"), "',', ':' or white space"),
 }
-# The srun options the rendered pyxis jobs use (render.pyxis_srun_flags), each listed by `srun --help`
-# once the plugin is loaded; --container-env needs pyxis 0.15 or later.
+# The srun options the rendered pyxis jobs use (container_render.pyxis_srun_flags), each listed by
+# `srun --help` once the plugin is loaded; --container-env needs pyxis 0.15 or later.
 PYXIS_OPTIONS = ("--container-image", "--container-mounts", "--container-workdir",
                  "--no-container-mount-home", "--container-env")
 

@@ -24,8 +24,9 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from orchestrator.container_render import PyxisSpec, pyxis_preamble, pyxis_srun_flags
 from orchestrator.redaction import is_secret_name
-from orchestrator.schema import ClusterConfig, ContainerConfig
+from orchestrator.schema import ClusterConfig
 from trainer.eval.config import EvalConfig
 from trainer.formulas import PORT_BASE, PORT_SPAN
 from trainer.run_files import ATTEMPT_ENV, REQUEUES, RETRIES
@@ -305,108 +306,3 @@ def render_local(spec: LocalSpec) -> str:
     lines += [f"export {k}={'${' + k + '}' if is_secret_name(k) else shlex.quote(v)}" for k, v in spec.env]
     lines.append(f"{spec.command}  # x{params['tasks_per_node']} processes")
     return "\n".join(lines) + "\n"
-
-
-def container_binds(paths: list[str]) -> list[str]:
-    """Unique absolute bind paths in first-seen order, without those inside another (a bind of a parent,
-    wherever it is in the list, makes its children redundant)."""
-    def inside(p: str, q: str) -> bool:
-        return p.startswith(q.rstrip("/") + "/")
-
-    unique = list(dict.fromkeys(p for p in paths if p))
-    return [p for p in unique if not any(inside(p, q) for q in unique)]
-
-
-def _bind_list(container: ContainerConfig, binds: list[str] | tuple[str, ...], code_dir: str,
-               *extra: str) -> list[str]:
-    """What both runtimes bind: the repository first (never hidden), the job's folders, container.binds."""
-    return container_binds([code_dir, *binds, *container.binds, *extra])
-
-
-def _env_patterns(container: ContainerConfig) -> tuple[str, str]:
-    """container.env_allowlist / env_denylist as shell ``case`` patterns (allow, deny)."""
-    allow, deny = container.env_allowlist, container.env_denylist
-    return "|".join(allow) or "SLURM_*", "|".join(deny) or "_SLIPWAY_NONE_"
-
-
-def _env_loop(container: ContainerConfig, allowed: str, indent: str = "") -> list[str]:
-    """A loop over the exported variables that runs ``allowed`` for each allowlisted, not denylisted name."""
-    allow, deny = _env_patterns(container)
-    lines = ["for name in $(compgen -e); do", '  case "$name" in', f"    {deny}) continue ;;",
-             f"    {allow}) {allowed} ;;", "  esac", "done"]
-    return [indent + line for line in lines]
-
-
-def render_container_wrapper(container: ContainerConfig, binds: list[str], code_dir: str, gpus: bool) -> str:
-    """``bash wrapper python ...`` runs python in the image, with only allowlisted variables inside."""
-    nv = "--nv " if gpus else ""
-    bind = ",".join(_bind_list(container, binds, code_dir))
-    return "\n".join(
-        [
-            "#!/bin/bash",
-            '# Runs "$@" inside the Slipway image: --cleanenv drops the host environment; the allowlist',
-            "# below is forwarded per task (APPTAINERENV_*), so per-rank SLURM_PROCID/LOCALID arrive intact.",
-            "# Secret values (WANDB_API_KEY, HF_TOKEN) pass through the environment only, never this file.",
-            "set -eu",
-            *_env_loop(container, 'export "APPTAINERENV_${name}=${!name}"'),
-            f"export APPTAINERENV_PYTHONPATH={shlex.quote(code_dir)}",
-            f"exec {shlex.quote(container.apptainer_bin)} exec {nv}--cleanenv --bind {shlex.quote(bind)} "
-            f'{shlex.quote(str(container.image))} "$@"',
-            "",
-        ]
-    )
-
-
-@dataclass(frozen=True)
-class PyxisSpec:
-    """What the srun lines of a job need to run each task in a pyxis/enroot container."""
-
-    container: ContainerConfig  # image (absolute when a file: container.job_image), binds, env lists
-    binds: tuple[str, ...]  # the job's folders (orchestrator/container.host_paths), mounted at their paths
-    code_dir: str  # mounted first and put on PYTHONPATH: jobs run the code that was launched
-    workdir: str  # the launch directory, mounted: relative paths in the job specs resolve against it
-
-
-def pyxis_preamble(p: PyxisSpec) -> list[str]:
-    """Shell lines before the srun: PYTHONPATH, the denylist unset, and the --container-env names.
-
-    pyxis has no --cleanenv: every exported host variable reaches the task, but one the image also sets
-    keeps the image's value unless its name is given to --container-env (NVIDIA/pyxis, ``srun --help``).
-    The allowlist therefore names the variables whose host values must win (NCCL_*, TORCH_*, ...); it is
-    expanded when srun starts, so per-attempt values (MASTER_PORT, SLIPWAY_ATTEMPT) are included."""
-    _, deny = _env_patterns(p.container)
-    return [
-        "# pyxis: each srun runs its tasks in the image. The host environment reaches them, but a variable",
-        "# the image also sets keeps the image's value unless named in --container-env, which gets the",
-        "# allowlisted names from slipway_container_env (names only: values stay in the environment, so no",
-        "# secret is written here). Denylisted variables name host files that are not mounted: unset.",
-        f"export PYTHONPATH={shlex.quote(p.code_dir)}",
-        f'for name in $(compgen -e); do case "$name" in {deny}) unset "$name" ;; esac; done',
-        "slipway_container_env() {",
-        "  local name names=PYTHONPATH",
-        *_env_loop(p.container, 'names="$names,$name"', indent="  "),
-        '  echo "$names"',
-        "}",
-    ]
-
-
-def pyxis_srun_flags(p: PyxisSpec) -> str:
-    """The pyxis options of every srun line (srun --help lists them when the plugin is loaded)."""
-    mounts = ",".join(_bind_list(p.container, p.binds, p.code_dir, p.workdir))
-    words = [
-        f"--container-image={p.container.image}",
-        f"--container-mounts={mounts}",  # SRC alone: mounted at the same path
-        f"--container-workdir={p.workdir}",
-        # A mounted $HOME puts ~/.local's pip --user packages ahead of the image's.
-        "--no-container-mount-home",
-    ]
-    return " ".join(shlex.quote(w) for w in words) + ' --container-env="$(slipway_container_env)"'
-
-
-def python_command(container: ContainerConfig, wrapper_path: str, python: str) -> str:
-    """The interpreter string submitit puts before ``-u -m submitit.core._submit FOLDER``."""
-    if container.kind == "apptainer":
-        return f"bash {shlex.quote(wrapper_path)} python"
-    if container.kind == "pyxis":
-        return "python"  # the image's; srun's container flags put the task inside it
-    return shlex.quote(python)

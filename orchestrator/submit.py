@@ -27,7 +27,7 @@ from typing import Any
 
 import submitit
 
-from orchestrator import render
+from orchestrator import container_render, render
 from orchestrator.container import host_paths, job_image
 from orchestrator.jobs import COMPLETE, FAILED, Upstream
 from orchestrator.launches import job_comment, launch_dir, next_launch, record_intent, record_job
@@ -109,7 +109,7 @@ def stage_job(
     """The one builder of a stage's job spec (Slurm: the sbatch script's; local: the executor's).
     ``launch_n``: the launch that submits it (default: the run's next one), named in the job's comment."""
     res = render.stage_resources(stage.name, cfg.cluster, cfg.experiment, tasks_per_node(cfg), cfg.eval)
-    py = python or render.python_command(
+    py = python or container_render.python_command(
         cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable
     )
     folder = _abs(stage_folder(plan, stage))
@@ -156,16 +156,17 @@ def container_wrapper(cfg: SlipwayConfig, plan: Plan) -> str | None:
     if cfg.container.kind != "apptainer":
         return None
     container, binds = _container(cfg)
-    return render.render_container_wrapper(container, binds, str(REPO_ROOT), cfg.cluster.gpus_per_node > 0)
+    gpus = cfg.cluster.gpus_per_node > 0
+    return container_render.render_container_wrapper(container, binds, str(REPO_ROOT), gpus)
 
 
-def pyxis_spec(cfg: SlipwayConfig) -> render.PyxisSpec | None:
+def pyxis_spec(cfg: SlipwayConfig) -> container_render.PyxisSpec | None:
     """container.kind=pyxis: the srun container flags. The job starts in the launch directory (sbatch
     runs it where it was submitted), so that is the container's working directory too."""
     if cfg.container.kind != "pyxis":
         return None
     container, binds = _container(cfg)
-    return render.PyxisSpec(container, tuple(binds), str(REPO_ROOT), os.getcwd())
+    return container_render.PyxisSpec(container, tuple(binds), str(REPO_ROOT), os.getcwd())
 
 
 def _queued(stage: StagePlan) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import redaction, render
+from orchestrator import container_render, redaction
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.runs import REPO_ROOT
 from orchestrator.schema import ContainerConfig
@@ -126,7 +126,8 @@ def test_slurm_training_script_semantics():
 
 def test_container_command_and_allowlist():
     c = ContainerConfig(kind="apptainer", image="/img/s.sif")
-    wrapper = render.render_container_wrapper(c, ["/data/cp", "/data/cp/tok", "/runs"], "/code", gpus=True)
+    wrapper = container_render.render_container_wrapper(c, ["/data/cp", "/data/cp/tok", "/runs"], "/code",
+                                                         gpus=True)
     exec_line = [line for line in wrapper.splitlines() if line.startswith("exec ")][0]
     argv = shlex.split(exec_line)
     assert argv[:5] == ["exec", "apptainer", "exec", "--nv", "--cleanenv"]
@@ -135,12 +136,12 @@ def test_container_command_and_allowlist():
     for pattern in ("NCCL_*", "MASTER_*", "SLURM_*", "WANDB_*", "HF_*"):
         assert pattern in wrapper
     assert "APPTAINERENV_${name}" in wrapper
-    assert "--nv" not in render.render_container_wrapper(c, [], "/code", gpus=False)
+    assert "--nv" not in container_render.render_container_wrapper(c, [], "/code", gpus=False)
     assert (
-        render.python_command(c, "/r/container_exec.sh", "/usr/bin/python3")
+        container_render.python_command(c, "/r/container_exec.sh", "/usr/bin/python3")
         == "bash /r/container_exec.sh python"
     )
-    assert render.python_command(ContainerConfig(), "/x", "/usr/bin/python3") == "/usr/bin/python3"
+    assert container_render.python_command(ContainerConfig(), "/x", "/usr/bin/python3") == "/usr/bin/python3"
 
 
 def test_container_wrapper_forwards_allowlist_only(tmp_path):
@@ -151,7 +152,7 @@ def test_container_wrapper_forwards_allowlist_only(tmp_path):
     fake.chmod(0o755)
     c = ContainerConfig(kind="apptainer", image="/img/s.sif", apptainer_bin=str(fake))
     script = tmp_path / "wrap.sh"
-    script.write_text(render.render_container_wrapper(c, ["/runs"], "/code", gpus=True))
+    script.write_text(container_render.render_container_wrapper(c, ["/runs"], "/code", gpus=True))
     env = {
         "PATH": os.environ["PATH"],
         "SLURM_PROCID": "3",
