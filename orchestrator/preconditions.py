@@ -83,9 +83,9 @@ def checkpoint_problems(plan: Plan) -> list[Problem]:
 
 def model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
     """The checkpoint the training job would resume from must be the configured model: the trainer's
-    own comparison (trainer.checkpoint.layout.config_differences: shape and architecture), made here so
+    own comparison (trainer.checkpoint.files.config_differences: shape and architecture), made here so
     that a relaunch with a changed model section is refused before anything is submitted or recorded."""
-    from trainer.checkpoint.layout import CheckpointError, config_differences
+    from trainer.checkpoint.files import CheckpointError, config_differences
     from trainer.checkpoint.protocol import saved_layout
     from trainer.checks import ConfigError
     from trainer.config import ModelConfig

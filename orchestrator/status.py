@@ -15,7 +15,7 @@ from orchestrator.jobs import FAILED as FAILED_MARKER
 from orchestrator.launches import INCOMPLETE, current, history, is_incomplete
 from orchestrator.queue import CANCELLED, FAILED, PENDING, category, local_state, query_slurm_checked
 from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
-from trainer.checkpoint.layout import parse_tracker, tracker_text
+from trainer.checkpoint.files import parse_tracker, tracker_text
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import pass_at_1, read_results
 from trainer.health import RankHealth, read_hangs, read_heartbeats, summarize

@@ -184,7 +184,7 @@ def test_orchestrator_loads_no_torch_at_import():
 
 # The facts the orchestrator shares with the trainer (trainer/__init__.py lists them): torch-free.
 TORCH_FREE = ("trainer.config", "trainer.config.model", "trainer.checks", "trainer.formulas",
-              "trainer.signals", "trainer.metrics_file", "trainer.checkpoint.layout",
+              "trainer.signals", "trainer.metrics_file", "trainer.checkpoint.files",
               "trainer.checkpoint.verify", "trainer.checkpoint.megatron_args", "trainer.health.config",
               "trainer.health.heartbeat",
               "trainer.testing_hooks")

@@ -33,11 +33,11 @@ from trainer import formulas, health, metrics, testing_hooks
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import virtual_size
-from trainer.checkpoint.layout import config_differences
+from trainer.checkpoint.files import config_differences
 from trainer.checks import ConfigError
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig
 from trainer.convert import dist as dist_ckpt
-from trainer.convert.layout import load_shard
+from trainer.convert.shard_io import load_shard
 from trainer.convert.spec import unsupported_options
 from trainer.log import get_logger
 from trainer.main_data import DataShape, build_data, resolve_vocab

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.convert.conftest import make_checkpoint
-from trainer.convert.layout import TRACKER, CheckpointError
+from trainer.convert.shard_io import TRACKER, CheckpointError
 from trainer.convert.to_hf import INVALID, ToHFConfig, VerificationFailed, convert_checkpoint
 from trainer.convert.verify import VerifyConfig
 
@@ -172,7 +172,7 @@ def test_cli_exit_code_and_message(tmp_path, ckpt):
 def test_the_trainer_and_the_converter_read_a_tracker_alike(tmp_path, text, expected):
     """One reader: Megatron's ``release`` is iteration 0 to both (Megatron reads it so too)."""
     from trainer.checkpoint import protocol as ckpt
-    from trainer.convert.layout import read_tracker
+    from trainer.convert.shard_io import read_tracker
 
     (tmp_path / TRACKER).write_text(text)
     if expected is None:

@@ -13,7 +13,7 @@ from tests.convert.conftest import VOCAB, make_checkpoint
 from trainer.convert import names
 from trainer.convert.from_hf import FromHFConfig, convert_hf_model
 from trainer.convert.hf_io import load_weights
-from trainer.convert.layout import CheckpointError
+from trainer.convert.shard_io import CheckpointError
 from trainer.convert.shards import load_merged
 from trainer.convert.to_hf import ToHFConfig, convert_checkpoint
 

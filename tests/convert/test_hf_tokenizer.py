@@ -12,7 +12,7 @@ from tests.data.hf_fixtures import HFOracle, build_tokenizer_dir
 from tests.train.harness import run_cfg, spawn, tiny_config
 from trainer.config import CorpusConfig
 from trainer.convert import convert_run
-from trainer.convert.layout import CheckpointError
+from trainer.convert.shard_io import CheckpointError
 from trainer.data.corpus import iter_documents
 from trainer.data.preprocess import PreprocessConfig, preprocess
 from trainer.formulas import padded_vocab_size

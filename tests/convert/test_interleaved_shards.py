@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from trainer.checkpoint.chunks import chunk_entries, model_keys, virtual_size
-from trainer.checkpoint.layout import CheckpointError
+from trainer.checkpoint.files import CheckpointError
 from trainer.restore.reshard import SourceCheckpoint
 
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tests.convert.conftest import VOCAB
-from trainer.checkpoint.layout import arg
+from trainer.checkpoint.files import arg
 from trainer.convert.from_hf import FromHFConfig, convert_hf_model
 from trainer.convert.hf_io import load_weights
-from trainer.convert.layout import CheckpointError, load_shard, save_shard
 from trainer.convert.mcore import gpt_flat, to_mcore_model
+from trainer.convert.shard_io import CheckpointError, load_shard, save_shard
 from trainer.convert.shards import load_merged
 from trainer.convert.to_hf import ToHFConfig, convert_checkpoint
 

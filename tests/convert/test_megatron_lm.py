@@ -23,9 +23,9 @@ import torch
 
 from tests.convert.conftest import random_megatron_state, tiny_spec
 from trainer.checkpoint import pickles
-from trainer.convert.layout import TRACKER, CheckpointError
 from trainer.convert.mcore import normalise_names
 from trainer.convert.reference import MegatronReference, SlipwayGPTSource
+from trainer.convert.shard_io import TRACKER, CheckpointError
 from trainer.convert.shards import load_merged, write_checkpoint
 from trainer.convert.spec import spec_from_checkpoint
 from trainer.convert.to_hf import ToHFConfig, convert_checkpoint

@@ -6,7 +6,7 @@ import torch
 
 from tests.convert.conftest import random_megatron_state, tiny_spec
 from trainer.convert import names
-from trainer.convert.layout import flatten, nest
+from trainer.convert.shard_io import flatten, nest
 from trainer.convert.shards import load_merged, split, write_checkpoint
 
 

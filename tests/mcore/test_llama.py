@@ -161,7 +161,7 @@ def _model_only_cfg(tmp_path: Path, load_dir: Path) -> dict:
 @pytest.mark.parametrize("option", list(REFUSED))
 def test_options_slipway_lacks_are_refused_on_megatrons_own_checkpoints(tmp_path, capsys, megatron, option):
     from tests.train.test_reshard import _load
-    from trainer.checkpoint.layout import CheckpointError
+    from trainer.checkpoint.files import CheckpointError
     from trainer.convert.to_hf import main
     from trainer.parallel import ParallelState
 

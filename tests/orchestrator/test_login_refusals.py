@@ -42,7 +42,7 @@ def test_a_model_that_differs_from_the_runs_checkpoints_is_refused_in_the_dry_ru
     assert "another run_id" in text and "checkpoint.load=model-only" in text
     assert "model.num_layers=2 model.hidden_size=64 model.ffn_hidden_size=256" in text
     # the training job, given the same model, refuses the same checkpoint for the same differences
-    from trainer.checkpoint.layout import CheckpointError
+    from trainer.checkpoint.files import CheckpointError
     from trainer.checkpoint.protocol import saved_layout
     from trainer.main import _check_model, gpt_config
 
@@ -89,7 +89,7 @@ def test_an_architecture_change_of_the_same_shape_is_refused_as_the_trainer_refu
     plan, ckpt = _dry(tmp_path, "model.normalization=rmsnorm")
     hits = [str(p) for p in plan.problems if p.code == "checkpoint_model"]
     assert len(hits) == 1 and "normalization LayerNorm → RMSNorm" in hits[0], [str(p) for p in plan.problems]
-    from trainer.checkpoint.layout import CheckpointError
+    from trainer.checkpoint.files import CheckpointError
     from trainer.checkpoint.protocol import saved_layout
     from trainer.main import _check_model, gpt_config
 

@@ -18,7 +18,7 @@ from orchestrator.status import collect, format_rows, log_records, plot
 from tests.orchestrator.conftest import REPO
 from tests.seam import hook_env
 from tests.waits import JOB_S, wait_until
-from trainer.checkpoint.layout import TRACKER
+from trainer.checkpoint.files import TRACKER
 
 
 def test_parse_squeue_and_sacct():

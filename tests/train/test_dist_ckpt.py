@@ -21,7 +21,7 @@ from tests.train.test_faults import _resume, _run_with_failpoint, reference  # n
 from tests.train.test_resume import STOP_AT, _check, _resumed, _straight_and_stopped
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
-from trainer.checkpoint.layout import DIST_CONFIG
+from trainer.checkpoint.files import DIST_CONFIG
 from trainer.config import RunConfig
 from trainer.convert import dist as dist_ckpt
 from trainer.convert import names

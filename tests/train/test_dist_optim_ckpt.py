@@ -156,7 +156,7 @@ def test_distributed_checkpoint_reshards_across_tp_and_pp(tmp_path):
 def test_a_missing_distrib_optim_file_is_named():
     import pytest
 
-    from trainer.checkpoint.layout import CheckpointError
+    from trainer.checkpoint.files import CheckpointError
     from trainer.restore.distrib_optim import load_optimizer
 
     saved = {"optimizer": {"state": {}, "param_groups": [], "distributed": True, "file": "distrib_optim.pt"}}
@@ -169,7 +169,7 @@ def test_a_foreign_distrib_optim_file_is_refused(tmp_path):
     misread as Slipway's: the error says to start from the weights."""
     import pytest
 
-    from trainer.checkpoint.layout import CheckpointError
+    from trainer.checkpoint.files import CheckpointError
     from trainer.restore.distrib_optim import read_beside
 
     torch.save({"per_bucket_numel": [[10]], "0": {"param": torch.zeros(10)}}, tmp_path / "distrib_optim.pt")

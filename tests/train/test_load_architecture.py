@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from trainer.checkpoint.layout import CheckpointError
+from trainer.checkpoint.files import CheckpointError
 from trainer.config.model import ModelConfig
 from trainer.main import _check_model
 

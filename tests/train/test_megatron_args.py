@@ -11,7 +11,7 @@ import torch
 from tests.train.harness import VOCAB, run_cfg, tiny_config, write_dataset
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
-from trainer.checkpoint.layout import arg
+from trainer.checkpoint.files import arg
 from trainer.checkpoint.megatron_args import READER_ARGS
 from trainer.convert.spec import _activation
 

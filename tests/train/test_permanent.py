@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.checkpoint.layout import CheckpointError, CheckpointSpaceError
+from trainer.checkpoint.files import CheckpointError, CheckpointSpaceError
 from trainer.data.indexed_dataset import IndexedDatasetError
 from trainer.signals import permanent_reason
 

@@ -16,9 +16,9 @@ import torch
 
 from tests.convert.conftest import random_megatron_state
 from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
-from trainer.checkpoint.layout import CHECKPOINT_VERSION, write_tracker
+from trainer.checkpoint.files import CHECKPOINT_VERSION, write_tracker
 from trainer.convert import names
-from trainer.convert.layout import SHARD_FILE, nest, save_shard, shard_dir_name
+from trainer.convert.shard_io import SHARD_FILE, nest, save_shard, shard_dir_name
 from trainer.convert.shards import load_merged, split
 from trainer.convert.spec import GPTSpec
 from trainer.model.names import layer_index, renumber
@@ -86,7 +86,7 @@ def test_an_uneven_split_starts_a_run_at_any_layout(uneven, pp):
 
 
 def test_a_full_resume_of_an_uneven_split_names_the_setting(uneven):
-    from trainer.checkpoint.layout import CheckpointError
+    from trainer.checkpoint.files import CheckpointError
     from trainer.config.model import ModelConfig
     from trainer.main import _load_checkpoint
 

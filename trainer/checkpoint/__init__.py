@@ -1,6 +1,6 @@
 """Checkpoints in Megatron's layouts (``formats.md`` §4; torch_dist): written atomically and verified.
 
-- :mod:`~trainer.checkpoint.layout` — folder and file names, the tracker (torch-free; ``convert/`` and the
+- :mod:`~trainer.checkpoint.files` — folder and file names, the tracker (torch-free; ``convert/`` and the
   orchestrator read checkpoints through it).
 - :mod:`~trainer.checkpoint.protocol` — the numbered save protocol (temporary folder, fsync, rename,
   barrier, tracker commit, prune) and loading.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from trainer.checkpoint.layout import CheckpointError, arg
+from trainer.checkpoint.files import CheckpointError, arg
 
 _CHUNK_KEY = re.compile(r"^model(\d+)$")
 

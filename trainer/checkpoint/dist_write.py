@@ -1,6 +1,6 @@
 """Writing Megatron-core's ``torch_dist`` checkpoint format without Megatron, through the save protocol.
 
-A torch_dist checkpoint (the layout is :mod:`trainer.checkpoint.layout`'s; what Megatron puts in it is
+A torch_dist checkpoint (the layout is :mod:`trainer.checkpoint.files`'s; what Megatron puts in it is
 ``trainer.convert.dist``'s docstring) is a ``torch.distributed.checkpoint`` folder: every tensor under
 its *global* shape, each rank writing the chunks it owns at their global offsets, plus Megatron's
 ``common.pt`` and ``metadata.json``. Megatron's ``dist_checkpointing.load`` reads it back into any
@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
-from trainer.checkpoint.layout import DIST_COMMON, DIST_CONFIG, DIST_INFO, DIST_METADATA, iter_dir_name
+from trainer.checkpoint.files import DIST_COMMON, DIST_CONFIG, DIST_INFO, DIST_METADATA, iter_dir_name
 from trainer.disk import out_of_space
 from trainer.log import get_logger
 

@@ -1,6 +1,6 @@
 """Megatron legacy checkpoints (``formats.md`` §4), written atomically, loaded exactly.
 
-The folder layout and the tracker are :mod:`trainer.checkpoint.layout`'s. Each shard holds Megatron's
+The folder layout and the tracker are :mod:`trainer.checkpoint.files`'s. Each shard holds Megatron's
 top-level keys ``args`` (an ``argparse.Namespace`` of plain values: :mod:`trainer.checkpoint.megatron_args`),
 ``checkpoint_version`` (3.0), ``iteration``, ``model`` (legacy nested GPT names), ``optimizer``
 (``{"optimizer": torch state, "grad_scaler": ..., "param_names": [...]}``), ``opt_param_scheduler``,
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from trainer import testing_hooks
 from trainer.checkpoint import pickles
 from trainer.checkpoint import verify as ckpt_verify
-from trainer.checkpoint.layout import (  # noqa: F401 (the layout's names, re-exported for the trainer)
+from trainer.checkpoint.files import (  # noqa: F401 (the layout's names, re-exported for the trainer)
     CHECKPOINT_VERSION,
     DIST_COMMON,
     DIST_METADATA,
@@ -313,7 +313,7 @@ def load_file(path: str, *, mmap: bool = False) -> dict:
 
 def saved_layout(ckpt_dir: str, iteration: int, *, mmap: bool = False) -> tuple[int, int, Any]:
     """(tp_size, pp_size, args) of a saved checkpoint, read from its first shard's ``args`` (a Namespace,
-    or a dict in older Slipway checkpoints: read it with :func:`~trainer.checkpoint.layout.arg`).
+    or a dict in older Slipway checkpoints: read it with :func:`~trainer.checkpoint.files.arg`).
     ``mmap``: leave the tensors on disk (a launch reads only the args)."""
     base = _iter_dir(ckpt_dir, iteration)
     if not os.path.isdir(base):

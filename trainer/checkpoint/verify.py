@@ -21,7 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from trainer.checkpoint.layout import (
+from trainer.checkpoint.files import (
     DIST_COMMON,
     DIST_METADATA,
     SHARD_DIR_RE,

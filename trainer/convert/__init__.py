@@ -15,7 +15,7 @@ from typing import Any
 
 # Resolved on first use so that ``python -m trainer.convert.to_hf`` does not import to_hf twice.
 _EXPORTS = {"ConvertRunConfig": "run_config", "HubUnavailable": "hub", "convert_run": "hook",
-            "CheckpointError": "layout", "ConversionResult": "to_hf", "ToHFConfig": "to_hf",
+            "CheckpointError": "shard_io", "ConversionResult": "to_hf", "ToHFConfig": "to_hf",
             "VerificationFailed": "to_hf", "convert_checkpoint": "to_hf"}
 __all__ = sorted(_EXPORTS)
 

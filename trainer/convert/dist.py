@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.layout import DIST_COMMON, DIST_INFO, DIST_METADATA
-from trainer.convert.layout import CheckpointError, load_shard
+from trainer.checkpoint.files import DIST_COMMON, DIST_INFO, DIST_METADATA
+from trainer.convert.shard_io import CheckpointError, load_shard
 
 METADATA, COMMON = DIST_METADATA, DIST_COMMON
 STACKED = "decoder.layers."

@@ -25,8 +25,8 @@ import torch
 from trainer.checkpoint.megatron_args import megatron_args
 from trainer.config.model import ModelConfig
 from trainer.convert import hf_io, llama, names
-from trainer.convert.layout import TRACKER, CheckpointError, prepare_output
 from trainer.convert.reference import make_source
+from trainer.convert.shard_io import TRACKER, CheckpointError, prepare_output
 from trainer.convert.shards import load_merged, write_checkpoint
 from trainer.convert.spec import EOD_TOKEN, LLAMA, GPTSpec
 from trainer.convert.tokenizer import RunTokenizer, build_hf_tokenizer

@@ -15,8 +15,8 @@ from typing import Any
 
 from trainer.convert.hf_io import hf_positions
 from trainer.convert.hub import check_hub, push
-from trainer.convert.layout import iteration_path
 from trainer.convert.run_config import ConvertRunConfig
+from trainer.convert.shard_io import iteration_path
 from trainer.convert.to_hf import ConversionResult, ToHFConfig, convert_checkpoint
 from trainer.log import get_logger
 from trainer.metrics_file import VALID_LOSS, last_at_or_before

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.layout import CheckpointError, arg
+from trainer.checkpoint.files import CheckpointError, arg
 from trainer.convert import names
 from trainer.model.names import flatten as flatten_legacy
 from trainer.model.names import layer_index

@@ -292,7 +292,7 @@ def hf_to_megatron(state: dict[str, torch.Tensor], shapes: Shapes) -> dict[str, 
 def features(args: object) -> frozenset[str]:
     """The table's features (Rule.only) of a model, from its checkpoint args (Megatron's names; GPT-2
     defaults where absent)."""
-    from trainer.checkpoint.layout import arg
+    from trainer.checkpoint.files import arg
 
     found = set()
     if arg(args, "position_embedding_type", "learned_absolute") == "learned_absolute":

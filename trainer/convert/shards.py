@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.chunks import chunk_entries
-from trainer.checkpoint.layout import CHECKPOINT_VERSION, arg, iter_dir_name, write_tracker
+from trainer.checkpoint.files import CHECKPOINT_VERSION, arg, iter_dir_name, write_tracker
 from trainer.convert import dist, names
-from trainer.convert.layout import (
+from trainer.convert.mcore import is_mcore_model, normalise_names, untied_head
+from trainer.convert.shard_io import (
     SHARD_FILE,
     CheckpointError,
     discover_layout,
@@ -32,7 +33,6 @@ from trainer.convert.layout import (
     save_shard,
     shard_dir_name,
 )
-from trainer.convert.mcore import is_mcore_model, normalise_names, untied_head
 from trainer.convert.spec import check_convertible
 from trainer.log import get_logger
 from trainer.model.names import layer_index, renumber

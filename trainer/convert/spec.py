@@ -1,7 +1,7 @@
 """The architecture of a checkpointed GPT, read from its args and checked against its weights.
 
 Slipway and Megatron-LM both store ``args`` as an ``argparse.Namespace`` with Megatron's names (older
-Slipway checkpoints: a dict; :func:`trainer.checkpoint.layout.arg` reads either). Two families convert:
+Slipway checkpoints: a dict; :func:`trainer.checkpoint.files.arg` reads either). Two families convert:
 GPT-2 architecture (``GPT2LMHeadModel``) and Llama's (rope, RMSNorm, SwiGLU, any number of KV groups,
 with or without biases and tied head: ``LlamaForCausalLM``). Options neither has (post-LN residuals,
 mixture of experts, fp8 Transformer Engine weights, interleaved rotary, q/k LayerNorm, mixes of the two
@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.layout import arg  # the one accessor; convert/ modules also import it from here
+from trainer.checkpoint.files import arg  # the one accessor; convert/ modules also import it from here
 from trainer.config.model import MEGATRON_NORMALIZATION, MEGATRON_POSITION
 from trainer.convert import names
-from trainer.convert.layout import CheckpointError
+from trainer.convert.shard_io import CheckpointError
 
 EOD_TOKEN = "<|endoftext|>"
 GPT2, LLAMA = "gpt2", "llama"  # the Hugging Face architectures a checkpoint converts to

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from trainer.convert import card, hf_io, llama, names
-from trainer.convert.layout import CheckpointError, iteration_path, prepare_output
 from trainer.convert.reference import make_source
+from trainer.convert.shard_io import CheckpointError, iteration_path, prepare_output
 from trainer.convert.shards import MergedCheckpoint, load_merged
 from trainer.convert.spec import LLAMA, GPTSpec, arg, spec_from_checkpoint
 from trainer.convert.tokenizer import AnyRunTokenizer, find_tokenizer, save_tokenizer

@@ -17,7 +17,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from trainer.convert.layout import CheckpointError
+from trainer.convert.shard_io import CheckpointError
 from trainer.convert.spec import EOD_TOKEN, arg
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 

@@ -27,11 +27,11 @@ import torch
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.dist_write import Piece, save_dist_checkpoint
-from trainer.checkpoint.layout import DIST_COMMON, CheckpointError, arg
+from trainer.checkpoint.files import DIST_COMMON, CheckpointError, arg
 from trainer.convert import dist as dist_ckpt
 from trainer.convert import names
-from trainer.convert.layout import load_shard
 from trainer.convert.mcore import EXTRA, LEGACY_PREFIX, LINEARS, normalise_names, untied_head
+from trainer.convert.shard_io import load_shard
 from trainer.log import get_logger
 from trainer.model.names import nest, renumber
 from trainer.parallel import ParallelModel

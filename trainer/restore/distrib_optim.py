@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint.layout import CheckpointError, shard_dir_name
+from trainer.checkpoint.files import CheckpointError, shard_dir_name
 from trainer.checkpoint.protocol import load_file
 from trainer.parallel.dist_optimizer import DISTRIB_FILE, DistributedOptimizer
 from trainer.restore.reshard import SourceCheckpoint

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from trainer.checkpoint.chunks import chunk_entries
-from trainer.checkpoint.layout import SHARD_FILE, CheckpointError, iter_dir_name, shard_dir_name
+from trainer.checkpoint.files import SHARD_FILE, CheckpointError, iter_dir_name, shard_dir_name
 from trainer.checkpoint.protocol import load_file
 from trainer.convert.mcore import gpt_flat
 from trainer.model.names import layer_index, renumber

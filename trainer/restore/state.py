@@ -20,7 +20,7 @@ architecture's fixed values), with the run's own facts added:
 
 With interleaving the shard holds ``model0`` … ``model{v-1}`` instead of ``model`` (Megatron's layout,
 :mod:`trainer.checkpoint.chunks`). Checkpoints of older Slipway versions carry a dict; everything here
-reads args through :func:`trainer.checkpoint.layout.arg`, which takes both.
+reads args through :func:`trainer.checkpoint.files.arg`, which takes both.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 import trainer
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint.chunks import chunk_entries, model_keys, virtual_size
-from trainer.checkpoint.layout import arg
+from trainer.checkpoint.files import arg
 from trainer.checkpoint.megatron_args import megatron_args
 from trainer.config.model import ModelConfig
 from trainer.convert.mcore import LEGACY_PREFIX, gpt_flat, to_mcore_model

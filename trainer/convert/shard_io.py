@@ -24,7 +24,7 @@ from trainer.checkpoint import pickles
 
 # The names and the error type are the trainer's (one definition of the layout); reading is our own:
 # memory-mapped, by the restricted unpickler, and with errors that point at the converter's flags.
-from trainer.checkpoint.layout import (
+from trainer.checkpoint.files import (
     SHARD_DIR_RE,
     SHARD_FILE,
     TRACKER,
@@ -32,7 +32,7 @@ from trainer.checkpoint.layout import (
     iter_path,
     shard_dir_name,
 )
-from trainer.checkpoint.layout import read_tracker as ckpt_read_tracker
+from trainer.checkpoint.files import read_tracker as ckpt_read_tracker
 from trainer.log import get_logger
 
 log = get_logger(__name__)
