@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import TextIO
 
 from orchestrator.launches import current_jobs
-from orchestrator.runs import RUN_JSON, read_json
+from orchestrator.runs import read_json
+from trainer.run_files import RUN_JSON
 
 
 def log_path(folder: str, job_id: str, task: int = 0, stream: str = "err") -> Path:

@@ -4,9 +4,9 @@ The plan (pure) builds these specs; submit pickles them into the stage callables
 :mod:`orchestrator.stages`, which run on the nodes. This module imports neither submitit nor the trainer,
 so planning and the status table never load them.
 
-Every stage writes :data:`COMPLETE` into its output directory when it succeeded and :data:`FAILED` when it
-raised, so later launches can reuse complete outputs and local jobs (which have no Slurm ``afterok``) can
-wait on their upstream.
+Every stage writes ``run_files.COMPLETE`` into its output directory when it succeeded and
+``run_files.FAILED`` when it raised, so later launches can reuse complete outputs and local jobs (which
+have no Slurm ``afterok``) can wait on their upstream.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 
 from trainer.config import CorpusConfig
 from trainer.convert.run_config import ConvertRunConfig
-from trainer.run_files import COMPLETE, FAILED  # noqa: F401 (the stage markers, re-exported)
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.runs import RUN_JSON, read_json, write_json
-from trainer.run_files import CONFIG
+from orchestrator.runs import read_json, write_json
+from trainer.run_files import CONFIG, RUN_JSON
 
 FORMAT = 2
 LAUNCHES_DIR = "launches"

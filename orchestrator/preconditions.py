@@ -26,16 +26,16 @@ from typing import Any
 
 from orchestrator import launches
 from orchestrator.container import PYXIS_OPTIONS
-from orchestrator.jobs import COMPLETE, PreprocessJob
+from orchestrator.jobs import PreprocessJob
 from orchestrator.plan import Plan
 from orchestrator.queue import ended, live_state, local_state, query_slurm
-from orchestrator.runs import RUN_JSON, hf_vocab_entries, vocab_entries, write_json
+from orchestrator.runs import hf_vocab_entries, vocab_entries, write_json
 from orchestrator.schema import SlipwayConfig
 from orchestrator.validate import PlanError, Problem
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.formulas import model_vocab_size
-from trainer.run_files import document_prefix
+from trainer.run_files import COMPLETE, RUN_JSON, document_prefix
 
 LOCK = ".slipway-launch.lock"
 WRITER = ".slipway-writer.json"

@@ -31,8 +31,8 @@ import pickle
 import subprocess
 from pathlib import Path
 
-from orchestrator.jobs import COMPLETE
-from orchestrator.jobs import FAILED as FAILED_MARKER
+from trainer.run_files import COMPLETE
+from trainer.run_files import FAILED as FAILED_MARKER
 
 PENDING, RUNNING, DONE, FAILED, CANCELLED = "pending", "running", "done", "failed", "cancelled"
 CATEGORIES = (PENDING, RUNNING, DONE, FAILED, CANCELLED)

@@ -20,7 +20,7 @@ from typing import Any
 
 from orchestrator.content_hash import content_fingerprint
 from orchestrator.schema import SlipwayConfig
-from trainer.run_files import RUN_JSON  # noqa: F401 (re-exported: the launcher reads it here)
+from trainer.run_files import RUN_JSON
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SWEEP_JSON = "sweep.json"

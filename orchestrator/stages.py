@@ -18,8 +18,6 @@ from typing import Any
 import submitit
 
 from orchestrator.jobs import (
-    COMPLETE,
-    FAILED,
     ConvertJob,
     CorpusJob,
     PreprocessJob,
@@ -29,7 +27,7 @@ from orchestrator.jobs import (
 from orchestrator.queue import process_alive
 from trainer import testing_hooks
 from trainer.log import get_logger
-from trainer.run_files import ATTEMPT_ENV, RunDir
+from trainer.run_files import ATTEMPT_ENV, COMPLETE, FAILED, RunDir
 from trainer.signals import (
     EXIT_NONFINITE,
     EXIT_PERMANENT,

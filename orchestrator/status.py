@@ -11,10 +11,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.jobs import FAILED as FAILED_MARKER
 from orchestrator.launches import INCOMPLETE, current, history, is_incomplete
 from orchestrator.queue import CANCELLED, FAILED, PENDING, category, local_state, query_slurm_checked
-from orchestrator.runs import RUN_JSON, read_json, run_dirs_of
+from orchestrator.runs import read_json, run_dirs_of
 from trainer.checkpoint.files import parse_tracker, tracker_text
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import pass_at_1, read_results
@@ -27,7 +26,8 @@ from trainer.metrics_file import (
     last_kernel_check,
     read_metrics,
 )
-from trainer.run_files import REQUEUES, RETRIES, RunDir
+from trainer.run_files import FAILED as FAILED_MARKER
+from trainer.run_files import REQUEUES, RETRIES, RUN_JSON, RunDir
 from trainer.wandb_online import FALLBACK_KEY
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")

@@ -29,7 +29,7 @@ import submitit
 
 from orchestrator import container_render, render
 from orchestrator.container import host_paths, job_image
-from orchestrator.jobs import COMPLETE, FAILED, Upstream
+from orchestrator.jobs import Upstream
 from orchestrator.launches import job_comment, launch_dir, next_launch, record_intent, record_job
 from orchestrator.layout import tasks_per_node
 from orchestrator.plan import Plan, StagePlan
@@ -38,7 +38,7 @@ from orchestrator.runs import REPO_ROOT
 from orchestrator.schema import ContainerConfig, SlipwayConfig
 from orchestrator.stages import STAGE_CALLABLES
 from trainer.log import get_logger
-from trainer.run_files import JOBS, LOGS, RunDir
+from trainer.run_files import COMPLETE, FAILED, JOBS, LOGS, RunDir
 from trainer.testing_hooks import launch_failpoint
 
 log = get_logger(__name__)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from orchestrator.estimate import fmt_duration
 from orchestrator.launches import current
-from orchestrator.runs import RUN_JSON, read_json
+from orchestrator.runs import read_json
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import describe, read_results, results_path
 from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, kernel_fallbacks, last_kernel_check, series
-from trainer.run_files import COMPLETE, RunDir
+from trainer.run_files import COMPLETE, RUN_JSON, RunDir
 
 
 @dataclass

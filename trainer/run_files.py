@@ -17,7 +17,7 @@ literal file name of a run anywhere else is a second copy (tests/test_run_files.
       train_metrics.jsonl      the trainer's log-line values, one JSON object per line
       data_report.json         the preprocessing summaries of the run's data
       sample.txt               the converted model's sample continuation
-      loss.png                 the loss curve (``python -m orchestrator --plot``)
+      loss.png                 the loss curve (``python -m orchestrator status RUN --plot``)
       summary.txt              what a finished local run printed (orchestrator/summary.py)
 """
 

@@ -9,9 +9,9 @@ import pytest
 
 from orchestrator import status
 from orchestrator.jobs import PreprocessJob, TrainJob
-from orchestrator.runs import RUN_JSON
 from orchestrator.stages import PreprocessStage, TrainStage
 from tests.train.harness import tiny_config, write_dataset
+from trainer.run_files import RUN_JSON
 
 
 def _local_job_env(monkeypatch) -> None:

@@ -9,7 +9,6 @@ import socket
 
 import pytest
 
-from orchestrator.runs import RUN_JSON
 from orchestrator.status import collect, format_rows
 from orchestrator.summary import write_summary
 from tests.logs import captured
@@ -17,6 +16,7 @@ from tests.train import wandb_reader
 from tests.train.harness import run_cfg, tiny_config, write_dataset
 from tests.waits import NEVER_S
 from trainer import wandb_online
+from trainer.run_files import RUN_JSON
 from trainer.signals import EXIT_OK, permanent_reason
 
 
