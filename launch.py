@@ -22,8 +22,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from orchestrator import redaction
+from orchestrator.facts import SweepInfo
 from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED, RunFailed, launch
-from orchestrator.plan import SweepInfo
 from orchestrator.schema import register, to_typed
 from orchestrator.validate import PlanError
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from orchestrator.schema import SlipwayConfig
 from trainer.data.blend import BlendError, target_sizes
 from trainer.data.splits import parse_split
+from trainer.run_files import preprocess_summary
 
 BYTES_PER_TOKEN = 4.0
 
@@ -32,7 +33,7 @@ class CorpusShare:
 
 def _corpus_tokens(path: str, prefix: str, json_key: str) -> tuple[int | None, bool]:
     try:
-        with open(f"{prefix}_summary.json", encoding="utf-8") as f:
+        with open(preprocess_summary(prefix), encoding="utf-8") as f:
             return int(json.load(f)["tokens"][json_key]), True
     except (OSError, ValueError, KeyError, TypeError):
         pass

@@ -19,10 +19,11 @@ from pathlib import Path
 from orchestrator import launches, queue, redaction
 from orchestrator.data_shares import corpus_shares, shares_table
 from orchestrator.estimate import fmt_duration, memory_table, options_table
+from orchestrator.facts import PlanInputs, SweepInfo
 from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.guards import known_secrets
 from orchestrator.input_checks import input_problems
-from orchestrator.plan import Plan, PlanInputs, SweepInfo, make_plan, run_name
+from orchestrator.plan import Plan, make_plan
 from orchestrator.preconditions import (
     active_problems,
     checkpoint_problems,
@@ -46,6 +47,9 @@ from orchestrator.runs import (
     write_json,
 )
 from orchestrator.schema import SlipwayConfig
+from orchestrator.stages import preprocess
+from orchestrator.stages.train import NAME as TRAIN
+from orchestrator.stages.train import run_name
 from orchestrator.submit import (
     Submitted,
     container_wrapper,
@@ -109,6 +113,10 @@ def gather_facts(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> PlanInpu
     )
 
 
+def _data_prefixes(plan: Plan) -> list[str]:
+    return preprocess.prefixes(plan.stage(preprocess.NAME).job)
+
+
 def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
     lay, t = plan.layout, plan.time
     unit = "GPU" if cfg.cluster.gpus_per_node else "CPU-task"
@@ -123,7 +131,7 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         f"{cfg.train.micro_batch_size} per step",
         f"  vocab {plan.vocab_size}, precision {cfg.train.precision}, {cfg.train.iters} iterations, "
         f"{lay.global_batch * cfg.model.seq_length * cfg.train.iters / 1e9:.2f} B tokens",
-        *shares_table(corpus_shares(cfg, lay.global_batch, plan.stage("preprocess").job.prefixes)),
+        *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
         "",
         "Memory per device (the busiest pipeline stage):",
         memory_table(plan.memory, cfg.cluster.device_name),
@@ -195,10 +203,10 @@ def _follow_text(plan: Plan, submitted: list[Submitted]) -> str:
     lines = [f"run dir: {plan.run_dir}"]
     for s in submitted:
         lines.append(f"  {s.stage:<11} {s.action:<18} {s.job_id or ''}")
-    train = next((s for s in submitted if s.stage == "train" and s.job_id), None)
+    train = next((s for s in submitted if s.stage == TRAIN and s.job_id), None)
     logs = f"{plan.run_dir}/logs/*"
     if train is not None and train.executor == "local":  # local jobs log into their submitit folder
-        logs = str(log_path(stage_folder(plan, plan.stage("train")), train.job_id))
+        logs = str(log_path(stage_folder(plan, plan.stage(TRAIN)), train.job_id))
     lines += [f"follow: python -m orchestrator status {plan.run_dir}", f"logs:   tail -f {logs}"]
     if plan.sweep:
         lines.append(f"sweep:  python -m orchestrator status {plan.sweep.sweep_dir} --plot")
@@ -218,7 +226,7 @@ def wait(plan: Plan, poll_s: float = 5.0, out=sys.stderr, follow: LogFollower | 
         rows = collect(plan.run_dir)
         for r in rows:
             extra = ""
-            if follow is None and r.stage == "train" and r.loss:
+            if follow is None and r.stage == TRAIN and r.loss:
                 extra = f" checkpoint {r.checkpoint_iter}, last loss {r.loss:.4f}"
             line = f"{r.state}{extra}"
             if seen.get(r.stage) != line:
@@ -313,7 +321,7 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
         _record(cfg, plan, scripts_of(cfg, plan, n), overrides)
         launch_failpoint("recorded")
         submitted = submit_plan(cfg, plan, n)
-        train = next((s for s in submitted if s.stage == "train"), None)
+        train = next((s for s in submitted if s.stage == TRAIN), None)
         record_writer(plan, train.job_id if train else None, cfg.cluster.executor)
         launch_failpoint("submitted")
         launches.set_state(plan.run_dir, n, launches.SUBMITTED)

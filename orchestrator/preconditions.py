@@ -26,16 +26,17 @@ from typing import Any
 
 from orchestrator import launches
 from orchestrator.container import PYXIS_OPTIONS
-from orchestrator.jobs import PreprocessJob
 from orchestrator.plan import Plan
 from orchestrator.queue import ended, live_state, local_state, query_slurm
 from orchestrator.runs import hf_vocab_entries, vocab_entries, write_json
 from orchestrator.schema import SlipwayConfig
+from orchestrator.stages.preprocess import NAME as PREPROCESS
+from orchestrator.stages.train import NAME as TRAIN
 from orchestrator.validate import PlanError, Problem
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.formulas import model_vocab_size
-from trainer.run_files import COMPLETE, RUN_JSON, document_prefix
+from trainer.run_files import COMPLETE, RUN_JSON
 
 LOCK = ".slipway-launch.lock"
 WRITER = ".slipway-writer.json"
@@ -43,16 +44,15 @@ WRITER = ".slipway-writer.json"
 
 def reused_data_problems(plan: Plan) -> list[Problem]:
     """Problems with a preprocessing output the launch would reuse (none when it will be built)."""
-    prep = plan.stage("preprocess")
+    prep = plan.stage(PREPROCESS)
     if not (Path(prep.state_dir) / COMPLETE).exists():
         return []
     from trainer.data.indexed_dataset import IndexedDataset, IndexedDatasetError
 
-    job: PreprocessJob = prep.job
     out = []
-    for prefix in job.prefixes:
+    for prefix in [c.output_prefix_for(key) for c in prep.job for key in c.json_keys]:
         try:
-            IndexedDataset(document_prefix(prefix, job.json_key)).close()
+            IndexedDataset(prefix).close()
         except IndexedDatasetError as err:
             out.append(Problem(
                 "data_corrupt", "cache_dir", prep.state_dir,
@@ -67,7 +67,7 @@ def checkpoint_problems(plan: Plan) -> list[Problem]:
     (sizes against each manifest; the job also verifies checksums): a damaged latest checkpoint or a
     missing/garbage tracker becomes a warning (the job loads the newest good one); checkpoints of which
     none verifies are a problem (the job would refuse to start rather than overwrite them)."""
-    ck = plan.stage("train").job.trainer_config["checkpoint"]
+    ck = plan.stage(TRAIN).job.trainer_config["checkpoint"]
     if ck.get("load") not in (None, "latest") or not os.path.isdir(ck["dir"]):
         return []
     try:
@@ -94,7 +94,7 @@ def model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
         args = saved_layout(ckpt_dir, iteration, mmap=True)[2]
     except CheckpointError:
         return []  # not a Slipway checkpoint (torch_dist, foreign): the trainer says what to do with it
-    tc = plan.stage("train").job.trainer_config
+    tc = plan.stage(TRAIN).job.trainer_config
     model = dict(tc["model"])
     tok = tc["tokenizer"]  # the tokenizer is read only when its size matters (loading one takes seconds)
     entries = None if model.get("vocab_size") else (
@@ -118,7 +118,7 @@ def model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
 
 
 def checkpoint_dir(plan: Plan) -> str:
-    return plan.stage("train").job.trainer_config["checkpoint"]["dir"]
+    return plan.stage(TRAIN).job.trainer_config["checkpoint"]["dir"]
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 
 from orchestrator.container_render import PyxisSpec, pyxis_preamble, pyxis_srun_flags
 from orchestrator.redaction import is_secret_name
-from orchestrator.schema import ClusterConfig
-from trainer.eval.config import EvalConfig
 from trainer.formulas import PORT_BASE, PORT_SPAN
 from trainer.run_files import ATTEMPT_ENV, REQUEUES, RETRIES
 from trainer.signals import EXIT_REQUEUE, FATAL_MARKER, STOPPED_MARKER
@@ -35,7 +33,7 @@ from trainer.signals import EXIT_REQUEUE, FATAL_MARKER, STOPPED_MARKER
 
 @dataclass(frozen=True)
 class JobResources:
-    """What one stage asks the scheduler for."""
+    """What one stage asks the scheduler for (each stage's ``resources``: orchestrator/stages/)."""
 
     name: str
     nodes: int = 1
@@ -55,45 +53,8 @@ class JobResources:
     max_timeouts: int = 0
 
 
-def stage_resources(stage: str, cluster: ClusterConfig, experiment: str, tasks_per_node: int,
-                    evaluation: EvalConfig | None = None) -> JobResources:
-    """Training gets the GPU layout; corpus/preprocess/convert are single-task CPU jobs; eval is one task,
-    with one GPU on the training partition when ``eval.device=cuda``."""
-    c = cluster
-    common = {
-        "account": c.account,
-        "qos": c.qos,
-        "constraint": c.constraint,
-        "extra": tuple(sorted(c.sbatch_extra.items())),
-    }
-    name = f"slipway-{experiment}-{stage}"
-    if stage == "train":
-        return JobResources(
-            name,
-            c.nodes,
-            tasks_per_node,
-            c.gpus_per_node,
-            c.cpus_per_task,
-            c.time_limit_min,
-            c.partition,
-            mem=_mem(c.mem_gb),
-            exclusive=c.exclusive,
-            signal_delay_s=c.signal_delay_s,
-            max_retries=c.max_retries,
-            max_timeouts=c.max_timeouts,
-            **common,
-        )
-    if stage == "eval" and evaluation is not None:
-        gpu = evaluation.device == "cuda"
-        partition = c.partition if gpu else c.stage_partition or c.partition
-        limit = evaluation.time_limit_min
-        return JobResources(name, 1, 1, int(gpu), c.stage_cpus, limit, partition, **common)
-    return JobResources(
-        name, 1, 1, 0, c.stage_cpus, c.stage_time_limit_min, c.stage_partition or c.partition, **common
-    )
-
-
-def _mem(mem_gb: float | None) -> str | None:
+def mem_flag(mem_gb: float | None) -> str | None:
+    """``cluster.mem_gb`` as sbatch's ``--mem`` value (``0`` means all of a node's memory)."""
     if mem_gb is None:
         return None
     return str(int(mem_gb)) + ("G" if mem_gb else "") if mem_gb == int(mem_gb) else f"{int(mem_gb * 1024)}M"

@@ -1,38 +1,26 @@
 """Where every job of a run or sweep stands: one ``squeue`` and one ``sacct`` call per look (queue.py).
 
-Training progress comes from the run directory: the last checkpointed iteration
-(``latest_checkpointed_iteration.txt``), the last Megatron log line (loss, tokens/s), restarts (the
-requeue/retry records the sbatch script writes) and the W&B run id (``wandb_run.json``).
+Every row has the job's state and, for a failed or cancelled one, why; each stage adds its own columns
+(its ``status``, orchestrator/stages/): training its loss, checkpoint, restarts, heartbeats and W&B run
+(read by orchestrator/progress.py), eval its pass@1.
 """
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.launches import INCOMPLETE, current, history, is_incomplete
+from orchestrator.progress import log_records
 from orchestrator.queue import CANCELLED, FAILED, PENDING, category, local_state, query_slurm_checked
 from orchestrator.runs import read_json, run_dirs_of
-from trainer.checkpoint.files import parse_tracker, tracker_text
-from trainer.checkpoint.verify import read_warnings
-from trainer.eval.results import pass_at_1, read_results
-from trainer.health import RankHealth, read_hangs, read_heartbeats, summarize
-from trainer.metrics_file import (
-    TOKENS_PER_S,
-    TRAIN_LOSS,
-    kernel_cell,
-    kernel_fallbacks,
-    last_kernel_check,
-    read_metrics,
-)
+from orchestrator.stages import get as stage_def
+from orchestrator.stages.base import StageLook
+from orchestrator.stages.train import NAME as TRAIN
+from trainer.health import RankHealth
 from trainer.run_files import FAILED as FAILED_MARKER
-from trainer.run_files import REQUEUES, RETRIES, RUN_JSON, RunDir
-from trainer.wandb_online import FALLBACK_KEY
-
-_ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
-_LOSS = re.compile(r"lm loss: ([0-9.Ee+-]+)")
-_TOKS = re.compile(r"tokens per second: ([0-9.Ee+-]+)")
+from trainer.run_files import RUN_JSON
 
 
 @dataclass
@@ -60,61 +48,6 @@ class JobRow:
     hangs: list[str] = field(default_factory=list)  # every hang a watchdog recorded (kept across retries)
 
 
-def metrics_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
-    """(iteration, loss, tokens/s) from the trainer's metrics file (rank 0; replayed iterations after a
-    restart appear again, the last one wins)."""
-    return [(int(row["iteration"]), float(row[TRAIN_LOSS]), row.get(TOKENS_PER_S))
-            for row in read_metrics(run_dir, TRAIN_LOSS)]
-
-
-def log_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
-    """(iteration, loss, tokens/s): the trainer's metrics file, else the Megatron log lines of every
-    training log of the run (later restarts overriding)."""
-    recs = metrics_records(run_dir)
-    if recs:
-        return recs
-    by_iter: dict[int, tuple[int, float | None, float | None]] = {}
-    files = sorted(
-        list(RunDir(run_dir).logs.glob("train_*")) + list(RunDir(run_dir).jobs("train").glob("*_log.*")),
-        key=lambda p: p.stat().st_mtime,
-    )
-    for f in files:
-        try:
-            text = f.read_text(errors="replace")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            m = _ITER.search(line)
-            if not m:
-                continue
-            loss, toks = _LOSS.search(line), _TOKS.search(line)
-            it = int(m.group(1))
-            by_iter[it] = (
-                it,
-                float(loss.group(1)) if loss else by_iter.get(it, (0, None, None))[1],
-                float(toks.group(1)) if toks else None,
-            )
-    return [by_iter[k] for k in sorted(by_iter)]
-
-
-def _restarts(state_dir: Path, slurm_requeues: int = 0) -> int:
-    """Retries in the allocation (Slipway's) plus requeues: Slurm's count (its records) covers Slipway's
-    own `scontrol requeue`s and Slurm's (a node failure); the larger of the two, as accounting may lag."""
-    def lines(name: str) -> int:
-        p = state_dir / name
-        return len([x for x in p.read_text().splitlines() if x.strip()]) if p.exists() else 0
-
-    return lines(RETRIES) + max(lines(REQUEUES), slurm_requeues)
-
-
-def _checkpoint_iter(run_dir: Path, data: dict) -> int | None:
-    ck = data.get("config", {}).get("checkpoint", {}).get("dir") or str(RunDir(run_dir).checkpoints)
-    try:  # the trainer's reader: Megatron's "release" is 0; a tracker naming no iteration shows as none
-        return parse_tracker(tracker_text(ck))
-    except OSError:
-        return None
-
-
 def _failure(state: str, entry: dict, acct: dict) -> str:
     """Why a stage that failed or was cancelled ended: the error its callable recorded (``_FAILED``), else
     the trainer's verdict (the newest ``fatal_*`` marker of this job), else what Slurm says."""
@@ -136,39 +69,6 @@ def _failure(state: str, entry: dict, acct: dict) -> str:
                 else "no error was recorded (killed, or lost its node?)")
         reason = f"{state}{f' ({why})' if why else ''}; {hint}"
     return str(reason).splitlines()[0] if str(reason).strip() else state
-
-
-def _hangs(run_dir: Path) -> list[str]:
-    """One line per recorded hang (several ranks' watchdogs report the same one: merged)."""
-    merged: dict[tuple, list[int]] = {}
-    for h in read_hangs(str(run_dir)):
-        key = (h.get("job"), h.get("iteration"), tuple(h.get("stopped") or ()))
-        merged.setdefault(key, []).append(h.get("reporter"))
-    out = []
-    for (job, it, stopped), reporters in merged.items():
-        who = "; ".join(stopped) if stopped else "no rank identifiable from the heartbeats"
-        by = ", ".join(map(str, sorted(reporters)))
-        out.append(f"{f'job {job}, ' if job else ''}iteration {it}: stopped progressing: {who} (watchdog "
-                   f"fired on rank{'s' if len(reporters) > 1 else ''} {by}, exit 70)")
-    return out
-
-
-def _wandb_offline(run_dir: Path) -> str:
-    """Why online W&B fell back to offline in a job of this run, and how to upload what it wrote."""
-    p = RunDir(run_dir).wandb_run
-    fallback = read_json(p).get(FALLBACK_KEY) if p.exists() else None
-    if not isinstance(fallback, dict):
-        return ""
-    return f"{fallback.get('reason')}; logged offline, upload with: {fallback.get('sync')}"
-
-
-def _wandb_path(run_dir: Path, data: dict) -> str:
-    p = RunDir(run_dir).wandb_run
-    if not p.exists():
-        return ""
-    wid = read_json(p).get("id", "")
-    w = data.get("config", {}).get("logging", {}).get("wandb", {})
-    return "/".join(x for x in (w.get("entity"), w.get("project"), wid) if x)
 
 
 def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
@@ -201,27 +101,12 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
             reason = reason if category(state) == PENDING else ""
             row = JobRow(run_dir.name, stage, jid, state, reason, name=str(data.get("name") or run_dir.name))
             row.failure = _failure(state, e, sa.get(jid, {}))
-            if stage == "eval":
-                row.pass_at_1 = pass_at_1(read_results(run_dir))
             if squeue_error and e.get("executor") == "slurm":
                 row.slurm_error = squeue_error
-            if stage == "train":
-                recs = log_records(run_dir)
-                slurm_runs = int(sa.get(jid, {}).get("records", "1"))
-                state_dir = Path(e.get("state_dir", RunDir(run_dir).stage_state("train")))
-                row.restarts = _restarts(state_dir, slurm_runs - 1)
-                row.checkpoint_iter = _checkpoint_iter(run_dir, data)
-                if recs:
-                    row.loss, row.tokens_per_s = recs[-1][1], recs[-1][2]
-                row.wandb = _wandb_path(run_dir, data)
-                row.wandb_offline = _wandb_offline(run_dir)
-                row.hangs = _hangs(run_dir)
-                row.log = str(RunDir(run_dir).logs)
-                row.ranks = read_heartbeats(str(run_dir), stale_after_s=stale_after_s)
-                check = last_kernel_check(run_dir)
-                row.health = "; ".join(x for x in (summarize(row.ranks), kernel_cell(check)) if x)
-                row.kernel_fallbacks = kernel_fallbacks(check)
-                row.checkpoint_warnings = read_warnings(str(run_dir))
+            definition = stage_def(stage)  # None: a stage this version does not know (an old run's record)
+            if definition is not None:
+                look = StageLook(run_dir, e, data, sa.get(jid, {}), stale_after_s)
+                row = dataclasses.replace(row, **definition.status(look))
             rows.append(row)
     return rows
 
@@ -327,7 +212,7 @@ def plot(path: str, out: str) -> str:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for run_dir in run_dirs_of(path):
-        recs = [(i, loss) for i, loss, _ in log_records(run_dir) if loss is not None]
+        recs = [(i, loss) for i, loss, _ in log_records(run_dir, TRAIN) if loss is not None]
         if recs:
             data = read_json(run_dir / RUN_JSON)
             label = data.get("name") or run_dir.name

@@ -5,13 +5,13 @@ jobs and writes each job's record (``_JOB.json``, the launch's intents and jobs 
 ``launches/<n>/scripts/``); runs.py writes the run directory and sweep manifests and reads git and file
 stats; preconditions.py takes the launch locks
 and writes the checkpoint directory's writer record; queue.py asks squeue/sacct and local processes;
-flow.py records the run (config, scripts) and waits; stages.py runs on the nodes. Planning (plan.py,
-validate.py, estimate.py) and rendering (render.py) are pure.
+flow.py records the run (config, scripts) and waits; each stage's node callable (stages/) runs on the
+nodes. Planning (plan.py, validate.py, estimate.py) and rendering (render.py) are pure.
 
 Slurm jobs use :class:`SlipwaySlurmExecutor`: submitit's executor (pickled callable, job files, results)
 with Slipway's own rendered sbatch script (render.py: retry loop, USR2 forwarding, requeue). Local jobs
 use submitit's LocalExecutor; they have no scheduler dependencies, so each stage callable waits for its
-upstream's completion marker instead (stages.wait_for), which keeps the launch non-blocking there too.
+upstream's completion marker instead (stages/base.py wait_for), which keeps the launch non-blocking there too.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ import submitit
 
 from orchestrator import container_render, render
 from orchestrator.container import host_paths, job_image
-from orchestrator.jobs import Upstream
 from orchestrator.launches import job_comment, launch_dir, next_launch, record_intent, record_job
 from orchestrator.layout import tasks_per_node
 from orchestrator.plan import Plan, StagePlan
 from orchestrator.queue import live_state
 from orchestrator.runs import REPO_ROOT
 from orchestrator.schema import ContainerConfig, SlipwayConfig
-from orchestrator.stages import STAGE_CALLABLES
+from orchestrator.stages import get as stage_def
+from orchestrator.stages.base import StageDef, Upstream
 from trainer.log import get_logger
 from trainer.run_files import COMPLETE, FAILED, JOBS, LOGS, RunDir
 from trainer.testing_hooks import launch_failpoint
@@ -89,6 +89,13 @@ def stage_log_dir(plan: Plan, stage: StagePlan) -> str:
     return os.path.join(stage.state_dir, LOGS) if stage.shared else str(RunDir(plan.run_dir).logs)
 
 
+def _definition(stage: StagePlan) -> StageDef:
+    found = stage_def(stage.name)
+    if found is None:  # a plan holds only registered stages; this is a plugin unregistered since
+        raise KeyError(f"no stage named {stage.name!r} is registered (orchestrator/stages/)")
+    return found
+
+
 def _abs(p: str) -> str:
     return os.path.abspath(p)
 
@@ -108,7 +115,7 @@ def stage_job(
 ) -> StageJob:
     """The one builder of a stage's job spec (Slurm: the sbatch script's; local: the executor's).
     ``launch_n``: the launch that submits it (default: the run's next one), named in the job's comment."""
-    res = render.stage_resources(stage.name, cfg.cluster, cfg.experiment, tasks_per_node(cfg), cfg.eval)
+    res = _definition(stage).resources(cfg, tasks_per_node(cfg))
     py = python or container_render.python_command(
         cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable
     )
@@ -214,7 +221,7 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted
         upstream = [Upstream(_abs(plan.stage(u.stage).state_dir), u.job_id, u.executor) for u in ups]
         (Path(stage.state_dir) / FAILED).unlink(missing_ok=True)
         timeout = cfg.cluster.time_limit_min * 60.0 * 4 if local else 300.0
-        fn = STAGE_CALLABLES[stage.name](stage.job, _abs(stage.state_dir), upstream, stage.key, timeout)
+        fn = _definition(stage).node(stage.job, _abs(stage.state_dir), upstream, stage.key, timeout)
         job_spec = stage_job(cfg, plan, stage, deps, launch_n=launch_n)
         ex = _executor(job_spec)
         comment = getattr(job_spec.spec, "comment", "")

@@ -10,6 +10,7 @@ from pathlib import Path
 from orchestrator.estimate import fmt_duration
 from orchestrator.launches import current
 from orchestrator.runs import read_json
+from orchestrator.stages.convert import NAME as CONVERT
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import describe, read_results, results_path
 from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, kernel_fallbacks, last_kernel_check, series
@@ -40,7 +41,7 @@ def _losses(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, flo
 
 
 def _convert_result(run_dir: Path, meta: dict) -> tuple[str | None, str | None]:
-    state = meta.get("stages", {}).get("convert", {}).get("dir")
+    state = meta.get("stages", {}).get(CONVERT, {}).get("dir")
     if not state or not (Path(state) / COMPLETE).exists():
         return None, None
     result = read_json(Path(state) / COMPLETE).get("result") or {}

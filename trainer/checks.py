@@ -85,6 +85,11 @@ class Section:
         return []
 
 
+def checks_deferred() -> bool:
+    """Inside :func:`deferred`: a config built now is checked later, by its caller or where it runs."""
+    return _DEFERRED.get()
+
+
 @contextlib.contextmanager
 def deferred() -> Iterator[None]:
     """Build configs without raising: the caller collects ``problems()`` itself (all at once)."""

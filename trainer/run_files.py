@@ -23,6 +23,7 @@ literal file name of a run anywhere else is a second copy (tests/test_run_files.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +53,13 @@ RETRIES = "retries"  # one line per crashed attempt retried inside the allocatio
 ATTEMPT_ENV = "SLIPWAY_ATTEMPT"
 
 
+# The shared data stages' outputs (in their cache folders): the corpus stage's JSONL and the BPE it trains,
+# and the preprocessing output prefixes (see preprocess_prefixes).
+CORPUS_FILE = "corpus.jsonl"
+VOCAB_FILE = "vocab.json"  # the names tokenizers' ByteLevelBPETokenizer.save_model writes
+MERGE_FILE = "merges.txt"
+DATA_PREFIX = "data"
+
 DEFAULT_JSON_KEY = "content"  # the JSON field with the text (CodeParrot's); part of the prefix below
 
 
@@ -59,6 +67,18 @@ def document_prefix(output_prefix: str, json_key: str) -> str:
     """The dataset prefix preprocessing writes for one JSON key (Megatron's preprocess_data.py rule):
     ``{output_prefix}_{json_key}_document`` (.bin/.idx)."""
     return f"{output_prefix}_{json_key}_document"
+
+
+def preprocess_prefixes(output_dir: str, inputs: int) -> list[str]:
+    """One output prefix per preprocessed input: ``data``, or ``data0``, ``data1``... for several."""
+    if inputs == 1:
+        return [os.path.join(output_dir, DATA_PREFIX)]
+    return [os.path.join(output_dir, f"{DATA_PREFIX}{i}") for i in range(inputs)]
+
+
+def preprocess_summary(output_prefix: str) -> str:
+    """What one preprocessing run read, wrote and dropped (JSON), beside its ``.bin/.idx``."""
+    return f"{output_prefix}_summary.json"
 
 
 @dataclass(frozen=True)

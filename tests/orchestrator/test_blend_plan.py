@@ -46,9 +46,9 @@ def test_the_dry_run_shows_each_corpus_share_and_epochs(tmp_path, corpora):
     assert epochs[b] > epochs[a]  # the smaller corpus with the larger weight is repeated more
 
     paths = result.plan.stage("train").job.trainer_config["data"]["paths"]
-    prefixes = [f"{p}_content_document" for p in result.plan.stage("preprocess").job.prefixes]
+    prefixes = [f"{c.output_prefix}_content_document" for c in result.plan.stage("preprocess").job]
     assert paths == ["3.0", prefixes[0], "7.0", prefixes[1]]
-    assert result.plan.stage("preprocess").job.inputs == [a, b]
+    assert [c.input for c in result.plan.stage("preprocess").job] == [a, b]
     # The weights select samples, not tokens: the same files keep the same preprocessed data.
     plain = launch(_cfg(tmp_path, [a, b]), out=io.StringIO())
     assert plain.plan.stage("preprocess").key == result.plan.stage("preprocess").key
@@ -60,9 +60,9 @@ def test_exact_epochs_once_the_corpus_is_preprocessed(tmp_path, corpora):
     cfg = _cfg(tmp_path, ["1", a, "1", b])
     prep = launch(cfg, out=io.StringIO()).plan.stage("preprocess").job
     tokens = 12_345
-    for prefix in prep.prefixes:  # the summary the preprocess job leaves next to its outputs
-        os.makedirs(os.path.dirname(prefix), exist_ok=True)
-        with open(f"{prefix}_summary.json", "w") as f:
+    for c in prep:  # the summary the preprocess job leaves next to its outputs
+        os.makedirs(os.path.dirname(c.output_prefix), exist_ok=True)
+        with open(c.summary_path, "w") as f:
             json.dump({"tokens": {"content": tokens}}, f)
     text = launch(cfg, out=io.StringIO()).text
     samples = -(-cfg.train.iters * (cfg.train.global_batch_size or 1) // 2)  # ceil(N * 0.5)

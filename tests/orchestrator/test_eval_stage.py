@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.render import stage_resources
 from orchestrator.runs import write_json
+from orchestrator.stages import get as stage_def
 from orchestrator.status import collect, format_rows
 from orchestrator.summary import write_summary
 from tests.orchestrator.conftest import compose_cfg
@@ -46,10 +46,10 @@ def test_codeparrot_runs_the_codex_protocol_on_a_gpu():
     s = plan.stage("eval").job.settings
     assert (s.n_samples, s.pass_at_k, s.temperatures, s.top_p) == (200, [1, 10, 100], [0.2, 0.6, 0.8], 0.95)
     assert s.humaneval_problems is None and s.device == "cuda" and plan.problems == []
-    res = stage_resources("eval", cfg.cluster, cfg.experiment, 8, cfg.eval)
+    res = stage_def("eval").resources(cfg, 8)
     assert res.gpus_per_node == 1 and res.tasks_per_node == 1 and res.time_limit_min == 480
     assert res.partition == cfg.cluster.partition
-    cpu = stage_resources("eval", cfg.cluster, cfg.experiment, 8, compose_cfg(SMOKE).eval)
+    cpu = stage_def("eval").resources(compose_cfg(SMOKE), 8)
     assert cpu.gpus_per_node == 0
 
 

@@ -8,7 +8,8 @@ import os
 
 from orchestrator.flow import gather_facts
 from orchestrator.input_checks import input_problems
-from orchestrator.plan import make_plan, trainer_config
+from orchestrator.plan import make_plan
+from orchestrator.stages.train import trainer_config
 from orchestrator.validate import validate
 from tests.data.hf_fixtures import BOS, HFOracle, build_tokenizer_dir
 from tests.orchestrator.conftest import compose_cfg
@@ -28,7 +29,7 @@ def test_stages_carry_the_directory_and_key_on_its_content(tmp_path):
     facts = gather_facts(cfg)
     plan = make_plan(cfg, facts, exists=lambda p: True)
     prep = plan.stage("preprocess")
-    assert (prep.job.tokenizer_type, prep.job.tokenizer_model, prep.job.vocab_file) == (
+    assert (prep.job[0].tokenizer_type, prep.job[0].tokenizer_model, prep.job[0].vocab_file) == (
         "HuggingFaceTokenizer", str(model_dir), None)
     assert plan.stage("convert").job.config.tokenizer_model == str(model_dir)
     assert trainer_config(cfg, facts, prep)["tokenizer"]["model"] == str(model_dir)

@@ -1,5 +1,6 @@
-"""What the orchestrator's modules load: planning never loads submitit (the job specs live in jobs.py, not
-beside the stage callables), and no runtime module loads the config-reference tool orchestrator/docs.py."""
+"""What the orchestrator's modules load: planning and the status table never load submitit (the stage
+modules import it only inside their node-side calls), and no runtime module loads the config-reference
+tool orchestrator/docs.py."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ def _loaded(code: str) -> str:
 
 
 def test_planning_does_not_load_submitit():
-    assert _loaded("import sys, orchestrator.plan, orchestrator.jobs, orchestrator.queue; "
-                   "print('submitit' in sys.modules)").strip() == "False"
+    assert _loaded("import sys, orchestrator.plan, orchestrator.stages, orchestrator.status, "
+                   "orchestrator.queue; print('submitit' in sys.modules)").strip() == "False"
 
 
 def test_runtime_does_not_load_the_docs_tool():

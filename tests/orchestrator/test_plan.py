@@ -13,7 +13,8 @@ import pytest
 from orchestrator.estimate import GIB, estimate_memory, stage_params
 from orchestrator.flow import format_plan
 from orchestrator.layout import layout_of
-from orchestrator.plan import PlanInputs, SweepInfo, make_plan, trainer_config
+from orchestrator.plan import PlanInputs, SweepInfo, make_plan
+from orchestrator.stages.train import trainer_config
 from tests.orchestrator.conftest import REPO, compose_cfg
 
 CP = ["+experiment=codeparrot"]
@@ -94,8 +95,8 @@ def test_smoke_graph_has_corpus_stage_feeding_tokenizer():
     assert [s.name for s in plan.stages] == ["corpus", "preprocess", "train", "convert", "eval"]
     corpus, prep = plan.stage("corpus"), plan.stage("preprocess")
     assert corpus.job.vocab_size == cfg.tokenizer.vocab_size
-    assert prep.job.vocab_file == os.path.join(corpus.state_dir, "vocab.json")
-    assert prep.job.inputs == [os.path.join(corpus.state_dir, "corpus.jsonl")]
+    assert prep.job[0].vocab_file == os.path.join(corpus.state_dir, "vocab.json")
+    assert [c.input for c in prep.job] == [os.path.join(corpus.state_dir, "corpus.jsonl")]
 
 
 def test_trainer_config_is_accepted_by_the_trainer():

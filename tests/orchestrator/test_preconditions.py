@@ -37,7 +37,7 @@ def _complete_dataset(plan) -> Path:
     """A valid .bin/.idx pair where the plan's preprocessing stage would find it complete."""
     prep = plan.stage("preprocess")
     Path(prep.state_dir).mkdir(parents=True)
-    prefix = f"{prep.job.prefixes[0]}_content_document"
+    prefix = f"{prep.job[0].output_prefix}_content_document"
     builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
     for n in (5, 7, 3):
         builder.add_document(np.arange(n, dtype=np.uint16))

@@ -8,9 +8,11 @@ import socket
 import pytest
 
 from orchestrator import status
-from orchestrator.jobs import PreprocessJob, TrainJob
-from orchestrator.stages import PreprocessStage, TrainStage
+from orchestrator.stages.preprocess import PreprocessStage
+from orchestrator.stages.train import TrainJob, TrainStage
 from tests.train.harness import tiny_config, write_dataset
+from trainer.checks import deferred
+from trainer.data.preprocess import PreprocessConfig
 from trainer.run_files import RUN_JSON
 
 
@@ -28,9 +30,10 @@ def test_every_failed_stage_gets_a_reason_line(tmp_path, monkeypatch):
     run_dir.mkdir()
     # Preprocessing that cannot start: its tokenizer file is missing.
     prep_dir = tmp_path / "cache"
-    job = PreprocessJob(str(prep_dir), [str(tmp_path / "in.jsonl")], str(tmp_path / "nope" / "vocab.json"),
-                        str(tmp_path / "nope" / "merges.txt"), "content", True, 1, "log", "fail",
-                        "GPT2BPETokenizer")
+    with deferred():  # as a plan builds it: the files are checked where the job runs
+        job = [PreprocessConfig(str(tmp_path / "in.jsonl"), str(prep_dir / "data"),
+                                str(tmp_path / "nope" / "vocab.json"), str(tmp_path / "nope" / "merges.txt"),
+                                ["content"], append_eod=True, workers=1, progress="log")]
     with pytest.raises(Exception):  # noqa: B017 - whatever it raises, status must show its words
         PreprocessStage(job, str(prep_dir), [], "k")()
     # Training whose W&B must be online and cannot be: the stage raises a WandbError.

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from orchestrator.launches import current, current_jobs
+from orchestrator.progress import log_records
 from orchestrator.queue import parse_sacct, parse_squeue
 from orchestrator.runs import write_json
-from orchestrator.status import collect, format_rows, log_records, plot
+from orchestrator.status import collect, format_rows, plot
 from tests.orchestrator.conftest import REPO
 from tests.seam import hook_env
 from tests.waits import JOB_S, wait_until
@@ -78,7 +79,7 @@ def test_status_reads_the_tracker_as_megatron_does(tmp_path, tracker, shown):
 def test_collect_table_and_plot(tmp_path):
     a = _fake_run(tmp_path, "runA", [5.0, 4.0, 3.5])
     b = _fake_run(tmp_path, "runB", [5.5, 4.5])
-    assert [r[1] for r in log_records(a)] == [5.0, 4.0, 3.5]
+    assert [r[1] for r in log_records(a, "train")] == [5.0, 4.0, 3.5]
     rows = collect(str(a))
     assert len(rows) == 1
     r = rows[0]
@@ -156,7 +157,7 @@ def test_local_sweep_shares_preprocessing(tmp_path):
 
 
 def test_restarts_count_slurms_requeues_and_slipways_retries(tmp_path):
-    from orchestrator.status import _restarts
+    from orchestrator.progress import restarts as _restarts
 
     sa = parse_sacct("7|NODE_FAIL|0:0|n2|\n7|RUNNING|0:0|n1|\n8|COMPLETED|0:0|n1|\n")
     assert (sa["7"]["records"], sa["8"]["records"]) == ("2", "1")

@@ -28,6 +28,7 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from trainer.checks import checks_deferred
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE, AnySpec, AnyTokenizer, load_hf_tokenizer
 from trainer.data.indexed_dataset import (
     IndexedDatasetBuilder,
@@ -54,7 +55,7 @@ from trainer.data.progress import Progress
 from trainer.data.tokenizer import load_gpt2_bpe
 from trainer.disk import out_of_space
 from trainer.log import get_logger
-from trainer.run_files import document_prefix
+from trainer.run_files import document_prefix, preprocess_summary
 
 log = get_logger("trainer.data.preprocess")
 
@@ -124,9 +125,15 @@ class PreprocessConfig:
     """auto (tqdm bar on a terminal, else log lines), bar, log or none."""
 
     def __post_init__(self) -> None:
-        self._check_tokenizer()
         if isinstance(self.json_keys, str):
             self.json_keys = [self.json_keys]
+        if not checks_deferred():  # a plan builds it before the tokenizer files exist (the corpus stage's)
+            self.check()
+
+    def check(self) -> None:
+        """Raise ValueError for a setting this run cannot use (also at the start of :func:`preprocess`:
+        a job spec built by a plan is checked where it runs)."""
+        self._check_tokenizer()
         if not self.json_keys or len(set(self.json_keys)) != len(self.json_keys):
             raise ValueError(f"json_keys={self.json_keys!r}: give one or more distinct field names")
         if self.on_error not in ("fail", "skip"):
@@ -161,7 +168,7 @@ class PreprocessConfig:
 
     @property
     def summary_path(self) -> str:
-        return f"{self.output_prefix}_summary.json"
+        return preprocess_summary(self.output_prefix)
 
 
 @dataclass
@@ -252,6 +259,7 @@ def _encoded(pool: Executor | None, config: PreprocessConfig, files: list[str],
 
 def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     """Run one preprocessing job; raises :class:`PreprocessError` on a bad line in fail mode."""
+    config.check()
     files = resolve_inputs(config.input)
     tok = config.load_tokenizer()
     dtype = best_fitting_dtype(tok.vocab_size)

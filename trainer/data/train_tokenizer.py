@@ -20,7 +20,7 @@ from pathlib import Path
 
 from trainer.data.tokenizer import EOD_TOKEN
 from trainer.log import get_logger
-from trainer.run_files import DEFAULT_JSON_KEY
+from trainer.run_files import DEFAULT_JSON_KEY, MERGE_FILE, VOCAB_FILE
 
 log = get_logger("trainer.data.train_tokenizer")
 
@@ -95,13 +95,13 @@ def train_tokenizer(config: TokenizerTrainConfig) -> tuple[Path, Path]:
     with tempfile.TemporaryDirectory(dir=out, prefix=".train-") as tmp:
         tok.save_model(tmp)
         # vocab.json last: a reader that finds it also finds the merges.txt written with it.
-        os.replace(Path(tmp) / "merges.txt", out / "merges.txt")
-        os.replace(Path(tmp) / "vocab.json", out / "vocab.json")
+        os.replace(Path(tmp) / MERGE_FILE, out / MERGE_FILE)
+        os.replace(Path(tmp) / VOCAB_FILE, out / VOCAB_FILE)
     size = tok.get_vocab_size()
     if size < config.vocab_size:
         log.warning("tokenizer: corpus supports only %d tokens (asked for %d)", size, config.vocab_size)
-    log.info("tokenizer: wrote %s and %s (%d tokens)", out / "vocab.json", out / "merges.txt", size)
-    return out / "vocab.json", out / "merges.txt"
+    log.info("tokenizer: wrote %s and %s (%d tokens)", out / VOCAB_FILE, out / MERGE_FILE, size)
+    return out / VOCAB_FILE, out / MERGE_FILE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,106 @@
+"""A training run's progress as the run directory records it (read by ``status``, ``wait`` and the plot):
+the loss and tokens/s per iteration, restarts, the last checkpointed iteration, hangs and the W&B run."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from orchestrator.runs import read_json
+from trainer.checkpoint.files import parse_tracker, tracker_text
+from trainer.health import read_hangs
+from trainer.metrics_file import TOKENS_PER_S, TRAIN_LOSS, read_metrics
+from trainer.run_files import REQUEUES, RETRIES, RunDir
+from trainer.wandb_online import FALLBACK_KEY
+
+_ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
+_LOSS = re.compile(r"lm loss: ([0-9.Ee+-]+)")
+_TOKS = re.compile(r"tokens per second: ([0-9.Ee+-]+)")
+
+
+def metrics_records(run_dir: Path) -> list[tuple[int, float | None, float | None]]:
+    """(iteration, loss, tokens/s) from the trainer's metrics file (rank 0; replayed iterations after a
+    restart appear again, the last one wins)."""
+    return [(int(row["iteration"]), float(row[TRAIN_LOSS]), row.get(TOKENS_PER_S))
+            for row in read_metrics(run_dir, TRAIN_LOSS)]
+
+
+def log_records(run_dir: Path, stage: str) -> list[tuple[int, float | None, float | None]]:
+    """(iteration, loss, tokens/s): the trainer's metrics file, else the Megatron log lines of every log of
+    the training ``stage``'s jobs (later restarts overriding)."""
+    recs = metrics_records(run_dir)
+    if recs:
+        return recs
+    by_iter: dict[int, tuple[int, float | None, float | None]] = {}
+    files = sorted(
+        list(RunDir(run_dir).logs.glob(f"{stage}_*")) + list(RunDir(run_dir).jobs(stage).glob("*_log.*")),
+        key=lambda p: p.stat().st_mtime,
+    )
+    for f in files:
+        try:
+            text = f.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            m = _ITER.search(line)
+            if not m:
+                continue
+            loss, toks = _LOSS.search(line), _TOKS.search(line)
+            it = int(m.group(1))
+            by_iter[it] = (
+                it,
+                float(loss.group(1)) if loss else by_iter.get(it, (0, None, None))[1],
+                float(toks.group(1)) if toks else None,
+            )
+    return [by_iter[k] for k in sorted(by_iter)]
+
+
+def restarts(state_dir: Path, slurm_requeues: int = 0) -> int:
+    """Retries in the allocation (Slipway's) plus requeues: Slurm's count (its records) covers Slipway's
+    own `scontrol requeue`s and Slurm's (a node failure); the larger of the two, as accounting may lag."""
+    def lines(name: str) -> int:
+        p = state_dir / name
+        return len([x for x in p.read_text().splitlines() if x.strip()]) if p.exists() else 0
+
+    return lines(RETRIES) + max(lines(REQUEUES), slurm_requeues)
+
+
+def checkpoint_iter(run_dir: Path, data: dict) -> int | None:
+    ck = data.get("config", {}).get("checkpoint", {}).get("dir") or str(RunDir(run_dir).checkpoints)
+    try:  # the trainer's reader: Megatron's "release" is 0; a tracker naming no iteration shows as none
+        return parse_tracker(tracker_text(ck))
+    except OSError:
+        return None
+
+
+def hangs(run_dir: Path) -> list[str]:
+    """One line per recorded hang (several ranks' watchdogs report the same one: merged)."""
+    merged: dict[tuple, list[int]] = {}
+    for h in read_hangs(str(run_dir)):
+        key = (h.get("job"), h.get("iteration"), tuple(h.get("stopped") or ()))
+        merged.setdefault(key, []).append(h.get("reporter"))
+    out = []
+    for (job, it, stopped), reporters in merged.items():
+        who = "; ".join(stopped) if stopped else "no rank identifiable from the heartbeats"
+        by = ", ".join(map(str, sorted(reporters)))
+        out.append(f"{f'job {job}, ' if job else ''}iteration {it}: stopped progressing: {who} (watchdog "
+                   f"fired on rank{'s' if len(reporters) > 1 else ''} {by}, exit 70)")
+    return out
+
+
+def wandb_offline(run_dir: Path) -> str:
+    """Why online W&B fell back to offline in a job of this run, and how to upload what it wrote."""
+    p = RunDir(run_dir).wandb_run
+    fallback = read_json(p).get(FALLBACK_KEY) if p.exists() else None
+    if not isinstance(fallback, dict):
+        return ""
+    return f"{fallback.get('reason')}; logged offline, upload with: {fallback.get('sync')}"
+
+
+def wandb_path(run_dir: Path, data: dict) -> str:
+    p = RunDir(run_dir).wandb_run
+    if not p.exists():
+        return ""
+    wid = read_json(p).get("id", "")
+    w = data.get("config", {}).get("logging", {}).get("wandb", {})
+    return "/".join(x for x in (w.get("entity"), w.get("project"), wid) if x)

@@ -1,0 +1,204 @@
+"""What every stage is made of, and the machinery they share.
+
+A stage is one module in this package holding a :class:`StageDef`: its name and what it follows, how it
+is planned (:meth:`StageDef.plan`, pure: config and facts in, a :class:`StagePlan` with its job spec
+out), what it asks the scheduler for (:meth:`StageDef.resources`), the callable that runs on the nodes
+(:attr:`StageDef.node`, a :class:`NodeStage`) and what ``status`` shows of it (:meth:`StageDef.status`).
+The package's ``__init__`` finds the modules and orders them by what each follows; plan, submit, render
+and status iterate over that list and name no stage.
+
+Nothing here imports submitit or torch at module level: planning and the status table load neither
+(submitit is imported inside the node-side calls, which run in the job).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from orchestrator.facts import PlanInputs
+from orchestrator.render import JobResources
+from orchestrator.schema import SlipwayConfig
+from trainer.run_files import COMPLETE, FAILED, RunDir
+
+
+def stable_hash(obj: Any, n: int = 16) -> str:
+    """Hash of a JSON-able object, independent of dict order."""
+    blob = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:n]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    name: str  # a StageDef's name
+    key: str
+    state_dir: str  # where _COMPLETE/_FAILED/_JOB.json go (the output dir for shared stages)
+    shared: bool  # output reusable across runs (content-addressed, in the cache)
+    depends_on: tuple[str, ...]
+    job: Any  # the stage's job spec, pickled into its node callable
+
+
+@dataclass
+class PlanContext:
+    """What a stage's plan sees: the config, the facts gathered outside the planner, and the stages
+    planned before it (by name; a stage that planned nothing is absent)."""
+
+    cfg: SlipwayConfig
+    facts: PlanInputs
+    planned: dict[str, StagePlan] = field(default_factory=dict)
+
+    @property
+    def cache_dir(self) -> str:
+        return self.cfg.cache_dir or os.path.join(self.cfg.runs_root, "_cache")
+
+    @property
+    def run(self) -> RunDir:
+        return RunDir(self.facts.run_dir)
+
+    def shared_dir(self, stage: str, key: str) -> str:
+        """A shared stage's content-addressed output directory in the cache."""
+        return os.path.join(self.cache_dir, stage, key)
+
+    def code(self, package: str) -> str | None:
+        """The tree hash of ``package`` (e.g. ``trainer/data``): part of every key its output depends on."""
+        return self.facts.code_version.get(package)
+
+
+@dataclass
+class StageLook:
+    """What ``status`` knows of one stage's latest job: its run directory, the job's record in run.json,
+    the run's current launch record, and Slurm accounting's fields for the job (empty when local)."""
+
+    run_dir: Path
+    entry: dict[str, Any]
+    run: dict[str, Any]
+    accounting: dict[str, Any]
+    stale_after_s: float | None = None  # a training rank's heartbeat older than this is stale (status)
+
+
+class StageDef:
+    """One stage. Subclasses set ``name``, ``after`` and ``node`` and implement :meth:`plan`."""
+
+    name: ClassVar[str]
+    after: ClassVar[tuple[str, ...]] = ()  # the stages it may depend on: orders the stage list
+    node: ClassVar[type[NodeStage]]
+
+    def plan(self, ctx: PlanContext) -> StagePlan | None:  # pragma: no cover - every stage has one
+        """The stage's plan, or None when this config has no such stage."""
+        raise NotImplementedError
+
+    def resources(self, cfg: SlipwayConfig, tasks_per_node: int) -> JobResources:
+        """Default: a single-task CPU job on the stage partition."""
+        c = cfg.cluster
+        return JobResources(job_name(cfg, self.name), 1, 1, 0, c.stage_cpus, c.stage_time_limit_min,
+                            c.stage_partition or c.partition, **common_resources(cfg))
+
+    def status(self, look: StageLook) -> dict[str, Any]:
+        """Fields of the status row beyond the job's state (``orchestrator.status.JobRow``)."""
+        return {}
+
+
+def job_name(cfg: SlipwayConfig, stage: str) -> str:
+    return f"slipway-{cfg.experiment}-{stage}"
+
+
+def common_resources(cfg: SlipwayConfig) -> dict[str, Any]:
+    """What every stage's job asks for alike: account, QoS, constraint and the extra sbatch flags."""
+    c = cfg.cluster
+    return {"account": c.account, "qos": c.qos, "constraint": c.constraint,
+            "extra": tuple(sorted(c.sbatch_extra.items()))}
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """A stage this one needs: its output dir and, for local jobs, the controller's pid."""
+
+    output_dir: str
+    job_id: str | None = None
+    executor: str = "slurm"
+
+
+def mark(output_dir: str, name: str, info: dict[str, Any]) -> None:
+    path = Path(output_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(info, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _rank() -> int:
+    import submitit
+
+    try:
+        return submitit.JobEnvironment().global_rank
+    except RuntimeError:  # not inside a submitit job (a direct call in a test)
+        return 0
+
+
+def _job_alive(up: Upstream) -> bool:
+    from orchestrator.queue import process_alive
+
+    if up.executor != "local" or not up.job_id:
+        return True  # Slurm enforces afterok itself; the marker check below is only for shared storage lag
+    return process_alive(up.job_id)
+
+
+def wait_for(upstream: list[Upstream], timeout_s: float) -> None:
+    """Block until every upstream output is complete; raise if one failed (local ``afterok``)."""
+    deadline = time.monotonic() + timeout_s
+    for up in upstream:
+        done = Path(up.output_dir) / COMPLETE
+        while not done.exists():
+            alive = _job_alive(up)  # read before the markers: a job that just ended has written them
+            if (Path(up.output_dir) / FAILED).exists():
+                raise RuntimeError(f"upstream stage {up.output_dir} failed; not running (afterok)")
+            if not alive and not done.exists():
+                raise RuntimeError(f"upstream job {up.job_id} ended without completing {up.output_dir}; "
+                                   "not running (afterok)")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"upstream {up.output_dir} not complete after {timeout_s:.0f} s")
+            time.sleep(1.0)
+
+
+class NodeStage:
+    """The callable submitit runs on the nodes: wait for upstream, run, write the completion marker (rank 0).
+
+    Every stage writes ``run_files.COMPLETE`` into its output directory when it succeeded and
+    ``run_files.FAILED`` when it raised, so later launches can reuse complete outputs and local jobs
+    (which have no Slurm ``afterok``) can wait on their upstream.
+    """
+
+    def __init__(self, job: Any, output_dir: str, upstream: list[Upstream], key: str,
+                 upstream_timeout_s: float = 3600.0) -> None:
+        self.job, self.output_dir, self.upstream, self.key = job, output_dir, upstream, key
+        self.upstream_timeout_s = upstream_timeout_s
+
+    def run(self) -> Any:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def __call__(self) -> Any:
+        try:
+            wait_for(self.upstream, self.upstream_timeout_s)
+            result = self.run()
+        except Exception as err:
+            if _rank() == 0:
+                mark(self.output_dir, FAILED, {"key": self.key, "error": repr(err), "time": time.time(),
+                                               "reason": f"{type(err).__name__}: {err}"})  # status shows it
+            raise
+        if _rank() == 0:  # only rank 0 writes the markers; the others must not race it with a stale _FAILED
+            (Path(self.output_dir) / FAILED).unlink(missing_ok=True)
+            mark(self.output_dir, COMPLETE, {"key": self.key, "result": result, "time": time.time()})
+        return result
+
+    def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
+        """submitit calls this on USR2 or a timeout (it looks for the method, not a base class): resubmit
+        this same callable, as ``submitit.helpers.Checkpointable`` does. Training resumes from its latest
+        checkpoint; the other stages redo their work."""
+        from submitit.core.utils import DelayedSubmission
+
+        return DelayedSubmission(self, *args, **kwargs)

@@ -1,0 +1,220 @@
+"""The train stage: the trainer on the GPU layout, in the run directory. Its job is the dict that
+``trainer.config.RunConfig.from_dict`` reads (every trainer section as the user set it, plus what the plan
+derives); its batch script requeues on a stop and retries a crash (render.py); ``status`` shows its loss,
+checkpoint, restarts, heartbeats, hangs and W&B run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator import progress
+from orchestrator.facts import PlanInputs
+from orchestrator.render import JobResources, mem_flag
+from orchestrator.schema import SlipwayConfig
+from orchestrator.stages import preprocess
+from orchestrator.stages.base import (
+    NodeStage,
+    PlanContext,
+    StageDef,
+    StageLook,
+    StagePlan,
+    common_resources,
+    job_name,
+    stable_hash,
+)
+from trainer import testing_hooks
+from trainer.checkpoint.verify import read_warnings
+from trainer.config import RunConfig
+from trainer.data.blend import BlendError
+from trainer.health import read_heartbeats, summarize
+from trainer.log import get_logger
+from trainer.metrics_file import kernel_cell, kernel_fallbacks, last_kernel_check
+from trainer.run_files import ATTEMPT_ENV, RunDir, document_prefix
+from trainer.signals import (
+    EXIT_NONFINITE,
+    EXIT_PERMANENT,
+    EXIT_REQUEUE,
+    FATAL_MARKER,
+    STOPPED_MARKER,
+    permanent_reason,
+)
+
+log = get_logger(__name__)
+
+NAME = "train"
+LOCAL_REQUEUE = 144  # submitit's local controller restarts the tasks on this exit code
+
+
+@dataclass
+class TrainJob:
+    run_dir: str
+    trainer_config: dict[str, Any]
+    data_summaries: list[str] = field(default_factory=list)  # preprocessing summaries → data_report.json
+
+
+def run_name(cfg: SlipwayConfig, facts: PlanInputs) -> str:
+    if cfg.logging.wandb.name:
+        return cfg.logging.wandb.name
+    if facts.sweep and facts.sweep.overrides:
+        return f"{facts.run_id}:{','.join(facts.sweep.overrides)}"
+    return facts.run_id
+
+
+def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> dict[str, Any]:
+    """The dict handed to ``trainer.config.RunConfig.from_dict``: every trainer section as the user set it
+    (the schema's root is RunConfig, so nothing is copied field by field), with what the plan derives put
+    in: the preprocessed dataset prefixes, the tokenizer files, the run's paths and W&B names."""
+    out = {f.name: dataclasses.asdict(getattr(cfg, f.name)) if dataclasses.is_dataclass(getattr(cfg, f.name))
+           else getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)}
+    first = prep.job[0]
+    prefixes = [document_prefix(p, cfg.data.json_key) for p in preprocess.prefixes(prep.job)]
+    try:  # a blend's weights go with the prefixes of the same inputs (a broken blend is a plan problem)
+        out["data"]["paths"] = cfg.data.blend().with_paths(prefixes).spelled()
+    except BlendError:
+        out["data"]["paths"] = prefixes
+    out["tokenizer"].update(vocab_file=first.vocab_file, merge_file=first.merge_file)
+    out["checkpoint"]["dir"] = cfg.checkpoint.dir or str(RunDir(facts.run_dir).checkpoints)
+    wandb = out["logging"]["wandb"]
+    wandb["group"] = wandb["group"] or (facts.sweep.sweep_id if facts.sweep else None)
+    wandb["name"] = run_name(cfg, facts)
+    out.update(run_dir=facts.run_dir, run_id=facts.run_id)
+    return out
+
+
+def write_data_report(summaries: list[str], run_dir: str) -> Path | None:
+    """Merge the preprocessing summary files into ``<run_dir>/data_report.json`` (None when none exist).
+
+    The summaries (documents, tokens, and with ``data.on_error=skip`` every dropped line as file:line and
+    reason) live in the shared cache; the copy makes a run's directory say what its data lost."""
+    import json
+
+    found = [json.loads(Path(p).read_text()) for p in summaries if Path(p).is_file()]
+    if not found:
+        return None
+    skipped: dict[str, int] = {}
+    for s in found:
+        for reason, n in s.get("skipped", {}).items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    report = {"skipped_lines": sum(skipped.values()), "skipped": skipped,
+              "skipped_examples": [e for s in found for e in s.get("skipped_examples", [])],
+              "summaries": found}
+    out = RunDir(run_dir).data_report
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(report, indent=1) + "\n")
+    os.replace(tmp, out)
+    if report["skipped_lines"]:
+        log.warning("the run's data dropped %d bad input line(s) (data.on_error=skip); see %s",
+                    report["skipped_lines"], out)
+    return out
+
+
+def _export_torch_env() -> None:
+    """RANK/WORLD_SIZE/MASTER_* from the Slurm (or local) job; the sbatch script sets MASTER_ADDR/PORT."""
+    import submitit
+
+    env = submitit.helpers.TorchDistributedEnvironment()
+    local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if local else env.master_addr)
+    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
+                      LOCAL_WORLD_SIZE=str(env.local_world_size))
+
+
+class TrainStage(NodeStage):
+    """Training: one task per device. Exits with the requeue code when the trainer stopped on a signal.
+
+    If USR2 arrives before the trainer installed its own handler, submitit's handler calls
+    :meth:`checkpoint`, which resubmits this same callable; the trainer resumes from its latest checkpoint.
+    """
+
+    def run(self) -> dict[str, Any]:
+        job: TrainJob = self.job
+        _export_torch_env()
+        rank = int(os.environ["RANK"])
+        pid_dir = Path(job.run_dir) / "pids"
+        pid_dir.mkdir(parents=True, exist_ok=True)
+        attempt = os.environ.get(ATTEMPT_ENV, "0")
+        restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+        (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()} {restart} {attempt}\n")
+        seam = testing_hooks.seam()  # the test hooks, loaded only under the switch (tests/seam.py)
+        if seam is not None:
+            testing_hooks.warn_active(log, os.environ)
+            seam.train_stage_start()
+        if rank == 0:
+            write_data_report(job.data_summaries, job.run_dir)
+        from trainer.main import RunHooks, run
+
+        on_step = seam.train_on_step(self.output_dir, rank) if seam is not None else None
+        hooks = RunHooks(on_step=on_step) if on_step is not None else None
+        job_id = os.environ.get("SLURM_JOB_ID", "local")  # a relaunch (new job) never reads an old marker
+        marker = Path(self.output_dir, FATAL_MARKER.format(job=job_id, restart=restart, attempt=attempt))
+        try:
+            result = run(RunConfig.from_dict(job.trainer_config), hooks)
+        except Exception as err:
+            reason = permanent_reason(err)
+            if reason is not None:  # the batch script reads the marker and stops instead of retrying
+                marker.write_text(f"{EXIT_PERMANENT} {reason.splitlines()[0][:2000]}\n")
+                log.error("a retry would repeat this failure; not retrying: %s", reason)
+            raise
+        code = int(getattr(result, "exit_code", result) or 0)
+        if code == EXIT_NONFINITE:
+            marker.write_text(f"{EXIT_NONFINITE} non-finite loss or gradient norm\n")
+        if code == EXIT_REQUEUE:
+            # Local controller requeues on its own code; the sbatch script requeues on the trainer's, or
+            # on this marker (every stopping rank writes it, so it exists before the first one exits).
+            local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
+            Path(self.output_dir, STOPPED_MARKER.format(job=job_id, restart=restart, attempt=attempt)).touch()
+            log.warning("trainer stopped for requeue (checkpoint saved); exiting with %s",
+                        LOCAL_REQUEUE if local else EXIT_REQUEUE)
+            sys.exit(LOCAL_REQUEUE if local else EXIT_REQUEUE)
+        if code != 0:
+            raise RuntimeError(f"trainer exited with code {code}")
+        return {"checkpoints": job.trainer_config.get("checkpoint", {}).get("dir"), "rank": rank,
+                "iteration": getattr(result, "iteration", None)}
+
+
+class Train(StageDef):
+    name = NAME
+    after = (preprocess.NAME,)
+    node = TrainStage
+
+    def plan(self, ctx: PlanContext) -> StagePlan:
+        prep = ctx.planned[preprocess.NAME]
+        tcfg = trainer_config(ctx.cfg, ctx.facts, prep)
+        same = {k: v for k, v in tcfg.items() if k not in ("run_dir", "run_id", "logging")}
+        key = stable_hash({"trainer": same, "code": ctx.code("trainer")})
+        job = TrainJob(ctx.facts.run_dir, tcfg, preprocess.summaries(prep.job))
+        return StagePlan(NAME, key, str(ctx.run.stage_state(NAME)), False, (preprocess.NAME,), job)
+
+    def resources(self, cfg: SlipwayConfig, tasks_per_node: int) -> JobResources:
+        """The GPU layout, the run's time limit, and the requeue/retry policy (signal lead, max retries)."""
+        c = cfg.cluster
+        return JobResources(job_name(cfg, NAME), c.nodes, tasks_per_node, c.gpus_per_node, c.cpus_per_task,
+                            c.time_limit_min, c.partition, mem=mem_flag(c.mem_gb), exclusive=c.exclusive,
+                            signal_delay_s=c.signal_delay_s, max_retries=c.max_retries,
+                            max_timeouts=c.max_timeouts, **common_resources(cfg))
+
+    def status(self, look: StageLook) -> dict[str, Any]:
+        run_dir, recs = look.run_dir, progress.log_records(look.run_dir, NAME)
+        slurm_runs = int(look.accounting.get("records", "1"))
+        state_dir = Path(look.entry.get("state_dir", RunDir(run_dir).stage_state(NAME)))
+        ranks = read_heartbeats(str(run_dir), stale_after_s=look.stale_after_s)
+        check = last_kernel_check(run_dir)
+        out: dict[str, Any] = dict(
+            restarts=progress.restarts(state_dir, slurm_runs - 1),
+            checkpoint_iter=progress.checkpoint_iter(run_dir, look.run),
+            wandb=progress.wandb_path(run_dir, look.run), wandb_offline=progress.wandb_offline(run_dir),
+            hangs=progress.hangs(run_dir), log=str(RunDir(run_dir).logs), ranks=ranks,
+            health="; ".join(x for x in (summarize(ranks), kernel_cell(check)) if x),
+            kernel_fallbacks=kernel_fallbacks(check), checkpoint_warnings=read_warnings(str(run_dir)))
+        if recs:
+            out.update(loss=recs[-1][1], tokens_per_s=recs[-1][2])
+        return out
+
+
+STAGE = Train()

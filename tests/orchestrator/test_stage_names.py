@@ -1,0 +1,47 @@
+"""A stage's name is written once, in its module of orchestrator/stages/: the rest of the orchestrator
+iterates over the stage list or imports the name, never spells it (an ``if stage == "train"`` branch is
+the stage's own code living somewhere else)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from orchestrator.stages import STAGES
+from tests.orchestrator.conftest import REPO
+
+# The same words meaning something else: a config section, a chart's legend.
+NOT_STAGES = {("orchestrator/plan.py", "train"): 1,  # MEMORY_OPTIONS: the train config section
+              ("orchestrator/summary.py", "train"): 1}  # the loss chart's "train" curve
+
+
+def spelled(names: set[str], root: Path = REPO) -> dict[tuple[str, str], int]:
+    """(file, name) → how many string literals equal to a stage name, outside orchestrator/stages/."""
+    found: dict[tuple[str, str], int] = {}
+    for path in [*sorted((root / "orchestrator").rglob("*.py")), root / "launch.py"]:
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith("orchestrator/stages/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found[(rel, node.value)] = found.get((rel, node.value), 0) + 1
+    return found
+
+
+def test_stage_names_are_spelled_only_in_their_modules():
+    assert spelled({s.name for s in STAGES}) == NOT_STAGES
+
+
+def test_the_scan_sees_a_spelled_stage_name(tmp_path):
+    (tmp_path / "orchestrator" / "stages").mkdir(parents=True)
+    (tmp_path / "launch.py").write_text("")
+    (tmp_path / "orchestrator" / "status.py").write_text('def f(stage):\n    return stage == "eval"\n')
+    (tmp_path / "orchestrator" / "stages" / "eval.py").write_text('NAME = "eval"\n')
+    assert spelled({"eval"}, tmp_path) == {("orchestrator/status.py", "eval"): 1}
+
+
+def test_every_stage_comes_after_the_stages_it_names():
+    order = [s.name for s in STAGES]
+    assert order == ["corpus", "preprocess", "train", "convert", "eval"]
+    for s in STAGES:
+        assert all(order.index(a) < order.index(s.name) for a in s.after if a in order)
