@@ -12,7 +12,8 @@ perplexity of the converted model), and ``run``: the training run itself (``run(
 Facts several packages share, and the orchestrator too, live torch-free in ``config`` and in the
 top-level modules: ``checks``, ``formulas`` (FLOPs, vocab padding, batch rules), ``signals`` (exit
 codes), ``metrics_file``, ``run_files`` (every file of a run), ``wandb_key``, ``wandb_online``, ``disk``,
-``testing_hooks`` and ``log`` (the rank-aware logger). ``extension`` loads the csrc kernels.
+``testing_hooks`` and ``log`` (the rank-aware logger). ``cli`` generates a command line's flags from a
+config dataclass; ``extension`` loads the csrc kernels.
 
 Never imports hydra, omegaconf, submitit or orchestrator (tests/test_imports.py): it runs standalone
 from small dataclasses.
