@@ -103,7 +103,7 @@ step "bench/kernel_check.py" 20 $PY bench/kernel_check.py --device $DEV --runs 0
 stage "gpu tests: the kernels on CUDA (tests/ops -m gpu)"
 step "tests/ops" 110 $PY -m pytest tests/ops -m gpu -q -p no:cacheprovider -rfs
 
-stage "gpu tests: trainer.main.run on one GPU (bf16, fp16, compile) and NCCL layouts"
+stage "gpu tests: trainer.run.run on one GPU (bf16, fp16, compile) and NCCL layouts"
 step "tests/train+parallel" 80 $PY -m pytest tests/train/test_gpu_train.py tests/parallel -m gpu -q \
   -p no:cacheprovider -rfs
 

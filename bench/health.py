@@ -1,6 +1,6 @@
 """What heartbeats, the watchdog and the preflight cost, measured in this one run.
 
-1. Step time with the health monitor watching (``Monitor.tick`` called by ``trainer.training``: ticks
+1. Step time with the health monitor watching (``Monitor.tick`` called by ``trainer.run.loop``: ticks
    from the batch iterator and the step, the heartbeat thread writing every 0.1 s, 100x more often than the
    default) versus the same steps with no Monitor at all (none constructed, no thread alive: the run
    records the threads alive during those steps), on the smallest model Slipway trains (the worst case
@@ -35,9 +35,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "health.json"
 
 def _loop(run_dir: str):
     from trainer.config import RunConfig
-    from trainer.main import build_components
     from trainer.parallel import ParallelState
-    from trainer.training import Cadence, Loop, Throughput
+    from trainer.run.entry import build_components
+    from trainer.run.loop import Cadence, Loop, Throughput
 
     cfg = RunConfig.from_dict({
         "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
@@ -58,7 +58,7 @@ def step_overhead(blocks: int = 12, per_block: int = 10) -> dict:
     import threading
 
     from trainer.health import HealthConfig, Monitor
-    from trainer.training import next_batches, step
+    from trainer.run.loop import next_batches, step
 
     run_dir = tempfile.mkdtemp(prefix="slipway-bench-health-")
     g = torch.Generator().manual_seed(0)

@@ -6,7 +6,7 @@
    (micro-batch 8 × 128, the demo's) measured in the same run: the check's cost in micro-batches.
 2. Cold, as a job pays it: fresh processes train the smoke model (one process, fp32, csrc) to the end of
    iteration 1 with ``train.kernel_check=fallback`` and with ``off``, alternating; the time from
-   ``trainer.main.run`` to the end of step 1, medians. The difference is what a job pays, first-use
+   ``trainer.run.run`` to the end of step 1, medians. The difference is what a job pays, first-use
    costs (autograd and kernel warm-up the first step would otherwise pay) included.
 
     python bench/kernel_check.py [--device cpu|cuda] [--runs 5] [--threads 1] [--out DIR]
@@ -90,7 +90,7 @@ import torch
 torch.set_num_threads({threads})
 sys.path.insert(0, {root!r})
 from tests.train.harness import run_cfg, tiny_config
-from trainer.main import RunHooks
+from trainer.run import RunHooks
 marks = {{}}
 cfg = tiny_config({run_dir!r}, {data!r}, model={model!r}, kernels="csrc",
                   train={{"iters": 1, "micro_batch_size": 8, "global_batch_size": 8, "eval_interval": None,

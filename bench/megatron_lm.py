@@ -262,7 +262,7 @@ def slipway_checkpoints(work: Path, paths: dict, data_prefix: Path) -> dict[str,
                "train": {"micro_batch_size": 2, "global_batch_size": 2, "iters": ITERS, "log_interval": 1,
                          "eval_interval": None, "deterministic": True, "device": "cpu"},
                "checkpoint": {"format": fmt}, "logging": {"wandb": {"mode": "disabled"}}, "kernels": "auto"}
-        code = ("import json, sys; from trainer.config import RunConfig; from trainer.main import run; "
+        code = ("import json, sys; from trainer.config import RunConfig; from trainer.run import run; "
                 "sys.exit(run(RunConfig.from_dict(json.loads(sys.argv[1]))).exit_code)")
         subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], cwd=ROOT, check=True,
                        capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -1,9 +1,9 @@
 """Training throughput on CPU: Slipway's training step versus transformers' GPT2LMHeadModel with
 ``torch.optim.AdamW``, same shape, same batches, measured in this one run.
 
-Slipway runs its real step (``trainer.training.step``: the parallel engine's train_step with gradient
+Slipway runs its real step (``trainer.run.loop.step``: the parallel engine's train_step with gradient
 buffers, unscale, global-norm clipping, the optimizer chosen by ``optim.impl=auto`` — the csrc multi-tensor
-AdamW on CPU — and the LR scheduler) on the model ``trainer.main.build_components`` builds with
+AdamW on CPU — and the LR scheduler) on the model ``trainer.run.entry.build_components`` builds with
 ``kernels=auto`` (csrc fused bias-GeLU, bias-dropout-add, LayerNorm, cross-entropy). Two baselines, the
 textbook loop ``model(input_ids, labels).loss.backward()``, ``clip_grad_norm_(1.0)``, ``AdamW.step()``,
 ``zero_grad()`` on the same ``GPT2LMHeadModel`` (same initial weights, same batches), differing only in the
@@ -40,9 +40,9 @@ RESULTS = Path(__file__).resolve().parent / "results" / "train.json"
 def slipway_stepper(a: argparse.Namespace):
     """A function running one Slipway training step on a [b, s+1] token batch; returns the loss."""
     from trainer.config import RunConfig
-    from trainer.main import build_components
     from trainer.parallel import ParallelState
-    from trainer.training import Loop, step
+    from trainer.run.entry import build_components
+    from trainer.run.loop import Loop, step
 
     cfg = RunConfig.from_dict({
         "model": {"num_layers": a.layers, "hidden_size": a.hidden, "num_attention_heads": a.heads,

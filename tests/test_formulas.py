@@ -59,7 +59,7 @@ def test_estimate_follows_make_vocab_size_divisible_by():
 
 def test_one_definition():
     """The copies are gone: the trainer's metrics and the estimate hold no FLOPs or padding formula."""
-    metrics = pytest.importorskip("trainer.metrics")  # imports torch
+    metrics = pytest.importorskip("trainer.run.metrics")  # imports torch
     from trainer.convert import spec
 
     assert not hasattr(metrics, "flops_per_iteration")

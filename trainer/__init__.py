@@ -5,10 +5,15 @@ from them), ``data``, ``model`` (single-device GPT), ``parallel`` (state, comm, 
 sharding table, pipeline schedules, data-parallel buckets), ``ops`` (kernels), ``optim`` (optimizer, LR,
 precision), ``checkpoint`` (layout, save protocol, verification, disk space), ``health``
 (heartbeats, watchdog, preflight), ``convert`` (Hugging Face and Megatron conversion), ``restore`` (a
-checkpoint back into a run at any layout: above both checkpoint and convert). The loop is ``training``
-(its typed state) and ``main`` (``run(cfg)`` and the standalone CLI). Facts the orchestrator also needs
-live in torch-free modules: ``config``, ``checks``, ``formulas`` (FLOPs, vocab padding, batch rules),
-``signals`` (exit codes), ``metrics_file``, ``run_files`` (every file of a run).
+checkpoint back into a run at any layout: above both checkpoint and convert), ``eval`` (HumanEval and
+perplexity of the converted model), and ``run``: the training run itself (``run(cfg)`` and
+``python -m trainer.run``, the loop, its data and kernel set-up, metrics and W&B).
+
+Facts several packages share, and the orchestrator too, live torch-free in ``config`` and in the
+top-level modules: ``checks``, ``formulas`` (FLOPs, vocab padding, batch rules), ``signals`` (exit
+codes), ``metrics_file``, ``run_files`` (every file of a run), ``wandb_key``, ``wandb_online``, ``disk``,
+``testing_hooks`` and ``log`` (the rank-aware logger). ``cli`` generates a command line's flags from a
+config dataclass; ``extension`` loads the csrc kernels.
 
 Never imports hydra, omegaconf, submitit or orchestrator (tests/test_imports.py): it runs standalone
 from small dataclasses.

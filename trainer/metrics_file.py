@@ -1,7 +1,7 @@
 """``{run_dir}/train_metrics.jsonl``: the trainer's log-line values, one JSON object per line (rank 0).
 
 Torch-free on purpose: the orchestrator reads this file on login nodes (status, summary) and the
-conversion hook reads it for the model card; trainer.training appends to it.
+conversion hook reads it for the model card; trainer.run.loop appends to it.
 
 A resumed run re-logs the iterations after its last checkpoint; it first drops them from the file
 (:func:`truncate_after`), so the file holds each record once. Readers agree with that rule for files

@@ -8,7 +8,7 @@ interrupt (and corrupt) the save. SIGUSR2 is what Slipway's sbatch scripts ask S
 time limit (``--signal=USR2@lead``; USR1 may be taken by NCCL); SIGTERM is what preemption and
 ``scancel`` send.
 
-Exit codes (the contract with the orchestrator and with ``python -m trainer.main``):
+Exit codes (the contract with the orchestrator and with ``python -m trainer.run``):
 - ``EXIT_OK`` (0): the run reached ``train.iters`` (final checkpoint saved).
 - ``EXIT_REQUEUE`` (75, sysexits' EX_TEMPFAIL): stopped cleanly on a signal after saving a complete
   checkpoint; requeue the job and it resumes exactly.

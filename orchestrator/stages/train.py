@@ -147,7 +147,7 @@ class TrainStage(NodeStage):
             seam.train_stage_start()
         if rank == 0:
             write_data_report(job.data_summaries, job.run_dir)
-        from trainer.main import RunHooks, run
+        from trainer.run import RunHooks, run
 
         on_step = seam.train_on_step(self.output_dir, rank) if seam is not None else None
         hooks = RunHooks(on_step=on_step) if on_step is not None else None

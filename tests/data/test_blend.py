@@ -20,9 +20,9 @@ from trainer.data.blend import BlendError, parse_blend
 from trainer.data.blended_dataset import BlendRequest, build_blended_datasets
 from trainer.data.gpt_dataset import GPTDatasetConfig
 from trainer.data.indexed_dataset import IndexedDataset
-from trainer.main_data import DataShape, build_data
 from trainer.parallel import ParallelState
-from trainer.training import TrainState
+from trainer.restore.state import TrainState
+from trainer.run.data import DataShape, build_data
 
 SEQ, SEED, SPLIT = 16, 1234, "90,10,0"
 WEIGHTS = [2.0, 5.0, 3.0]  # normalised by both sides

@@ -21,7 +21,7 @@ SMOKE = dict(enabled=True, humaneval_problems=3, n_samples=2, pass_at_k=[1, 2], 
 def _wandb_training_run(run_dir: Path) -> dict:
     """What the trainer leaves: an offline W&B run (id in wandb_run.json) with steps 1..5 logged."""
     from trainer.config import WandbConfig
-    from trainer.metrics import WandbLogger
+    from trainer.run.metrics import WandbLogger
 
     wcfg = {"mode": "offline", "project": "slipway-test"}
     logger = WandbLogger(WandbConfig(**wcfg), str(run_dir), "evalrun1", {}, True)

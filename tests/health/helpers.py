@@ -16,7 +16,7 @@ from tests.waits import NEVER_S
 def launch(world: int, store_dir: str, fn, *args) -> None:
     """Run ``fn(rank, *args)`` on ``world`` gloo processes; raises like ``mp.spawn`` when one fails,
     killing the rest after one second."""
-    multiprocessing.set_forkserver_preload(["torch", "trainer.main", "tests.train.harness"])
+    multiprocessing.set_forkserver_preload(["torch", "trainer.run", "tests.train.harness"])
     store = os.path.join(store_dir, f"store-{os.getpid()}-{len(os.listdir(store_dir))}")
     ctx = mp.start_processes(_worker, args=(world, store, fn, args), nprocs=world, start_method="forkserver",
                              join=False)

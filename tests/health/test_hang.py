@@ -1,4 +1,4 @@
-"""THE hang test: two real ``python -m trainer.main`` ranks (gloo over TCP, as torchrun would start them);
+"""THE hang test: two real ``python -m trainer.run`` ranks (gloo over TCP, as torchrun would start them);
 rank 1 is SIGSTOPped mid-training. Rank 0 blocks in a collective that never returns; its watchdog ends it
 with exit code 70 and a line naming the stopped rank and its host (from the heartbeats), the last iteration
 and the idle time; ``python -m orchestrator status`` marks the stopped rank stale, naming its host, and
@@ -48,13 +48,13 @@ def _status(run_dir) -> str:
 
 
 def _launch(cfg_file, port: int, *overrides: str) -> list[subprocess.Popen]:
-    """Two ranks of ``python -m trainer.main``, on emulated nodes nodeA and nodeB."""
+    """Two ranks of ``python -m trainer.run``, on emulated nodes nodeA and nodeB."""
     procs = []
     for rank, node in enumerate(("nodeA", "nodeB")):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "WORLD_SIZE": "2",
                "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "SLIPWAY_NODE_NAME": node, "PYTHONPATH": str(REPO)}  # this checkout's trainer
-        cmd = [sys.executable, "-m", "trainer.main", "--config", str(cfg_file), *overrides]
+        cmd = [sys.executable, "-m", "trainer.run", "--config", str(cfg_file), *overrides]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True, cwd=REPO))
     return procs

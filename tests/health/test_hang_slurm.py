@@ -59,7 +59,7 @@ def test_sigstopped_rank_is_retried_from_the_last_checkpoint(tmp_path):
     (run / "logs").mkdir(parents=True)
     res = JobResources("slipway-hang-train", nodes=2, tasks_per_node=1, cpus_per_task=1, time_limit_min=10,
                        signal_delay_s=30, max_retries=1, max_timeouts=1)
-    spec = ScriptSpec(res, f"{shlex.quote(sys.executable)} -m trainer.main --config {cfg}", str(run / "logs"),
+    spec = ScriptSpec(res, f"{shlex.quote(sys.executable)} -m trainer.run --config {cfg}", str(run / "logs"),
                       "train", "hang", str(run / "stages" / "train"),
                       env=(("OMP_NUM_THREADS", "1"), ("PYTHONPATH", str(REPO))))  # this checkout's trainer
     script = run / "train.sbatch"

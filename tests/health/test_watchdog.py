@@ -24,7 +24,7 @@ from trainer.health import (
     stopped_ranks,
     summarize,
 )
-from trainer.main import RunHooks
+from trainer.run import RunHooks
 from trainer.signals import EXIT_HANG
 
 FAST = {"heartbeat_interval_s": 0.1, "hang_timeout_s": 3.0}  # seconds of the virtual progress clock
@@ -69,7 +69,7 @@ def _slow_phases(rank: int, d: dict, out: str) -> None:
         clock.advance(2.0)
         return real_save(*args, **kwargs)
 
-    import trainer.training as training
+    import trainer.run.loop as training
 
     real_eval = training.eval_step
 

@@ -35,7 +35,7 @@ def test_hydra_schema_fields_and_defaults_are_the_trainers():
 
 
 def test_standalone_trainer_defaults_equal_the_launchers():
-    """A section left out of the YAML means the same thing to `launch.py` and to `python -m trainer.main`."""
+    """A section left out of the YAML means the same thing to `launch.py` and to `python -m trainer.run`."""
     bare = tconfig.RunConfig.from_dict({"run_dir": "/r"})
     typed = schema.to_typed(OmegaConf.structured(schema.SlipwayConfig))
     for name in ("model", "parallel", "train", "optim", "tokenizer", "logging"):
@@ -72,7 +72,7 @@ def _stored_schema():
 
 
 def test_the_runs_full_config_is_readable_by_the_standalone_trainer():
-    """`python -m trainer.main --config <run_dir>/config.yaml` accepts the orchestrator's whole tree."""
+    """`python -m trainer.run --config <run_dir>/config.yaml` accepts the orchestrator's whole tree."""
     cfg = compose_cfg(["+experiment=codeparrot"])
     got = tconfig.RunConfig.from_dict(dataclasses.asdict(cfg))
     assert got.model == cfg.model and got.train == cfg.train

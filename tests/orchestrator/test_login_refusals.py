@@ -44,7 +44,7 @@ def test_a_model_that_differs_from_the_runs_checkpoints_is_refused_in_the_dry_ru
     # the training job, given the same model, refuses the same checkpoint for the same differences
     from trainer.checkpoint.files import CheckpointError
     from trainer.checkpoint.protocol import saved_layout
-    from trainer.main import _check_model, gpt_config
+    from trainer.run.entry import _check_model, gpt_config
 
     gpt = gpt_config(compose_cfg([*SAME_MODEL, "model.hidden_size=128", "model.num_layers=4",
                                   "model.ffn_hidden_size=512"]).model, 1024)
@@ -91,7 +91,7 @@ def test_an_architecture_change_of_the_same_shape_is_refused_as_the_trainer_refu
     assert len(hits) == 1 and "normalization LayerNorm → RMSNorm" in hits[0], [str(p) for p in plan.problems]
     from trainer.checkpoint.files import CheckpointError
     from trainer.checkpoint.protocol import saved_layout
-    from trainer.main import _check_model, gpt_config
+    from trainer.run.entry import _check_model, gpt_config
 
     gpt = gpt_config(compose_cfg([*SAME_MODEL, "model.normalization=rmsnorm"]).model, 1024)
     with pytest.raises(CheckpointError, match="'normalization': \\('LayerNorm', 'RMSNorm'\\)"):

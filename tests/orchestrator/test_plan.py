@@ -184,7 +184,7 @@ def test_mfu_uses_the_detected_gpu_unless_the_user_sets_a_peak(monkeypatch):
     import torch
 
     from trainer.config import RunConfig
-    from trainer.metrics import detect_peak_tflops
+    from trainer.run.metrics import detect_peak_tflops
 
     cfg, plan = _plan(["+experiment=codeparrot", "cluster=slurm"])
     assert cfg.cluster.gpus_per_node and cfg.cluster.device_peak_tflops == 312.0
@@ -199,12 +199,12 @@ def test_mfu_uses_the_detected_gpu_unless_the_user_sets_a_peak(monkeypatch):
 
 @pytest.mark.parametrize("model_vocab", [None, 50304])
 def test_the_plan_sizes_the_vocabulary_the_trainer_builds(tmp_path, model_vocab):
-    """model.vocab_size wins over the tokenizer's entries in the trainer (trainer.main_data.resolve_vocab);
+    """model.vocab_size wins over the tokenizer's entries in the trainer (trainer.run.data.resolve_vocab);
     the plan's parameter count, memory and FLOPs use the same number."""
     import json
 
     from trainer.config import ModelConfig, TokenizerConfig
-    from trainer.main_data import resolve_vocab
+    from trainer.run.data import resolve_vocab
 
     vocab_file = tmp_path / "vocab.json"
     vocab_file.write_text(json.dumps({f"t{i}": i for i in range(32768)}))

@@ -1,4 +1,4 @@
-"""Jobs for the distributed-optimizer tests: the same 20 steps through trainer.training.step with the
+"""Jobs for the distributed-optimizer tests: the same 20 steps through trainer.run.loop.step with the
 plain optimizer and with ``optim.distributed``, on one ParallelState (tests/parallel/harness.py's model,
 data and schedule)."""
 
@@ -17,7 +17,7 @@ from trainer.optim.optimizer import build_optimizer
 from trainer.optim.precision import ScalerSettings, make_scaler
 from trainer.parallel import ParallelConfig, ParallelState, build_model
 from trainer.parallel.dist_optimizer import DistributedOptimizer
-from trainer.training import Loop, step
+from trainer.run.loop import Loop, step
 
 OPTIM = OptimConfig(lr=H.LR, weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.95, clip_grad=H.MAX_NORM,
                     decay_style="constant")

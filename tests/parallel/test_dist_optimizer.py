@@ -1,6 +1,6 @@
 """The distributed optimizer (optim.distributed, ZeRO-1) trains as the plain optimizer does.
 
-The harness's tiny GPT trains 20 steps through trainer.training.step (csrc kernels, gradient clipping
+The harness's tiny GPT trains 20 steps through trainer.run.loop.step (csrc kernels, gradient clipping
 active) with the plain optimizer and with the distributed one on the same ranks, at (tp, pp, dp) =
 (1,1,2), (1,1,4), (2,1,2), (1,2,2) and (2,1,2) with sequence parallelism: losses and gradient norms
 equal within 1e-6 relative, final weights close, and the reduce-scatter starts inside backward. With

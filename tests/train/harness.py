@@ -82,7 +82,7 @@ def spawn(world: int, store_dir: str, fn, *args) -> None:
 
     # A fork server that has imported torch and the trainer once: each launch then costs a fork, not
     # an interpreter start and a torch import per rank (seconds each on this shared machine).
-    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "trainer.main", "tests.train.harness"])
+    multiprocessing.set_forkserver_preload(["torch", "torch._dynamo", "trainer.run", "tests.train.harness"])
     store = os.path.join(store_dir, f"store-{os.getpid()}-{len(os.listdir(store_dir))}")
     mp.start_processes(_worker, args=(world, store, fn, args), nprocs=world, start_method="forkserver")
 
@@ -99,7 +99,7 @@ def load_json(path: str):
 
 def run_cfg(d: dict, hooks=None):
     from trainer.config import RunConfig
-    from trainer.main import run
+    from trainer.run import run
 
     return run(RunConfig.from_dict(d), hooks)
 

@@ -1,5 +1,5 @@
 """``python tests/train/stalled_main.py ITERATION MARKER_DIR --config X.yaml [overrides]``: the trainer's
-CLI (``trainer.main.main``, unchanged) with the fault tests' stall at one iteration: after ITERATION the
+CLI (``trainer.run.entry.main``, unchanged) with the fault tests' stall at one iteration: after ITERATION the
 rank writes ``MARKER_DIR/stalled_<ITERATION>_rank0`` and pauses until a signal arrives. A test that wants
 a signal to land mid-run waits for the marker instead of racing a fast run with a sleep."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout, when run as a script
 
-import trainer.main as cli  # noqa: E402
+import trainer.run.entry as cli  # noqa: E402
 from tests.seam import stall_hook  # noqa: E402
 
 

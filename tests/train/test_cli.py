@@ -1,4 +1,4 @@
-"""``python -m trainer.main --config resolved.yaml``: a real SIGTERM (twice, the second arriving while the
+"""``python -m trainer.run --config resolved.yaml``: a real SIGTERM (twice, the second arriving while the
 first is being handled) stops the run cleanly with the requeue exit code; running the same command again
 resumes and finishes with exactly the losses of an uninterrupted run."""
 
@@ -38,7 +38,7 @@ def test_sigterm_then_requeue(tmp_path):
     cfg_file = tmp_path / "resolved.yaml"
     cfg_file.write_text(yaml.safe_dump({**d, "cluster": {"nodes": 1}, "container": {"kind": "none"},
                                         "dry_run": False, "wait": False}))
-    cmd = [sys.executable, "-m", "trainer.main", "--config", str(cfg_file)]
+    cmd = [sys.executable, "-m", "trainer.run", "--config", str(cfg_file)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     metrics = tmp_path / "run" / "train_metrics.jsonl"
     # The same CLI, paused after iteration 3 until a signal comes: the signals land mid-run by

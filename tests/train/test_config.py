@@ -45,7 +45,7 @@ def test_trainer_does_not_import_hydra():
     import subprocess
     import sys
 
-    code = ("import sys, trainer.config, trainer.main; "
+    code = ("import sys, trainer.config, trainer.run; "
             "bad = [m for m in ('hydra', 'omegaconf', 'submitit', 'orchestrator') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -25,8 +25,8 @@ from trainer.checkpoint.files import DIST_CONFIG
 from trainer.config import RunConfig
 from trainer.convert import dist as dist_ckpt
 from trainer.convert import names
-from trainer.main import build_components, load_checkpoint, resolve_load
 from trainer.parallel import ParallelState
+from trainer.run.entry import build_components, load_checkpoint, resolve_load
 from trainer.signals import EXIT_OK
 
 # The distributed optimizer writes its fp32 masters too (optimizer.state.fp32_param.*); the resume at tp 1

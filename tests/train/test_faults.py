@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
 from tests.waits import NEVER_S
 from trainer.checkpoint import protocol as ckpt
-from trainer.main import RunHooks
+from trainer.run import RunHooks
 from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE
 
 STORM = (signal.SIGTERM, signal.SIGUSR2)
@@ -72,7 +72,7 @@ def _signal_storm(rank: int, d: dict, out: str) -> None:
     the middle of writing its shard (file written, not yet fsynced or renamed) until several of each kind
     arrived there, so the handlers certainly run inside the save. The trainer's own handler (a StopRequest
     that records itself here) tells which signals it took."""
-    import trainer.main
+    import trainer.run.entry
     from trainer.signals import StopRequest
 
     done = threading.Event()
@@ -110,7 +110,7 @@ def _signal_storm(rank: int, d: dict, out: str) -> None:
 
     for sig in STORM:  # after run() restores this, late signals are harmless
         signal.signal(sig, lambda *_: None)
-    trainer.main.StopRequest, ckpt._failpoint = _Recorded, mid_write_hold
+    trainer.run.entry.StopRequest, ckpt._failpoint = _Recorded, mid_write_hold
     r = run_cfg(d, RunHooks(on_step=on_step))
     done.set()
     received = [s for stop in installed for s in stop.received]

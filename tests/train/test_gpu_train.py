@@ -1,4 +1,4 @@
-"""One GPU through the real trainer path (``trainer.main.run``, train.device=cuda) on the smoke model
+"""One GPU through the real trainer path (``trainer.run.run``, train.device=cuda) on the smoke model
 (hydra_conf/model/gpt_tiny.yaml, dropout off so devices draw no random numbers): bf16 and fp16 losses
 match the CPU fp32 run of the same config step for step, fp16 with its dynamic loss scaler at work, and
 ``kernels=compile`` agrees with ``kernels=eager``. Rehearsed on the CPU with SLIPWAY_GPU_REHEARSAL=1
@@ -29,9 +29,9 @@ import yaml
 
 from tests.parallel.harness import LOSS_RTOL
 from tests.train.harness import VOCAB, run_cfg, tiny_config, write_dataset
-from trainer.main import RunHooks
 from trainer.ops.dtypes import DTYPES
 from trainer.optim.precision import DynamicLossScaler, ScalerSettings
+from trainer.run import RunHooks
 
 REPO = Path(__file__).resolve().parents[2]
 ITERS = 12

@@ -14,10 +14,10 @@ from orchestrator.status import collect, format_rows
 from orchestrator.summary import format_summary, outcome
 from tests.logs import captured
 from tests.train.harness import run_cfg, tiny_config, write_dataset
-from trainer.main import RunHooks
 from trainer.metrics_file import KERNEL_CHECK, read_records
 from trainer.ops import reference
 from trainer.ops.selfcheck import KernelCheckError
+from trainer.run import RunHooks
 from trainer.signals import permanent_reason
 from trainer.testing_hooks import KERNEL_FAULT, SWITCH
 

@@ -11,7 +11,7 @@ import pytest
 
 from trainer.checkpoint.files import CheckpointError
 from trainer.config.model import ModelConfig
-from trainer.main import _check_model
+from trainer.run.entry import _check_model
 
 LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
              seq_length=64, vocab_size=1024, position_embedding="rope", rotary_base=500000.0,

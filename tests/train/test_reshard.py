@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
 from trainer.config import RunConfig
-from trainer.main import build_components, load_checkpoint, resolve_load
 from trainer.parallel import ParallelState, eval_step, init_distributed
+from trainer.run.entry import build_components, load_checkpoint, resolve_load
 
 
 def _probe_batch() -> list[dict]:

@@ -14,9 +14,9 @@ from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_confi
 from trainer.checkpoint import protocol as ckpt
 from trainer.config import RunConfig
 from trainer.convert.to_hf import ToHFConfig, convert_checkpoint
-from trainer.main import build_components, load_checkpoint, resolve_load
 from trainer.model.names import layer_index
 from trainer.parallel import ParallelState, eval_step, init_distributed
+from trainer.run.entry import build_components, load_checkpoint, resolve_load
 
 pytestmark = pytest.mark.slow  # ~30 s on 2 cores: ten 2- or 4-process gloo runs of a 4-layer GPT
 

@@ -19,7 +19,7 @@ STOP_AT = 20
 
 
 def _stop_rank0_at(rank: int, iteration: int):
-    from trainer.main import RunHooks
+    from trainer.run import RunHooks
 
     def on_step(it: int, loss: float) -> None:
         if rank == 0 and it == iteration:
@@ -122,7 +122,7 @@ def test_load_given_iteration_and_model_only(tmp_path):
 
 
 def _record_weights(seen: dict):
-    from trainer.main import RunHooks
+    from trainer.run import RunHooks
 
     def on_build(model) -> None:
         weight = dict(model.named_parameters())["encoder.layers.0.mlp.dense_h_to_4h.weight"]

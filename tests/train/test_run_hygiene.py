@@ -15,8 +15,8 @@ import yaml
 from tests.train.harness import run_cfg, tiny_config, write_dataset
 from tests.waits import NEVER_S
 from trainer.checkpoint import protocol as ckpt
-from trainer.main import RunHooks
 from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, metrics_path
+from trainer.run import RunHooks
 from trainer.signals import EXIT_OK, EXIT_PERMANENT
 
 
@@ -24,7 +24,7 @@ def _trainer(cfg: dict, tmp_path, name: str) -> subprocess.Popen:
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "trainer.main", "--config", str(path)], env=env,
+    return subprocess.Popen([sys.executable, "-m", "trainer.run", "--config", str(path)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

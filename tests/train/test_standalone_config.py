@@ -1,4 +1,4 @@
-"""``python -m trainer.main --config X.yaml`` with a hand-written YAML: YAML 1.2 floats (``lr: 3e-4``,
+"""``python -m trainer.run --config X.yaml`` with a hand-written YAML: YAML 1.2 floats (``lr: 3e-4``,
 which PyYAML's YAML 1.1 reads as a string) work as under Hydra, and a configuration problem (here a
 pp_size that does not divide the layers) is one clear error and exit 78 (EXIT_PERMANENT), before any
 rank starts, not a traceback."""
@@ -26,7 +26,7 @@ def _yaml(tmp_path, **sections) -> str:
 
 
 def _main(path: str, *overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainer.main", "--config", path, *overrides],
+    return subprocess.run([sys.executable, "-m", "trainer.run", "--config", path, *overrides],
                           capture_output=True, text=True, timeout=300)
 
 

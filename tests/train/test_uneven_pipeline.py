@@ -88,7 +88,7 @@ def test_an_uneven_split_starts_a_run_at_any_layout(uneven, pp):
 def test_a_full_resume_of_an_uneven_split_names_the_setting(uneven):
     from trainer.checkpoint.files import CheckpointError
     from trainer.config.model import ModelConfig
-    from trainer.main import _load_checkpoint
+    from trainer.run.entry import _load_checkpoint
 
     root, _ = uneven
     gpt = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=200,

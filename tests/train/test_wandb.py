@@ -11,7 +11,7 @@ import pytest
 from tests.logs import LogLines
 from tests.train import wandb_reader
 from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
-from trainer.main import RunHooks
+from trainer.run import RunHooks
 from trainer.signals import EXIT_OK, EXIT_REQUEUE
 
 SECRET = "slipway-test-secret-0123456789abcdef0123456789"
@@ -41,7 +41,7 @@ def test_offline_metrics_match_log_lines_and_resume_never_duplicates(tmp_path, m
                     logging={"wandb": {"mode": "offline", "project": "p", "group": "g", "name": "n",
                                        "tags": ["a", "b"]}})
     capture = LogLines()
-    logging.getLogger("slipway.trainer.training").addHandler(capture)
+    logging.getLogger("slipway.trainer.run.loop").addHandler(capture)
     try:
         with pytest.raises(RuntimeError, match="simulated crash"):  # after logging 25, last checkpoint 20
             run_cfg(d, _crash_at(27))
@@ -49,7 +49,7 @@ def test_offline_metrics_match_log_lines_and_resume_never_duplicates(tmp_path, m
         first_lines = list(capture.lines)
         r = run_cfg(d)  # restart: resumes from iteration 20, replays 21..27 identically
     finally:
-        logging.getLogger("slipway.trainer.training").removeHandler(capture)
+        logging.getLogger("slipway.trainer.run.loop").removeHandler(capture)
     wandb.teardown()  # wait until W&B's service has written everything (as at process exit)
     assert r.exit_code == EXIT_OK and r.wandb_run_id == "slipway-run-1"
 
@@ -143,11 +143,11 @@ def test_a_wandb_error_never_turns_a_clean_stop_into_a_failure(tmp_path, monkeyp
             os.kill(os.getpid(), signal.SIGTERM)
 
     capture = LogLines()
-    logging.getLogger("slipway.trainer.metrics").addHandler(capture)
+    logging.getLogger("slipway.trainer.run.metrics").addHandler(capture)
     try:
         r = run_cfg(d, RunHooks(on_step=on_step))
     finally:
-        logging.getLogger("slipway.trainer.metrics").removeHandler(capture)
+        logging.getLogger("slipway.trainer.run.metrics").removeHandler(capture)
         monkeypatch.undo()
     assert r.exit_code == EXIT_REQUEUE and r.iteration == 8
     assert any("finishing the run failed (ConnectionResetError" in x for x in capture.lines), capture.lines

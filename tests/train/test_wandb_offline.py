@@ -47,7 +47,7 @@ def test_online_without_a_route_trains_offline_after_one_bounded_probe(tmp_path,
     run_dir = str(tmp_path / "run")
     d = tiny_config(run_dir, data, run_id="offline-1", train={"iters": 6, "log_interval": 2},
                     logging={"wandb": {"mode": "online", "project": "p"}})
-    with captured("slipway.trainer.metrics") as lines:
+    with captured("slipway.trainer.run.metrics") as lines:
         r = run_cfg(d)
     assert r.exit_code == EXIT_OK and r.iteration == 6 and r.wandb_run_id == "offline-1"
     warnings = [x for x in lines if "unreachable" in x]
@@ -136,7 +136,7 @@ def test_a_cancel_that_also_kills_the_wandb_service_ends_quietly(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(yaml.safe_dump(d))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.main", "--config", str(cfg)], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.run", "--config", str(cfg)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     lines = []

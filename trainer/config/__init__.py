@@ -10,7 +10,7 @@ sections), users' YAML files use their names (``model.hidden_size``, ``optim.lr`
 
 Each class lists its own invariants in ``problems()`` (:mod:`trainer.checks`) and ``__post_init__``
 raises them all; checks that need several sections or the world size (heads % tp, batch divisibility)
-live in ``trainer.main`` and orchestrator/validate.py. Functions receive the slice they need, never
+live in ``trainer.run`` and orchestrator/validate.py. Functions receive the slice they need, never
 the root.
 """
 
@@ -27,7 +27,8 @@ from trainer.config.model import ATTENTION_BACKENDS, ModelConfig, ParallelConfig
 from trainer.config.train import DECAY_STYLES, OPTIM_IMPLS, PRECISIONS, OptimConfig, TrainConfig
 from trainer.data.blend import Blend, BlendError, blend_paths, parse_blend
 from trainer.data.corpus_config import CorpusConfig
-from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE, TOKENIZER_TYPES
+from trainer.data.preprocess_io import ON_ERROR
 from trainer.data.splits import DEFAULT_SPLIT, parse_split
 from trainer.log import get_logger
 from trainer.run_files import DEFAULT_JSON_KEY, RunDir
@@ -39,9 +40,7 @@ __all__ = ["CheckpointConfig", "CorpusConfig", "DataConfig", "LoggingConfig", "M
            "ATTENTION_BACKENDS", "PRECISIONS", "DECAY_STYLES", "OPTIM_IMPLS", "WANDB_MODES", "ON_ERROR"]
 
 WANDB_MODES = ("online", "offline", "disabled")
-ON_ERROR = ("fail", "skip")
 CHECKPOINT_FORMATS = ("legacy", "mcore", "torch_dist")
-TOKENIZER_TYPES = ("GPT2BPETokenizer", HF_TOKENIZER_TYPE)
 KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile")
 
 

@@ -1,7 +1,7 @@
 """The ``model`` and ``parallel`` sections (torch-free): the GPT's shape and how it is split.
 
 ``ModelConfig`` is also the GPT's own configuration (trainer.model builds from this class): the
-model is built from the section itself once ``trainer.main`` has filled ``vocab_size`` from the
+model is built from the section itself once ``trainer.run`` has filled ``vocab_size`` from the
 tokenizer, so no second copy of the shape can disagree with the one users set.
 """
 
@@ -180,7 +180,7 @@ class ModelConfig(Section):
         """Embedding rows for a tensor-parallel size (Megatron's rule, :func:`trainer.formulas`)."""
         if self.vocab_size is None:
             raise ValueError("model.vocab_size is not resolved: set it, or set tokenizer.vocab_file "
-                             "(trainer.main reads the size from it)")
+                             "(trainer.run reads the size from it)")
         return padded_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.megatron_args import megatron_args
+from trainer.cli import Flags, add_dataclass_args, from_args
 from trainer.config.model import ModelConfig
 from trainer.convert import hf_io, llama, names
 from trainer.convert.reference import make_source
@@ -42,13 +43,13 @@ _TANH_GELU = ("gelu_new", "gelu_fast", "gelu_pytorch_tanh")
 class FromHFConfig:
     """One conversion from Hugging Face format."""
 
-    model_dir: Path
-    output_dir: Path
-    tp_size: int = 1
-    pp_size: int = 1
-    iteration: int = 0
-    make_vocab_size_divisible_by: int = 128
-    overwrite: bool = False
+    model_dir: Path  # a local GPT2LMHeadModel or LlamaForCausalLM directory
+    output_dir: Path  # the checkpoint directory to create
+    tp_size: int = 1  # tensor-parallel size of the checkpoint written
+    pp_size: int = 1  # pipeline-parallel size of the checkpoint written
+    iteration: int = 0  # the iteration the checkpoint is saved as
+    make_vocab_size_divisible_by: int = 128  # the vocab is padded to a multiple of this times tp (Megatron's)
+    overwrite: bool = False  # replace an existing checkpoint directory
     verify: VerifyConfig = field(default_factory=VerifyConfig)
 
     def __post_init__(self) -> None:
@@ -223,19 +224,19 @@ def convert_hf_model(cfg: FromHFConfig) -> VerifyReport:
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+FLAGS = (Flags(FromHFConfig, skip=frozenset({"verify"}), rename={"tp_size": "tp", "pp_size": "pp"}),)
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.convert.from_hf", description=__doc__.split("\n")[0])
-    p.add_argument("--model-dir", required=True, type=Path, help="local GPT2LMHeadModel directory")
-    p.add_argument("--output-dir", required=True, type=Path, help="checkpoint directory to create")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--iteration", type=int, default=0)
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    p.add_argument("--overwrite", action="store_true")
-    a = p.parse_args(argv)
+    add_dataclass_args(p, FLAGS[0])
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     try:
-        report = convert_hf_model(FromHFConfig(a.model_dir, a.output_dir, a.tp, a.pp, a.iteration,
-                                               a.make_vocab_size_divisible_by, a.overwrite))
+        report = convert_hf_model(from_args(FLAGS[0], a))
     except (CheckpointError, FileExistsError, FileNotFoundError, ValueError) as e:
         sys.stderr.write(f"from_hf: error: {e}\n")
         return 2

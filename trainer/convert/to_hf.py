@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from trainer.cli import Flags, add_dataclass_args, from_args
 from trainer.convert import card, hf_io, llama, names
 from trainer.convert.reference import make_source
 from trainer.convert.shard_io import CheckpointError, iteration_path, prepare_output
@@ -42,16 +43,16 @@ class VerificationFailed(RuntimeError):
 class ToHFConfig:
     """One conversion to Hugging Face format."""
 
-    checkpoint_dir: Path
-    output_dir: Path
-    iteration: int | None = None  # None: the tracker's latest
+    checkpoint_dir: Path  # the folder with the tracker file
+    output_dir: Path  # the Hugging Face folder to write
+    iteration: int | None = None  # None (the default): the tracker's latest
     write_bin: bool = False  # also pytorch_model.bin (the 2022 workflow)
     trust_pickle: bool = False  # allow Megatron-LM's pickled args (runs code from the file)
     vocab_file: Path | None = None  # the run's tokenizer; default: args' paths or beside the checkpoint
-    merge_file: Path | None = None
+    merge_file: Path | None = None  # the merges.txt that goes with vocab_file
     tokenizer_model: Path | None = None  # a HuggingFaceTokenizer directory; default: the checkpoint's args
     dtype: str = "auto"  # auto = the checkpoint's weight dtype
-    max_shard_size: str = "5GB"
+    max_shard_size: str = "5GB"  # largest model.safetensors shard (transformers' notation)
     overwrite: bool = False  # replace a non-empty output directory
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     provenance: dict[str, Any] = field(default_factory=dict)  # overrides, e.g. run_id, val_loss
@@ -155,22 +156,17 @@ def convert_checkpoint(cfg: ToHFConfig) -> ConversionResult:
     return ConversionResult(out, spec, report, prov, files)
 
 
+# write_bin is --format bin and verify's prompts are --prompt (the older command line); provenance is the
+# post-job hook's.
+FLAGS = (Flags(ToHFConfig, skip=frozenset({"write_bin", "verify", "provenance"}),
+               options={"dtype": {"choices": ("auto", *DTYPES)}}),)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.convert.to_hf", description=__doc__.split("\n")[0])
-    p.add_argument("--checkpoint-dir", required=True, type=Path, help="folder with the tracker file")
-    p.add_argument("--output-dir", required=True, type=Path)
-    p.add_argument("--iteration", type=int, help="default: the tracker's latest")
+    add_dataclass_args(p, FLAGS[0])
     p.add_argument("--format", choices=["safetensors", "bin"], default="safetensors",
                    help="bin: also write pytorch_model.bin")
-    p.add_argument("--trust-pickle", action="store_true",
-                   help="load Megatron-LM checkpoints whose args are a pickled Namespace "
-                        "(runs code from the file)")
-    p.add_argument("--vocab-file", type=Path)
-    p.add_argument("--merge-file", type=Path)
-    p.add_argument("--tokenizer-model", type=Path, help="a HuggingFaceTokenizer directory (tokenizer.json)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
-    p.add_argument("--max-shard-size", default="5GB")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.add_argument("--prompt", action="append",
                    help="verification prompt (repeatable; default: a built-in set)")
     p.add_argument("--push-to-hub", metavar="REPO", help="upload the verified folder to this Hub repository")
@@ -184,9 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         token = check_hub(a.push_to_hub) if a.push_to_hub else None  # before any work
-        cfg = ToHFConfig(a.checkpoint_dir, a.output_dir, a.iteration, a.format == "bin", a.trust_pickle,
-                         a.vocab_file, a.merge_file, a.tokenizer_model, a.dtype, a.max_shard_size,
-                         a.overwrite, verify_cfg)
+        cfg = from_args(FLAGS[0], a, write_bin=a.format == "bin", verify=verify_cfg)
         result = convert_checkpoint(cfg)
         if token:
             sys.stdout.write(f"pushed: {push(result.output_dir, a.push_to_hub, token, private=True)}\n")

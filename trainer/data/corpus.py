@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.cli import Flags, add_dataclass_args, from_args
 from trainer.data.corpus_config import CorpusConfig
 from trainer.log import get_logger
 
@@ -130,17 +131,20 @@ def build_corpus(config: CorpusConfig, output: str) -> CorpusSummary:
     return CorpusSummary(str(out), files, total, undecodable)
 
 
-def main(argv: list[str] | None = None) -> int:
+# --root (repeated) for the roots list, as the command line has always spelt it.
+FLAGS = (Flags(CorpusConfig, rename={"roots": "root"}, options={"roots": {"action": "append"}}),)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer.data.corpus", description=__doc__.split("\n")[0])
     parser.add_argument("--output", required=True, help="JSONL file to write")
-    parser.add_argument("--root", action="append", dest="roots",
-                        help="folder to search for *.py (repeatable; default: this interpreter's stdlib)")
-    parser.add_argument("--max-files", type=int, default=None)
-    parser.add_argument("--max-bytes", type=int, default=None)
-    parser.add_argument("--exclude-tests", action="store_true", help="skip test/tests/idle_test folders")
-    args = parser.parse_args(argv)
-    config = CorpusConfig(roots=args.roots or [], max_files=args.max_files, max_bytes=args.max_bytes,
-                          exclude_tests=args.exclude_tests)
+    add_dataclass_args(parser, FLAGS[0])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    config = from_args(FLAGS[0], args)
     summary = build_corpus(config, args.output)
     sys.stdout.write(f"{summary.files} files, {summary.bytes / 1e6:.1f} MB -> {summary.output}\n")
     return 0

@@ -23,6 +23,7 @@ import numpy as np
 from trainer.data.tokenizer import GPT2BPETokenizer, TokenizerFileError, TokenizerSpec, load_gpt2_bpe
 
 HF_TOKENIZER_TYPE = "HuggingFaceTokenizer"
+TOKENIZER_TYPES = ("GPT2BPETokenizer", HF_TOKENIZER_TYPE)  # Megatron's names of the two Slipway reads
 # The files of a tokenizer directory that AutoTokenizer reads (config.json picks the class when
 # tokenizer_config.json does not); they make its content hash and are what travels into hf/.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

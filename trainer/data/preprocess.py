@@ -29,7 +29,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from trainer.checks import checks_deferred
-from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE, AnySpec, AnyTokenizer, load_hf_tokenizer
+from trainer.cli import Flags, add_dataclass_args, from_args
+from trainer.data.hf_tokenizer import (
+    HF_TOKENIZER_TYPE,
+    TOKENIZER_TYPES,
+    AnySpec,
+    AnyTokenizer,
+    load_hf_tokenizer,
+)
 from trainer.data.indexed_dataset import (
     IndexedDatasetBuilder,
     best_fitting_dtype,
@@ -39,6 +46,7 @@ from trainer.data.indexed_dataset import (
     temp_pair,
 )
 from trainer.data.preprocess_io import (
+    ON_ERROR,
     REASONS,
     BadLine,
     ChunkResult,
@@ -51,8 +59,8 @@ from trainer.data.preprocess_io import (
     iter_chunks,
     resolve_inputs,
 )
-from trainer.data.progress import Progress
-from trainer.data.tokenizer import load_gpt2_bpe
+from trainer.data.progress import MODES, Progress
+from trainer.data.tokenizer import BACKENDS, load_gpt2_bpe
 from trainer.disk import out_of_space
 from trainer.log import get_logger
 from trainer.run_files import document_prefix, preprocess_summary
@@ -136,7 +144,7 @@ class PreprocessConfig:
         self._check_tokenizer()
         if not self.json_keys or len(set(self.json_keys)) != len(self.json_keys):
             raise ValueError(f"json_keys={self.json_keys!r}: give one or more distinct field names")
-        if self.on_error not in ("fail", "skip"):
+        if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error={self.on_error!r}: use 'fail' (stop at a bad line) or 'skip'")
         for name in ("workers", "log_interval", "chunk_bytes"):
             if getattr(self, name) < 1:
@@ -344,28 +352,18 @@ def _report(summary: PreprocessSummary) -> None:
         log.info("preprocess: ignored %d blank line(s)", summary.blank_lines)
 
 
+# The field names are Megatron's flag names (--input, --output-prefix, --json-keys, --tokenizer-type,
+# --vocab-file, --merge-file, --append-eod, --workers): no renames, so Megatron command lines run as they are.
+FLAGS = (Flags(PreprocessConfig, options={"tokenizer_type": {"choices": TOKENIZER_TYPES},
+                                          "on_error": {"choices": ON_ERROR}, "backend": {"choices": BACKENDS},
+                                          "progress": {"choices": MODES}}),)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Megatron-LM's preprocess_data.py flags (GPT-2 BPE and HF tokenizer subset) plus Slipway's own."""
     p = argparse.ArgumentParser(prog="python -m trainer.data.preprocess",
                                 description="Tokenize JSONL into Megatron .bin/.idx (byte-identical).")
-    p.add_argument("--input", required=True, help="JSONL file (.jsonl/.json, optionally .gz) or a glob")
-    p.add_argument("--output-prefix", required=True)
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="fields to tokenize (default: text)")
-    p.add_argument("--tokenizer-type", default="GPT2BPETokenizer",
-                   choices=["GPT2BPETokenizer", HF_TOKENIZER_TYPE])
-    p.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
-    p.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
-    p.add_argument("--tokenizer-model", help=f"{HF_TOKENIZER_TYPE}: a directory with a tokenizer.json")
-    p.add_argument("--append-eod", action="store_true",
-                   help="append the end-of-document token (<|endoftext|>, or the HF tokenizer's eos)")
-    p.add_argument("--workers", type=int, default=_default_workers(), help="worker processes")
-    p.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
-    p.add_argument("--on-error", choices=["fail", "skip"], default="fail",
-                   help="fail: stop at the first bad line (default); skip: drop and count bad lines")
-    p.add_argument("--backend", choices=["auto", "tiktoken", "hf"], default="auto",
-                   help="tokenizer backend (auto: tiktoken when provably identical to GPT-2 BPE)")
-    p.add_argument("--progress", choices=["auto", "bar", "log", "none"], default="auto")
-    p.add_argument("--chunk-bytes", type=int, default=1 << 20, help="input bytes per work item")
+    add_dataclass_args(p, FLAGS[0])
     # Accepted so that Megatron command lines (e.g. the CodeParrot guide's) run unchanged.
     p.add_argument("--dataset-impl", choices=["mmap"], default="mmap", help=argparse.SUPPRESS)
     p.add_argument("--chunk-size", type=int, default=None, help=argparse.SUPPRESS)
@@ -381,14 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     # Slurm's time limit sends SIGTERM first: treat it like Ctrl-C so temporary files are removed.
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        config = PreprocessConfig(
-            input=args.input, output_prefix=args.output_prefix, vocab_file=args.vocab_file,
-            merge_file=args.merge_file, json_keys=args.json_keys, tokenizer_type=args.tokenizer_type,
-            tokenizer_model=args.tokenizer_model,
-            append_eod=args.append_eod, workers=args.workers, log_interval=args.log_interval,
-            on_error=args.on_error, chunk_bytes=args.chunk_bytes, backend=args.backend,
-            progress=args.progress)
-        summary = preprocess(config)
+        summary = preprocess(from_args(FLAGS[0], args))
     except (ValueError, DiskFullError) as e:  # PreprocessError, bad config, unreadable input, a full disk
         log.error("%s", e)
         return 1

@@ -21,6 +21,8 @@ import numpy as np
 from trainer.data.hf_tokenizer import AnySpec, AnyTokenizer, load_spec
 from trainer.disk import free_bytes, short_write, size
 
+# What a bad line does: fail stops at the first one; skip drops it and counts it by reason.
+ON_ERROR = ("fail", "skip")
 # Reason keys (stable: they appear in the JSON summary) → words for messages.
 REASONS = {
     "invalid_json": "invalid JSON",

@@ -8,6 +8,7 @@ import time
 from trainer.log import get_logger
 
 log = get_logger(__name__)
+MODES = ("auto", "bar", "log", "none")
 
 
 class Progress:
@@ -18,7 +19,7 @@ class Progress:
     """
 
     def __init__(self, total_bytes: int | None, log_interval: int, mode: str = "auto") -> None:
-        if mode not in ("auto", "bar", "log", "none"):
+        if mode not in MODES:
             raise ValueError(f"progress mode {mode!r}: use auto, bar, log or none")
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "log"

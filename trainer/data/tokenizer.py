@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 
@@ -33,6 +33,7 @@ EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenizer (OpenAI encoder.py, Megatron gpt2_tokenization.py, HF ByteLevel use_regex=True).
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 Backend = Literal["auto", "tiktoken", "hf"]
+BACKENDS: tuple[str, ...] = get_args(Backend)
 
 
 class TokenizerFileError(ValueError):
@@ -100,7 +101,7 @@ class GPT2BPETokenizer:
     """Megatron's ``GPT2BPETokenizer`` face over the tiktoken or HF backend (see module docstring)."""
 
     def __init__(self, spec: TokenizerSpec) -> None:
-        if spec.backend not in ("auto", "tiktoken", "hf"):
+        if spec.backend not in BACKENDS:
             raise ValueError(f"backend={spec.backend!r}: use 'auto', 'tiktoken' or 'hf'")
         self.spec = spec
         vocab = read_vocab(spec.vocab_file)

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.cli import Flags, add_dataclass_args, from_args
 from trainer.data.tokenizer import EOD_TOKEN
 from trainer.log import get_logger
 from trainer.run_files import DEFAULT_JSON_KEY, MERGE_FILE, VOCAB_FILE
@@ -104,20 +105,18 @@ def train_tokenizer(config: TokenizerTrainConfig) -> tuple[Path, Path]:
     return out / VOCAB_FILE, out / MERGE_FILE
 
 
-def main(argv: list[str] | None = None) -> int:
+FLAGS = (Flags(TokenizerTrainConfig, rename={"inputs": "input"}),)  # --input, as preprocess spells it
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m trainer.data.train_tokenizer",
                                      description="Train a GPT-2-style byte-level BPE on JSONL text.")
-    parser.add_argument("--input", nargs="+", required=True, help="JSONL file(s)")
-    parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--vocab-size", type=int, default=32768)
-    parser.add_argument("--json-key", default=DEFAULT_JSON_KEY)
-    parser.add_argument("--min-frequency", type=int, default=2)
-    parser.add_argument("--max-documents", type=int, default=None)
-    args = parser.parse_args(argv)
-    config = TokenizerTrainConfig(inputs=args.input, output_dir=args.output_dir, vocab_size=args.vocab_size,
-                                  json_key=args.json_key, min_frequency=args.min_frequency,
-                                  max_documents=args.max_documents)
-    vocab, merges = train_tokenizer(config)
+    add_dataclass_args(parser, FLAGS[0])
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    vocab, merges = train_tokenizer(from_args(FLAGS[0], build_parser().parse_args(argv)))
     sys.stdout.write(f"{vocab}\n{merges}\n")
     return 0
 

@@ -1,5 +1,6 @@
 """``python -m trainer.eval --hf-dir D --out O [--problems N --samples N ...] --allow-code-execution``:
-the eval stage's work on any Hugging Face GPT folder, without the launcher."""
+the eval stage's work on any Hugging Face GPT folder, without the launcher. Its flags are EvalRun's and
+the eval section's fields (trainer.eval.config: the defaults live there)."""
 
 from __future__ import annotations
 
@@ -8,41 +9,42 @@ import json
 import sys
 
 from trainer.checks import ConfigError
-from trainer.data.splits import DEFAULT_SPLIT
-from trainer.eval.config import EvalConfig
-from trainer.eval.run import EvalRun, run_eval
+from trainer.cli import Flags, add_dataclass_args, from_args
+from trainer.eval.config import EvalConfig, EvalRun
+from trainer.eval.run import run_eval
+
+# The run's W&B record and the stage's own switch and time limit mean nothing here; the older flag
+# spellings (--out, --data-prefix, --problems, --samples, --jsonl) stay what users and tests type.
+FLAGS = (
+    Flags(EvalRun, skip=frozenset({"settings", "run_dir", "run_id", "wandb"}),
+          rename={"out_dir": "out", "heldout_prefix": "data-prefix"}),
+    Flags(EvalConfig, skip=frozenset({"enabled", "time_limit_min"}),
+          rename={"humaneval_problems": "problems", "n_samples": "samples", "perplexity_files": "jsonl"}),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer.eval", description=__doc__)
+    for flags in FLAGS:
+        add_dataclass_args(p, flags)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.eval", description=__doc__)
-    p.add_argument("--hf-dir", required=True, help="a transformers causal-LM folder (e.g. <run_dir>/hf)")
-    p.add_argument("--out", required=True, help="folder for results.json")
-    p.add_argument("--problems", type=int, default=None, help="first N HumanEval problems (default: all 164)")
-    p.add_argument("--samples", type=int, default=200, help="samples per problem and temperature")
-    p.add_argument("--pass-at-k", type=int, nargs="+", default=[1, 10, 100])
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.2, 0.6, 0.8])
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--data-prefix", default=None, help="a .bin/.idx prefix: perplexity on its held-out split")
-    p.add_argument("--split", default=DEFAULT_SPLIT, help="the training's data.split")
-    p.add_argument("--seq-length", type=int, default=1024)
-    p.add_argument("--jsonl", nargs="*", default=[], help="JSONL files whose perplexity is reported")
-    p.add_argument("--allow-code-execution", action="store_true",
-                   help="run the model's programs in the sandbox (required for HumanEval)")
-    a = p.parse_args(argv)
+    a = build_parser().parse_args(argv)
+    run_flags, settings_flags = FLAGS
     try:
-        settings = EvalConfig(enabled=True, humaneval_problems=a.problems, n_samples=a.samples,
-                              pass_at_k=a.pass_at_k, temperatures=a.temperatures,
-                              max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, device=a.device,
-                              allow_code_execution=a.allow_code_execution, perplexity_files=a.jsonl)
+        settings = from_args(settings_flags, a, enabled=True)
     except ConfigError as e:  # e.g. HumanEval without --allow-code-execution: say which flag
-        sys.stderr.write(f"{e}\n(on this command line: --allow-code-execution, --problems 0, --samples)\n")
+        flag = settings_flags.flag
+        sys.stderr.write(f"{e}\n(on this command line: {flag('allow_code_execution')}, "
+                         f"{flag('humaneval_problems')} 0, {flag('n_samples')})\n")
         return 2
-    results = run_eval(EvalRun(a.hf_dir, a.out, settings, a.data_prefix, a.split, a.seq_length))
+    run = from_args(run_flags, a, settings=settings)
+    results = run_eval(run)
     ppl = {k: v["perplexity"] for k, v in results["perplexity"].items() if v}
     summary = {"pass_at": results.get("humaneval", {}).get("pass_at"), "perplexity": ppl,
-               "results": f"{a.out}/results.json"}
+               "results": f"{run.out_dir}/results.json"}
     sys.stdout.write(json.dumps(summary, indent=1) + "\n")
     return 0
 

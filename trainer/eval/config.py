@@ -107,12 +107,18 @@ class EvalRun:
     stage's job as the plan builds it (torch-free, like EvalConfig)."""
 
     hf_dir: str
+    """A transformers causal-LM folder (e.g. <run_dir>/hf)."""
     out_dir: str
+    """Folder for results.json."""
     settings: EvalConfig = field(default_factory=EvalConfig)
-    heldout_prefix: str | None = None  # the run's preprocessed dataset prefix (…_content_document)
+    heldout_prefix: str | None = None
+    """A preprocessed .bin/.idx prefix (the run's …_content_document): perplexity on its held-out split."""
     split: str = DEFAULT_SPLIT
+    """The training's data.split, which says which samples are held out."""
     seq_length: int = 1024
+    """Tokens per held-out sample (the training's seq_length)."""
     json_key: str = DEFAULT_JSON_KEY
+    """The field of each JSONL line holding the text (perplexity files)."""
     run_dir: str | None = None  # for W&B (wandb_run.json) and the trainer's last validation loss
     run_id: str | None = None
     wandb: dict[str, Any] | None = None  # the run's logging.wandb section; None: no W&B

@@ -101,7 +101,7 @@ def _to_wandb(run: EvalRun, results: dict[str, Any]) -> None:
     if not run.wandb or run.wandb.get("mode", "disabled") == "disabled" or not run.run_dir:
         return
     from trainer.config import WandbConfig
-    from trainer.metrics import WandbLogger
+    from trainer.run.metrics import WandbLogger
 
     logger = WandbLogger(WandbConfig(**run.wandb), run.run_dir, run.run_id, {}, True)
     metrics = flat_metrics(results)

@@ -16,7 +16,7 @@ Every rank runs one daemon thread (``Monitor``) that
   act once the step exits.
 
 Progress ("ticks") comes from the loop's data iterators (every micro-batch, train and validation), the
-end of every step and both ends of every checkpoint save (the loop in ``trainer.training`` calls
+end of every step and both ends of every checkpoint save (the loop in ``trainer.run.loop`` calls
 ``Monitor.tick``): each of one step, one evaluation batch and one save must fit in ``hang_timeout_s``,
 however long the evaluation or the time between saves. Saves stay watched because a node whose filesystem
 client hangs mid-save is a classic sick node (the others wait at the save's barrier). Start-up
@@ -78,7 +78,7 @@ def _world() -> tuple[int, int]:
 
 class Monitor:
     """One rank's heartbeat writer and hang watchdog. A context manager: ``begin`` after the process group
-    exists; the training loop (``trainer.training.Loop.monitor``) ticks it on every batch, step and
+    exists; the training loop (``trainer.run.loop.Loop.monitor``) ticks it on every batch, step and
     save; leaving the block writes a final heartbeat."""
 
     # The clock progress is measured on. The watchdog tests swap in a virtual one so that "this step took

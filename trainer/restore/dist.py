@@ -38,8 +38,7 @@ from trainer.parallel import ParallelModel
 from trainer.parallel.sharding import DIM, GLU, kind
 from trainer.restore import reshard
 from trainer.restore.distrib_optim import gather_state, is_distributed, load_by_name, step_of
-from trainer.restore.state import Restorable, load_targets, param_names, train_state_from
-from trainer.training import TrainState
+from trainer.restore.state import Restorable, TrainState, load_targets, param_names, train_state_from
 
 log = get_logger(__name__)
 

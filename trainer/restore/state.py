@@ -26,7 +26,7 @@ reads args through :func:`trainer.checkpoint.files.arg`, which takes both.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +47,25 @@ from trainer.optim.precision import LossScaler
 from trainer.parallel import ParallelModel
 from trainer.restore import reshard
 from trainer.restore.distrib_optim import DistribSource, is_distributed, load_optimizer, load_resharded
-from trainer.training import TrainState
 
 log = get_logger(__name__)
+
+
+@dataclass
+class TrainState:
+    """The loop's position; saved in every checkpoint (``args`` and ``slipway``). Defined here, not beside
+    the loop in ``trainer.run.loop``: restoring builds it, and ``trainer.run`` imports this package, so
+    the state's home must be the side that does not import the other."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    skipped_iters: int = 0
+    nan_iters: int = 0
+    # The log window in progress at a save (trainer.run.metrics.IntervalStats as a dict): a resume in the
+    # middle of a log interval continues the window, so the first logged loss after it is the
+    # uninterrupted run's.
+    log_window: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The data side of ``trainer.main``: dataset prefixes → GPT train/valid datasets → per-rank micro-batches.
+"""The data side of a run (``trainer.run``): dataset prefixes → GPT train/valid datasets → per-rank
+micro-batches.
 
 Glue only: the datasets, index caches and the resumable sampler are ``trainer.data``'s. The train stream
 starts at ``consumed_train_samples`` and the validation stream at ``consumed_valid_samples`` (Megatron's
@@ -26,8 +27,8 @@ from trainer.data.sampler import SamplerConfig, micro_batches
 from trainer.data.splits import samples_drawn
 from trainer.log import get_logger
 from trainer.parallel import ParallelState
+from trainer.restore.state import TrainState
 from trainer.run_files import document_prefix
-from trainer.training import TrainState
 
 log = get_logger(__name__)
 

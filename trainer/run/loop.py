@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.distributed as dist
 
-from trainer import metrics
 from trainer.health import Monitor
 from trainer.log import get_logger
 from trainer.metrics_file import append_record
@@ -26,6 +25,8 @@ from trainer.optim.lr import OptimizerParamScheduler
 from trainer.optim.precision import LossScaler
 from trainer.parallel import ParallelModel, clip_grad_norm, eval_step, train_step
 from trainer.parallel.grad_norm import unscale_main_grads_
+from trainer.restore.state import TrainState
+from trainer.run import metrics
 from trainer.signals import EXIT_OK, EXIT_REQUEUE, StopRequest
 
 log = get_logger(__name__)
@@ -33,20 +34,6 @@ log = get_logger(__name__)
 
 class NonFiniteError(RuntimeError):
     """The loss or gradient norm became NaN/inf where no loss scaler can absorb it (fp32/bf16)."""
-
-
-@dataclass
-class TrainState:
-    """The loop's position; saved in every checkpoint (``args`` and ``slipway``)."""
-
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
-    skipped_iters: int = 0
-    nan_iters: int = 0
-    # The log window in progress at a save (metrics.IntervalStats as a dict): a resume in the middle of a
-    # log interval continues the window, so the first logged loss after it is the uninterrupted run's.
-    log_window: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -78,7 +65,7 @@ class Throughput:
 
 @dataclass
 class Loop:
-    """Everything the loop touches (built by ``trainer.main``). ``monitor`` (heartbeats and the hang
+    """Everything the loop touches (built by ``trainer.run.entry``). ``monitor`` (heartbeats and the hang
     watchdog) is told of every batch, step and save by the loop itself."""
 
     model: ParallelModel
@@ -231,7 +218,3 @@ def train(loop: Loop, state: TrainState, stop: StopRequest) -> int:
                         "(requeue to resume)", why, state.iteration, EXIT_REQUEUE)
             return EXIT_REQUEUE
     return EXIT_OK
-
-
-def state_dict(state: TrainState) -> dict:
-    return asdict(state)

@@ -1,10 +1,10 @@
-"""``trainer.main.run(cfg)``: data + model + parallelism + optimizer → a training run that survives restarts.
+"""``trainer.run.run(cfg)``: data + model + parallelism + optimizer → a training run that survives restarts.
 
 Standalone::
 
-    python -m trainer.main --config resolved.yaml [section.key=value ...]
-    torchrun --nproc-per-node N -m trainer.main --config resolved.yaml
-    srun --ntasks-per-node=GPUS python -m trainer.main --config resolved.yaml   # one task per GPU
+    python -m trainer.run --config resolved.yaml [section.key=value ...]
+    torchrun --nproc-per-node N -m trainer.run --config resolved.yaml
+    srun --ntasks-per-node=GPUS python -m trainer.run --config resolved.yaml   # one task per GPU
 
 Exit codes (``trainer.signals``): 0 finished; 75 stopped cleanly on SIGUSR2/SIGTERM after a checkpoint,
 requeue to resume; 65 NaN/inf loss in fp32/bf16 (nothing saved; the last good checkpoint is intact); 78 a
@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import os
 import signal
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import formulas, health, metrics, testing_hooks
+from trainer import formulas, health, testing_hooks
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import virtual_size
@@ -40,8 +39,6 @@ from trainer.convert import dist as dist_ckpt
 from trainer.convert.shard_io import load_shard
 from trainer.convert.spec import unsupported_options
 from trainer.log import get_logger
-from trainer.main_data import DataShape, build_data, resolve_vocab
-from trainer.main_kernels import checked_kernels, optimizer_after_check
 from trainer.metrics_file import metrics_path, truncate_after
 from trainer.model.recompute import Recompute
 from trainer.ops.selfcheck import KernelCheck
@@ -56,6 +53,7 @@ from trainer.restore.distrib_optim import extra_files, is_distributed, read_besi
 from trainer.restore.state import (
     Restorable,
     RunFacts,
+    TrainState,
     build_state,
     checkpoint_args,
     restore_merged,
@@ -63,6 +61,10 @@ from trainer.restore.state import (
     restore_same_layout,
     uneven_split,
 )
+from trainer.run import metrics
+from trainer.run.data import DataShape, build_data, resolve_vocab
+from trainer.run.kernels import checked_kernels, optimizer_after_check
+from trainer.run.loop import Cadence, Loop, NonFiniteError, Throughput, train
 from trainer.signals import (
     EXIT_NONFINITE,
     EXIT_OK,
@@ -72,7 +74,6 @@ from trainer.signals import (
     StopRequest,
     permanent_reason,
 )
-from trainer.training import Cadence, Loop, NonFiniteError, Throughput, TrainState, train
 
 log = get_logger(__name__)
 
@@ -345,7 +346,7 @@ def _override(d: dict, item: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trainer.main", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m trainer.run", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="resolved YAML config (orchestrator output)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. train.iters=10")
     args = parser.parse_args(argv)
@@ -378,7 +379,3 @@ def main(argv: list[str] | None = None) -> int:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

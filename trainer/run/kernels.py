@@ -1,6 +1,6 @@
-"""The kernel side of ``trainer.main``: resolve the ``kernels`` key, self-check the fused ops on this job's
-device and dtypes (trainer.ops.selfcheck, ``train.kernel_check``), record the verdict, and keep the
-optimizer off a csrc AdamW kernel that failed it. Glue only."""
+"""The kernel side of a run (``trainer.run``): resolve the ``kernels`` key, self-check the fused ops on
+this job's device and dtypes (trainer.ops.selfcheck, ``train.kernel_check``), record the verdict, and keep
+the optimizer off a csrc AdamW kernel that failed it. Glue only."""
 
 from __future__ import annotations
 
