@@ -24,8 +24,8 @@ from omegaconf import DictConfig
 from orchestrator import redaction
 from orchestrator.facts import SweepInfo
 from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED, RunFailed, launch
+from orchestrator.problems import PlanError
 from orchestrator.schema import register, to_typed
-from orchestrator.validate import PlanError
 
 register()
 

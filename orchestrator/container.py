@@ -2,7 +2,7 @@
 each with the config key it comes from, and what kind of reference ``container.image`` is.
 
 Apptainer binds these folders (container_render.render_container_wrapper) and pyxis mounts them
-(container_render.pyxis_srun_flags); validate.py checks them. One list, so a folder added here reaches
+(container_render.pyxis_srun_flags); checks/container.py checks them. One list, so a folder added here reaches
 both runtimes and the plan's checks.
 
 pyxis reads ``--container-image`` as a squashfs file when it starts with ``/`` or ``.`` and as an enroot

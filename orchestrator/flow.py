@@ -17,21 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import launches, queue, redaction
+from orchestrator.checks import Context, run_checks
+from orchestrator.checks.secrets import known_secrets
 from orchestrator.data_shares import corpus_shares, shares_table
 from orchestrator.estimate import fmt_duration, memory_table, options_table
 from orchestrator.facts import PlanInputs, SweepInfo
 from orchestrator.follow import LogFollower, failure_tails, log_path
-from orchestrator.guards import known_secrets
-from orchestrator.input_checks import input_problems
 from orchestrator.plan import Plan, make_plan
-from orchestrator.preconditions import (
-    active_problems,
-    checkpoint_problems,
-    pyxis_problems,
-    record_writer,
-    reused_data_problems,
-    single_writer,
-)
+from orchestrator.problems import PlanError
 from orchestrator.runs import (
     RUN_JSON,
     add_to_sweep,
@@ -59,7 +52,7 @@ from orchestrator.submit import (
     submit_plan,
 )
 from orchestrator.summary import write_summary
-from orchestrator.validate import PlanError
+from orchestrator.writer_lock import record_writer, single_writer
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
 from trainer.run_files import RunDir
@@ -305,8 +298,7 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
     out, err = redaction.redacting(out), redaction.redacting(sys.stderr)
     facts = gather_facts(cfg, sweep)
     plan = make_plan(cfg, facts)
-    plan.problems.extend(input_problems(cfg) + reused_data_problems(plan) + checkpoint_problems(plan)
-                         + pyxis_problems(cfg) + (active_problems(plan) if cfg.dry_run else []))
+    plan.problems.extend(run_checks(Context(cfg, facts.environ, plan=plan), "inputs", "world"))
     for warning in plan.warnings:
         err.write(f"warning: {warning}\n")
     scripts = scripts_of(cfg, plan)

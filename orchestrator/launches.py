@@ -17,7 +17,7 @@ Submission is crash-consistent. Each launch moves through ``state``:
 A launch whose process died before ``submitted`` is *incomplete* (``status`` says so). The next launch
 reconciles it first (flow.py → :func:`reconcile`): every pending intent is looked up in the queue by its
 comment (queue.py); a job found is recorded as ``adopted`` in the dead launch's ``jobs``, where the
-one-writer check (preconditions.py) sees it and refuses while it is alive, naming its id. Nothing is ever
+one-writer check (writer_lock.py) sees it and refuses while it is alive, naming its id. Nothing is ever
 submitted twice for one intent, and no submitted job goes unrecorded.
 
 The previous format (one launch, its ``config``/``jobs``/``stages``/``scripts`` at the top level) reads as

@@ -15,8 +15,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.checks import Context, Estimates, run_checks
 from orchestrator.estimate import (
-    GIB,
     MemoryEstimate,
     MemoryOption,
     TimeEstimate,
@@ -24,12 +24,11 @@ from orchestrator.estimate import (
     estimate_time,
 )
 from orchestrator.facts import PlanInputs, SweepInfo
-from orchestrator.guards import guard_problems
 from orchestrator.layout import Layout, layout_of
+from orchestrator.problems import Problem
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import STAGES
 from orchestrator.stages.base import PlanContext, StagePlan
-from orchestrator.validate import Problem, validate
 from trainer.checks import deferred
 from trainer.formulas import model_vocab_size
 
@@ -113,65 +112,15 @@ def memory_options(cfg: SlipwayConfig, vocab: int, lay: Layout) -> list[MemoryOp
     return out
 
 
-def _memory_advice(mem: MemoryEstimate, options: list[MemoryOption]) -> str:
-    """The options that would lower ``mem``, each with its total."""
-    options = [f"{o.name} → {o.memory.total_bytes / GIB:.1f} GiB "
-               f"({'fits' if o.memory.fits else 'still too much'})" for o in options
-               if o.memory.total_bytes < mem.total_bytes]
-    return "; ".join(options)
-
-
-def _estimate_problems(cfg: SlipwayConfig, mem: MemoryEstimate, est: TimeEstimate,
-                       choices: list[MemoryOption]) -> list[Problem]:
-    out = []
-    if not mem.fits:
-        hint = "raise parallel.tp_size/pp_size or lower train.micro_batch_size"
-        options = _memory_advice(mem, choices)
-        if options:
-            hint += f", or (same math, the plan's figure for each): {options}"
-        acts = mem.total_bytes - mem.weights_bytes - mem.grads_bytes - mem.optimizer_bytes
-        parts = (
-            f"weights {mem.weights_bytes / GIB:.1f} + grads {mem.grads_bytes / GIB:.1f} + optimizer "
-            f"{mem.optimizer_bytes / GIB:.1f} + activations/logits/reserved {acts / GIB:.1f}"
-        )
-        out.append(
-            Problem(
-                "memory",
-                "train.micro_batch_size",
-                cfg.train.micro_batch_size,
-                f"needs {mem.total_bytes / GIB:.1f} GiB per device ({parts}) but "
-                f"{cfg.cluster.device_name} has {mem.device_bytes / GIB:.0f} GiB",
-                hint,
-            )
-        )
-    usable = cfg.cluster.time_limit_min * 60 - cfg.cluster.signal_delay_s
-    if cfg.train.save_interval and est.first_checkpoint_s > usable:
-        per_iter = est.step_s
-        fit = max(int(usable / per_iter), 0) if per_iter > 0 else 0
-        need_min = int((est.first_checkpoint_s + cfg.cluster.signal_delay_s) / 60) + 1
-        out.append(
-            Problem(
-                "time_limit",
-                "cluster.time_limit_min",
-                cfg.cluster.time_limit_min,
-                f"the first checkpoint (train.save_interval={cfg.train.save_interval}) is due after "
-                f"~{est.first_checkpoint_s / 60:.0f} min but the job has {usable / 60:.0f} min",
-                f"raise cluster.time_limit_min to >= {need_min} or lower train.save_interval to <= {fit}",
-            )
-        )
-    return out
-
-
 def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exists) -> Plan:
     """Everything about a launch that can be known before submitting (no job is touched)."""
-    problems = validate(cfg, exists) + guard_problems(cfg, facts.environ)
     lay = layout_of(cfg)
     vocab = resolve_vocab(cfg, facts)
     mem = estimate_memory(cfg, vocab, lay)
     est = estimate_time(cfg, vocab, lay)
     choices = memory_options(cfg, vocab, lay) if lay.dp and lay.num_microbatches else []
-    if lay.dp and lay.num_microbatches:
-        problems += _estimate_problems(cfg, mem, est, choices)
+    estimates = Estimates(mem, est, choices) if lay.dp and lay.num_microbatches else None
+    problems = run_checks(Context(cfg, facts.environ, exists, estimates), "pure")
     ctx = PlanContext(cfg, facts)
     for stage in STAGES:
         planned = stage.plan(ctx)

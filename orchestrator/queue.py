@@ -3,7 +3,7 @@
 Slurm's job states (``squeue -o %T``, ``sacct -o State``) are mapped here, once, to five categories:
 ``pending`` and ``running`` (the job is alive: it may still write its outputs), ``done``, ``failed`` and
 ``cancelled`` (it ended). Everything that decides whether a job is still alive — reusing a queued shared
-stage (submit), refusing a second writer of a run (preconditions), a blocking launch's wait (flow), the
+stage (submit), refusing a second writer of a run (writer_lock), a blocking launch's wait (flow), the
 status table, the tests' waits — asks :func:`category` or :func:`alive` instead of keeping its own list.
 
 States Slurm may requeue:

@@ -1,8 +1,9 @@
 """What a secret looks like, and how it is kept out of everything Slipway writes or prints (torch-free).
 
-One definition, used by validation (orchestrator/guards.py refuses a secret in the config), rendering (a
-secret-named variable is forwarded by reference, never by value), ``run.json`` and ``config.yaml``, the
-dry run and every line the launch prints (its streams and the ``slipway`` loggers' handlers):
+One definition, used by the checks (orchestrator/checks/secrets.py refuses a secret in the config),
+rendering (a secret-named variable is forwarded by reference, never by value), ``run.json`` and
+``config.yaml``, the dry run and every line the launch prints (its streams and the ``slipway`` loggers'
+handlers):
 
 - **Names**: a variable or key with a word of :data:`SECRET_WORDS`, or ``KEY`` after a qualifier
   (``DB_PASSWD``, ``wandb_api_key``, ``--api-key``), holds a secret; ``max_new_tokens`` does not.

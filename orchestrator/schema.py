@@ -5,8 +5,8 @@ every trainer section, key, default and rule) plus the orchestrator's own sectio
 convert) and launch switches, defined here. Every group YAML in ``hydra_conf/`` merges into it, so a
 typo'd key or a value of the wrong type fails at composition with Hydra's own message (``Key 'lrr' not
 in 'OptimConfig'``). Each section's own rules are its ``problems()``; :func:`to_typed` builds the tree
-with them deferred, and orchestrator/validate.py reports them together with the rules that need several
-sections (heads % tp, world size, memory): every problem at once, with the key, the value and the fix.
+with them deferred, and the checks (orchestrator/checks/) report them together with the rules that need
+several sections (heads % tp, world size, memory): every problem at once, with the key, the value and the fix.
 
 Each field's documentation is the string literal right below it (an attribute docstring):
 ``python -m orchestrator.docs`` turns them into ``docs/config.md``, and a test fails when that file is not
@@ -200,7 +200,7 @@ def to_typed(cfg: Any, choices: dict[str, Any] | None = None) -> SlipwayConfig:
     """
     from omegaconf import OmegaConf
 
-    # Sections record instead of raising here, so validate() reports every problem at once.
+    # Sections record instead of raising here, so the checks report every problem at once.
     with deferred():
         obj = OmegaConf.to_object(cfg)
         if not isinstance(obj, SlipwayConfig):  # composed without the schema (e.g. a bare dict in a test)

@@ -3,10 +3,10 @@
 Side effects are not all here. The launch's are spread over modules named for them: this one submits
 jobs and writes each job's record (``_JOB.json``, the launch's intents and jobs through launches.py,
 ``launches/<n>/scripts/``); runs.py writes the run directory and sweep manifests and reads git and file
-stats; preconditions.py takes the launch locks
+stats; writer_lock.py takes the launch locks
 and writes the checkpoint directory's writer record; queue.py asks squeue/sacct and local processes;
 flow.py records the run (config, scripts) and waits; each stage's node callable (stages/) runs on the
-nodes. Planning (plan.py, validate.py, estimate.py) and rendering (render.py) are pure.
+nodes. Planning (plan.py, the pure checks in checks/, estimate.py) and rendering (render.py) are pure.
 
 Slurm jobs use :class:`SlipwaySlurmExecutor`: submitit's executor (pickled callable, job files, results)
 with Slipway's own rendered sbatch script (render.py: retry loop, USR2 forwarding, requeue). Local jobs

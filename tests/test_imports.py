@@ -8,6 +8,8 @@ import ast
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer import CONTRACT
+
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("trainer", "orchestrator")
 
@@ -182,12 +184,47 @@ def test_orchestrator_loads_no_torch_at_import():
     assert not chains, "module-level torch on the login node:\n" + "\n".join(" -> ".join(c) for c in chains)
 
 
-# The facts the orchestrator shares with the trainer (trainer/__init__.py lists them): torch-free.
-TORCH_FREE = ("trainer.config", "trainer.config.model", "trainer.checks", "trainer.formulas",
-              "trainer.signals", "trainer.metrics_file", "trainer.checkpoint.files",
-              "trainer.checkpoint.verify", "trainer.checkpoint.megatron_args", "trainer.health.config",
-              "trainer.health.heartbeat",
-              "trainer.testing_hooks")
+# The facts the orchestrator shares with the trainer (trainer.CONTRACT lists them), and what they import:
+# torch-free.
+TORCH_FREE = (*CONTRACT, "trainer.config.model", "trainer.checkpoint.megatron_args", "trainer.health.config",
+              "trainer.health.heartbeat")
+# Where the orchestrator may import the rest of the trainer, inside a function: a stage's node callable
+# (the trainer's entry points, in the job) and the checks that read inputs or the world with the
+# trainer's own readers (the real reader is the oracle for "can the trainer read this").
+ENTRY_POINTS = ("orchestrator.stages.", "orchestrator.checks.")
+
+
+def contract_breaches(mods: dict[str, Module]) -> list[tuple[str, str]]:
+    """(orchestrator module, trainer module) for each import of the trainer outside the contract, except
+    function-level ones in the entry-point modules."""
+    out = []
+    for m, mod in mods.items():
+        if not m.startswith("orchestrator"):
+            continue
+        for n in sorted(x for x in mod.anywhere if x.split(".")[0] == "trainer"):
+            inside = n in CONTRACT or n.startswith("trainer.config.")  # the sections' own modules
+            if not inside and (n in mod.top or not m.startswith(ENTRY_POINTS)):
+                out.append((m, n))
+    return sorted(out)
+
+
+def test_the_orchestrator_imports_the_trainer_only_through_the_contract():
+    assert contract_breaches(MODS) == []
+
+
+def test_the_contract_rule_can_fail():
+    mods = {"orchestrator.status": Module("orchestrator.status", {"trainer.run"}, {"trainer.run"}),
+            "orchestrator.stages.train": Module("orchestrator.stages.train", anywhere={"trainer.run"}),
+            "orchestrator.flow": Module("orchestrator.flow", anywhere={"trainer.restore.state"})}
+    assert contract_breaches(mods) == [("orchestrator.flow", "trainer.restore.state"),
+                                       ("orchestrator.status", "trainer.run")]
+
+
+def test_no_product_module_imports_the_tests():
+    """The test seam (tests/seam.py) is loaded by trainer.testing_hooks, and only under the test switch."""
+    bad = [(m, n) for m in MODS for n in MODS[m].anywhere if n.split(".")[0] == "tests"
+           and not (m == "trainer.testing_hooks" and n not in MODS[m].top)]
+    assert bad == []
 
 
 def test_the_shared_facts_load_no_torch():

@@ -3,7 +3,7 @@
 Every section dataclass of :mod:`trainer.config` lists its own invariants as :class:`ConfigIssue` records
 (``problems()``) built with :func:`positive`, :func:`choice` and :func:`issue`; its ``__post_init__``
 raises :class:`ConfigError` with all of them. The orchestrator turns the same records into plan problems
-(orchestrator/validate.py), so a rule is written once and the launcher still reports every problem of a
+(orchestrator/checks/run.py), so a rule is written once and the launcher still reports every problem of a
 config at once: it builds the typed config inside :func:`deferred`, where sections record instead of
 raising, then asks each section for its ``problems()``.
 """

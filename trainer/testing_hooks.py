@@ -5,7 +5,7 @@ Each hook makes a job misbehave on purpose so the fault tests can act at a known
 environment variables, never configuration keys: ``SLIPWAY_*`` is on the container allowlist and Slurm
 passes the launching shell's environment to the job, so a stray one would reach a real run. Therefore:
 
-- the plan refuses every hook (orchestrator/guards.py: ``cluster.env`` and the launching environment)
+- the plan refuses every hook (orchestrator/checks/secrets.py: ``cluster.env`` and the launching environment)
   unless the switch ``SLIPWAY_TESTING=1`` is set where ``launch.py`` runs;
 - the hooks that change what a job computes (a failing start, a stall, a wrong kernel) are implemented in
   ``tests/seam.py``, which :func:`seam` imports only when the switch is on in the job, so the product

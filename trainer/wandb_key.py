@@ -1,8 +1,8 @@
 """Where the W&B API key comes from, torch-free: ``WANDB_API_KEY``, else the netrc file's entry for the W&B
 host (what ``wandb login`` writes: ``$NETRC`` when set, as wandb reads it, else ``~/.netrc``). The job
-checks it before training (trainer/run/metrics.py) and the launch before submitting (orchestrator/guards.py):
-Slurm passes the launching shell's environment to the jobs, and the home directory holding ``~/.netrc`` is
-the jobs' too. Never reads the key into anything else."""
+checks it before training (trainer/run/metrics.py) and the launch before submitting
+(orchestrator/checks/secrets.py): Slurm passes the launching shell's environment to the jobs, and the home
+directory holding ``~/.netrc`` is the jobs' too. Never reads the key into anything else."""
 
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ class Eval(StageDef):
         key = stable_hash({"convert": converted.key,
                            "eval": {k: v for k, v in settings.items() if k != "workers"}})
         tcfg = ctx.planned[train.NAME].job.trainer_config
-        first = blend_paths(tcfg["data"]["paths"])[0]  # a blend's first entry is a weight
+        paths = blend_paths(tcfg["data"]["paths"])  # a blend's first entry is a weight
+        first = paths[0] if paths else None  # no data is a plan problem (checks/data.py), not a crash here
         with deferred():  # a refused eval section is one of the plan's problems, not an exception here
             checked = EvalConfig(**settings)
         job = EvalRun(converted.job.config.output_dir, str(ctx.run.eval), checked, first, cfg.data.split,

@@ -71,13 +71,15 @@ def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> di
     in: the preprocessed dataset prefixes, the tokenizer files, the run's paths and W&B names."""
     out = {f.name: dataclasses.asdict(getattr(cfg, f.name)) if dataclasses.is_dataclass(getattr(cfg, f.name))
            else getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)}
-    first = prep.job[0]
+    # The files the data was tokenized with (no inputs at all is a plan problem: the config's, then).
+    tok = (prep.job[0].vocab_file, prep.job[0].merge_file) if prep.job else (
+        cfg.tokenizer.vocab_file, cfg.tokenizer.merge_file)
     prefixes = [document_prefix(p, cfg.data.json_key) for p in preprocess.prefixes(prep.job)]
     try:  # a blend's weights go with the prefixes of the same inputs (a broken blend is a plan problem)
         out["data"]["paths"] = cfg.data.blend().with_paths(prefixes).spelled()
     except BlendError:
         out["data"]["paths"] = prefixes
-    out["tokenizer"].update(vocab_file=first.vocab_file, merge_file=first.merge_file)
+    out["tokenizer"].update(vocab_file=tok[0], merge_file=tok[1])
     out["checkpoint"]["dir"] = cfg.checkpoint.dir or str(RunDir(facts.run_dir).checkpoints)
     wandb = out["logging"]["wandb"]
     wandb["group"] = wandb["group"] or (facts.sweep.sweep_id if facts.sweep else None)

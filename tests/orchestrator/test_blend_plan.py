@@ -12,7 +12,7 @@ import re
 import pytest
 
 from orchestrator.flow import launch
-from orchestrator.validate import PlanError
+from orchestrator.problems import PlanError
 from tests.orchestrator.conftest import compose_cfg
 from tests.orchestrator.test_input_checks import _jsonl, _tokenizer
 

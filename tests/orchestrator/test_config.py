@@ -9,9 +9,9 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from orchestrator.checks import Context, run_checks
 from orchestrator.layout import layout_of
 from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.validate import validate
 from tests.orchestrator.conftest import CONF, compose_cfg, group_options
 
 EXPERIMENTS = group_options("experiment")
@@ -63,7 +63,8 @@ if "devcluster" in CLUSTERS:
 @pytest.mark.parametrize("experiment,cluster,container", INTENDED)
 def test_intended_combinations_validate(experiment, cluster, container):
     cfg = compose_cfg([f"+experiment={experiment}", f"cluster={cluster}", f"container={container}"])
-    assert validate(cfg, exists=lambda p: True) == []
+    # codeparrot logs to W&B online: clean only where the launching environment holds a key
+    assert run_checks(Context(cfg, {"WANDB_API_KEY": "k" * 40}, exists=lambda p: True), "pure") == []
 
 
 def test_codeparrot_is_the_seed_run():

@@ -20,8 +20,8 @@ import pytest
 
 from orchestrator.flow import launch
 from orchestrator.launches import current, current_jobs
+from orchestrator.problems import PlanError
 from orchestrator.queue import query_slurm
-from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, job_ids, my_jobs, wait_states
 from tests.seam import enabled

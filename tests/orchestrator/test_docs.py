@@ -141,7 +141,7 @@ def test_every_problem_code_the_readme_names_exists():
     single_words = ("memory", "warmup", "name", "world", "batch", "precision")
     codes = {c for c in re.findall(r"`([a-z_]+)`", advice) if "_" in c or c in single_words}
     # The orchestrator reports its own codes and the config sections' (cfg.problems()).
-    files = [*(REPO / "orchestrator").glob("*.py"), *(REPO / "trainer" / "config").glob("*.py")]
+    files = [*(REPO / "orchestrator").rglob("*.py"), *(REPO / "trainer" / "config").glob("*.py")]
     source = "".join(p.read_text() for p in files)
     assert len(codes) >= 10, codes
     assert sorted(c for c in codes if f'"{c}"' not in source) == []

@@ -20,7 +20,7 @@ SMOKE = ["+experiment=codeparrot_smoke"]
 
 def _plan(overrides):
     cfg = compose_cfg(overrides)
-    # codeparrot logs to W&B online: a launch needs a key in its environment (guards.wandb_key_problems)
+    # codeparrot logs to W&B online: a launch needs a key in its environment (checks/secrets.py)
     facts = PlanInputs("r", "/runs/r", environ={"WANDB_API_KEY": "k" * 40})
     return cfg, make_plan(cfg, facts, exists=lambda p: True)
 

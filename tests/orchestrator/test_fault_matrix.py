@@ -29,8 +29,8 @@ import pytest
 
 from orchestrator.flow import launch
 from orchestrator.launches import current
+from orchestrator.problems import PlanError
 from orchestrator.status import collect, format_rows
-from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import (
     TINY_MODEL,

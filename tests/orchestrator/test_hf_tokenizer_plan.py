@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import os
 
+from orchestrator.checks import Context, run_checks
 from orchestrator.flow import gather_facts
-from orchestrator.input_checks import input_problems
 from orchestrator.plan import make_plan
 from orchestrator.stages.train import trainer_config
-from orchestrator.validate import validate
 from tests.data.hf_fixtures import BOS, HFOracle, build_tokenizer_dir
 from tests.orchestrator.conftest import compose_cfg
 
@@ -45,15 +44,16 @@ def test_stages_carry_the_directory_and_key_on_its_content(tmp_path):
 
 
 def test_bad_tokenizer_directories_stop_the_plan(tmp_path):
-    problems = validate(compose_cfg(["+experiment=codeparrot", "tokenizer.type=HuggingFaceTokenizer"]))
+    cfg = compose_cfg(["+experiment=codeparrot", "tokenizer.type=HuggingFaceTokenizer"])
+    problems = run_checks(Context(cfg), "pure")
     by_code = {(p.code, p.key): p for p in problems}
     assert by_code["required", "tokenizer.model"].fix == "tokenizer.model=/path/to/tokenizer_dir"
     assert "tokenizer.merge_file=null" in by_code["conflict", "tokenizer.vocab_file"].fix  # codeparrot's
     empty = tmp_path / "empty"
     empty.mkdir()
-    [missing] = [p for p in validate(hf_cfg(empty)) if p.key.startswith("tokenizer")]
+    [missing] = [p for p in run_checks(Context(hf_cfg(empty)), "pure") if p.key.startswith("tokenizer")]
     assert (missing.code, missing.value) == ("file_missing", str(empty / "tokenizer.json"))
     no_eos = build_tokenizer_dir(TEXTS, tmp_path / "no_eos", 300, eos=False)
-    [problem] = input_problems(hf_cfg(no_eos))
+    [problem] = run_checks(Context(hf_cfg(no_eos)), "inputs")
     assert (problem.code, problem.key) == ("tokenizer_invalid", "tokenizer.model")
     assert "has no eos token" in problem.message and "eos" in problem.fix

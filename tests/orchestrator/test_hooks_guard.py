@@ -11,7 +11,7 @@ import pytest
 
 from orchestrator.flow import launch
 from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.validate import PlanError
+from orchestrator.problems import PlanError
 from tests.orchestrator.conftest import compose_cfg
 from trainer import testing_hooks
 

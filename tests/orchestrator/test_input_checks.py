@@ -1,6 +1,7 @@
-"""Bad inputs are refused at plan time with the key and the fix (orchestrator/input_checks.py), before any
-job exists: a directory or an empty file as data.paths, a JSONL whose documents are all empty, a corpus
-that leaves the validation split without a document, a merges file of another tokenizer."""
+"""Bad inputs are refused at plan time with the key and the fix (orchestrator/checks/data.py and
+tokenizer.py, the checks that read the inputs), before any job exists: a directory or an empty file as
+data.paths, a JSONL whose documents are all empty, a corpus that leaves the validation split without a
+document, a merges file of another tokenizer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.flow import launch
-from orchestrator.validate import PlanError
+from orchestrator.problems import PlanError
 from tests.orchestrator.conftest import compose_cfg
 
 
@@ -73,12 +74,13 @@ def test_one_big_document_leaves_validation_without_data(tmp_path):
 
 
 def test_enough_documents_pass_the_split_check(tmp_path):
-    from orchestrator.input_checks import data_problems
+    from orchestrator.checks import Context
+    from orchestrator.checks.data import data_problems
 
     path = _jsonl(tmp_path / "many.jsonl", [f"print({i})" for i in range(100)])
     cfg = compose_cfg(["+experiment=codeparrot_smoke", "data=codeparrot", f"data.paths=[{path}]",
                        "data.split='80,20,0'"])
-    assert data_problems(cfg) == []
+    assert data_problems(Context(cfg)) == []
 
 
 def test_a_merges_file_of_another_tokenizer_names_both_files(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.estimate import GIB, estimate_memory, stage_params
-from orchestrator.flow import format_plan
+from orchestrator.flow import format_plan, launch
 from orchestrator.layout import layout_of
 from orchestrator.plan import PlanInputs, SweepInfo, make_plan
 from orchestrator.stages.train import trainer_config
@@ -214,3 +215,12 @@ def test_the_plan_sizes_the_vocabulary_the_trainer_builds(tmp_path, model_vocab)
     built, _ = resolve_vocab(ModelConfig(**{**dataclasses.asdict(cfg.model)}), tok)
     assert built == (model_vocab or 32768)
     assert plan.vocab_size == built
+
+
+def test_no_data_at_all_is_a_plan_problem_not_a_crash(tmp_path):
+    """Every stage plans from an empty input list (the train stage's tokenizer files, the eval stage's
+    held-out prefix) so the launch can say what is missing."""
+    result = launch(compose_cfg(["+experiment=codeparrot_smoke", "data.corpus=null", f"runs_root={tmp_path}",
+                                 "dry_run=true"]), out=io.StringIO())
+    assert {p.code for p in result.plan.problems} == {"data_missing", "tokenizer_missing"}
+    assert result.plan.stage("eval").job.heldout_prefix is None

@@ -18,10 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchestrator.checks import Context
+from orchestrator.checks.data import reused_data_problems
 from orchestrator.flow import gather_facts, launch
 from orchestrator.plan import make_plan
-from orchestrator.preconditions import WRITER, record_writer, reused_data_problems, single_writer
-from orchestrator.validate import PlanError
+from orchestrator.problems import PlanError
+from orchestrator.writer_lock import WRITER, record_writer, single_writer
 from tests.orchestrator.conftest import compose_cfg
 from tests.waits import NEVER_S
 from trainer.data.indexed_dataset import IndexedDatasetBuilder
@@ -49,10 +51,10 @@ def _complete_dataset(plan) -> Path:
 def test_truncated_cached_bin_is_a_plan_problem_naming_the_file(tmp_path):
     cfg, plan = _plan(tmp_path)
     prefix = _complete_dataset(plan)
-    assert reused_data_problems(plan) == []
+    assert reused_data_problems(Context(cfg, plan=plan)) == []
     with open(f"{prefix}.bin", "r+b") as f:
         f.truncate(20)
-    problems = reused_data_problems(plan)
+    problems = reused_data_problems(Context(cfg, plan=plan))
     assert [p.code for p in problems] == ["data_corrupt"]
     assert f"{prefix}.bin: 20 bytes, but {prefix}.idx describes 30 bytes" in problems[0].message
     out = io.StringIO()
@@ -61,11 +63,11 @@ def test_truncated_cached_bin_is_a_plan_problem_naming_the_file(tmp_path):
 
 
 def test_malformed_cached_idx_is_a_plan_problem(tmp_path):
-    _, plan = _plan(tmp_path)
+    cfg, plan = _plan(tmp_path)
     prefix = _complete_dataset(plan)
     idx = Path(f"{prefix}.idx")
     idx.write_bytes(idx.read_bytes()[:-8])
-    (problem,) = reused_data_problems(plan)
+    (problem,) = reused_data_problems(Context(cfg, plan=plan))
     assert f"{idx}: " in problem.message and "truncated or corrupt" in problem.message
     assert f"rm -r {plan.stage('preprocess').state_dir}" in problem.fix
 
@@ -159,9 +161,9 @@ def test_missing_or_garbage_tracker_is_reported_at_plan_time(tmp_path, tracker):
     (d / "latest_checkpointed_iteration.txt").unlink()
     if tracker:
         (d / "latest_checkpointed_iteration.txt").write_text(tracker)
-    from orchestrator.preconditions import checkpoint_problems
+    from orchestrator.checks.checkpoints import checkpoint_problems
 
-    assert checkpoint_problems(plan) == []
+    assert checkpoint_problems(Context(cfg, plan=plan)) == []
     assert len(plan.warnings) == 1 and "loading the newest one that verifies" in plan.warnings[0]
     assert ("is missing" if tracker is None else "holds 'abc'") in plan.warnings[0]
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.checks import Context, run_checks
+from orchestrator.checks.container import pyxis_problems
 from orchestrator.container import PYXIS_OPTIONS, REGISTRY_REF
 from orchestrator.flow import scripts_of
-from orchestrator.input_checks import input_problems
 from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.preconditions import pyxis_problems
 from orchestrator.runs import REPO_ROOT
 from orchestrator.submit import render_stage
 from tests.orchestrator.conftest import REPO, compose_cfg, user_docs
@@ -43,7 +43,7 @@ def _plan(cfg, tmp_path: Path):
 
 def _problems(cfg, tmp_path: Path) -> dict[str, list]:
     out: dict[str, list] = {}
-    for p in _plan(cfg, tmp_path).problems + input_problems(cfg):
+    for p in _plan(cfg, tmp_path).problems + run_checks(Context(cfg), "inputs"):
         out.setdefault(p.code, []).append(p)
     return out
 
@@ -80,7 +80,7 @@ def test_every_srun_runs_in_the_image_with_the_job_folders_mounted(tmp_path, mon
         assert flags["--container-workdir"] == str(launch)  # relative paths resolve as on the host
         assert "--no-container-mount-home" in flags and flags["--container-env"] == "NAMES"
         assert words[-5:-1] == ["python", "-u", "-m", "submitit.core._submit"]  # the image's python
-        assert {f for f in flags if "container" in f} == set(PYXIS_OPTIONS)  # what preconditions checks
+        assert {f for f in flags if "container" in f} == set(PYXIS_OPTIONS)  # what pyxis_problems checks
     assert "container_exec.sh" not in scripts_of(cfg, _plan(cfg, tmp_path))  # no Apptainer wrapper
 
 
@@ -161,7 +161,7 @@ def test_dry_run_prints_and_writes_no_secret(tmp_path):
     assert _leaks(tmp_path, out.stdout, out.stderr) == []
 
 
-# ----- plan-time checks (validate.py, input_checks.py) ----------------------------------------------------
+# ----- plan-time checks (checks/container.py: pure and inputs) -------------------------------------------
 
 
 def test_a_clean_pyxis_config_has_no_problems(tmp_path, monkeypatch):
@@ -245,7 +245,7 @@ def test_apptainer_binds_paths_with_spaces_but_not_commas(tmp_path):
     assert p.key == "cache_dir"
 
 
-# ----- srun has pyxis (preconditions.py) --------------------------------------------------------------
+# ----- srun has pyxis (checks/container.py: world) ----------------------------------------------------
 
 
 @pytest.mark.parametrize("help_text,message", [
@@ -256,7 +256,7 @@ def test_apptainer_binds_paths_with_spaces_but_not_commas(tmp_path):
 def test_srun_must_list_the_pyxis_options(tmp_path, monkeypatch, help_text, message):
     _fake(tmp_path, "srun", f"cat <<'EOF'\n{help_text}EOF\n")
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    problems = pyxis_problems(_cfg(tmp_path))
+    problems = pyxis_problems(Context(_cfg(tmp_path)))
     assert [p.code for p in problems] == ([] if message is None else ["pyxis_missing"])
     if message:
         assert problems[0].key == "container.kind" and message in problems[0].message and problems[0].fix
@@ -265,7 +265,7 @@ def test_srun_must_list_the_pyxis_options(tmp_path, monkeypatch, help_text, mess
 def test_launch_refuses_when_srun_has_no_pyxis(tmp_path, monkeypatch):
     """The launch asks srun (flow.py), and refuses before anything is written or submitted."""
     from orchestrator.flow import launch
-    from orchestrator.validate import PlanError
+    from orchestrator.problems import PlanError
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -281,14 +281,14 @@ def test_launch_refuses_when_srun_has_no_pyxis(tmp_path, monkeypatch):
 def test_no_srun_on_path(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path)
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    [p] = pyxis_problems(cfg)
+    [p] = pyxis_problems(Context(cfg))
     assert p.code == "pyxis_missing" and "not on this node's PATH" in p.message
 
 
 def test_srun_is_asked_only_for_pyxis_on_slurm(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert pyxis_problems(_cfg(tmp_path, cluster="local")) == []  # container_local says so
-    assert pyxis_problems(compose_cfg(["+experiment=codeparrot_smoke", "cluster=devcluster"])) == []
+    assert pyxis_problems(Context(_cfg(tmp_path, cluster="local"))) == []  # container_local says so
+    assert pyxis_problems(Context(compose_cfg(["+experiment=codeparrot_smoke", "cluster=devcluster"]))) == []
 
 
 def test_readme_and_containers_readme_describe_pyxis():

@@ -20,8 +20,8 @@ import pytest
 from orchestrator.__main__ import main as status_main
 from orchestrator.flow import launch
 from orchestrator.launches import all_jobs, current, history
+from orchestrator.problems import PlanError
 from orchestrator.status import launch_notes
-from orchestrator.validate import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, newest_job_id, wait_for
 from tests.seam import hook_env

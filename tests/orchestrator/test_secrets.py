@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator import redaction
+from orchestrator.checks import Context
+from orchestrator.checks.secrets import known_secrets, secret_problems
 from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED
-from orchestrator.guards import known_secrets, secret_problems
 from tests.orchestrator.conftest import REPO, compose_cfg, user_docs
 from tests.seam import hook_env
 
@@ -106,13 +107,13 @@ def test_assignments_hide_literals_and_keep_references():
 
 def test_validation_finds_every_config_secret():
     cfg = compose_cfg(["+experiment=codeparrot_smoke", *_overrides(Path("/tmp/never"))])
-    keys = {p.key for p in secret_problems(cfg, {})}
+    keys = {p.key for p in secret_problems(Context(cfg, {}))}
     expect = {o.partition("=")[0].lstrip("+") for o in CONFIG_SECRETS}
     assert keys == expect | {"cluster.setup[0]", "cluster.setup[1]", "cluster.setup[2]"}
     assert set(known_secrets(cfg)) >= set(CONFIG_SECRETS.values()) | set(SETUP_SECRETS[:2])
     # A launching environment's secret copied into the config (${oc.env:...}) is a secret in the config.
     cfg = compose_cfg(["+experiment=codeparrot_smoke", "checkpoint.load_dir=/ckpt/env-dbpass-4e5f6a"])
-    assert [p.key for p in secret_problems(cfg, ENV_SECRETS)] == ["checkpoint.load_dir"]
+    assert [p.key for p in secret_problems(Context(cfg, ENV_SECRETS))] == ["checkpoint.load_dir"]
 
 
 @pytest.mark.timeout(300)

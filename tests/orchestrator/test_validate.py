@@ -11,7 +11,7 @@ from hydra.errors import ConfigCompositionException
 from orchestrator.estimate import GIB
 from orchestrator.flow import launch
 from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.validate import PlanError
+from orchestrator.problems import PlanError
 from tests.orchestrator.conftest import compose_cfg
 
 SMOKE = ["+experiment=codeparrot_smoke"]

@@ -1,16 +1,17 @@
 """The interleaved schedule's constraints (parallel.virtual_pp_size) are refused at plan time, all at
-once, each with its key, value and fix (orchestrator/validate.py), and an intended layout passes."""
+once, each with its key, value and fix (orchestrator/checks/layout.py), and an intended layout passes."""
 
 from __future__ import annotations
 
-from orchestrator.validate import validate
+from orchestrator.checks import Context, run_checks
 from tests.orchestrator.conftest import compose_cfg
 
 SMOKE = ["+experiment=codeparrot_smoke"]  # 4 layers, tp=2 pp=2 on 4 ranks: dp=1, 16/8 = 2 micro-batches
 
 
 def _problems(overrides: list[str]) -> dict[str, object]:
-    return {p.code: p for p in validate(compose_cfg(SMOKE + overrides), exists=lambda p: True)}
+    ctx = Context(compose_cfg(SMOKE + overrides), exists=lambda p: True)
+    return {p.code: p for p in run_checks(ctx, "pure")}
 
 
 def test_interleaved_layout_validates():

@@ -39,7 +39,7 @@ def arg(args: Any, key: str, default: Any = None) -> Any:
 
 
 # The model fields a checkpoint must share with the configured model to be loaded (the trainer refuses
-# otherwise, trainer/run/entry.py; a launch refuses earlier, orchestrator/preconditions.py).
+# otherwise, trainer/run/entry.py; a launch refuses earlier, orchestrator/checks/checkpoints.py).
 MODEL_KEYS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
               "max_position_embeddings", "vocab_size")
 

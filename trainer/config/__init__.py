@@ -10,7 +10,7 @@ sections), users' YAML files use their names (``model.hidden_size``, ``optim.lr`
 
 Each class lists its own invariants in ``problems()`` (:mod:`trainer.checks`) and ``__post_init__``
 raises them all; checks that need several sections or the world size (heads % tp, batch divisibility)
-live in ``trainer.run`` and orchestrator/validate.py. Functions receive the slice they need, never
+live in ``trainer.run`` and orchestrator/checks/. Functions receive the slice they need, never
 the root.
 """
 

@@ -1,5 +1,5 @@
 """The train/valid/test split, Megatron's rule, torch-free: the trainer builds its datasets with it and the
-plan checks with it that every split the run draws from gets documents (``orchestrator/input_checks.py``).
+plan checks with it that every split the run draws from gets documents (``orchestrator/checks/data.py``).
 """
 
 from __future__ import annotations

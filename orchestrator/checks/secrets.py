@@ -1,4 +1,5 @@
-"""What must never reach a real job, as plan problems: secrets in the config, and test-only hooks.
+"""What must never reach a real job: secrets in the config, test-only hooks, and an online W&B run without
+a key.
 
 - ``secret_in_config``: a secret-named entry of ``cluster.env``/``cluster.sbatch_extra``, a secret
   assignment in ``cluster.setup``, a value that looks like a secret anywhere in the config (see
@@ -10,20 +11,26 @@
 - ``test_hook``: a hook variable (trainer/testing_hooks.py) in ``cluster.env`` or the launching
   environment, without the switch ``SLIPWAY_TESTING=1`` in the launching environment.
 
-Pure functions of the typed config and an environment mapping (the plan passes the launching one).
+Checks of the typed config and the launching environment (``Context.environ``). :func:`known_secrets`
+is no check: it gives the launch the config's secret values to hide in everything it prints, by the same
+rules that refuse them here.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
+from orchestrator.problems import Problem
 from orchestrator.redaction import HEX40, is_secret_name, secret_assignments, secret_kind
 from orchestrator.schema import SlipwayConfig
-from orchestrator.validate import Problem
 from trainer import testing_hooks
 from trainer.run_files import RUN_JSON
 from trainer.wandb_key import has_wandb_key, missing_key_message
+
+if TYPE_CHECKING:
+    from orchestrator.checks import Context
 
 _REMOVE = "remove it from the config and export it in the environment you launch from (Slurm passes it on)"
 
@@ -66,8 +73,9 @@ def _cluster_secrets(cfg: SlipwayConfig) -> list[Problem]:
     return out
 
 
-def secret_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Problem]:
+def secret_problems(ctx: Context) -> list[Problem]:
     """Every place of the config that holds a secret (see the module docstring)."""
+    cfg, environ = ctx.cfg, ctx.environ
     out = _cluster_secrets(cfg)
     flagged = {p.key for p in out}
     env_values = {v: k for k, v in environ.items() if is_secret_name(k) and v and len(v) >= 8}
@@ -81,8 +89,9 @@ def secret_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Prob
     return out
 
 
-def hook_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Problem]:
-    """Test-only hooks set in ``cluster.env`` or ``environ``, unless the switch is on in ``environ``."""
+def hook_problems(ctx: Context) -> list[Problem]:
+    """Test-only hooks set in ``cluster.env`` or the launching environment, unless the switch is on there."""
+    cfg, environ = ctx.cfg, ctx.environ
     if testing_hooks.switch_on(environ):
         return []
     fix = f"tests that need it set {testing_hooks.SWITCH}=1"
@@ -95,19 +104,16 @@ def hook_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Proble
     return out
 
 
-def wandb_key_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Problem]:
+def wandb_key_problems(ctx: Context) -> list[Problem]:
     """W&B online needs a key where the jobs will look for it (trainer/wandb_key.py): without one every
     attempt of the training job would fail at start."""
-    if cfg.logging.wandb.mode != "online" or has_wandb_key(environ):
+    environ = ctx.environ
+    if ctx.cfg.logging.wandb.mode != "online" or has_wandb_key(environ):
         return []
     return [Problem("wandb_key", "logging.wandb.mode", "online", missing_key_message(environ),
                     "export WANDB_API_KEY in the shell you launch from (Slurm passes it on) or run `wandb "
                     "login` (~/.netrc); or set logging.wandb.mode=offline (upload later with wandb sync) or "
                     "disabled")]
-
-
-def guard_problems(cfg: SlipwayConfig, environ: Mapping[str, str]) -> list[Problem]:
-    return secret_problems(cfg, environ) + hook_problems(cfg, environ) + wandb_key_problems(cfg, environ)
 
 
 def known_secrets(cfg: SlipwayConfig) -> dict[str, str]:

@@ -1,0 +1,92 @@
+"""The parallel layout and the batch: tensor-parallel size against the heads, the world against tp·pp,
+the global batch against micro-batches × dp, the interleaved schedule's constraints, sequence parallelism.
+(pp_size against the layers is the model section's own rule, ModelConfig.pp_issues.)"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orchestrator.layout import Layout
+from orchestrator.problems import Problem
+from orchestrator.schema import SlipwayConfig
+
+if TYPE_CHECKING:
+    from orchestrator.checks import Context
+
+
+def layout_problems(ctx: Context) -> list[Problem]:
+    cfg, lay = ctx.cfg, ctx.layout
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    out = []
+    if p.tp_size > 0 and m.num_attention_heads % p.tp_size:
+        out.append(
+            Problem(
+                "tp_heads",
+                "parallel.tp_size",
+                p.tp_size,
+                f"model.num_attention_heads={m.num_attention_heads} is not divisible by it",
+                "choose a tp_size that divides the number of heads",
+            )
+        )
+    # Grouped-query attention: tp must divide the KV groups too (the model section's own rule).
+    out += [Problem(i.code, i.key, i.value, i.message, i.fix) for i in m.tp_issues(p.tp_size)
+            if i.code == "tp_num_query_groups" and m.query_groups != m.num_attention_heads]
+    if lay.dp == 0 and p.tp_size > 0 and p.pp_size > 0:
+        out.append(
+            Problem(
+                "world",
+                "cluster.nodes",
+                cfg.cluster.nodes,
+                f"world = nodes {lay.nodes} × tasks_per_node {lay.tasks_per_node} = {lay.world} is not a "
+                f"multiple of tp {p.tp_size} × pp {p.pp_size} = {p.tp_size * p.pp_size}",
+                "change cluster.nodes / cluster.gpus_per_node (or cluster.tasks_per_node) or the tp/pp sizes",
+            )
+        )
+    elif lay.dp and lay.num_microbatches == 0 and t.micro_batch_size > 0:
+        need = t.micro_batch_size * lay.dp
+        out.append(
+            Problem(
+                "batch",
+                "train.global_batch_size",
+                t.global_batch_size,
+                f"not divisible by micro_batch_size {t.micro_batch_size} × dp {lay.dp} = {need}",
+                f"use a multiple of {need}, e.g. {max(need, (t.global_batch_size // need) * need)}",
+            )
+        )
+    out += _virtual_pipeline(cfg, lay)
+    if p.sequence_parallel and p.tp_size < 2:
+        out.append(
+            Problem(
+                "sequence_parallel",
+                "parallel.sequence_parallel",
+                True,
+                "sequence parallelism splits along the tensor-parallel group, which has size 1",
+                "set parallel.sequence_parallel=false or parallel.tp_size>1",
+            )
+        )
+    return out
+
+
+def _virtual_pipeline(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
+    """The interleaved schedule's constraints (Megatron's): equal chunks of layers, and micro-batches in
+    groups of pp_size (the schedule runs each chunk on a group of p micro-batches in turn). v > 1 with
+    pp_size 1 is ParallelConfig's own problem."""
+    m, p, v, out = cfg.model, cfg.parallel, cfg.parallel.virtual_pp_size, []
+    if not isinstance(v, int) or v < 2 or p.pp_size < 2:
+        return out
+    if m.num_layers % (p.pp_size * v):
+        fit = [k for k in range(2, v + 3) if m.num_layers % (p.pp_size * k) == 0]
+        out.append(Problem("vpp_layers", "parallel.virtual_pp_size", v,
+                           f"model.num_layers={m.num_layers} is not divisible by pp_size·virtual_pp_size = "
+                           f"{p.pp_size}·{v} = {p.pp_size * v} (each model chunk needs equal layers)",
+                           f"use parallel.virtual_pp_size={fit[0]}" if fit else
+                           "use parallel.virtual_pp_size=1, or a num_layers divisible by "
+                           "pp_size·virtual_pp_size"))
+    if lay.num_microbatches and lay.num_microbatches % p.pp_size:
+        need = cfg.train.micro_batch_size * lay.dp * p.pp_size
+        out.append(Problem("vpp_microbatches", "train.global_batch_size", cfg.train.global_batch_size,
+                           f"gives {lay.num_microbatches} micro-batches per step, not a multiple of "
+                           f"parallel.pp_size={p.pp_size} as the interleaved schedule needs",
+                           f"use a multiple of micro_batch_size × dp × pp_size = {need}, e.g. "
+                           f"{max(need, (lay.global_batch // need) * need)}, or parallel.virtual_pp_size=1"))
+    return out

@@ -1,0 +1,45 @@
+"""Device memory: the plan's per-device estimate (orchestrator/estimate.py) against the device, with the
+options that would lower it (plan.MEMORY_OPTIONS, each at the plan's own figure) in the fix."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orchestrator.estimate import GIB, MemoryEstimate, MemoryOption
+from orchestrator.problems import Problem
+
+if TYPE_CHECKING:
+    from orchestrator.checks import Context
+
+
+def _memory_advice(mem: MemoryEstimate, options: list[MemoryOption]) -> str:
+    """The options that would lower ``mem``, each with its total."""
+    options = [f"{o.name} → {o.memory.total_bytes / GIB:.1f} GiB "
+               f"({'fits' if o.memory.fits else 'still too much'})" for o in options
+               if o.memory.total_bytes < mem.total_bytes]
+    return "; ".join(options)
+
+
+def memory_problems(ctx: Context) -> list[Problem]:
+    if ctx.estimates is None or ctx.estimates.memory.fits:  # no estimate: the layout checks say why
+        return []
+    cfg, mem = ctx.cfg, ctx.estimates.memory
+    hint = "raise parallel.tp_size/pp_size or lower train.micro_batch_size"
+    options = _memory_advice(mem, ctx.estimates.memory_options)
+    if options:
+        hint += f", or (same math, the plan's figure for each): {options}"
+    acts = mem.total_bytes - mem.weights_bytes - mem.grads_bytes - mem.optimizer_bytes
+    parts = (
+        f"weights {mem.weights_bytes / GIB:.1f} + grads {mem.grads_bytes / GIB:.1f} + optimizer "
+        f"{mem.optimizer_bytes / GIB:.1f} + activations/logits/reserved {acts / GIB:.1f}"
+    )
+    return [
+        Problem(
+            "memory",
+            "train.micro_batch_size",
+            cfg.train.micro_batch_size,
+            f"needs {mem.total_bytes / GIB:.1f} GiB per device ({parts}) but "
+            f"{cfg.cluster.device_name} has {mem.device_bytes / GIB:.0f} GiB",
+            hint,
+        )
+    ]
