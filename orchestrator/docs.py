@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import schema
+from trainer.field_docs import class_field_docs
 
 REPO = Path(__file__).resolve().parent.parent
 CONF = REPO / "hydra_conf"
@@ -71,15 +72,7 @@ def attribute_docs(source: str) -> dict[str, ClassDoc]:
     for node in ast.parse(source).body:
         if not isinstance(node, ast.ClassDef):
             continue
-        fields: dict[str, FieldDoc] = {}
-        body = node.body
-        for i, stmt in enumerate(body):
-            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-                nxt = body[i + 1] if i + 1 < len(body) else None
-                doc = None
-                if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-                    doc = " ".join(str(nxt.value.value).split()) or None
-                fields[stmt.target.id] = FieldDoc(ast.unparse(stmt.annotation), doc)
+        fields = {name: FieldDoc(*spelled) for name, spelled in class_field_docs(node).items()}
         out[node.name] = ClassDoc(" ".join((ast.get_docstring(node) or "").split()), fields)
     return out
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.field_docs import class_field_docs
+
 _SCALARS = (int, float, str, Path)
 
 
@@ -83,18 +85,9 @@ def _own_docs(cls: type) -> dict[str, str]:
         return {}
     comments = {t.start[0]: t.string.lstrip("#").strip()
                 for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
-    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
-    out = {}
-    for i, stmt in enumerate(body):
-        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
-            continue
-        nxt = body[i + 1] if i + 1 < len(body) else None
-        doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else None
-        if isinstance(doc, str):
-            out[stmt.target.id] = " ".join(doc.split())
-        elif stmt.end_lineno in comments:
-            out[stmt.target.id] = comments[stmt.end_lineno]
-    return out
+    node = ast.parse(source).body[0]
+    assert isinstance(node, ast.ClassDef), cls
+    return {name: doc for name, (_, doc) in class_field_docs(node, comments).items() if doc}
 
 
 def _kind(hint: Any) -> tuple[Any, bool]:
