@@ -284,6 +284,13 @@ def big_jsonl(tmp_path_factory):
     return path
 
 
+def _default_sigint() -> None:
+    """The run gets SIGINT as a terminal's Ctrl-C gives it, to a process whose SIGINT is the default. A suite
+    started in the background inherits SIGINT ignored (POSIX: a non-interactive shell's ``&`` commands), and
+    Python then leaves it ignored: the run would finish instead of stopping."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_interrupted_run_leaves_no_pair(tmp_path, tok_files, big_jsonl, sig):
     """The signal lands mid-run, however fast or slow this machine is: the run logs a line per 16 KiB chunk
@@ -293,7 +300,8 @@ def test_interrupted_run_leaves_no_pair(tmp_path, tok_files, big_jsonl, sig):
     cmd = [sys.executable, "-m", "trainer.data.preprocess", "--input", str(big_jsonl), "--output-prefix",
            str(prefix), "--vocab-file", str(tok_files[0]), "--merge-file", str(tok_files[1]), "--json-keys",
            "content", "--workers", "2", "--log-interval", "1", "--chunk-bytes", "16384", "--progress", "log"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=_default_sigint)
     fcntl.fcntl(proc.stderr.fileno(), fcntl.F_SETPIPE_SZ, 4096)  # the smallest pipe: one page
     try:
         for line in proc.stderr:  # tokenizing is under way: interrupt it
