@@ -4,7 +4,7 @@ imports them from their stage's module."""
 
 from orchestrator.stages.base import Upstream
 from orchestrator.stages.convert import ConvertJob
-from orchestrator.stages.corpus import CorpusJob
 from orchestrator.stages.train import TrainJob
+from trainer.data.corpus_config import CorpusRun as CorpusJob
 
 __all__ = ["ConvertJob", "CorpusJob", "TrainJob", "Upstream"]

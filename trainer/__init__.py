@@ -29,7 +29,8 @@ __version__ = "0.1.0"
 CONTRACT = (
     "trainer.run_files", "trainer.formulas", "trainer.signals", "trainer.checks", "trainer.log",
     "trainer.testing_hooks", "trainer.disk", "trainer.field_docs",
-    "trainer.config", "trainer.data.preprocess", "trainer.convert.run_config", "trainer.eval.config",
+    "trainer.config", "trainer.data.corpus_config", "trainer.data.preprocess", "trainer.convert.run_config",
+    "trainer.eval.config",
     "trainer.data.blend", "trainer.data.splits", "trainer.data.hf_tokenizer",
     "trainer.metrics_file", "trainer.checkpoint.files", "trainer.checkpoint.verify", "trainer.health",
     "trainer.eval.results", "trainer.wandb_key", "trainer.wandb_online",

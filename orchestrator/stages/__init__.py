@@ -15,13 +15,13 @@ import pkgutil
 
 from orchestrator.stages.base import NodeStage, StageDef, StagePlan, Upstream, wait_for
 from orchestrator.stages.convert import ConvertJob, ConvertStage
-from orchestrator.stages.corpus import CorpusJob, CorpusStage
+from orchestrator.stages.corpus import CorpusStage
 from orchestrator.stages.eval import EvalStage
 from orchestrator.stages.preprocess import PreprocessStage
 from orchestrator.stages.train import TrainJob, TrainStage
 from trainer.run_files import COMPLETE, FAILED
 
-__all__ = ["COMPLETE", "FAILED", "STAGES", "ConvertJob", "ConvertStage", "CorpusJob", "CorpusStage",
+__all__ = ["COMPLETE", "FAILED", "STAGES", "ConvertJob", "ConvertStage", "CorpusStage",
            "EvalStage", "NodeStage", "PreprocessStage", "StageDef", "StagePlan", "TrainJob", "TrainStage",
            "Upstream", "get", "register", "unregister", "wait_for"]
 

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.cli import Flags, add_dataclass_args, from_args
-from trainer.data.corpus_config import CorpusConfig
+from trainer.data.corpus_config import CorpusConfig, CorpusRun
 from trainer.log import get_logger
+from trainer.run_files import CORPUS_FILE
 
 log = get_logger("trainer.data.corpus")
 
@@ -140,6 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="JSONL file to write")
     add_dataclass_args(parser, FLAGS[0])
     return parser
+
+
+def run_corpus(job: CorpusRun) -> dict:
+    """The corpus stage: ``<output_dir>/corpus.jsonl``, then the BPE trained on it when asked. Returns
+    what it wrote (the stage's ``_COMPLETE`` record)."""
+    from trainer.data.train_tokenizer import TokenizerTrainConfig, train_tokenizer
+
+    corpus = os.path.join(job.output_dir, CORPUS_FILE)
+    summary = build_corpus(job.corpus, corpus)
+    out: dict = {"corpus": corpus, "files": summary.files, "bytes": summary.bytes}
+    if job.vocab_size:
+        vocab, merges = train_tokenizer(TokenizerTrainConfig(
+            inputs=[corpus], output_dir=job.output_dir, vocab_size=job.vocab_size, json_key=job.json_key))
+        out.update(vocab_file=str(vocab), merge_file=str(merges))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
