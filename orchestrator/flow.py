@@ -298,7 +298,7 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
     out, err = redaction.redacting(out), redaction.redacting(sys.stderr)
     facts = gather_facts(cfg, sweep)
     plan = make_plan(cfg, facts)
-    plan.problems.extend(run_checks(Context(cfg, facts.environ, plan=plan), "inputs", "world"))
+    plan.problems.extend(run_checks(Context(cfg, facts.environ, plan=plan), at="launch"))
     for warning in plan.warnings:
         err.write(f"warning: {warning}\n")
     scripts = scripts_of(cfg, plan)

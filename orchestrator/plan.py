@@ -120,7 +120,7 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
     est = estimate_time(cfg, vocab, lay)
     choices = memory_options(cfg, vocab, lay) if lay.dp and lay.num_microbatches else []
     estimates = Estimates(mem, est, choices) if lay.dp and lay.num_microbatches else None
-    problems = run_checks(Context(cfg, facts.environ, exists, estimates), "pure")
+    problems = run_checks(Context(cfg, facts.environ, exists, estimates), at="plan")
     ctx = PlanContext(cfg, facts)
     for stage in STAGES:
         planned = stage.plan(ctx)

@@ -6,14 +6,16 @@ One module per subject: ``run`` (each config section's own rules, warm-up, names
 ``checkpoints``. A check is a function ``(Context) -> list[Problem]``; :data:`CHECKS` lists them all,
 each with its subject and its cost:
 
-- ``pure``: the config and what :class:`Context` carries with it (the launching environment, the plan's
-  estimates, the injected ``exists`` that the file checks ask): :func:`orchestrator.plan.make_plan` runs
-  them. (The W&B key check also reads ``$NETRC``/``~/.netrc``, the jobs' own key file, as it always has.)
-- ``inputs``: reads the content of the input files (documents, tokenizer files, the container image).
-- ``world``: reads the world through the plan: the cache, the run's checkpoints, the queue, ``srun``.
+- ``pure``: the config, the launching environment and the plan's estimates.
+- ``inputs``: reads the input files: whether they exist, and what they hold (documents, tokenizer files,
+  the container image).
+- ``world``: reads the world: the cache, the run's checkpoints, the queue, ``srun``, the W&B key file.
 
-:func:`orchestrator.flow.launch` runs the ``inputs`` and ``world`` checks after the plan, so a launch (or
-a dry run) reports every problem at once. A new check goes into its subject's module and one row here.
+Each check also says when it runs (``at``): ``plan``, in :func:`orchestrator.plan.make_plan` (the pure
+ones, and the cheap ones a plan test answers through the injected ``exists`` or the environment), or
+``launch``, in :func:`orchestrator.flow.launch` after the plan (those that open files or read the plan's
+directories). Every problem is reported at once either way. A new check goes into its subject's module
+and one row here.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ if TYPE_CHECKING:
 Subject = Literal["run", "data", "tokenizer", "layout", "memory", "container", "cluster", "secrets",
                   "checkpoints"]
 Cost = Literal["pure", "inputs", "world"]
+When = Literal["plan", "launch"]
 SUBJECTS: tuple[Subject, ...] = get_args(Subject)
 COSTS: tuple[Cost, ...] = get_args(Cost)
 
@@ -86,6 +89,7 @@ class Check:
     subject: Subject
     cost: Cost
     fn: Callable[[Context], list[Problem]]
+    at: When = "plan"
 
 
 # In the order the problems are reported (within one cost): the sections' own rules first, then the
@@ -101,24 +105,26 @@ CHECKS: tuple[Check, ...] = (
     Check("tokenizer", "pure", tokenizer.tokenizer_source_problems),
     Check("cluster", "pure", cluster.eval_device_problems),
     Check("run", "pure", run.name_problems),
-    Check("data", "pure", data.data_file_problems),
-    Check("tokenizer", "pure", tokenizer.tokenizer_file_problems),
-    Check("container", "pure", container.image_file_problems),
+    Check("data", "inputs", data.data_file_problems),
+    Check("tokenizer", "inputs", tokenizer.tokenizer_file_problems),
+    Check("container", "inputs", container.image_file_problems),
     Check("secrets", "pure", secrets.secret_problems),
     Check("secrets", "pure", secrets.hook_problems),
-    Check("secrets", "pure", secrets.wandb_key_problems),
+    Check("secrets", "world", secrets.wandb_key_problems),
     Check("memory", "pure", memory.memory_problems),
     Check("cluster", "pure", cluster.time_limit_problems),
-    Check("data", "inputs", data.data_problems),
-    Check("tokenizer", "inputs", tokenizer.tokenizer_problems),
-    Check("container", "inputs", container.image_problems),
-    Check("data", "world", data.reused_data_problems),
-    Check("checkpoints", "world", checkpoints.checkpoint_problems),
-    Check("container", "world", container.pyxis_problems),
-    Check("checkpoints", "world", checkpoints.active_problems),
+    Check("data", "inputs", data.data_problems, "launch"),
+    Check("tokenizer", "inputs", tokenizer.tokenizer_problems, "launch"),
+    Check("container", "inputs", container.image_problems, "launch"),
+    Check("data", "world", data.reused_data_problems, "launch"),
+    Check("checkpoints", "world", checkpoints.checkpoint_problems, "launch"),
+    Check("container", "world", container.pyxis_problems, "launch"),
+    Check("checkpoints", "world", checkpoints.active_problems, "launch"),
 )
 
 
-def run_checks(ctx: Context, *costs: Cost) -> list[Problem]:
-    """The problems of every check of the given costs, all of them (none stops the others)."""
-    return [p for check in CHECKS if check.cost in costs for p in check.fn(ctx)]
+def run_checks(ctx: Context, *costs: Cost, at: When | None = None) -> list[Problem]:
+    """The problems of every check of the given costs (all costs when none is given) that runs ``at`` (any
+    time when None): all of them, none stops the others."""
+    return [p for check in CHECKS if (not costs or check.cost in costs) and at in (None, check.at)
+            for p in check.fn(ctx)]

@@ -10,7 +10,7 @@ import pathlib
 
 import pytest
 
-from orchestrator.checks import CHECKS, COSTS, SUBJECTS
+from orchestrator.checks import CHECKS, COSTS, SUBJECTS, Context
 from orchestrator.flow import launch
 from orchestrator.problems import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
@@ -31,6 +31,28 @@ def test_every_check_has_a_known_subject_and_cost_and_lives_in_its_subjects_modu
     assert len({c.fn for c in CHECKS}) == len(CHECKS)  # registered once
     assert {c.subject for c in CHECKS} == set(FIXED_SUBJECTS)  # no empty subject
     assert {f"{p.stem}" for p in PACKAGE.glob("*.py")} == {*FIXED_SUBJECTS, "__init__"}
+
+
+def _no_file(path: str) -> bool:
+    raise AssertionError(f"a check tagged pure asked whether {path} exists")
+
+
+def test_pure_checks_read_no_file_and_plan_checks_need_no_plan():
+    """The tags say what a check reads: a pure check never asks ``exists`` (a plan test could not tell it
+    from a config rule), and every check run at plan time runs without the plan; a check run at launch
+    that reads the world gets it."""
+    cfg = compose_cfg(["+experiment=codeparrot_smoke", "data.corpus=null", "data.paths=[/nope.jsonl]",
+                       "tokenizer.vocab_file=/nope/vocab.json", "tokenizer.merge_file=/nope/merges.txt"])
+    for check in CHECKS:
+        if check.cost == "pure":
+            check.fn(Context(cfg, exists=_no_file))
+        if check.at == "plan":
+            check.fn(Context(cfg, exists=lambda p: False))  # no plan: require_plan() would raise
+    asked = []
+    for check in CHECKS:
+        if check.cost == "inputs" and check.at == "plan":
+            check.fn(Context(cfg, exists=lambda p: asked.append(p) or False))
+    assert "/nope.jsonl" in asked and "/nope/vocab.json" in asked  # the file checks are tagged inputs
 
 
 def _functions(path: pathlib.Path) -> list[ast.FunctionDef]:

@@ -45,15 +45,15 @@ def test_stages_carry_the_directory_and_key_on_its_content(tmp_path):
 
 def test_bad_tokenizer_directories_stop_the_plan(tmp_path):
     cfg = compose_cfg(["+experiment=codeparrot", "tokenizer.type=HuggingFaceTokenizer"])
-    problems = run_checks(Context(cfg), "pure")
+    problems = run_checks(Context(cfg), at="plan")
     by_code = {(p.code, p.key): p for p in problems}
     assert by_code["required", "tokenizer.model"].fix == "tokenizer.model=/path/to/tokenizer_dir"
     assert "tokenizer.merge_file=null" in by_code["conflict", "tokenizer.vocab_file"].fix  # codeparrot's
     empty = tmp_path / "empty"
     empty.mkdir()
-    [missing] = [p for p in run_checks(Context(hf_cfg(empty)), "pure") if p.key.startswith("tokenizer")]
+    [missing] = [p for p in run_checks(Context(hf_cfg(empty)), at="plan") if p.key.startswith("tokenizer")]
     assert (missing.code, missing.value) == ("file_missing", str(empty / "tokenizer.json"))
     no_eos = build_tokenizer_dir(TEXTS, tmp_path / "no_eos", 300, eos=False)
-    [problem] = run_checks(Context(hf_cfg(no_eos)), "inputs")
+    [problem] = run_checks(Context(hf_cfg(no_eos)), "inputs", at="launch")
     assert (problem.code, problem.key) == ("tokenizer_invalid", "tokenizer.model")
     assert "has no eos token" in problem.message and "eos" in problem.fix

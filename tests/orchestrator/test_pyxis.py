@@ -43,7 +43,7 @@ def _plan(cfg, tmp_path: Path):
 
 def _problems(cfg, tmp_path: Path) -> dict[str, list]:
     out: dict[str, list] = {}
-    for p in _plan(cfg, tmp_path).problems + run_checks(Context(cfg), "inputs"):
+    for p in _plan(cfg, tmp_path).problems + run_checks(Context(cfg), "inputs", at="launch"):
         out.setdefault(p.code, []).append(p)
     return out
 

@@ -11,7 +11,7 @@ SMOKE = ["+experiment=codeparrot_smoke"]  # 4 layers, tp=2 pp=2 on 4 ranks: dp=1
 
 def _problems(overrides: list[str]) -> dict[str, object]:
     ctx = Context(compose_cfg(SMOKE + overrides), exists=lambda p: True)
-    return {p.code: p for p in run_checks(ctx, "pure")}
+    return {p.code: p for p in run_checks(ctx, at="plan")}
 
 
 def test_interleaved_layout_validates():
