@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from orchestrator.stages.base import NodeStage, StageDef, StagePlan, Upstream, wait_for
+from orchestrator.stages.base import NodeStage, StageDef, StagePlan, Upstream
 from orchestrator.stages.convert import ConvertJob, ConvertStage
 from orchestrator.stages.corpus import CorpusStage
 from orchestrator.stages.eval import EvalStage
@@ -23,21 +23,22 @@ from trainer.run_files import COMPLETE, FAILED
 
 __all__ = ["COMPLETE", "FAILED", "STAGES", "ConvertJob", "ConvertStage", "CorpusStage",
            "EvalStage", "NodeStage", "PreprocessStage", "StageDef", "StagePlan", "TrainJob", "TrainStage",
-           "Upstream", "get", "register", "unregister", "wait_for"]
+           "Upstream", "get", "register", "unregister"]
 
 
 def ordered(stages: list[StageDef]) -> list[StageDef]:
     """Each stage after every stage it names in ``after`` (that exists); otherwise in the given order."""
     names = {s.name for s in stages}
     out: list[StageDef] = []
+    done: set[str] = set()
     todo = list(stages)
     while todo:
-        ready = next((s for s in todo if all(a in {o.name for o in out} or a not in names for a in s.after)),
-                     None)
+        ready = next((s for s in todo if all(a in done or a not in names for a in s.after)), None)
         if ready is None:
             cycle = ", ".join(f"{s.name} after {'/'.join(s.after)}" for s in todo)
             raise ValueError(f"the stages' `after` lists form a cycle: {cycle}")
         out.append(ready)
+        done.add(ready.name)
         todo.remove(ready)
     return out
 

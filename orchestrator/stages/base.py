@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from orchestrator.facts import PlanInputs
+from orchestrator.queue import process_alive
 from orchestrator.render import JobResources
 from orchestrator.schema import SlipwayConfig
 from trainer.run_files import COMPLETE, FAILED, RunDir
@@ -141,8 +142,6 @@ def _rank() -> int:
 
 
 def _job_alive(up: Upstream) -> bool:
-    from orchestrator.queue import process_alive
-
     if up.executor != "local" or not up.job_id:
         return True  # Slurm enforces afterok itself; the marker check below is only for shared storage lag
     return process_alive(up.job_id)

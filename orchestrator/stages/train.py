@@ -6,6 +6,7 @@ checkpoint, restarts, heartbeats, hangs and W&B run."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 from dataclasses import dataclass, field
@@ -93,8 +94,6 @@ def write_data_report(summaries: list[str], run_dir: str) -> Path | None:
 
     The summaries (documents, tokens, and with ``data.on_error=skip`` every dropped line as file:line and
     reason) live in the shared cache; the copy makes a run's directory say what its data lost."""
-    import json
-
     found = [json.loads(Path(p).read_text()) for p in summaries if Path(p).is_file()]
     if not found:
         return None

@@ -45,3 +45,20 @@ def test_every_stage_comes_after_the_stages_it_names():
     assert order == ["corpus", "preprocess", "train", "convert", "eval"]
     for s in STAGES:
         assert all(order.index(a) < order.index(s.name) for a in s.after if a in order)
+
+
+def test_a_stage_list_that_cannot_be_ordered_is_refused_by_name():
+    import pytest
+
+    from orchestrator.stages import ordered, register
+    from orchestrator.stages.base import StageDef
+
+    def stage(name: str, after: tuple[str, ...]) -> StageDef:
+        return type(name.title(), (StageDef,), {"name": name, "after": after})()
+
+    with pytest.raises(ValueError, match="a after b, b after a"):
+        ordered([stage("a", ("b",)), stage("b", ("a",))])
+    late_first = ordered([stage("late", ("early", "gone")), stage("early", ())])  # "gone": not registered
+    assert [s.name for s in late_first] == ["early", "late"]
+    with pytest.raises(ValueError, match="'train' exists already"):
+        register(stage("train", ()))

@@ -11,6 +11,7 @@ from typing import Any
 
 from orchestrator.stages import preprocess
 from orchestrator.stages.base import NodeStage, PlanContext, StageDef, StageLook, StagePlan, stable_hash
+from trainer.run_files import RunDir
 
 NAME = "tokencount"
 COUNTS = "counts.json"
@@ -51,7 +52,7 @@ class TokenCount(StageDef):
                          CountJob(prefixes, os.path.join(state, COUNTS)))
 
     def status(self, look: StageLook) -> dict[str, Any]:
-        return {"log": str(look.run_dir / "stages" / NAME / COUNTS)}
+        return {"log": str(RunDir(look.run_dir).stage_state(NAME) / COUNTS)}
 
 
 STAGE = TokenCount()
