@@ -22,7 +22,8 @@ PREFIX_RULE = "_document"
 # Folder names that are also ordinary words (the "eval" stage, a "logs" key): a copy is one used as a
 # path component, ``x / "checkpoints"`` or ``os.path.join(x, "checkpoints")``.
 FOLDERS = {run_files.CHECKPOINTS, run_files.HF, run_files.EVAL, run_files.LOGS, run_files.JOBS,
-           run_files.STAGES, run_files.LAUNCHES, run_files.REQUEUES, run_files.RETRIES, run_files.CONFIG}
+           run_files.STAGES, run_files.LAUNCHES, run_files.REQUEUES, run_files.RETRIES, run_files.CONFIG,
+           run_files.PIDS}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

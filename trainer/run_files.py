@@ -42,6 +42,7 @@ DATA_REPORT = "data_report.json"
 SAMPLE = "sample.txt"
 LOSS_PLOT = "loss.png"
 SUMMARY = "summary.txt"
+PIDS = "pids"  # one file per training rank: "<pid> <restart> <attempt>" (the fault tests signal ranks)
 
 # Stage state (in stages/<stage>/, or a shared stage's output folder).
 COMPLETE = "_COMPLETE"  # the stage succeeded; its JSON holds the stage's result
@@ -103,6 +104,11 @@ class RunDir:
     sample = property(lambda self: self.root / SAMPLE)
     loss_plot = property(lambda self: self.root / LOSS_PLOT)
     summary = property(lambda self: self.root / SUMMARY)
+
+    pids = property(lambda self: self.root / PIDS)
+
+    def rank_pid(self, rank: int) -> Path:
+        return self.pids / f"rank{rank}.pid"
 
     def jobs(self, stage: str) -> Path:
         return self.root / JOBS / stage

@@ -137,11 +137,11 @@ class TrainStage(NodeStage):
         job: TrainJob = self.job
         _export_torch_env()
         rank = int(os.environ["RANK"])
-        pid_dir = Path(job.run_dir) / "pids"
-        pid_dir.mkdir(parents=True, exist_ok=True)
+        pid_file = RunDir(job.run_dir).rank_pid(rank)
+        pid_file.parent.mkdir(parents=True, exist_ok=True)
         attempt = os.environ.get(ATTEMPT_ENV, "0")
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-        (pid_dir / f"rank{rank}.pid").write_text(f"{os.getpid()} {restart} {attempt}\n")
+        pid_file.write_text(f"{os.getpid()} {restart} {attempt}\n")
         seam = testing_hooks.seam()  # the test hooks, loaded only under the switch (tests/seam.py)
         if seam is not None:
             testing_hooks.warn_active(log, os.environ)

@@ -45,6 +45,7 @@ from tests.orchestrator.devcluster_helpers import (
 )
 from tests.slurm_cli import sacct_states, slurm
 from trainer import testing_hooks
+from trainer.run_files import RunDir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
 
@@ -143,7 +144,7 @@ def _drive(m: Matrix) -> None:
                 subprocess.run(["scancel", "--signal=USR2", "--batch", job], check=True, timeout=60)
                 m.fired["usr2"] = f"USR2 to job {job}"
             if "killrank" not in m.fired and (m.train_state_dir("killrank") / "stalled_6_rank1").exists():
-                pid = int((m.runs["killrank"] / "pids" / "rank1.pid").read_text().split()[0])
+                pid = int(RunDir(m.runs["killrank"]).rank_pid(1).read_text().split()[0])
                 os.kill(pid, signal.SIGKILL)  # the task on n2, started by this module's job
                 m.fired["killrank"] = f"SIGKILL to rank 1 (pid {pid})"
         except Exception as err:  # noqa: BLE001 - reported by the test that needed the action
@@ -274,7 +275,7 @@ def test_7_bad_jsonl_lines_fail_the_preprocess_job_and_training_never_starts(mat
     assert f"{matrix.root / 'bad.jsonl'}:3: invalid JSON" in error, error
     assert f"{matrix.root / 'bad.jsonl'}:3: invalid JSON" in "".join(
         p.read_text() for p in (prep / "logs").glob("preprocess_*.err"))
-    assert not list((run / "logs").glob("train_*")) and not (run / "pids").exists()  # never ran
+    assert not list((run / "logs").glob("train_*")) and not RunDir(run).pids.exists()  # never ran
 
 
 def test_7_bad_jsonl_lines_skipped_run_completes_with_the_report(matrix, base_losses):
