@@ -119,6 +119,9 @@ CHECKS: tuple[Check, ...] = (
     Check("data", "world", data.reused_data_problems, "launch"),
     Check("checkpoints", "world", checkpoints.checkpoint_problems, "launch"),
     Check("container", "world", container.pyxis_problems, "launch"),
+    Check("cluster", "world", cluster.controller_problems, "launch"),
+    Check("run", "world", run.storage_problems, "launch"),
+    Check("checkpoints", "world", checkpoints.record_problems, "launch"),
     Check("checkpoints", "world", checkpoints.active_problems, "launch"),
 )
 

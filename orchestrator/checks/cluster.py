@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from orchestrator.problems import Problem
+from orchestrator.queue import controller_unreachable
 
 if TYPE_CHECKING:
     from orchestrator.checks import Context
@@ -110,3 +111,17 @@ def time_limit_problems(ctx: Context) -> list[Problem]:
             f"raise cluster.time_limit_min to >= {need_min} or lower train.save_interval to <= {fit}",
         )
     ]
+
+
+def controller_problems(ctx: Context) -> list[Problem]:
+    """A Slurm cluster's controller must answer before anything is recorded or submitted (the dry run
+    asks too): otherwise the first ``sbatch`` fails with submitit's traceback."""
+    c = ctx.cfg.cluster
+    if c.executor != "slurm":
+        return []
+    why = controller_unreachable()
+    if not why:
+        return []
+    return [Problem("slurm_unreachable", "cluster", c.name, f"the Slurm controller does not answer ({why})",
+                    "check that slurmctld runs (scontrol ping) and that this machine's SLURM_CONF names its "
+                    "slurm.conf; or launch with cluster=local to run on this machine")]

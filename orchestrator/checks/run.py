@@ -3,10 +3,12 @@ orchestrator/schema), the warm-up against the run's length, and the names that b
 
 from __future__ import annotations
 
+import os
 import re
 from typing import TYPE_CHECKING
 
 from orchestrator.problems import Problem
+from orchestrator.stages.train import NAME as TRAIN
 
 if TYPE_CHECKING:
     from orchestrator.checks import Context
@@ -41,4 +43,47 @@ def name_problems(ctx: Context) -> list[Problem]:
                 "becomes a folder name and part of job names: it may hold only letters, digits and '._+-' "
                 "(at most 128, no '..', not starting with '.' or '-')",
                 f"choose another {key}, e.g. {key}=20261202-lr3e-4"))
+    return out
+
+
+def _unwritable(path: str) -> str | None:
+    """Why ``path`` cannot be written or created (None: it can): the nearest existing folder on its way
+    is a file, read-only (its filesystem, or its permissions for this user) or missing altogether."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            return "no folder on its way exists"
+        probe = parent
+    if not os.path.isdir(probe):
+        return f"{probe} is a file, not a folder, so it cannot be created"
+    try:
+        read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError as err:
+        return f"{probe} cannot be read ({err.strerror})"
+    if read_only or not os.access(probe, os.W_OK | os.X_OK):
+        what = "is on a read-only filesystem" if read_only else "is not writable by this user"
+        created = "" if probe == os.path.abspath(path) else f", so {path} cannot be created"
+        return f"{probe} {what}{created}"
+    return None
+
+
+def storage_problems(ctx: Context) -> list[Problem]:
+    """The run directory, the shared cache and the checkpoint directory must be writable (or creatable):
+    found here, not as a traceback when the launch writes run.json or a job its first checkpoint."""
+    plan = ctx.require_plan()
+    cfg = ctx.cfg
+    ckpt = next((s.job.trainer_config["checkpoint"]["dir"] for s in plan.stages if s.name == TRAIN), None)
+    where = [("runs_root", cfg.runs_root, plan.run_dir),
+             ("cache_dir", cfg.cache_dir or os.path.join(cfg.runs_root, "_cache"), None),
+             ("checkpoint.dir", ckpt, None)]
+    out, seen = [], set()
+    for key, value, path in where:
+        path = path or value
+        why = _unwritable(path) if path else None
+        if why and why not in seen:
+            seen.add(why)
+            out.append(Problem("storage", key, value, f"{path} is where the run writes, but {why}",
+                               f"set {key} to a folder you can write that every node sees (e.g. "
+                               f"{key}=/shared/$USER/slipway), or fix its permissions"))
     return out
