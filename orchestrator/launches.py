@@ -5,7 +5,8 @@
 its git state, resolved config (also written to ``launches/<n>/config.yaml``; ``config.yaml`` at the top is
 a link to the latest one), stage keys, scripts, job ids and its outcome. A launch writes only its own
 record; the next launch adds the earlier one's final job states (``outcome``) when it starts, and a
-submission the earlier one left unrecorded (below), never anything else of it.
+submission the earlier one left unrecorded (below), and ``cancel`` the ids of the jobs it cancelled
+(``cancelled``), never anything else of it.
 
 Submission is crash-consistent. Each launch moves through ``state``:
 
@@ -172,17 +173,20 @@ def record_job(run_dir: str, n: int, stage: str, entry: dict[str, Any]) -> None:
 
 
 def mark_cancelled(run_dir: str, jobs: dict[int, list[str]]) -> None:
-    """Mark the given jobs ({launch: [job ids]}) cancelled in their launches' records (status says so)."""
+    """Record that Slipway cancelled these jobs ({launch: [job ids]}) in their launches' ``cancelled`` lists
+    (the job entries stay as submitted): a local job's process leaves no other trace of why it ended."""
     if not jobs:
         return
     data = _upgraded(read(run_dir))
     for r in data["launches"]:
-        ids = set(jobs.get(r.get("n"), ()))
-        for entries in r.get("jobs", {}).values():
-            for e in entries:
-                if str(e.get("job_id")) in ids:
-                    e["cancelled"] = True
+        if jobs.get(r.get("n")):
+            r["cancelled"] = sorted({*r.get("cancelled", ()), *map(str, jobs[r["n"]])})
     write_json(Path(run_dir) / RUN_JSON, data)
+
+
+def cancelled_ids(data: dict[str, Any]) -> set[str]:
+    """The ids of every job Slipway cancelled, in any launch of the run."""
+    return {str(j) for r in history(data) for j in r.get("cancelled", ())}
 
 
 def is_incomplete(record: dict[str, Any]) -> bool:

@@ -212,13 +212,14 @@ def marker_of(state_dir: str | Path, name: str, job_id: str | None) -> dict | No
     return record if job_id is None or wrote is None or str(wrote) == str(job_id) else None
 
 
-def local_state(entry: dict) -> str:
-    """A local job's state from its run.json entry: cancelled by Slipway, its submitit results, then the
-    stage's markers that this job wrote, then whether the controller process still exists."""
+def local_state(entry: dict, cancelled: bool = False) -> str:
+    """A local job's state from its run.json entry: cancelled (by Slipway, as run.json records), its
+    submitit results, then the stage's markers that this job wrote, then whether the controller process
+    still exists."""
     folder = Path(entry.get("folder", ""))
     jid = str(entry["job_id"])
     alive = process_alive(jid)  # read before the files: a job that just ended has written them
-    if entry.get("cancelled") and not alive:
+    if cancelled and not alive:
         return "CANCELLED"
     results = list(folder.glob(f"{jid}_*_result.pkl"))
     if results:

@@ -99,7 +99,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
     heartbeat is older than ``stale_after_s`` (default: five heartbeat intervals, at least 30 s) is stale."""
     runs = records(path)[0]
     # status shows each run's latest launch (launches.py); --history lists all of them
-    metas = [(r, {**current(d), "name": d.get("name"), "sweep": current(d).get("sweep")}) for r, d in runs]
+    metas = [(r, {**current(d), "name": d.get("name")}) for r, d in runs]
     ids = [
         e["job_id"]
         for _, d in metas
@@ -114,7 +114,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
             e = entries[-1]
             jid = str(e["job_id"])
             if e.get("executor") == "local":
-                state, reason = local_state(e), ""
+                state, reason = local_state(e, jid in data.get("cancelled", ())), ""
             elif jid in sq:
                 state, reason = sq[jid]
             else:

@@ -46,31 +46,33 @@ def name_problems(ctx: Context) -> list[Problem]:
     return out
 
 
-def _unwritable(path: str) -> str | None:
-    """Why ``path`` cannot be written or created (None: it can): the nearest existing folder on its way
-    is a file, read-only (its filesystem, or its permissions for this user) or missing altogether."""
+def _unwritable(path: str) -> tuple[str, str] | None:
+    """(the folder in the way, why) when ``path`` cannot be written or created; None when it can. The
+    folder in the way is the nearest existing one on its way: a file, read-only (its filesystem, or its
+    permissions for this user), or none at all."""
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         parent = os.path.dirname(probe)
         if parent == probe:
-            return "no folder on its way exists"
+            return probe, "no folder on its way exists"
         probe = parent
+    created = "" if probe == os.path.abspath(path) else ", so it cannot be created"
     if not os.path.isdir(probe):
-        return f"{probe} is a file, not a folder, so it cannot be created"
+        return probe, f"{probe} is a file, not a folder{created}"
     try:
         read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
     except OSError as err:
-        return f"{probe} cannot be read ({err.strerror})"
+        return probe, f"{probe} cannot be read ({err.strerror})"
     if read_only or not os.access(probe, os.W_OK | os.X_OK):
         what = "is on a read-only filesystem" if read_only else "is not writable by this user"
-        created = "" if probe == os.path.abspath(path) else f", so {path} cannot be created"
-        return f"{probe} {what}{created}"
+        return probe, f"{probe} {what}{created}"
     return None
 
 
 def storage_problems(ctx: Context) -> list[Problem]:
     """The run directory, the shared cache and the checkpoint directory must be writable (or creatable):
-    found here, not as a traceback when the launch writes run.json or a job its first checkpoint."""
+    found here, not as a traceback when the launch writes run.json or a job its first checkpoint. One
+    problem per folder in the way (a checkpoint dir inside a read-only run dir is the same problem)."""
     plan = ctx.require_plan()
     cfg = ctx.cfg
     ckpt = next((s.job.trainer_config["checkpoint"]["dir"] for s in plan.stages if s.name == TRAIN), None)
@@ -80,10 +82,10 @@ def storage_problems(ctx: Context) -> list[Problem]:
     out, seen = [], set()
     for key, value, path in where:
         path = path or value
-        why = _unwritable(path) if path else None
-        if why and why not in seen:
-            seen.add(why)
-            out.append(Problem("storage", key, value, f"{path} is where the run writes, but {why}",
+        found = _unwritable(path) if path else None
+        if found and found[0] not in seen:
+            seen.add(found[0])
+            out.append(Problem("storage", key, value, f"{path} is where the run writes, but {found[1]}",
                                f"set {key} to a folder you can write that every node sees (e.g. "
                                f"{key}=/shared/$USER/slipway), or fix its permissions"))
     return out
