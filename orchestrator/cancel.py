@@ -10,7 +10,7 @@ import subprocess
 from typing import Any
 
 from orchestrator import launches, local_jobs
-from orchestrator.queue import alive, process_alive, query_slurm
+from orchestrator.queue import alive, local_job_alive, query_slurm
 
 
 def cancel_run(run_dir: str, launch_n: int | None = None, started: dict[str, Any] | None = None) -> list[str]:
@@ -32,7 +32,7 @@ def cancel_run(run_dir: str, launch_n: int | None = None, started: dict[str, Any
                 done.setdefault(slurm[j][0], []).append(j)
     for n, stage, e in entries:
         jid = str(e["job_id"])
-        if e.get("executor") != "local" or not process_alive(jid):
+        if e.get("executor") != "local" or not local_job_alive(jid, e.get("folder")):
             continue
         pids = local_jobs.cancel(jid, str(e.get("folder", "")), job=(started or {}).get(jid))
         if pids:

@@ -362,7 +362,8 @@ def _submit(cfg: SlipwayConfig, plan: Plan, overrides: tuple[str, ...]) -> tuple
         launch_failpoint("recorded")
         submitted = submit_plan(cfg, plan, n)
         train = next((s for s in submitted if s.stage == TRAIN), None)
-        record_writer(plan, train.job_id if train else None, cfg.cluster.executor)
+        record_writer(plan, train.job_id if train else None, cfg.cluster.executor,
+                      stage_folder(plan, plan.stage(TRAIN)))
         launch_failpoint("submitted")
         launches.set_state(plan.run_dir, n, launches.SUBMITTED)
     return n, submitted

@@ -122,19 +122,35 @@ def _run(cmd: list[str]) -> tuple[str | None, str]:
     return r.stdout, ""
 
 
+def local_job_alive(job_id: int | str, folder: str | None = None) -> bool:
+    """A local job still runs: its controller's pid exists and, when the job's submitit folder is known,
+    that process's command line names it. Pids are reused (pid_max is 32768 on many machines), so an old
+    run's job id may belong to another program by now: that must not keep the run "active" forever."""
+    if not process_alive(job_id):
+        return False
+    if not folder:
+        return True
+    try:
+        command = Path(f"/proc/{int(job_id)}/cmdline").read_bytes().decode(errors="replace")
+    except (OSError, ValueError):
+        return True  # it exists but cannot be read (another user's): take it for alive
+    return os.path.normpath(folder) in command
+
+
 def controller_unreachable() -> str:
     """Why the Slurm controller does not answer ("" when it does): one cheap ``sinfo`` call."""
     out, why = _run(["sinfo", "-h", "-o", "%P"])
     return "" if out is not None else why
 
 
-def live_state(job_id: str, executor: str) -> str | None:
+def live_state(job_id: str, executor: str, folder: str | None = None) -> str | None:
     """The job's state while it is alive, None once it ended or the queue no longer knows it.
 
     Slurm: squeue's answer; squeue exiting non-zero means the id is unknown (purged after it ended).
-    When squeue cannot be run or times out, "UNKNOWN": the job may still write."""
+    When squeue cannot be run or times out, "UNKNOWN": the job may still write. Local: its process
+    (:func:`local_job_alive`, checked against the job's submitit ``folder`` when given)."""
     if executor == "local":
-        return "RUNNING" if process_alive(job_id) else None
+        return "RUNNING" if local_job_alive(job_id, folder) else None
     try:
         out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
                              timeout=60)
@@ -218,7 +234,7 @@ def local_state(entry: dict, cancelled: bool = False) -> str:
     still exists."""
     folder = Path(entry.get("folder", ""))
     jid = str(entry["job_id"])
-    alive = process_alive(jid)  # read before the files: a job that just ended has written them
+    alive = local_job_alive(jid, entry.get("folder"))  # before the files: an ended job has written them
     if cancelled and not alive:
         return "CANCELLED"
     results = list(folder.glob(f"{jid}_*_result.pkl"))

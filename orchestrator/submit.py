@@ -196,7 +196,8 @@ def _queued(stage: StagePlan) -> dict[str, Any] | None:
     if not path.exists():
         return None
     info = json.loads(path.read_text())
-    return info if live_state(str(info["job_id"]), info.get("executor", "slurm")) else None
+    state = live_state(str(info["job_id"]), info.get("executor", "slurm"), info.get("folder"))
+    return info if state else None
 
 
 def _executor(job: StageJob) -> Any:

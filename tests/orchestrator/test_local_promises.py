@@ -195,3 +195,29 @@ def test_a_signal_to_the_launcher_alone_cancels_every_process_and_the_run_resume
     log = (run / "jobs" / "train" / f"{train.job_id}_0_log.err").read_text()
     assert re.search(r"loaded \w+ from \S+ iteration 4 ", log), log[-3000:]
     assert set(_states(run).values()) == {"COMPLETED"} and _card_iteration(run) == 6
+
+
+def test_a_pid_the_system_reused_is_not_the_runs_job(tmp_path):
+    """A local job id is a pid, and pids wrap (pid_max is 32768 here): after the job ended, another program
+    may hold its number. That program must not make the run look active (a relaunch refused forever), nor
+    its stage RUNNING, nor be cancelled."""
+    other = subprocess.Popen(["sleep", "600"])
+    try:
+        run = tmp_path / "runs" / "codeparrot_smoke" / "r"
+        folder = run / "jobs" / "train"
+        folder.mkdir(parents=True)
+        entry = {"job_id": str(other.pid), "executor": "local", "folder": str(folder),
+                 "state_dir": str(run / "stages" / "train")}
+        (run / "run.json").write_text(json.dumps({"run_id": "r", "format": 2, "launches": [
+            {"n": 1, "state": "submitted", "jobs": {"train": [entry]}}]}))
+        assert _states(run) == {"train": "ENDED"}
+        cfg = compose_cfg([*SMALL, f"runs_root={tmp_path}/runs", f"cache_dir={tmp_path}/c", "run_id=r",
+                           "dry_run=true"])
+        assert "run_active" not in [p.code for p in launch(cfg, out=io.StringIO()).plan.problems]
+        from orchestrator.__main__ import main as orchestrator_main
+
+        assert orchestrator_main(["cancel", str(run)]) == 0
+        assert other.poll() is None  # untouched
+    finally:
+        other.kill()
+        other.wait()
