@@ -5,8 +5,9 @@
     python launch.py +experiment=codeparrot dry_run=true          # plan + job scripts, submits nothing
     python launch.py -m +experiment=codeparrot optim.lr=1e-4,3e-4,5e-4   # a sweep; returns at once
 
-Multirun uses Hydra's basic launcher, which calls ``main`` once per point in this process; each call
-submits without blocking, and points that need the same preprocessing share one job (content keys).
+A multirun is all or nothing: Slipway's sweeper (hydra_plugins/slipway_sweeper) calls ``main`` for every
+point to plan and check it, prints one sweep summary, and only then calls it again for every point to
+submit it (orchestrator/sweep.py); points that need the same preprocessing share one job (content keys).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import signal
 import sys
 import traceback
-from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -23,6 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from orchestrator import redaction
+from orchestrator import sweep as sweeps
 from orchestrator.facts import SweepInfo
 from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED, RunFailed, launch
 from orchestrator.launches import RunRecordError
@@ -38,17 +39,8 @@ def _sweep_info() -> SweepInfo | None:
     if hc.mode != RunMode.MULTIRUN:
         return None
     sweep_dir = os.path.abspath(hc.sweep.dir)
-    _scrub(Path(sweep_dir) / "multirun.yaml")
     overrides = tuple(x for x in hc.job.override_dirname.split(",") if x)
     return SweepInfo(os.path.basename(sweep_dir), sweep_dir, int(hc.job.num), overrides)
-
-
-def _scrub(path: Path) -> None:
-    """Hydra writes a sweep's overrides and config to multirun.yaml before any point runs: redact it."""
-    if path.is_file():
-        text = path.read_text()
-        if (clean := redaction.redact(text)) != text:
-            path.write_text(clean)
 
 
 @hydra.main(config_path="hydra_conf", config_name="config", version_base="1.3")
@@ -56,8 +48,14 @@ def main(cfg: DictConfig) -> None:
     # Every outcome ends here with Slipway's message and exit code: an exception escaping this function
     # would make Hydra print "Error executing job with overrides: [...]", every override (secrets too).
     try:
-        typed = to_typed(cfg, dict(HydraConfig.get().runtime.choices))
-        result = launch(typed, _sweep_info(), overrides=tuple(HydraConfig.get().overrides.task))
+        sweep, overrides = _sweep_info(), tuple(HydraConfig.get().overrides.task)
+        choices = dict(HydraConfig.get().runtime.choices)
+        collector = sweeps.active()
+        if sweep is not None and collector is not None:  # Slipway's sweeper: plan (or submit) this point
+            collector.point(sweep, lambda: to_typed(cfg, choices), overrides)
+            return
+        typed = to_typed(cfg, choices)
+        result = launch(typed, sweep, overrides=overrides)
     except PlanError as err:
         sys.stderr.write(f"{err}\n")
         sys.exit(EXIT_PROBLEMS)

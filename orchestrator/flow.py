@@ -385,26 +385,51 @@ def _announce(plan: Plan, submitted: list[Submitted], sweep: SweepInfo | None, e
     return redaction.redact(_follow_text(plan, submitted))
 
 
+@dataclass
+class Prepared:
+    """A planned launch, checked and rendered, not yet recorded or submitted (a sweep plans every point
+    before it submits any: orchestrator/sweep.py)."""
+
+    cfg: SlipwayConfig
+    plan: Plan
+    scripts: dict[str, str]
+    sweep: SweepInfo | None = None
+
+
+def prepare(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> Prepared:
+    """Gather the facts, plan, run the launch-time checks and render the job scripts; writes nothing."""
+    redaction.REDACTOR.add(redaction.environ_secrets(os.environ) | known_secrets(cfg))
+    redaction.install(streams=False)  # the slipway loggers' handlers
+    facts = gather_facts(cfg, sweep)
+    plan = make_plan(cfg, facts)
+    plan.problems.extend(run_checks(Context(cfg, facts.environ, plan=plan), at="launch"))
+    return Prepared(cfg, plan, scripts_of(cfg, plan), sweep)
+
+
 def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
            overrides: tuple[str, ...] = ()) -> LaunchResult:
     """Plan, then print (dry run), refuse (problems), or record and submit. ``overrides``: the command
     line's, recorded with the launch."""
     started = time.monotonic()
-    redaction.REDACTOR.add(redaction.environ_secrets(os.environ) | known_secrets(cfg))
-    redaction.install(streams=False)  # the slipway loggers' handlers
+    p = prepare(cfg, sweep)
     out, err = redaction.redacting(out), redaction.redacting(sys.stderr)
-    facts = gather_facts(cfg, sweep)
-    plan = make_plan(cfg, facts)
-    plan.problems.extend(run_checks(Context(cfg, facts.environ, plan=plan), at="launch"))
-    for warning in plan.warnings:
+    for warning in p.plan.warnings:
         err.write(f"warning: {warning}\n")
-    scripts = scripts_of(cfg, plan)
     if cfg.dry_run:
-        text = redaction.redact(format_plan(cfg, plan, scripts))
+        text = redaction.redact(format_plan(cfg, p.plan, p.scripts))
         out.write(text)
-        return LaunchResult(plan, text)
-    if plan.problems:
-        raise PlanError(plan.problems)
+        return LaunchResult(p.plan, text)
+    if p.plan.problems:
+        raise PlanError(p.plan.problems)
+    return execute(p, out, overrides, started)
+
+
+def execute(p: Prepared, out=sys.stdout, overrides: tuple[str, ...] = (),
+            started: float | None = None) -> LaunchResult:
+    """Record and submit a prepared launch free of problems (and wait for it, when it waits)."""
+    cfg, plan, sweep = p.cfg, p.plan, p.sweep
+    started = time.monotonic() if started is None else started
+    out, err = redaction.redacting(out), redaction.redacting(sys.stderr)
     # Default: block for a single local run (its jobs are this machine's processes); never for sweeps,
     # whose points must all be submitted before anything waits.
     do_wait = cfg.wait if cfg.wait is not None else (cfg.cluster.executor == "local" and sweep is None)

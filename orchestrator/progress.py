@@ -8,9 +8,9 @@ from pathlib import Path
 
 from orchestrator.runs import read_json
 from trainer.checkpoint.files import parse_tracker, tracker_text
-from trainer.health import read_hangs
+from trainer.health import read_bad_nodes, read_hangs
 from trainer.metrics_file import TOKENS_PER_S, TRAIN_LOSS, read_metrics
-from trainer.run_files import REQUEUES, RETRIES, RunDir
+from trainer.run_files import EXCLUSIONS, REQUEUES, RETRIES, RunDir
 from trainer.wandb_online import FALLBACK_KEY
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
@@ -85,6 +85,48 @@ def hangs(run_dir: Path) -> list[str]:
         by = ", ".join(map(str, sorted(reporters)))
         out.append(f"{f'job {job}, ' if job else ''}iteration {it}: stopped progressing: {who} (watchdog "
                    f"fired on rank{'s' if len(reporters) > 1 else ''} {by}, exit 70)")
+    return out
+
+
+# A line of the batch script's exclusions file (orchestrator/render.py slipway_exclude).
+_DECISION = re.compile(r"^\d+ (?P<what>excluded|kept) (?P<nodes>\S+) job=(?P<job>\S*) "
+                       r"restart=(?P<restart>\d+) attempt=(?P<attempt>\d+)"
+                       r"(?: exclude=(?P<all>\S+) helper=(?P<helper>\S+))?(?: why=(?P<why>.*))?$")
+
+
+def _decisions(state_dir: Path) -> dict[tuple[str, int, int], dict[str, str]]:
+    """The batch script's exclusion decisions by (job, restart, attempt)."""
+    try:
+        lines = (state_dir / EXCLUSIONS).read_text(errors="replace").splitlines()
+    except OSError:
+        return {}
+    out = {}
+    for line in lines:
+        if m := _DECISION.match(line.strip()):
+            out[(m["job"], int(m["restart"]), int(m["attempt"]))] = m.groupdict()
+    return out
+
+
+def bad_nodes(run_dir: Path, state_dir: Path) -> list[str]:
+    """One line per node a preflight or watchdog named (trainer/health/badnodes.py): which, why, in which
+    attempt, and what the batch script did about it."""
+    decided = _decisions(state_dir)
+    out = []
+    for rec in read_bad_nodes(str(run_dir)):
+        job, restart, attempt = rec.get("job"), int(rec.get("restart", 0)), int(rec.get("attempt", 0))
+        head = (f"{rec['node']} named by the {rec.get('source', 'check')} (job {job or 'local'}, restart "
+                f"{restart}, attempt {attempt}): {rec.get('why', '')}")
+        d = decided.get((str(job), restart, attempt))
+        if job is None:
+            what = "a local run: nothing to exclude"
+        elif d is None:
+            what = "no decision recorded (the job is still deciding, or was cancelled)"
+        elif d["what"] == "excluded":
+            what = (f"excluded from the job's next allocation (ExcNodeList={d['all']}, set by helper job "
+                    f"{d['helper']})")
+        else:
+            what = f"kept ({d['why']}); the step was retried in the same allocation"
+        out.append(f"{head}; {what}")
     return out
 
 

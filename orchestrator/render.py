@@ -11,7 +11,15 @@ batch-level USR2. Ours:
   same job id, so ``afterok`` dependants keep waiting). A stop near the time limit counts against
   ``max_timeouts``; any other stop is a preemption and is requeued without limit.
 - Any other non-zero step exit is a crash: the step is retried in the same allocation up to
-  ``max_retries`` times; the trainer resumes from its last complete checkpoint. A failure a retry would
+  ``max_retries`` times; the trainer resumes from its last complete checkpoint.
+- A node the preflight or the hang watchdog named in the failed attempt (``<run_dir>/bad_nodes/``,
+  trainer/health/badnodes.py) is not retried into. A retried step cannot leave a node of its allocation,
+  and Slurm refuses to change a running job's ``ExcNodeList`` ("Job is no longer pending execution"), so
+  the job is requeued *held* (``scontrol requeuehold``: same job id, ``afterok`` dependants keep waiting)
+  and a one-CPU helper job, submitted just before, sets ``ExcNodeList`` (the job's own plus the named
+  nodes) on the held job and releases it: the next allocation avoids the node. When the partition would
+  keep fewer usable nodes than the job needs, the node is kept and the step is retried here instead.
+  Each decision is a line of the stage's ``exclusions`` file (``status`` shows it). A failure a retry would
   repeat (a non-finite loss, a full disk, corrupt data, no usable checkpoint, a bad value: see
   ``trainer.signals.permanent_reason``) leaves a ``fatal_<job>_r<restart>_a<attempt>`` marker and is
   not retried.
@@ -27,7 +35,7 @@ from dataclasses import dataclass, field
 from orchestrator.container_render import PyxisSpec, pyxis_preamble, pyxis_srun_flags
 from orchestrator.redaction import is_secret_name
 from trainer.formulas import PORT_BASE, PORT_SPAN
-from trainer.run_files import ATTEMPT_ENV, REQUEUES, RETRIES
+from trainer.run_files import ATTEMPT_ENV, BAD_NODES_DIR, BAD_NODES_MARKER, EXCLUSIONS, REQUEUES, RETRIES
 from trainer.signals import EXIT_REQUEUE, FATAL_MARKER, STOPPED_MARKER
 
 
@@ -77,6 +85,8 @@ class ScriptSpec:
     pyxis: PyxisSpec | None = None  # container.kind=pyxis: each srun runs its tasks in the image
     comment: str = ""  # --comment: the run, launch and stage (orchestrator/launches.py job_comment)
     code_dir: str = ""  # the repository that was launched: first on PYTHONPATH (containers put it there too)
+    run_dir: str = ""  # training: where the trainer names bad nodes (empty: no node exclusion)
+    helper: tuple[tuple[str, str], ...] = ()  # the exclusion helper job's sbatch flags (partition, account)
 
 
 def code_path_line(code_dir: str) -> str:
@@ -179,17 +189,74 @@ while true; do
     read -r code reason < "$fatal"; echo "slipway: not retrying (a retry would repeat it): $reason" >&2
     exit "$code"
   fi
-  if [ "$attempt" -ge {max_retries} ]; then exit "$rc"; fi
+{exclude}  if [ "$attempt" -ge {max_retries} ]; then exit "$rc"; fi
   attempt=$(( attempt + 1 ))
   echo "$(date +%s) retry attempt=$attempt after rc=$rc" >> "$state/{retries}"
 done
 """
 
 
+# Keeps the nodes the failed attempt named out of the job's next allocation (module doc). Called with the
+# named nodes (comma-separated); returns (1) only when it kept them: then the step is retried here.
+_EXCLUDE_FN = r"""
+slipway_exclude() {{
+  local named="$1" excl all usable need helper kept
+  excl=$(scontrol show job "$SLURM_JOB_ID" | grep -o 'ExcNodeList=[^ ]*' | cut -d= -f2)
+  [ "$excl" = "(null)" ] && excl=""
+  all=$( {{ [ -n "$excl" ] && scontrol show hostnames "$excl"; tr , '\n' <<< "$named"; }} \
+    | sort -u | paste -sd, -)
+  usable=$(sinfo -h -N -p "$SLURM_JOB_PARTITION" -o '%N %t' 2>/dev/null \
+    | awk '$2 ~ /^(idle|mix|alloc|comp|plnd)/ && $2 !~ /[*]$/ {{print $1}}' | sort -u \
+    | grep -cvxF -f <(tr , '\n' <<< "$all"))
+  need=${{SLURM_JOB_NUM_NODES:-1}}
+  kept="$(date +%s) kept $named job=$SLURM_JOB_ID restart=$restart attempt=$attempt why="
+  if [ "$usable" -lt "$need" ]; then
+    kept+="partition $SLURM_JOB_PARTITION would keep $usable usable node(s) for this $need-node job"
+  else
+    helper=$(sbatch --parsable --job-name="$SLURM_JOB_NAME-exclude" --ntasks=1 --cpus-per-task=1 \
+      --time=15 --export=PATH,SLURM_CONF --output="$logs/{stage}_${{SLURM_JOB_ID}}_exclude_%j.out" \
+      {helper_flags}--wrap "
+        for i in \$(seq 1 300); do
+          s=\$(squeue -h -j $SLURM_JOB_ID -o %T); [ -z \"\$s\" ] && exit 0
+          case \$s in PENDING|REQUEUE_HOLD) break;; esac; sleep 2
+        done
+        scontrol update jobid=$SLURM_JOB_ID ExcNodeList=$all; scontrol release $SLURM_JOB_ID")
+    if [ -n "$helper" ]; then
+      helper=${{helper%%;*}}
+      echo "$(date +%s) excluded $named job=$SLURM_JOB_ID restart=$restart attempt=$attempt" \
+        "exclude=$all helper=$helper" >> "$state/{exclusions}"
+      echo "$(date +%s) requeue restart=$restart attempt=$attempt exclude=$named" >> "$state/{requeues}"
+      echo "slipway: excluding node(s) $named from the next allocation: requeued held;" \
+        "helper job $helper sets ExcNodeList=$all and releases it" >&2
+      scontrol requeuehold "$SLURM_JOB_ID" && sleep 600
+      scancel "$helper"
+      kept+="scontrol requeuehold was refused (the cluster must allow requeues: JobRequeue)"
+    else
+      kept+="the helper job that excludes them was refused"
+    fi
+  fi
+  echo "$kept" >> "$state/{exclusions}"
+  echo "slipway: node(s) $named named bad, kept: ${{kept#*why=}}; retrying in this allocation" >&2
+  return 1
+}}"""
+
+_EXCLUDE_CALL = r"""  named=$(cat "$rundir"/{bad_nodes_glob} 2>/dev/null | cut -f1 | sort -u | paste -sd, -)
+  if [ -n "$named" ]; then slipway_exclude "$named"; fi
+"""
+
 _SHELL_VARS = {"job": "${SLURM_JOB_ID}", "restart": "${restart}", "attempt": "${attempt}"}
 # The trainer's marker names (trainer.signals), spelled with the loop's shell variables.
 _SHELL_MARKERS = {"stopped": STOPPED_MARKER.format(**_SHELL_VARS),
                   "fatal": FATAL_MARKER.format(**_SHELL_VARS)}
+
+
+# This attempt's bad-node files (every reporter's), spelled with the loop's shell variables.
+_BAD_NODES_GLOB = f"{BAD_NODES_DIR}/" + BAD_NODES_MARKER.format(**_SHELL_VARS, reporter="*")
+
+
+def _exclude_fn(spec: ScriptSpec) -> str:
+    flags = "".join(f"{shlex.quote(f'--{k}={v}')} " for k, v in spec.helper)
+    return _EXCLUDE_FN.format(stage=spec.stage, exclusions=EXCLUSIONS, requeues=REQUEUES, helper_flags=flags)
 
 
 def render_sbatch(spec: ScriptSpec) -> str:
@@ -217,6 +284,8 @@ def render_sbatch(spec: ScriptSpec) -> str:
         ]
     else:
         timeout_after = max(r.time_limit_min * 60 - r.signal_delay_s - 60, 0)
+        if spec.run_dir:
+            body += [f"rundir={shlex.quote(spec.run_dir)}", _exclude_fn(spec).strip("\n")]
         body.append(
             _LOOP.format(
                 port_base=spec.master_port_base,
@@ -233,6 +302,7 @@ def render_sbatch(spec: ScriptSpec) -> str:
                 attempt_env=ATTEMPT_ENV,
                 requeues=REQUEUES,
                 retries=RETRIES,
+                exclude=_EXCLUDE_CALL.format(bad_nodes_glob=_BAD_NODES_GLOB) if spec.run_dir else "",
                 **_SHELL_MARKERS,
             ).rstrip("\n")
         )

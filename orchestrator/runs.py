@@ -24,6 +24,7 @@ from trainer.run_files import RUN_JSON
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SWEEP_JSON = "sweep.json"
+CACHE_DIR = "_cache"  # the shared stages' outputs under runs_root when cache_dir is unset
 
 
 def mint_run_id(now: _dt.datetime | None = None) -> str:
@@ -124,14 +125,52 @@ def add_to_sweep(sweep_dir: str, entry: dict[str, Any], header: dict[str, Any]) 
     write_json(path, data)
 
 
-def run_dirs_of(path: str) -> list[Path]:
-    """A run dir → [it]; a sweep dir → its points' run dirs (in point order)."""
+def run_dirs_of(path: str, below: bool = False) -> list[Path]:
+    """The runs a command acts on (status, cancel, logs, list): a run dir → [it]; a sweep dir → its points'
+    run dirs (in point order); with ``below``, any other folder (``runs_root``, an experiment's folder)
+    → every run under it (:func:`runs_under`). Raises FileNotFoundError naming what it expected."""
     p = Path(path)
     if (p / SWEEP_JSON).exists():
         points = sorted(read_json(p / SWEEP_JSON)["points"], key=lambda e: e.get("point", 0))
         return [Path(e["run_dir"]).resolve() for e in points]
     if (p / RUN_JSON).exists():
         return [p.resolve()]
+    if below and p.is_dir():
+        return runs_under(p)
+    what = "a folder of runs (runs_root), " if below else ""
     raise FileNotFoundError(
-        f"{path}: neither a run directory ({RUN_JSON}) nor a sweep directory ({SWEEP_JSON})"
+        f"{path}: neither {what}a run directory ({RUN_JSON}) nor a sweep directory ({SWEEP_JSON})"
     )
+
+
+RUN_DEPTH = 3  # <runs_root>/<experiment>/<run_id>/run.json: a run is at most this deep below a root
+
+
+def runs_under(root: str | Path) -> list[Path]:
+    """Every run directory under ``root`` (``runs_root``, or one experiment's folder), oldest first: a
+    folder holding ``run.json`` at most :data:`RUN_DEPTH` levels down. The shared cache holds no run and is
+    not entered."""
+    root = Path(root)
+    found, todo = [], [(root, 0)]
+    while todo:
+        folder, depth = todo.pop()
+        if (folder / RUN_JSON).is_file():
+            found.append(folder.resolve())
+            continue
+        if depth >= RUN_DEPTH:
+            continue
+        try:
+            children = [c for c in folder.iterdir() if c.is_dir() and c.name != CACHE_DIR]
+        except OSError:
+            continue
+        todo += [(c, depth + 1) for c in children]
+    return sorted(found, key=lambda r: (_mtime(r / RUN_JSON), str(r)))
+
+
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0

@@ -56,6 +56,7 @@ class JobRow:
     failure: str = ""  # a failed or cancelled stage: why (its error, the trainer's verdict, or Slurm's)
     hangs: list[str] = field(default_factory=list)  # every hang a watchdog recorded (kept across retries)
     overrides: str = ""  # a sweep point's overrides (lr ...): what tells the points apart
+    bad_nodes: list[str] = field(default_factory=list)  # nodes a preflight/watchdog named, what was done
 
 
 def _failure(state: str, entry: dict, acct: dict) -> str:
@@ -82,6 +83,27 @@ def _failure(state: str, entry: dict, acct: dict) -> str:
     return str(reason).splitlines()[0] if str(reason).strip() else state
 
 
+def job_state(entry: dict, launch: dict, sq: dict, sa: dict) -> tuple[str, str]:
+    """(state, pending reason) of one recorded job: a local one's from its process and files, a Slurm
+    one's from squeue (``sq``), else accounting (``sa``). ``launch``: its launch's record (cancellations)."""
+    jid = str(entry["job_id"])
+    if entry.get("executor") == "local":
+        return local_state(entry, jid in launch.get("cancelled", ())), ""
+    if jid in sq:
+        state, reason = sq[jid]
+    else:
+        state, reason = sa.get(jid, {}).get("state", "UNKNOWN"), sa.get(jid, {}).get("reason", "")
+    # Slurm keeps a job's last pending reason ("Dependency") after it ran; only a job still waiting has one
+    # (an ended one that failed gets its reason line below the status table).
+    return state, reason if category(state) == PENDING else ""
+
+
+def slurm_ids(launches_: list[dict]) -> list[str]:
+    """The Slurm job ids of these launch records (one squeue + one sacct call asks about all of them)."""
+    return [e["job_id"] for d in launches_ for es in d.get("jobs", {}).values() for e in es
+            if e.get("executor", "slurm") == "slurm"]
+
+
 def records(path: str) -> tuple[list[tuple[Path, dict]], list[str]]:
     """(run dir, run.json) of every readable run under ``path``, and one line per run whose record is
     damaged (status shows the others and says what is wrong with it, instead of failing)."""
@@ -100,28 +122,13 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
     runs = records(path)[0]
     # status shows each run's latest launch (launches.py); --history lists all of them
     metas = [(r, {**current(d), "name": d.get("name")}) for r, d in runs]
-    ids = [
-        e["job_id"]
-        for _, d in metas
-        for es in d.get("jobs", {}).values()
-        for e in es
-        if e.get("executor", "slurm") == "slurm"
-    ]
-    sq, sa, squeue_error = query_slurm_checked(ids)
+    sq, sa, squeue_error = query_slurm_checked(slurm_ids([d for _, d in metas]))
     rows = []
     for run_dir, data in metas:
         for stage, entries in data.get("jobs", {}).items():
             e = entries[-1]
             jid = str(e["job_id"])
-            if e.get("executor") == "local":
-                state, reason = local_state(e, jid in data.get("cancelled", ())), ""
-            elif jid in sq:
-                state, reason = sq[jid]
-            else:
-                state, reason = sa.get(jid, {}).get("state", "UNKNOWN"), sa.get(jid, {}).get("reason", "")
-            # Slurm keeps a job's last pending reason ("Dependency") after it ran; only a job still waiting
-            # has one (an ended one that failed gets its reason line below the table).
-            reason = reason if category(state) == PENDING else ""
+            state, reason = job_state(e, data, sq, sa)
             row = JobRow(run_dir.name, stage, jid, state, reason, name=str(data.get("name") or run_dir.name),
                          overrides=" ".join((data.get("sweep") or {}).get("overrides") or ()))
             row.failure = _failure(state, e, sa.get(jid, {}))
@@ -161,10 +168,14 @@ def format_rows(rows: list[JobRow]) -> str:
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
-    errors = sorted({r.slurm_error for r in rows if r.slurm_error})
-    warn = [f"SLURM: slurmctld did not answer ({e}); states above come from accounting (sacct) and may be "
-            "stale" for e in errors]
+    warn = [slurm_note(e) for e in sorted({r.slurm_error for r in rows if r.slurm_error})]
     return "\n".join(lines + best_point(rows) + rank_problems(rows) + ([""] + warn if warn else []))
+
+
+def slurm_note(squeue_error: str) -> str:
+    """The line under a table whose Slurm states came from accounting alone (squeue failed)."""
+    return (f"SLURM: slurmctld did not answer ({squeue_error}); states above come from accounting (sacct) "
+            "and may be stale")
 
 
 def launch_notes(path: str) -> list[str]:
@@ -229,6 +240,7 @@ def rank_problems(rows: list[JobRow]) -> list[str]:
                                f"collective?)"}
             out.append(f"{where}, {what.get(h.state, h.message or h.state)}")
         out += [f"HANG (recorded): run {r.run} {h}" for h in r.hangs]
+        out += [f"BAD NODE: run {r.run}: {b}" for b in r.bad_nodes]
         out += [f"CHECKPOINT: run {r.run}: {w}" for w in r.checkpoint_warnings]
         out += [f"KERNELS: run {r.run}: {w}" for w in r.kernel_fallbacks]
         out += [f"W&B: run {r.run}: {r.wandb_offline}"] if r.wandb_offline else []

@@ -38,7 +38,8 @@ from orchestrator.queue import live_state
 from orchestrator.runs import REPO_ROOT
 from orchestrator.schema import ContainerConfig, SlipwayConfig
 from orchestrator.stages import get as stage_def
-from orchestrator.stages.base import StageDef, Upstream
+from orchestrator.stages import preprocess
+from orchestrator.stages.base import StageDef, Upstream, job_name
 from trainer.log import get_logger
 from trainer.run_files import COMPLETE, FAILED, JOBS, LOGS, RunDir
 from trainer.testing_hooks import launch_failpoint
@@ -104,9 +105,13 @@ def stage_log_dir(plan: Plan, stage: StagePlan) -> str:
 
 
 def _definition(stage: StagePlan) -> StageDef:
-    found = stage_def(stage.name)
+    return _definition_named(stage.name)
+
+
+def _definition_named(name: str) -> StageDef:
+    found = stage_def(name)
     if found is None:  # a plan holds only registered stages; this is a plugin unregistered since
-        raise KeyError(f"no stage named {stage.name!r} is registered (orchestrator/stages/)")
+        raise KeyError(f"no stage named {name!r} is registered (orchestrator/stages/)")
     return found
 
 
@@ -130,6 +135,7 @@ def stage_job(
     """The one builder of a stage's job spec (Slurm: the sbatch script's; local: the executor's).
     ``launch_n``: the launch that submits it (default: the run's next one), named in the job's comment."""
     res = _definition(stage).resources(cfg, tasks_per_node(cfg))
+    res = dataclasses.replace(res, name=job_name(cfg.experiment, plan.run_id, stage.name))
     py = python or container_render.python_command(
         cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable
     )
@@ -151,8 +157,18 @@ def stage_job(
         pyxis=pyxis_spec(cfg),
         comment=job_comment(plan.run_dir, launch_n or next_launch(plan.run_dir), stage.name),
         code_dir=str(REPO_ROOT),
+        run_dir=_abs(plan.run_dir),
+        helper=_helper_flags(cfg),
     )
     return StageJob(py, folder, spec)
+
+
+def _helper_flags(cfg: SlipwayConfig) -> tuple[tuple[str, str], ...]:
+    """Where the training job's one-CPU node-exclusion helper runs (render.py): where the CPU-only data
+    stages run, with the same account and QoS."""
+    cpu = _definition_named(preprocess.NAME).resources(cfg, 1)
+    return tuple((k, str(v)) for k, v in (("partition", cpu.partition), ("account", cpu.account),
+                                           ("qos", cpu.qos)) if v not in (None, ""))
 
 
 def render_stage(
@@ -262,6 +278,7 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted
             "depends_on": list(deps),
             "folder": stage_folder(plan, stage),
             "state_dir": stage.state_dir,
+            "log_dir": _abs(stage_log_dir(plan, stage)),  # Slurm's job logs (orchestrator/logs.py)
             **({"comment": comment} if comment else {}),
         }
         if stage.shared:

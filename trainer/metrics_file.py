@@ -91,6 +91,34 @@ def read_records(run_dir: str | os.PathLike) -> list[dict]:
     return records
 
 
+def last_record(run_dir: str | os.PathLike, key: str, window: int = 1 << 16) -> dict | None:
+    """The last record that has ``key``, read from the end of the file (``python -m orchestrator list``
+    looks at many runs; a long run's file holds hundreds of thousands of lines). Since a resumed run
+    truncates its replayed records first (:func:`truncate_after`), the last record in the file is the
+    latest; a window without one (a long validation stretch) doubles until the whole file is read."""
+    path = Path(metrics_path(run_dir))
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return None
+    while True:
+        with open(path, "rb") as f:
+            f.seek(max(size - window, 0))
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+        if window < size:
+            lines = lines[1:]  # the first line of the window may be cut
+        for line in reversed(lines):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if _iteration(row) is not None and key in row:
+                return row
+        if window >= size:
+            return None
+        window *= 4
+
+
 def read_metrics(run_dir: str | os.PathLike, key: str) -> list[dict]:
     """The records that have ``key``, in iteration order; a replayed iteration keeps its last record."""
     by_iter: dict[int, dict] = {}

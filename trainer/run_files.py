@@ -19,6 +19,8 @@ literal file name of a run anywhere else is a second copy (tests/test_run_files.
       sample.txt               the converted model's sample continuation
       loss.png                 the loss curve (``python -m orchestrator status RUN --plot``)
       summary.txt              what a finished local run printed (orchestrator/summary.py)
+      bad_nodes.jsonl          every node a preflight or hang watchdog named, and why (trainer/health)
+      bad_nodes/               per attempt and reporter: the nodes the batch script keeps out of the next
 """
 
 from __future__ import annotations
@@ -43,12 +45,17 @@ SAMPLE = "sample.txt"
 LOSS_PLOT = "loss.png"
 SUMMARY = "summary.txt"
 PIDS = "pids"  # one file per training rank: "<pid> <restart> <attempt>" (the fault tests signal ranks)
+BAD_NODES = "bad_nodes.jsonl"  # one JSON line per node a preflight or watchdog named (status reads it)
+BAD_NODES_DIR = "bad_nodes"  # per attempt: "<node>\t<why>" lines (the batch script reads them)
+# A file of BAD_NODES_DIR: one per job attempt and reporting process (no two ranks write the same file).
+BAD_NODES_MARKER = "{job}_r{restart}_a{attempt}.{reporter}"
 
 # Stage state (in stages/<stage>/, or a shared stage's output folder).
 COMPLETE = "_COMPLETE"  # the stage succeeded; its JSON holds the stage's result
 FAILED = "_FAILED"  # the stage's callable raised; its JSON holds the error
 REQUEUES = "requeues"  # one line per requeue of the training job (Slipway's or Slurm's)
 RETRIES = "retries"  # one line per crashed attempt retried inside the allocation
+EXCLUSIONS = "exclusions"  # one line per bad-node decision of the batch script: excluded (or kept)
 
 # The environment variable the training job script sets per attempt (0, 1, ...), read by the stage.
 ATTEMPT_ENV = "SLIPWAY_ATTEMPT"
@@ -106,6 +113,8 @@ class RunDir:
     summary = property(lambda self: self.root / SUMMARY)
 
     pids = property(lambda self: self.root / PIDS)
+    bad_nodes = property(lambda self: self.root / BAD_NODES)
+    bad_nodes_dir = property(lambda self: self.root / BAD_NODES_DIR)
 
     def rank_pid(self, rank: int) -> Path:
         return self.pids / f"rank{rank}.pid"

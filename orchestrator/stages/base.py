@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 from orchestrator.facts import PlanInputs
 from orchestrator.queue import marker_of, process_alive
 from orchestrator.render import JobResources
+from orchestrator.runs import CACHE_DIR
 from orchestrator.schema import SlipwayConfig
 from trainer.run_files import COMPLETE, FAILED, RunDir
 
@@ -55,7 +56,7 @@ class PlanContext:
 
     @property
     def cache_dir(self) -> str:
-        return self.cfg.cache_dir or os.path.join(self.cfg.runs_root, "_cache")
+        return self.cfg.cache_dir or os.path.join(self.cfg.runs_root, CACHE_DIR)
 
     @property
     def run(self) -> RunDir:
@@ -94,9 +95,10 @@ class StageDef:
         raise NotImplementedError
 
     def resources(self, cfg: SlipwayConfig, tasks_per_node: int) -> JobResources:
-        """Default: a single-task CPU job on the stage partition."""
+        """Default: a single-task CPU job on the stage partition. (The job's name, the stage's here, is the
+        run's once submit.stage_job knows the run: :func:`job_name`.)"""
         c = cfg.cluster
-        return JobResources(job_name(cfg, self.name), 1, 1, 0, c.stage_cpus, c.stage_time_limit_min,
+        return JobResources(self.name, 1, 1, 0, c.stage_cpus, c.stage_time_limit_min,
                             c.stage_partition or c.partition, **common_resources(cfg))
 
     def status(self, look: StageLook) -> dict[str, Any]:
@@ -118,8 +120,21 @@ class StageDef:
         return []
 
 
-def job_name(cfg: SlipwayConfig, stage: str) -> str:
-    return f"slipway-{cfg.experiment}-{stage}"
+# Slurm keeps a job's name whole up to 255 bytes: slurmctld accepts 1024 (longer is refused), but
+# accounting stores 255 (slurmdbd's job_name column), so sacct would show a longer name cut. Measured on
+# the devcluster (Slurm 22.05): a 300-byte name reads back from sacct as 255 bytes.
+JOB_NAME_MAX = 255
+
+
+def job_name(experiment: str, run_id: str, stage: str) -> str:
+    """``<experiment>-<run_id>-<stage>``: what ``squeue`` shows of a job, so runs (and a sweep's points)
+    are told apart there. Within :data:`JOB_NAME_MAX` bytes: the run id and the stage are kept whole and
+    the experiment is shortened (a run id that alone is too long keeps its end, the random part)."""
+    tail = f"-{run_id}-{stage}"
+    room = JOB_NAME_MAX - len(tail.encode())
+    if room <= 0:
+        return f"{run_id}-{stage}".encode()[-JOB_NAME_MAX:].decode(errors="ignore").lstrip("-")
+    return experiment.encode()[:room].decode(errors="ignore") + tail
 
 
 def common_resources(cfg: SlipwayConfig) -> dict[str, Any]:

@@ -19,7 +19,6 @@ from orchestrator.stages.base import (
     StageLook,
     StagePlan,
     common_resources,
-    job_name,
     stable_hash,
 )
 from trainer.checks import deferred
@@ -69,7 +68,7 @@ class Eval(StageDef):
         """One task; with ``eval.device=cuda`` one GPU on the training partition."""
         c, gpu = cfg.cluster, cfg.eval.device == "cuda"
         partition = c.partition if gpu else c.stage_partition or c.partition
-        return JobResources(job_name(cfg, NAME), 1, 1, int(gpu), c.stage_cpus, cfg.eval.time_limit_min,
+        return JobResources(NAME, 1, 1, int(gpu), c.stage_cpus, cfg.eval.time_limit_min,
                             partition, **common_resources(cfg))
 
     def status(self, look: StageLook) -> dict[str, Any]:

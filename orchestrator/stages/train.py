@@ -25,7 +25,6 @@ from orchestrator.stages.base import (
     StageLook,
     StagePlan,
     common_resources,
-    job_name,
     job_of_task,
     stable_hash,
 )
@@ -198,7 +197,7 @@ class Train(StageDef):
     def resources(self, cfg: SlipwayConfig, tasks_per_node: int) -> JobResources:
         """The GPU layout, the run's time limit, and the requeue/retry policy (signal lead, max retries)."""
         c = cfg.cluster
-        return JobResources(job_name(cfg, NAME), c.nodes, tasks_per_node, c.gpus_per_node, c.cpus_per_task,
+        return JobResources(NAME, c.nodes, tasks_per_node, c.gpus_per_node, c.cpus_per_task,
                             c.time_limit_min, c.partition, mem=mem_flag(c.mem_gb), exclusive=c.exclusive,
                             signal_delay_s=c.signal_delay_s, max_retries=c.max_retries,
                             max_timeouts=c.max_timeouts, **common_resources(cfg))
@@ -225,6 +224,7 @@ class Train(StageDef):
             checkpoint_iter=progress.checkpoint_iter(run_dir, look.run),
             wandb=progress.wandb_path(run_dir, look.run), wandb_offline=progress.wandb_offline(run_dir),
             hangs=progress.hangs(run_dir), log=str(RunDir(run_dir).logs), ranks=ranks,
+            bad_nodes=progress.bad_nodes(run_dir, state_dir),
             health="; ".join(x for x in (summarize(ranks), kernel_cell(check)) if x),
             kernel_fallbacks=kernel_fallbacks(check), checkpoint_warnings=read_warnings(str(run_dir)))
         if recs:

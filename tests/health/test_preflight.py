@@ -13,6 +13,7 @@ from tests.health.helpers import launch
 from tests.train.harness import load_json, save_json
 from tests.waits import NEVER_S
 from trainer.health import HealthConfig
+from trainer.health.badnodes import read_bad_nodes
 from trainer.health.preflight import (
     FAILPOINT_ENV,
     PREFLIGHT_JSON,
@@ -22,8 +23,23 @@ from trainer.health.preflight import (
     run_preflight,
     slurm_node_of,
 )
+from trainer.run_files import BAD_NODES_DIR
 
 NODES = ["nodeA", "nodeA", "nodeB", "nodeC"]  # rank -> node: two ranks share nodeA
+JOB = "4242"
+
+
+def _named(run_dir, node: str, words: str) -> None:
+    """The preflight named ``node`` (and no other) for the batch script and for status
+    (trainer/health/badnodes.py), once per healthy node's leader."""
+    recs = read_bad_nodes(str(run_dir))
+    assert [(r["node"], r["source"], r["job"], r["restart"], r["attempt"]) for r in recs] == [
+        (node, "preflight", JOB, 1, 2)], recs
+    assert words in recs[0]["why"], recs
+    markers = sorted((run_dir / BAD_NODES_DIR).glob(f"{JOB}_r1_a2.*"))
+    assert markers and all(m.read_text().startswith(f"{node}\tpreflight: ") for m in markers), markers
+    report = json.loads((run_dir / PREFLIGHT_JSON).read_text())
+    assert list(report["bad_nodes"]) == [node], report
 
 
 def _preflight(rank: int, run_dir: str, failpoint: str, cfg: dict) -> None:
@@ -31,6 +47,7 @@ def _preflight(rank: int, run_dir: str, failpoint: str, cfg: dict) -> None:
 
     os.environ["SLIPWAY_NODE_NAME"] = NODES[rank]
     os.environ[FAILPOINT_ENV] = failpoint
+    os.environ.update(SLURM_JOB_ID=JOB, SLURM_RESTART_COUNT="1", SLIPWAY_ATTEMPT="2")  # as in a job's retry
     if failpoint == f"absent@{rank}":
         import time
 
@@ -130,6 +147,7 @@ def test_stopped_node_named(tmp_path):
     report = json.loads((tmp_path / "run" / PREFLIGHT_JSON).read_text())
     assert set(report["links_gbps"]) == {"nodeA", "nodeB"}
     assert report["links_gbps"]["nodeB"]["nodeC"].startswith("error")
+    _named(tmp_path / "run", "nodeC", "did not report its link measurements")
 
 
 def test_slow_node_named(tmp_path):
@@ -137,6 +155,7 @@ def test_slow_node_named(tmp_path):
     # machine, and still over the factor of 4 when other processes slow a healthy round trip to 250 ms.
     msg = _failure(tmp_path, "slow@nodeB:1000", preflight_timeout_s=NEVER_S)  # a bound: not reached
     assert "node nodeB is slow" in msg and "nodeA is slow" not in msg and "nodeC is slow" not in msg, msg
+    _named(tmp_path / "run", "nodeB", "node nodeB is slow")
 
 
 def test_missing_rank_named(tmp_path):

@@ -38,11 +38,12 @@ TINY_MODEL = [
 
 
 def my_jobs() -> dict[str, str]:
-    """{job id: state} of every Slipway job in the queue."""
+    """{job id: state} of every Slipway job in the queue (each carries a ``slipway:`` comment naming its
+    run, launch and stage: orchestrator/launches.py job_comment; its name is the run's)."""
     jobs = {}
-    for line in slurm("squeue", "-h", "-o", "%i|%j|%T").splitlines():
-        jid, name, state = line.split("|")
-        if name.startswith("slipway-"):
+    for line in slurm("squeue", "-h", "-o", "%i|%T|%k").splitlines():
+        jid, state, comment = line.split("|", 2)
+        if comment.startswith("slipway:"):
             jobs[jid] = state
     return jobs
 

@@ -131,10 +131,11 @@ def test_dry_run_and_refused_launch_show_and_write_no_secret(tmp_path: Path):
     assert real.returncode == EXIT_PROBLEMS and "nothing was submitted" in real.stderr, real.stderr[-3000:]
     assert real.stderr.count("[secret_in_config]") == len(CONFIG_SECRETS) + 3
     assert _leaks(tmp_path, dry.stdout, dry.stderr, real.stdout, real.stderr) == []
-    # A sweep: Hydra writes every override into multirun.yaml before the first point is planned.
+    # A sweep's dry run prints every point's plan and the sweep summary, and writes nothing (multirun.yaml,
+    # every override in it, is written, redacted, only when the sweep is submitted: orchestrator/sweep.py).
     sweep = _launch(["-m", "+experiment=codeparrot_smoke", "optim.lr=1e-3,2e-3", "dry_run=true",
                      f"hydra.sweep.dir={tmp_path / 'sweep'}", *_overrides(runs)], cwd=tmp_path)
-    assert sweep.returncode == EXIT_PROBLEMS and (tmp_path / "sweep" / "multirun.yaml").is_file()
+    assert sweep.returncode == EXIT_PROBLEMS and not (tmp_path / "sweep").exists()
     assert _leaks(tmp_path, sweep.stdout, sweep.stderr) == []
 
 

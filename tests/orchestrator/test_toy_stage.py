@@ -41,7 +41,7 @@ def test_the_toy_stage_is_planned_and_rendered(registered, tmp_path):
     assert toy.job.prefixes[0].endswith("data_content_document")
     assert "tokencount  key" in result.text  # the plan's stage list
     script = result.text.split("----- tokencount job script -----")[1]
-    assert "#SBATCH --job-name=slipway-codeparrot_smoke-tokencount" in script
+    assert f"#SBATCH --job-name=codeparrot_smoke-{result.plan.run_id}-tokencount" in script
     assert "#SBATCH --dependency='afterok:<preprocess>'" in script
 
 

@@ -13,7 +13,8 @@ Every rank runs one daemon thread (``Monitor``) that
   A collective that never returns (a rank died, was stopped, its node fell off the network) blocks the
   others silently for the backend's own timeout (30 min or more, per collective); the job's retry policy
   (``orchestrator/render.py``: any exit other than 0/65/75 is retried from the last checkpoint) can only
-  act once the step exits.
+  act once the step exits. The node of the rank the others waited for is named in ``bad_nodes``
+  (trainer/health/badnodes.py), so the job's next attempt does not land on it again.
 
 Progress ("ticks") comes from the loop's data iterators (every micro-batch, train and validation), the
 end of every step and both ends of every checkpoint save (the loop in ``trainer.run.loop`` calls
@@ -45,6 +46,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from trainer.health.badnodes import WATCHDOG, read_bad_nodes, record_bad_nodes  # noqa: F401 (read_bad_nodes: re-exported)
 from trainer.health.config import HealthConfig
 from trainer.health.heartbeat import (  # noqa: F401 (re-exported: the package's reading API)
     FINAL_PHASES,
@@ -210,12 +212,26 @@ class Monitor:
                 "stopped": [describe_rank(r) for r in culprits]})
         except OSError as e:
             log.warning("could not record the hang in %s: %s", self.run_dir, e)
+        self._name_nodes(culprits, it)
         log.critical(msg)
         for handler in logging.getLogger().handlers + log.handlers:
             handler.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()
         os._exit(EXIT_HANG)
+
+    def _name_nodes(self, culprits: list[RankHealth], iteration: str) -> None:
+        """The culprits' nodes, so the job's next attempt keeps them out (trainer/health/badnodes.py)."""
+        nodes: dict[str, str] = {}
+        for r in culprits:
+            if r.host not in ("", "?"):
+                nodes.setdefault(r.host, f"rank {r.rank} on {r.host} stopped progressing at iteration "
+                                         f"{iteration} ({r.state}); rank {self.rank}'s watchdog ended "
+                                         "the step")
+        try:
+            record_bad_nodes(self.run_dir, nodes, WATCHDOG)
+        except OSError as e:
+            log.warning("could not record the hang's nodes in %s: %s", self.run_dir, e)
 
     def _culprits(self) -> list[RankHealth]:
         """The ranks that stopped progressing, from everyone's heartbeats. A heartbeat is stale after three

@@ -13,8 +13,10 @@ like the others', and an all-reduce across all ranks completes — before any mo
 
 Rank 0 writes ``{run_dir}/preflight.json`` (nodes and their ranks, GB/s per node pair, the all-reduce
 figures, problems); every rank raises the same ``PreflightError`` when there are problems, so the job fails
-within seconds instead of hanging or crawling through its allocation. When all ranks share one node there
-are no pairs: check-in and the all-reduce still run.
+within seconds instead of hanging or crawling through its allocation. A problem with one culprit node (a
+rank that never checked in, a silent or unreachable or slow node, ranks of some nodes missing from the
+all-reduce) names it in ``bad_nodes`` (trainer/health/badnodes.py): the job's next attempt keeps it out.
+When all ranks share one node there are no pairs: check-in and the all-reduce still run.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import testing_hooks
+from trainer.health.badnodes import PREFLIGHT, record_bad_nodes
 from trainer.health.config import HealthConfig
 from trainer.health.heartbeat import node_name
 from trainer.log import get_logger
@@ -48,7 +51,12 @@ _runs = 0  # store keys are per preflight call (a process may run several in tes
 
 
 class PreflightError(RuntimeError):
-    """A rank or node failed the preflight; the message names it."""
+    """A rank or node failed the preflight; the message names it, ``nodes`` the culprits ({node: why})."""
+
+    def __init__(self, message: str, nodes: dict[str, str] | None = None, missing: tuple[int, ...] = ()
+                 ) -> None:
+        super().__init__(message)
+        self.nodes, self.missing = dict(nodes or {}), missing  # missing: the ranks that never checked in
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -102,9 +110,12 @@ def _check_in(store: Any, rank: int, world: int, timeout_s: float) -> list[dict]
     if missing:
         ranks = [int(k.split("/")[1]) for k in missing]
         where = [f"rank {r}" + (f" (node {slurm_node_of(r)})" if slurm_node_of(r) else "") for r in ranks]
+        nodes = {n: f"rank {r} did not check in within {timeout_s:g} s"
+                 for r in ranks if (n := slurm_node_of(r))}
         raise PreflightError(f"preflight: {', '.join(where)} did not check in within {timeout_s:g} s "
                              f"(train.preflight_timeout_s): the process is stuck or its node is unreachable. "
-                             f"Drain the node (scontrol update nodename=... state=drain) or exclude it.")
+                             f"Drain the node (scontrol update nodename=... state=drain) or exclude it.",
+                             nodes, tuple(ranks))
     return [json.loads(store.get(f"hello/{r}")) for r in range(world)]
 
 
@@ -177,7 +188,14 @@ def _links(world: _World, buf: torch.Tensor, group: Any) -> dict:
 def judge_links(links: dict[str, dict[str, Any]], nodes: list[str], slow_factor: float) -> list[str]:
     """Problems in the node-pair results (``links``: per node leader, its measured links; a node absent
     from ``links`` did not report)."""
-    problems = []
+    return [message for _, message in judged_links(links, nodes, slow_factor)]
+
+
+def judged_links(links: dict[str, dict[str, Any]], nodes: list[str], slow_factor: float
+                 ) -> list[tuple[str | None, str]]:
+    """:func:`judge_links`' problems, each with its culprit node (None: no single node is to blame, as
+    for a dead link between the only two nodes)."""
+    problems: list[tuple[str | None, str]] = []
     failed: dict[str, set[str]] = {n: set() for n in nodes}
     best: dict[str, float] = {}
     for node, peers in links.items():
@@ -190,19 +208,25 @@ def judge_links(links: dict[str, dict[str, Any]], nodes: list[str], slow_factor:
                 best[peer] = max(best.get(peer, 0.0), value)
     silent = [n for n in nodes if n not in links]
     for n in silent:
-        problems.append(f"node {n} did not report its link measurements (its leader is stuck or unreachable)")
+        problems.append((n, f"node {n} did not report its link measurements (its leader is stuck or "
+                            "unreachable)"))
     for n in nodes:
         if n not in silent and failed[n] and n not in best and len(nodes) > 2:
-            problems.append(f"node {n} reached none of the other nodes ({', '.join(sorted(failed[n]))})")
+            # A silent node stalls the round-robin schedule, so links between healthy nodes time out too:
+            # then the silent node is the culprit, not this one.
+            problems.append((None if silent else n,
+                             f"node {n} reached none of the other nodes ({', '.join(sorted(failed[n]))})"))
     if len(nodes) == 2 and failed[nodes[0]] and not silent:
-        problems.append(f"no answer between nodes {nodes[0]} and {nodes[1]}: {links[nodes[0]].get(nodes[1])}")
+        problems.append((None, f"no answer between nodes {nodes[0]} and {nodes[1]}: "
+                               f"{links[nodes[0]].get(nodes[1])}"))
     healthy = [v for v in best.values() if v > 0]
     if len(nodes) > 2 and len(healthy) >= 2:
         median = statistics.median(healthy)
         for n, v in sorted(best.items()):
             if v * slow_factor < median:
-                problems.append(f"node {n} is slow: best link {v:.3f} GB/s vs a median node's {median:.3f} "
-                                f"GB/s (more than train.preflight_slow_factor={slow_factor:g}x slower)")
+                problems.append((n, f"node {n} is slow: best link {v:.3f} GB/s vs a median node's "
+                                    f"{median:.3f} GB/s (more than train.preflight_slow_factor="
+                                    f"{slow_factor:g}x slower)"))
     return problems
 
 
@@ -233,9 +257,10 @@ def _gather_links(store: Any, world: _World, buf: torch.Tensor, group: Any, dead
 
 
 def _agreed_allreduce(store: Any, world: _World, buf: torch.Tensor, group: Any, deadline: float
-                      ) -> tuple[dict, list[str]]:
+                      ) -> tuple[dict, list[tuple[str | None, str]]]:
     """The timed all-reduce, and the problems every rank agrees on (through the store, so a rank whose
-    all-reduce failed cannot leave the others to hang in the next collective)."""
+    all-reduce failed cannot leave the others to hang in the next collective), each with its culprit
+    node: the nodes of the ranks that never finished it, when they are not all of the job's."""
     try:
         result, mine = _time_allreduce(buf, group, world.size), "ok"
     except Exception as e:  # noqa: BLE001 — gloo/NCCL timeouts surface as RuntimeError subclasses
@@ -247,11 +272,14 @@ def _agreed_allreduce(store: Any, world: _World, buf: torch.Tensor, group: Any, 
     if not (missing or failed):
         return result, []
     msg = f"an all-reduce across all {world.size} ranks did not complete"
+    where: set[str] = set()
     if missing:
         ranks = [int(k.split("/")[1]) for k in missing]
         where = {n for n, rs in world.ranks_of.items() if set(rs) & set(ranks)}
         msg += f" (ranks {ranks} on {', '.join(sorted(where))} never finished it)"
-    return result, [msg + (f": {failed[0]}" if failed else "")]
+    msg += f": {failed[0]}" if failed else ""
+    culprits = sorted(where) if where and len(where) < len(world.nodes) else [None]
+    return result, [(node, msg) for node in culprits]
 
 
 def run_preflight(cfg: HealthConfig, run_dir: str, device: torch.device) -> dict:
@@ -263,7 +291,12 @@ def run_preflight(cfg: HealthConfig, run_dir: str, device: torch.device) -> dict
     t0 = time.perf_counter()
     rank, size, timeout = dist.get_rank(), dist.get_world_size(), cfg.preflight_timeout_s
     store = dist.PrefixStore(f"slipway-preflight-{_runs}", dist.distributed_c10d._get_default_store())
-    hello = _check_in(store, rank, size, timeout)
+    try:
+        hello = _check_in(store, rank, size, timeout)
+    except PreflightError as err:
+        if rank == min(set(range(size)) - set(err.missing)):  # one reporter: the first rank that answered
+            record_bad_nodes(run_dir, err.nodes, PREFLIGHT)
+        raise
     t_in = time.perf_counter()  # every rank passes the check-in within a store round trip of the others
     nodes = list(dict.fromkeys(h["node"] for h in hello))
     ranks_of = {n: [h["rank"] for h in hello if h["node"] == n] for n in nodes}
@@ -276,18 +309,31 @@ def run_preflight(cfg: HealthConfig, run_dir: str, device: torch.device) -> dict
     # timeout per dead peer; the rest of a round takes milliseconds.
     deadline = t_in + 2 * timeout + 0.5 * len(_rounds(len(nodes)))
     links = _gather_links(store, world, buf, group, deadline)
-    problems = judge_links(links, nodes, cfg.preflight_slow_factor) if links else []
+    judged = judged_links(links, nodes, cfg.preflight_slow_factor) if links else []
+    allreduce = None
+    if not judged:
+        allreduce, judged = _agreed_allreduce(store, world, buf, group, deadline + timeout)
+    problems = list(dict.fromkeys(message for _, message in judged))
+    culprits: dict[str, str] = {}
+    for node, message in judged:
+        if node is not None:
+            culprits.setdefault(node, message)
     report: dict[str, Any] = {"world_size": size, "nodes": ranks_of, "links_gbps": links,
-                              "problems": problems}
-    if not problems:
-        report["allreduce"], problems[:] = _agreed_allreduce(store, world, buf, group, deadline + timeout)
+                              "problems": problems, "bad_nodes": culprits}
+    if allreduce is not None:
+        report["allreduce"] = allreduce
     report["seconds"] = time.perf_counter() - t0
     if rank == 0 or problems:  # any rank that fails leaves the report (same content, atomic renames)
         _write_report(run_dir, report)
+    # The culprits, once per healthy node (its leader; rank 0 when every node is named).
+    me = world.nodes[world.leaders.index(rank)] if rank in world.leaders else None
+    if problems and ((me is not None and me not in culprits) or (rank == 0 and set(culprits) >= set(nodes))):
+        record_bad_nodes(run_dir, culprits, PREFLIGHT)
     dist.destroy_process_group(group)
     if problems:
         raise PreflightError("preflight failed: " + "; ".join(problems) + f" (details: "
-                             f"{os.path.join(run_dir, PREFLIGHT_JSON)}). Drain or exclude the node named.")
+                             f"{os.path.join(run_dir, PREFLIGHT_JSON)}). The job's next attempt keeps the "
+                             "node named out of its allocation (where the partition has another).", culprits)
     if rank == 0:
         ar = report["allreduce"]
         log.info("preflight: %d ranks on %d node(s) answered; all-reduce %.1f MB in %.1f ms (bus %.2f GB/s)"
