@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import os
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 INSTALL_REQUIRES = [
     # A range the local 2.13.0 CPU build satisfies: a bare "torch" could pull a multi-GB CUDA wheel.
@@ -24,7 +24,12 @@ INSTALL_REQUIRES = [
     "tokenizers>=0.15",
     "tiktoken>=0.6",
     "safetensors>=0.4",
-    "wandb>=0.16",
+    # A requeued run logs offline into one folder per job; `wandb sync DIR...` uploads the folders of one
+    # run id one after another in order of start time since 0.28.1, where plain `wandb sync` routes to
+    # wandb-core's sync (wandb/wandb#12093; that sync orders them since 0.24.0, wandb/wandb#10708). Older
+    # clients replayed each folder as the whole run, replacing its history unless told --append
+    # (wandb/wandb#3841, #5865), an option today's client refuses: the printed command is right only here.
+    "wandb>=0.28.1",
     "tqdm>=4.60",
     "matplotlib>=3.7",
     "pyyaml>=6",
@@ -89,7 +94,9 @@ setup(
     name="slipway",
     version="0.1.0",
     description="Pre-train GPT models on Slurm: Hydra configs, submitit jobs, a parallel GPT, HF export.",
-    packages=find_packages(include=["orchestrator", "orchestrator.*", "trainer", "trainer.*"]),
+    # hydra_plugins is a namespace package (Hydra finds plugins there): Slipway's sweeper.
+    packages=find_packages(include=["orchestrator", "orchestrator.*", "trainer", "trainer.*"])
+    + find_namespace_packages(include=["hydra_plugins.*"]),
     python_requires=">=3.10",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

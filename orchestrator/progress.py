@@ -11,7 +11,7 @@ from trainer.checkpoint.files import parse_tracker, tracker_text
 from trainer.health import read_bad_nodes, read_hangs
 from trainer.metrics_file import TOKENS_PER_S, TRAIN_LOSS, read_metrics
 from trainer.run_files import EXCLUSIONS, REQUEUES, RETRIES, RunDir
-from trainer.wandb_online import FALLBACK_KEY
+from trainer.wandb_online import FALLBACK_KEY, offline_dirs, sync_command
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
 _LOSS = re.compile(r"lm loss: ([0-9.Ee+-]+)")
@@ -130,13 +130,25 @@ def bad_nodes(run_dir: Path, state_dir: Path) -> list[str]:
     return out
 
 
+def wandb_offline_dirs(run_dir: Path) -> list[str]:
+    """Every offline W&B folder of the run's W&B run, oldest first (trainer/wandb_online.py)."""
+    p = RunDir(run_dir).wandb_run
+    run_id = read_json(p).get("id") if p.exists() else None
+    return offline_dirs(RunDir(run_dir).wandb, run_id) if run_id else []
+
+
 def wandb_offline(run_dir: Path) -> str:
-    """Why online W&B fell back to offline in a job of this run, and how to upload what it wrote."""
+    """How to upload what the run logged offline — every folder, one per job that continued the run — and,
+    when online W&B fell back to offline in a job, why."""
+    dirs = wandb_offline_dirs(run_dir)
     p = RunDir(run_dir).wandb_run
     fallback = read_json(p).get(FALLBACK_KEY) if p.exists() else None
-    if not isinstance(fallback, dict):
+    if not dirs and not isinstance(fallback, dict):
         return ""
-    return f"{fallback.get('reason')}; logged offline, upload with: {fallback.get('sync')}"
+    why = f"{fallback.get('reason')}; logged offline" if isinstance(fallback, dict) else "logged offline"
+    if not dirs:  # recorded, but the folder is gone (moved, or synced and cleaned)
+        return f"{why}, upload with: {fallback.get('sync')}"
+    return f"{why} in {len(dirs)} folder(s), upload with: {sync_command(dirs)}"
 
 
 def wandb_path(run_dir: Path, data: dict) -> str:

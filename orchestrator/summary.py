@@ -9,13 +9,14 @@ from pathlib import Path
 
 from orchestrator.estimate import fmt_duration
 from orchestrator.launches import current
-from orchestrator.progress import checkpoint_iter
+from orchestrator.progress import checkpoint_iter, wandb_offline_dirs
 from orchestrator.runs import read_json
 from orchestrator.stages.convert import NAME as CONVERT
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import describe, read_results, results_path
 from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, kernel_fallbacks, last_kernel_check, series
 from trainer.run_files import COMPLETE, RUN_JSON, RunDir
+from trainer.wandb_online import sync_command
 
 
 @dataclass
@@ -65,23 +66,13 @@ def _sample(run_dir: Path) -> tuple[str | None, str]:
     return "\n".join(lines).rstrip() or None, how.group(1) if how else "greedy"
 
 
-def _wandb_dirs(run_dir: Path) -> list[str]:
-    """The offline folders of the run's W&B id, oldest first: each job that resumed the run (a requeued
-    training, the eval stage) wrote its own, and ``wandb sync`` uploads them into the one run."""
-    state = RunDir(run_dir).wandb_run
-    run_id = read_json(state).get("id") if state.exists() else None
-    if not run_id:
-        return []
-    return [str(p) for p in sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}*")) if p.is_dir()]
-
-
 def outcome(run_dir: str) -> RunOutcome:
     run = Path(run_dir)
     train, valid = _losses(run)
     launch = current(read_json(run / RUN_JSON))
     hf, verdict, hf_iter = _convert_result(run, launch)
     sample, how = _sample(run)
-    dirs = _wandb_dirs(run)
+    dirs = wandb_offline_dirs(run)
     return RunOutcome(run_dir, train, valid, hf, verdict, hf_iter, checkpoint_iter(run, launch), sample, how,
                       dirs[-1] if dirs else None, dirs, read_warnings(run_dir), read_results(run_dir),
                       last_kernel_check(run_dir))
@@ -167,8 +158,8 @@ def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = No
         lines += [f"                   {s}" for s in sample[1:]]
         lines.append(f"                   ({o.sample_how}; the model's text continues the prompt)")
     if o.wandb_dir:
-        dirs = " ".join(o.wandb_dirs or [o.wandb_dir])
-        lines += [f"  W&B (offline)    {o.wandb_dir}", f"  upload to W&B    wandb sync {dirs}"]
+        lines += [f"  W&B (offline)    {o.wandb_dir}",
+                  f"  upload to W&B    {sync_command(o.wandb_dirs or [o.wandb_dir])}"]
     if o.hf_dir:
         # max_new_tokens: the pipeline's default (256) runs past a small model's positions.
         lines.append(

@@ -39,6 +39,7 @@ LOGS = "logs"
 JOBS = "jobs"
 STAGES = "stages"
 WANDB_RUN = "wandb_run.json"
+WANDB_DIR = "wandb"  # W&B's own folder under the dir wandb.init is given (the run dir): offline-run-*/
 METRICS = "train_metrics.jsonl"
 DATA_REPORT = "data_report.json"
 SAMPLE = "sample.txt"
@@ -106,6 +107,7 @@ class RunDir:
     eval = property(lambda self: self.root / EVAL)
     logs = property(lambda self: self.root / LOGS)
     wandb_run = property(lambda self: self.root / WANDB_RUN)
+    wandb = property(lambda self: self.root / WANDB_DIR)
     metrics = property(lambda self: self.root / METRICS)
     data_report = property(lambda self: self.root / DATA_REPORT)
     sample = property(lambda self: self.root / SAMPLE)

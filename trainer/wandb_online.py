@@ -14,6 +14,8 @@ honoured, as W&B honours them. Torch-free: the orchestrator reads :data:`FALLBAC
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import threading
 import time
 import urllib.error
@@ -39,6 +41,43 @@ class Probe:
     reason: str | None
     elapsed_s: float
     timeout_s: float
+
+
+# W&B's offline folder of one job of a run: offline-run-<YYYYmmdd_HHMMSS>-<id>, and "-1", "-2" ... appended
+# when another job of the same id started within the same second.
+_OFFLINE = re.compile(r"offline-run-(?P<stamp>\d{8}_\d{6})-(?P<rest>.+)")
+
+
+def offline_dirs(wandb_dir: str | os.PathLike, run_id: str) -> list[str]:
+    """Every offline folder of W&B run ``run_id`` under ``wandb_dir`` (``<run_dir>/wandb``), in the order
+    the jobs that wrote them started: each job that continued the run (a requeue, a retry, a relaunch, the
+    eval stage) wrote its own."""
+    found = []
+    try:
+        names = os.listdir(wandb_dir)
+    except OSError:
+        return []
+    for name in names:
+        m = _OFFLINE.fullmatch(name)
+        if not m or not os.path.isdir(os.path.join(wandb_dir, name)):
+            continue
+        rest = m["rest"]
+        if rest == run_id or (rest.startswith(f"{run_id}-") and rest[len(run_id) + 1:].isdigit()):
+            suffix = rest[len(run_id) + 1:]
+            found.append((m["stamp"], int(suffix or 0), os.path.join(wandb_dir, name)))
+    return [path for *_, path in sorted(found)]
+
+
+def sync_command(dirs: list[str]) -> str:
+    """The command that uploads the offline folders of one run into that one run.
+
+    Every folder is named: ``wandb sync`` (wandb >= 0.28.1, the floor in setup.py) uploads several folders
+    of one run id one after another in order of start time (wandb-core's sync, wandb/wandb#10708, in
+    ``wandb beta sync`` since 0.24.0; plain ``wandb sync`` routes to it since 0.28.1, wandb/wandb#12093),
+    so a requeued run's history arrives whole. The legacy ``wandb sync`` of older clients replayed each
+    folder as the whole run and replaced its history unless told ``--append`` (wandb/wandb#3841, #5865);
+    today's client has no ``--append`` at all (it refuses the option), so none is printed."""
+    return "wandb sync " + " ".join(shlex.quote(str(d)) for d in dirs)
 
 
 def base_url(environ: dict | None = None) -> str:

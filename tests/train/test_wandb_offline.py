@@ -6,6 +6,7 @@ import json
 import os
 import re
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +18,7 @@ from tests.train.harness import run_cfg, tiny_config, write_dataset
 from tests.waits import NEVER_S
 from trainer import wandb_online
 from trainer.run_files import RUN_JSON
-from trainer.signals import EXIT_OK, permanent_reason
+from trainer.signals import EXIT_OK, EXIT_REQUEUE, permanent_reason
 
 
 def _closed_port() -> int:
@@ -150,3 +151,61 @@ def test_a_cancel_that_also_kills_the_wandb_service_ends_quietly(tmp_path):
     out = "".join(lines) + rest
     assert proc.returncode == 75, out
     assert "Traceback" not in out, out
+
+
+def _stop_at(iteration: int):
+    """A requeue as the batch script sees one: SIGUSR2 (Slurm's time-limit signal) after ``iteration``; the
+    trainer saves and exits 75."""
+    import signal
+
+    from trainer.run import RunHooks
+
+    def on_step(it: int, loss: float) -> None:
+        if it == iteration:
+            os.kill(os.getpid(), signal.SIGUSR2)
+
+    return RunHooks(on_step=on_step)
+
+
+def _setup_floor() -> str:
+    """The wandb floor setup.py pins (``wandb>=X``)."""
+    text = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
+    return re.search(r'"wandb>=([0-9.]+)"', text).group(1)
+
+
+def test_a_requeued_runs_offline_folders_are_all_listed_and_uploaded_by_one_command(tmp_path):
+    """Two jobs of one run (the first requeued by a signal, the second resuming) leave two offline folders
+    of one W&B run id; status and the summary list both in one ``wandb sync`` command, which the real
+    wandb accepts (a dry run: no server is reachable here) and documents as uploading them in start order."""
+    import shlex
+    import subprocess
+
+    import wandb
+
+    data = write_dataset(str(tmp_path / "data"))
+    run_dir = str(tmp_path / "run")
+    d = tiny_config(run_dir, data, run_id="requeued-1", train={"iters": 4, "log_interval": 1},
+                    logging={"wandb": {"mode": "offline", "project": "p"}})
+    assert run_cfg(d, _stop_at(2)).exit_code == EXIT_REQUEUE
+    assert run_cfg(d).iteration == 4  # the requeued job resumes from the checkpoint the stop saved
+    wandb.teardown()
+    files = wandb_reader.run_files(run_dir)
+    dirs = [os.path.dirname(f) for f in files]
+    assert len(dirs) == 2 and all(wandb_reader.run_ids(f) == {"requeued-1"} for f in files), files
+    _record_train_job(run_dir)
+    status = format_rows(collect(run_dir))
+    line = next((x for x in status.splitlines() if x.startswith("W&B: run run: ")), "")
+    command = f"wandb sync {dirs[0]} {dirs[1]}"  # oldest first; every folder, no --append
+    assert line == f"W&B: run run: logged offline in 2 folder(s), upload with: {command}", status
+    assert command in write_summary(run_dir)
+    dry = subprocess.run([*shlex.split(line.split("upload with: ", 1)[1]), "--dry-run"], capture_output=True,
+                         text=True, timeout=NEVER_S, cwd=tmp_path)
+    said = dry.stdout + dry.stderr
+    assert dry.returncode == 0 and "Would sync 2 run(s)" in said, said
+    assert all(os.path.basename(x) in said for x in dirs), said
+    # What the command relies on, in the installed client's own words, and the floor that promises it.
+    helptext = " ".join(subprocess.run(["wandb", "sync", "--help"], capture_output=True, text=True,
+                                       timeout=NEVER_S).stdout.split())
+    assert "synced sequentially in order of start time" in helptext and "resumed runs" in helptext, helptext
+    floor = tuple(int(x) for x in _setup_floor().split("."))
+    assert floor >= (0, 28, 1) and tuple(int(x) for x in wandb.__version__.split(".")[:3]) >= floor

@@ -24,7 +24,15 @@ import torch
 from trainer.log import get_logger
 from trainer.run_files import METRICS, RunDir
 from trainer.wandb_key import has_wandb_key, missing_key_message
-from trainer.wandb_online import FALLBACK_KEY, WandbError, base_url, probe, unreachable_message
+from trainer.wandb_online import (
+    FALLBACK_KEY,
+    WandbError,
+    base_url,
+    offline_dirs,
+    probe,
+    sync_command,
+    unreachable_message,
+)
 
 log = get_logger(__name__)
 
@@ -217,10 +225,12 @@ class WandbLogger:
         # An earlier job's fallback stays recorded: its offline files still need `wandb sync`.
         record = {**state, "id": wid, "last_step": self.last_step}
         if fallback:
-            sync = os.path.dirname(self.run.dir.rstrip("/"))  # <run_dir>/wandb/offline-run-<time>-<id>
-            record[FALLBACK_KEY] = {"reason": fallback, "sync": f"wandb sync {sync}"}
-            log.warning("%s: logging offline to %s instead; upload later with `wandb sync %s` (or set "
-                        "logging.wandb.require_online=true to fail instead)", fallback, sync, sync)
+            folder = os.path.dirname(self.run.dir.rstrip("/"))  # <run_dir>/wandb/offline-run-<time>-<id>
+            # Every folder of the run so far (an earlier job's too): one command uploads them all.
+            sync = sync_command(offline_dirs(os.path.dirname(folder), wid) or [folder])
+            record[FALLBACK_KEY] = {"reason": fallback, "sync": sync}
+            log.warning("%s: logging offline to %s instead; upload later with `%s` (or set "
+                        "logging.wandb.require_online=true to fail instead)", fallback, folder, sync)
         self._record = record
         _write_json(self.state_path, record)
         log.info("W&B run %s (%s, %s)%s", wid, mode, self.run.dir,
