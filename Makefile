@@ -1,21 +1,66 @@
 # Slipway: two set-up commands on a fresh machine — `make demo` and `make test` (both install first).
 SHELL := /bin/bash
+
+# Where make installs. A stock Debian 12 refuses `pip install` into its system Python (PEP 668: the
+# interpreter is EXTERNALLY-MANAGED), so by default make creates a project virtual environment, $(VENV),
+# from $(BASE_PYTHON) and installs there. --system-site-packages (VENV_FLAGS) lets it reuse what that
+# interpreter already has (a cluster's or a container's torch, CI's preinstalled packages) instead of
+# downloading it again. VENV= (empty) installs into the current environment, as before this option existed
+# (a conda env, a container); so does PYTHON=<interpreter> given on the command line.
+VENV ?= .venv
+BASE_PYTHON ?= python3
+VENV_FLAGS ?= --system-site-packages
+ifeq ($(origin PYTHON),command line)
+  USE_VENV :=
+else ifneq ($(strip $(VENV)),)
+  USE_VENV := 1
+  PYTHON := $(VENV)/bin/python
+endif
 PYTHON ?= python3
+# The install stamp names the environment it installed (a venv's folder; else the interpreter's prefix and
+# path), so installing into a second environment is not skipped because the first one was installed.
+ifdef USE_VENV
+  ENV_ID := $(abspath $(VENV))
+  VENV_CFG := $(VENV)/pyvenv.cfg
+else
+  ENV_ID := $(shell $(PYTHON) -c 'import sys; print(sys.prefix, sys.executable)' 2>/dev/null || echo '$(PYTHON)')
+  VENV_CFG :=
+endif
+STAMP := .make/install-$(shell printf '%s' '$(ENV_ID)' | sha256sum | cut -c1-16).stamp
 # The local CPU build; a bare "torch" could pull a multi-GB CUDA wheel. Clusters bring their own torch.
 TORCH_SPEC ?= torch==2.13.0
-STAMP := .make/install.stamp
 CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/*.h csrc/cuda/*.cuh)
 DEVCLUSTER := slurm/devcluster
 PYTEST_ARGS ?=
 
-.PHONY: install mcore demo test test-fast test-stress lint bench cuda-check devcluster-up devcluster-down devcluster-status clean
+.PHONY: install mcore demo test test-fast test-stress lint bench cuda-check devcluster-up devcluster-down devcluster-status clean show-env
 
 install: $(STAMP)
 
-# Idempotent: re-runs only when setup.py or the C++/CUDA sources change. Installs into the current
-# environment (a cluster's container or conda env already has the right torch; see README).
-$(STAMP): setup.py $(CSRC)
+# Where make installs (the environment, its interpreter, the stamp); changes nothing.
+show-env:
+	@echo "PYTHON=$(PYTHON)"; echo "VENV=$(if $(USE_VENV),$(VENV),)"; echo "STAMP=$(STAMP)"
+
+# The project environment. Without Debian's python3-venv, venv cannot bootstrap pip (no ensurepip); a venv
+# without its own pip then uses the system's (python3-pip) through --system-site-packages.
+$(VENV)/pyvenv.cfg:
+	@command -v $(BASE_PYTHON) >/dev/null || { echo "make: $(BASE_PYTHON) not found: install Python >= 3.10 \
+	  (Debian: apt-get install python3 python3-venv) or name one with BASE_PYTHON=" >&2; exit 1; }
+	$(BASE_PYTHON) -m venv $(VENV_FLAGS) $(VENV) 2>/dev/null || { rm -rf $(VENV); \
+	  $(BASE_PYTHON) -m venv $(VENV_FLAGS) --without-pip $(VENV); }
+	@$(VENV)/bin/python -m pip --version >/dev/null 2>&1 || { rm -rf $(VENV); echo "make: a virtual \
+	  environment from $(BASE_PYTHON) has no pip: apt-get install python3-venv (or python3-pip), or install \
+	  into the current environment with VENV=" >&2; exit 1; }
+
+# Idempotent: re-runs only when setup.py or the C++/CUDA sources change, or for another environment. A
+# cluster's container or conda env already has the right torch (see README): --system-site-packages keeps
+# it, and VENV= installs into that environment itself.
+$(STAMP): setup.py $(CSRC) $(VENV_CFG)
 	@mkdir -p .make
+	@$(PYTHON) -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(\
+	  sysconfig.get_paths()['include'], 'Python.h')))" || { echo "make: Python's headers (Python.h) are \
+	  missing, the C++ extension cannot build: apt-get install python3-dev" >&2; exit 1; }
+	@command -v $(CXX) >/dev/null || { echo "make: no C++ compiler ($(CXX)): apt-get install g++" >&2; exit 1; }
 	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
 	$(PYTHON) -m pip install -q setuptools wheel
 	$(PYTHON) -m pip install -q --no-build-isolation -e '.[dev]'
@@ -36,7 +81,7 @@ demo: install
 # torch-side bindings (csrc/cuda/*.cpp) are then type-checked with g++ -fsyntax-only: a CPU build of torch
 # lacks c10/cuda/impl/cuda_cmake_macros.h, so an empty stand-in is searched last (-idirafter); a CUDA
 # torch's own header wins where it exists.
-cuda-check:
+cuda-check: install
 	@if command -v nvcc >/dev/null 2>&1 && ls csrc/cuda/*.cu >/dev/null 2>&1; then \
 	  mkdir -p .make/cuda/stub/c10/cuda/impl && for f in csrc/cuda/*.cu; do \
 	    nvcc -std=c++17 -O2 --use_fast_math -D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__ \
@@ -85,11 +130,12 @@ test-stress: install
 test-fast: install mcore
 	$(PYTHON) -m pytest -m "not slurm and not slow" $(PYTEST_ARGS)
 
-lint:
+lint: install
 	$(PYTHON) -m ruff check .
 
 bench: install
 	$(PYTHON) bench/run_all.py
 
+# Keeps the project environment ($(VENV)): `rm -rf .venv` removes it.
 clean:
 	rm -rf .make build trainer/_C*.so *.egg-info
