@@ -1,5 +1,9 @@
 """The launch flow behind ``launch.py``: facts → plan → (print | refuse | record + submit [+ wait]).
 
+:func:`prepare` (facts, plan, checks, scripts: writes nothing) and :func:`execute` (record, submit, wait)
+are the two halves of :func:`launch`; a sweep prepares every point before it executes any
+(orchestrator/sweep.py).
+
 Everything it prints or records passes through orchestrator/redaction.py's redactor, which knows the
 launching environment's secrets and any the config holds (a config that holds one is refused anyway).
 ``launch.py`` turns the outcome into its exit code: :data:`EXIT_PROBLEMS` when configuration problems
@@ -11,12 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +50,7 @@ from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import preprocess
 from orchestrator.stages.train import NAME as TRAIN
 from orchestrator.stages.train import run_name
+from orchestrator.stops import Stops, ignoring_stops
 from orchestrator.submit import (
     Submitted,
     container_wrapper,
@@ -165,16 +168,6 @@ def scripts_of(cfg: SlipwayConfig, plan: Plan, launch_n: int | None = None) -> d
     return out
 
 
-@contextmanager
-def _ignoring_stops() -> Iterator[None]:
-    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOPS}
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-
-
 def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str], overrides: tuple[str, ...]) -> int:
     """Append this launch to the run's history (launches.py) and write its resolved config; its number."""
     from omegaconf import OmegaConf
@@ -211,11 +204,9 @@ def _follow_text(plan: Plan, submitted: list[Submitted]) -> str:
     lines = [f"run dir: {plan.run_dir}"]
     for s in submitted:
         lines.append(f"  {s.stage:<11} {s.action:<18} {s.job_id or ''}")
-    train = next((s for s in submitted if s.stage == TRAIN and s.job_id), None)
-    logs = f"{plan.run_dir}/logs/*"
-    if train is not None and train.executor == "local":  # local jobs log into their submitit folder
-        logs = str(log_path(stage_folder(plan, plan.stage(TRAIN)), train.job_id))
-    lines += [f"follow: python -m orchestrator status {plan.run_dir}", f"logs:   tail -f {logs}"]
+    lines += [f"follow: python -m orchestrator status {plan.run_dir}",
+              f"logs:   python -m orchestrator logs {plan.run_dir} --follow   (any stage, job or attempt: "
+              "--help)"]
     if plan.sweep:
         lines.append(f"sweep:  python -m orchestrator status {plan.sweep.sweep_dir} --plot")
     return "\n".join(lines) + "\n"
@@ -277,53 +268,6 @@ def _failed(plan: Plan) -> list[tuple[str, str, str]]:
     if first is None:  # every job completed, yet a stage did not (a marker is missing)
         return [("run", "INCOMPLETE", str(RunDir(plan.run_dir).logs))]
     return [(st, state, _stage_log(plan, st, jid, ex)) for st, state, jid, ex in rows[first:]]
-
-
-class Interrupted(KeyboardInterrupt):
-    """The launcher was told to stop (Ctrl-C, SIGTERM, SIGHUP) while it waited; ``signum`` says which."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@dataclass
-class Stops:
-    """While a launch waits for its jobs, SIGINT, SIGTERM and SIGHUP all stop it the same way (the default
-    of the last two would kill this process and leave the local jobs running: they are in sessions of
-    their own, orchestrator/local_jobs.py). Inside :meth:`deferred` (recording and submitting) a signal is
-    held until the section ends, so no job is submitted without being recorded."""
-
-    holding: bool = False
-    pending: int | None = None
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        if self.holding:
-            self.pending = self.pending or signum
-        else:
-            raise Interrupted(signum)
-
-    @contextmanager
-    def installed(self) -> Iterator[Stops]:
-        before = {sig: signal.signal(sig, self._handle) for sig in STOPS}
-        try:
-            yield self
-        finally:
-            for sig, handler in before.items():
-                signal.signal(sig, handler)
-
-    @contextmanager
-    def deferred(self) -> Iterator[None]:
-        self.holding = True
-        try:
-            yield
-        finally:
-            self.holding = False
-        if self.pending is not None:
-            raise Interrupted(self.pending)
 
 
 def _cancel_local(plan: Plan, n: int, submitted: list[Submitted], err) -> None:
@@ -444,7 +388,7 @@ def execute(p: Prepared, out=sys.stdout, overrides: tuple[str, ...] = (),
             if do_wait:
                 _wait_local(plan, submitted, started, out, err)
         except KeyboardInterrupt:
-            with _ignoring_stops():  # a second Ctrl-C must not leave the cancellation half done
+            with ignoring_stops():  # a second Ctrl-C must not leave the cancellation half done
                 if n is not None:
                     _cancel_local(plan, n, submitted, err)
             raise

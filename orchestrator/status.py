@@ -145,12 +145,13 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
 def format_rows(rows: list[JobRow]) -> str:
     """The table; a sweep's rows carry their point's overrides beside the run."""
     point = any(r.overrides for r in rows)
+    varies = _varying({r.run: r.overrides for r in rows})
     head = ("run", *(("point",) if point else ()), "stage", "job", "state", "reason", "restarts", "ckpt",
             "loss", "tok/s", "pass@1", "health", "wandb", "log")
     table = [head] + [
         (
             r.run,
-            *((r.overrides,) if point else ()),
+            *((varies[r.run],) if point else ()),
             r.stage,
             r.job_id,
             r.state,
@@ -170,6 +171,13 @@ def format_rows(rows: list[JobRow]) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
     warn = [slurm_note(e) for e in sorted({r.slurm_error for r in rows if r.slurm_error})]
     return "\n".join(lines + best_point(rows) + rank_problems(rows) + ([""] + warn if warn else []))
+
+
+def _varying(overrides: dict[str, str]) -> dict[str, str]:
+    """Each run's overrides without those every run shares (a sweep's point column: what varies)."""
+    sets = [set(o.split()) for o in overrides.values()]
+    common = set.intersection(*sets) if len(sets) > 1 else set()
+    return {run: " ".join(x for x in o.split() if x not in common) for run, o in overrides.items()}
 
 
 def slurm_note(squeue_error: str) -> str:

@@ -179,6 +179,7 @@ def test_a_requeued_runs_offline_folders_are_all_listed_and_uploaded_by_one_comm
     wandb accepts (a dry run: no server is reachable here) and documents as uploading them in start order."""
     import shlex
     import subprocess
+    import sys
 
     import wandb
 
@@ -198,14 +199,18 @@ def test_a_requeued_runs_offline_folders_are_all_listed_and_uploaded_by_one_comm
     command = f"wandb sync {dirs[0]} {dirs[1]}"  # oldest first; every folder, no --append
     assert line == f"W&B: run run: logged offline in 2 folder(s), upload with: {command}", status
     assert command in write_summary(run_dir)
-    dry = subprocess.run([*shlex.split(line.split("upload with: ", 1)[1]), "--dry-run"], capture_output=True,
-                         text=True, timeout=NEVER_S, cwd=tmp_path)
+    # The printed command as it reads, run by this interpreter's wandb (``python -m wandb``: the `wandb`
+    # script of make's venv need not be on PATH).
+    words = shlex.split(line.split("upload with: ", 1)[1])
+    assert words[:2] == ["wandb", "sync"]
+    dry = subprocess.run([sys.executable, "-m", *words, "--dry-run"], capture_output=True, text=True,
+                         timeout=NEVER_S, cwd=tmp_path)
     said = dry.stdout + dry.stderr
     assert dry.returncode == 0 and "Would sync 2 run(s)" in said, said
     assert all(os.path.basename(x) in said for x in dirs), said
     # What the command relies on, in the installed client's own words, and the floor that promises it.
-    helptext = " ".join(subprocess.run(["wandb", "sync", "--help"], capture_output=True, text=True,
-                                       timeout=NEVER_S).stdout.split())
+    helptext = " ".join(subprocess.run([sys.executable, "-m", "wandb", "sync", "--help"], capture_output=True,
+                                       text=True, timeout=NEVER_S).stdout.split())
     assert "synced sequentially in order of start time" in helptext and "resumed runs" in helptext, helptext
     floor = tuple(int(x) for x in _setup_floor().split("."))
     assert floor >= (0, 28, 1) and tuple(int(x) for x in wandb.__version__.split(".")[:3]) >= floor
