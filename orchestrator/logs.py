@@ -147,10 +147,11 @@ def listing(run_dir: Path, stage: str) -> str:
 
 
 def _tail(text: str, lines: int | None) -> str:
+    """The last ``lines`` lines of ``text`` (all of it for None)."""
     if lines is None:
         return text
-    return "\n".join(text.splitlines()[-lines:]) + ("\n" if text.endswith("\n") and lines else "") \
-        if lines else ""
+    kept = text.splitlines(keepends=True)[-lines:] if lines > 0 else []
+    return "".join(kept)
 
 
 def show(files: list[LogFile], lines: int | None, out: TextIO) -> None:

@@ -75,8 +75,23 @@ class Collector:
                 p.problems = [str(x) for x in err.problems] if isinstance(err, PlanError) else [str(err)]
             return
         p = self.points[sweep.point]
-        assert p.prepared is not None and not p.problems, "the verdict refuses a sweep with problems"
-        p.result = execute(p.prepared, io.StringIO(), p.overrides)  # its run and jobs: in the sweep summary
+        if p.prepared is None or p.problems:
+            raise RuntimeError(f"sweep point {sweep.point} has problems; the verdict refuses such a sweep")
+        try:
+            p.result = execute(p.prepared, io.StringIO(), p.overrides)  # its run and jobs: in the summary
+        except BaseException:
+            self._half_done(p)
+            raise
+
+    def _half_done(self, failed: Point) -> None:
+        """What a sweep that failed while submitting (no plan can know that sbatch refuses) did submit."""
+        done = [p for k, p in sorted(self.points.items()) if p.result is not None]
+        where = failed.sweep.sweep_dir
+        what = (f"points {', '.join(str(p.sweep.point) for p in done)} were submitted (their runs are in "
+                f"{where}/sweep.json: python -m orchestrator status {where}; cancel them: python -m "
+                f"orchestrator cancel {where})") if done else "no point was submitted before it"
+        redaction.redacting(sys.stderr).write(f"slipway: sweep {failed.sweep.sweep_id}: submitting point "
+                                              f"{failed.sweep.point} failed; {what}\n")
 
     @property
     def dry_run(self) -> bool:

@@ -115,6 +115,16 @@ def test_a_sweep_with_a_bad_point_submits_nothing_and_a_good_one_names_its_jobs(
         status = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(tmp_path / "sweep")],
                                 cwd=REPO, capture_output=True, text=True, timeout=120)
         assert status.returncode == 0 and all(r in status.stdout for r in runs.values()), status.stderr
+        # What no plan can know: sbatch refuses point 1 (a begin time it cannot parse). The message says
+        # which points were submitted, and the manifest lists them.
+        half = subprocess.run([sys.executable, str(REPO / "launch.py"), "-m", *SMOKE, "cluster=devcluster",
+                               f"runs_root={tmp_path}/runs2", f"hydra.sweep.dir={tmp_path}/sweep2",
+                               "+cluster.sbatch_extra.begin=now+3600,not-a-time"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, env=os.environ)
+        assert half.returncode == EXIT_PROBLEMS and "sbatch refused the " in half.stderr, half.stderr
+        assert "submitting point 1 failed; points 0 were submitted (their runs are in " in half.stderr
+        assert [p["point"] for p in json.loads((tmp_path / "sweep2" / "sweep.json").read_text())["points"]] \
+            == [0]
     finally:
         fresh = [j for j in _queued() if j not in before]
         if fresh:
