@@ -42,8 +42,9 @@ class KernelSet:
 
     Signatures are those of :mod:`trainer.ops.reference`: ``bias_gelu(x, bias)``,
     ``bias_dropout_add(x, bias, residual, p, training)``, ``scaled_causal_softmax(scores, scale)``,
-    ``layer_norm(x, weight, bias, eps)``, ``cross_entropy(logits, target)`` (per-token fp32 loss of
-    unsharded logits; the vocab-parallel primitives are in :mod:`trainer.ops.cross_entropy`),
+    ``layer_norm(x, weight, bias, eps)``, ``cross_entropy(logits, target, vocab_size=None)`` (per-token
+    fp32 loss of unsharded logits, the padded columns past ``vocab_size`` left out; the csrc loss writes
+    its gradient over the logits; the vocab-parallel primitives are in :mod:`trainer.ops.cross_entropy`),
     ``adamw_step(tensors, hyper, step)`` (:mod:`trainer.ops.adamw`), and for Llama-style models
     ``rms_norm(x, weight, eps)``, ``swiglu(x)`` and ``rotary(x, cos, sin)``.
     """
@@ -75,7 +76,7 @@ def _csrc_table() -> dict[str, Callable]:
 
     return {"bias_gelu": fused.bias_gelu, "bias_dropout_add": fused.bias_dropout_add,
             "scaled_causal_softmax": fused.scaled_causal_softmax, "layer_norm": fused.layer_norm,
-            "cross_entropy": cross_entropy.cross_entropy, "adamw_step": adamw.adamw_step,
+            "cross_entropy": cross_entropy.head_loss, "adamw_step": adamw.adamw_step,
             "rms_norm": fused.rms_norm, "swiglu": fused.swiglu, "rotary": fused.rotary}
 
 
