@@ -22,7 +22,7 @@ from trainer.ops.selfcheck import (
     fail_message,
     run_check,
 )
-from trainer.optim.precision import param_dtype
+from trainer.optim.precision import param_dtype, uses_master_weights
 from trainer.parallel import ParallelState
 
 log = get_logger(__name__)
@@ -30,9 +30,11 @@ log = get_logger(__name__)
 
 def check_setup(cfg: RunConfig, gpt: ModelConfig, pstate: ParallelState) -> CheckSetup:
     """The device, the dtypes the kernels see and the shapes of this rank's shard: activations in the
-    compute dtype (matmul outputs) and in the parameters' dtype (the residual stream autocast promotes)."""
+    compute dtype, parameters in theirs (fp32 under autocast, so the ops see bf16 activations with fp32
+    weights and biases); the parameters' dtype is checked as an activation dtype too (eval and fp32 paths)."""
     t = cfg.train
-    params = param_dtype(t.precision, cfg.optim.distributed)
+    params = param_dtype(t.precision, uses_master_weights(t.precision, t.precision_recipe,
+                                                          cfg.optim.distributed))
     shapes = CheckShapes.for_model(gpt, pstate.tp_size, gpt.padded_vocab_size(pstate.tp_size))
     return CheckSetup(pstate.device, tuple(dict.fromkeys((DTYPES[t.precision], params))), params, shapes)
 
