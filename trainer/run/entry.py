@@ -35,6 +35,7 @@ from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.files import config_differences
 from trainer.checks import ConfigError
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig
+from trainer.config.train import precision_recipe, recipe_line
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.shard_io import load_shard
 from trainer.convert.spec import unsupported_options
@@ -44,7 +45,7 @@ from trainer.model.recompute import Recompute
 from trainer.ops.selfcheck import KernelCheck
 from trainer.optim.lr import LRSchedule, OptimizerParamScheduler
 from trainer.optim.optimizer import build_optimizer
-from trainer.optim.precision import ScalerSettings, make_scaler
+from trainer.optim.precision import ScalerSettings, autocast_dtype, make_scaler
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed
 from trainer.parallel.dist_optimizer import build_distributed_optimizer
 from trainer.parallel.interleaved import check_microbatches
@@ -63,6 +64,7 @@ from trainer.restore.state import (
 )
 from trainer.run import metrics
 from trainer.run.data import DataShape, build_data, resolve_vocab
+from trainer.run.host import host_group
 from trainer.run.kernels import checked_kernels, optimizer_after_check
 from trainer.run.loop import Cadence, Loop, NonFiniteError, Throughput, train
 from trainer.signals import (
@@ -104,16 +106,15 @@ def gpt_config(model: ModelConfig, vocab_size: int) -> ModelConfig:
     return dataclasses.replace(model, vocab_size=vocab_size)
 
 
-def _apply_autocast(model: ParallelModel, precision: str) -> None:
-    """bf16/fp16: run the forward under autocast (weights, grads and optimizer stay fp32; see
-    trainer.optim.precision for why); backward is outside it, as PyTorch recommends."""
-    if precision == "fp32":
-        return
-    from trainer.ops.dtypes import DTYPES
-
-    device_type = model.pstate.device.type
-    for chunk in model.chunks:
-        chunk.forward = torch.autocast(device_type, dtype=DTYPES[precision])(chunk.forward)
+def _apply_recipe(model: ParallelModel, t, distributed: bool) -> str:
+    """bf16/fp16 per ``train.precision_recipe``: autocast sets the forward's autocast dtype (weights, grads
+    and optimizer stay fp32; backward runs outside it, as PyTorch recommends); master_weights leaves the
+    model to the optimizer, which makes its parameters 16-bit. Returns the resolved recipe (logged)."""
+    dtype = autocast_dtype(t.precision, t.precision_recipe, distributed)
+    if dtype is not None:
+        model.autocast = dtype
+    log.info("precision: %s", recipe_line(t.precision, t.precision_recipe, distributed))
+    return precision_recipe(t.precision, t.precision_recipe, distributed)
 
 
 def _configure_determinism(deterministic: bool) -> None:
@@ -251,9 +252,10 @@ def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int
     check = checked_kernels(cfg, gpt, pstate, start_iteration)  # before the model: it takes the checked set
     recompute = Recompute(t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
     model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=check.kernels, recompute=recompute)
-    _apply_autocast(model, t.precision)
+    recipe = _apply_recipe(model, t, cfg.optim.distributed)
     optim, opt_kernels = optimizer_after_check(cfg.optim, cfg.kernels, check)
-    if optim.distributed:  # re-lays the model's parameters and gradient buckets (ZeRO-1)
+    if optim.distributed or recipe == "master_weights":  # re-lays the parameters and gradient buckets:
+        # 16-bit parameters, fp32 gradient buckets and masters (ZeRO-1 over dp; all of them at dp 1)
         optimizer, _ = build_distributed_optimizer(model, optim, t.precision, opt_kernels)
     else:
         optimizer, _ = build_optimizer(model.named_parameters(), optim, pstate.device.type, opt_kernels)
@@ -288,7 +290,8 @@ def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, fac
         cadence=Cadence(t.log_interval, t.eval_interval, t.eval_iters, t.save_interval),
         throughput=Throughput(flops, b.global_batch_size * b.gpt.seq_length, ps.world_size, peak),
         metrics_file=metrics_path(cfg.run_dir), on_step=hooks.on_step, monitor=monitor,
-        kernel_fallbacks=tuple(b.kernel_check.fallbacks) if b.kernel_check else ())
+        kernel_fallbacks=tuple(b.kernel_check.fallbacks) if b.kernel_check else (),
+        stop_group=host_group())  # collective: every rank builds its loop
 
 
 def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | None = None) -> RunResult:
