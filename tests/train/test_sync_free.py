@@ -85,7 +85,8 @@ def _config(tmp: str, data: str, **train) -> dict:
 
 
 def _off_sync_points(counter: SyncCounter) -> dict[int, list[str]]:
-    return {it: counter.what[it] for it in range(1, ITERS + 1) if it not in SYNC_POINTS and counter.counts[it]}
+    return {it: counter.what[it] for it in range(1, ITERS + 1)
+            if it not in SYNC_POINTS and counter.counts[it]}
 
 
 @pytest.fixture(scope="module")

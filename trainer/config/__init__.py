@@ -49,7 +49,7 @@ __all__ = ["CheckpointConfig", "CorpusConfig", "DataConfig", "LoggingConfig", "M
 
 WANDB_MODES = ("online", "offline", "disabled")
 CHECKPOINT_FORMATS = ("legacy", "mcore", "torch_dist")
-KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile")
+KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile", "compile_layer")
 
 
 @dataclass
@@ -261,7 +261,10 @@ class RunConfig(Section):
     """Experiment tracking."""
     kernels: str = "auto"
     """Kernel implementation: auto (per op: apex on CUDA when importable, else Slipway's compiled csrc ops,
-    else eager), csrc, apex, eager (reference PyTorch compositions) or compile (torch.compile of those)."""
+    else eager), csrc, apex, eager (reference PyTorch compositions), compile (torch.compile of each of
+    those alone) or compile_layer (each transformer layer compiled whole by torch.compile from the
+    reference ops, so Inductor fuses across them; the embedding, final norm, loss and AdamW stay csrc;
+    the first step pays the compilation; not with train.recompute_granularity=selective)."""
     run_dir: str | None = None
     """This run's directory; null: <runs_root>/<experiment>/<run_id> under launch.py, runs/local for the
     standalone trainer."""
@@ -281,6 +284,11 @@ class RunConfig(Section):
         out = [i for name in _SECTIONS for i in getattr(self, name).problems()]
         out += self.model.pp_issues(self.parallel.pp_size)  # needs two sections
         out += recipe_issues(self.train, self.optim)
+        if self.kernels == "compile_layer" and self.train.recompute_granularity == "selective":
+            out.append(issue("compile_layer", "train.recompute_granularity", "selective",
+                             "kernels=compile_layer compiles the whole layer, attention included (its "
+                             "partitioner chooses what to recompute)",
+                             "set train.recompute_granularity to none or full, or choose other kernels"))
         return out + choice("kernels", self.kernels, KERNEL_SETS)
 
     @classmethod

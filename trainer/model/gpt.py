@@ -41,10 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config.model import ModelConfig
+from trainer.model.attention import sdpa_context
 from trainer.model.layers import EmbeddingTable, Linear, RotaryTable, autocast_dtype, make_norm
 from trainer.model.names import renumber
 from trainer.model.recompute import Recompute, recomputed
-from trainer.ops import KernelSet, resolve
+from trainer.ops import KernelSet, reference_set, resolve
 
 Tensor = torch.Tensor
 
@@ -107,7 +108,7 @@ class SelfAttention(nn.Module):
         self.head_dim, self.heads_per_group = d, heads // groups
         self.rotary = RotaryTable(cfg.rotary_dim, cfg.rotary_base) if cfg.rotary_dim else None
         self.dropout_p = cfg.attention_dropout
-        self.backend = cfg.attention_backend
+        self.backend, self.sdpa_backend = cfg.attention_backend, cfg.sdpa_backend
         self.kernels = kernels
         # Attention probabilities are sharded by head under TP, so TP sets this to the RNG tracker's fork.
         self.dropout_rng = contextlib.nullcontext
@@ -144,7 +145,8 @@ class SelfAttention(nn.Module):
         scale = self.head_dim ** -0.5
         with self.dropout_rng():
             if self.backend == "sdpa":
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
+                with sdpa_context(self.sdpa_backend, q.device.type):
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
             probs = self.kernels.scaled_causal_softmax(q @ k.transpose(-2, -1), scale)  # [b, n, s, s]
             return F.dropout(probs, p=p, training=self.training) @ v
 
@@ -170,10 +172,17 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
+
+    With ``kernels.compile_layers`` (kernels=compile_layer) the block runs the reference ops inside one
+    ``torch.compile`` region, shared by every layer (one graph: parameters are its inputs; static shapes,
+    so evaluation and a new micro-batch size compile once more each)."""
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
         super().__init__()
+        self.compiled = kernels.compile_layers
+        if self.compiled:
+            kernels = reference_set()
         norm = (cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, kernels)
         self.input_layernorm = make_norm(*norm)
         self.self_attention = SelfAttention(cfg, kernels)
@@ -185,6 +194,9 @@ class TransformerLayer(nn.Module):
         self.dropout_rng = contextlib.nullcontext
 
     def forward(self, x: Tensor) -> Tensor:                    # x: [s, b, h] (s/tp under SP)
+        return compiled_layer()(self, x) if self.compiled else self.block(x)
+
+    def block(self, x: Tensor) -> Tensor:
         bda = self.kernels.bias_dropout_add
         out, bias = self.self_attention(self.input_layernorm(x))
         with self.dropout_rng():
@@ -193,6 +205,13 @@ class TransformerLayer(nn.Module):
         with self.dropout_rng():
             x = bda(out, bias, x, self.dropout_p, self.training)
         return x
+
+
+@functools.cache
+def compiled_layer():
+    """``TransformerLayer.block`` under torch.compile, one for every layer of every model (dynamo guards on
+    the layer's structure, not its identity: the layers share one graph)."""
+    return torch.compile(TransformerLayer.block, dynamic=False)
 
 
 class Embedding(nn.Module):

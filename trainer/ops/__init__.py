@@ -8,6 +8,9 @@
 - ``apex``: apex's kernel where apex has one for the op (LayerNorm, masked softmax), else csrc.
 - ``compile``: ``torch.compile`` of each reference composition.
 - ``auto``: per op, apex when importable on CUDA, else csrc, else eager.
+- ``compile_layer``: csrc's set (else eager) with ``compile_layers`` on: each transformer layer runs the
+  reference ops inside one ``torch.compile`` region (trainer.model.gpt), so Inductor fuses across them;
+  the ops outside a layer (final norm, loss, AdamW) are csrc's.
 
 A missing extension (or one built without CUDA kernels, used on CUDA) falls back to eager with one
 clear warning; ``tests/ops/test_dispatch.py`` asserts the extension is built and chosen so the fallback
@@ -59,6 +62,13 @@ class KernelSet:
     swiglu: Callable = reference.swiglu
     rotary: Callable = reference.rotary
     names: dict = field(default_factory=dict)
+    compile_layers: bool = False
+    """kernels=compile_layer: the transformer layers run :func:`reference_set`'s ops, compiled whole."""
+
+
+def reference_set() -> KernelSet:
+    """Every op the eager reference (what a compiled region traces and fuses)."""
+    return KernelSet(names=dict.fromkeys(OPS, "eager"), **{op: getattr(reference, op) for op in OPS})
 
 
 def csrc_available(device_type: str) -> bool:
@@ -108,6 +118,8 @@ def _choose(mode: str, device_type: str) -> tuple[dict[str, Callable], dict[str,
         for op, fn in _compile_table().items():
             table[op], names[op] = fn, "compile"
         return table, names
+    if mode == "compile_layer":  # outside the compiled layers: csrc's ops (no apex)
+        mode = "csrc"
     if csrc_available(device_type):
         for op, fn in _csrc_table().items():
             table[op], names[op] = fn, "csrc"
@@ -133,8 +145,10 @@ def resolve(mode: str = "auto", device_type: str | None = None) -> KernelSet:
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"resolve: device_type must be 'cpu' or 'cuda', got {device_type!r}")
     table, names = _choose(mode, device_type)
+    layers = mode == "compile_layer"
     if (mode, device_type) not in _LOGGED:
         _LOGGED.add((mode, device_type))
-        log.info("kernels=%s on %s: %s; attention uses SDPA (scaled_causal_softmax only on the explicit-"
-                 "softmax path)", mode, device_type, ", ".join(f"{op}={names[op]}" for op in OPS))
-    return KernelSet(names=names, **table)
+        log.info("kernels=%s on %s: %s%s; attention uses SDPA (scaled_causal_softmax only on the explicit-"
+                 "softmax path)", mode, device_type, ", ".join(f"{op}={names[op]}" for op in OPS),
+                 "; transformer layers compiled whole from the reference ops" if layers else "")
+    return KernelSet(names=names, compile_layers=layers, **table)

@@ -41,7 +41,9 @@ from trainer.convert.shard_io import load_shard
 from trainer.convert.spec import unsupported_options
 from trainer.log import get_logger
 from trainer.metrics_file import metrics_path, truncate_after
+from trainer.model import attention
 from trainer.model.recompute import Recompute
+from trainer.ops.dtypes import DTYPES
 from trainer.ops.selfcheck import KernelCheck
 from trainer.optim.lr import LRSchedule, OptimizerParamScheduler
 from trainer.optim.optimizer import build_optimizer
@@ -252,6 +254,8 @@ def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int
     check = checked_kernels(cfg, gpt, pstate, start_iteration)  # before the model: it takes the checked set
     recompute = Recompute(t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
     model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=check.kernels, recompute=recompute)
+    log.info("%s", attention.describe(gpt, pstate.device, DTYPES[t.precision], t.micro_batch_size,
+                                      pstate.tp_size))  # raises when a named SDPA kernel cannot serve it
     recipe = _apply_recipe(model, t, cfg.optim.distributed)
     optim, opt_kernels = optimizer_after_check(cfg.optim, cfg.kernels, check)
     if optim.distributed or recipe == "master_weights":  # re-lays the parameters and gradient buckets:
