@@ -53,6 +53,7 @@ from orchestrator.submit import (
 )
 from orchestrator.summary import write_summary
 from orchestrator.writer_lock import record_writer, single_writer
+from trainer.config.train import recipe_line
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
 from trainer.run_files import RunDir
@@ -111,7 +112,7 @@ def _data_prefixes(plan: Plan) -> list[str]:
 
 
 def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
-    lay, t = plan.layout, plan.time
+    lay, t, distributed = plan.layout, plan.time, cfg.optim.distributed
     unit = "GPU" if cfg.cluster.gpus_per_node else "CPU-task"
     lines = [f"Slipway plan: experiment {plan.experiment}, run {plan.run_id}", f"  run dir: {plan.run_dir}"]
     if plan.sweep:
@@ -124,6 +125,7 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         f"{cfg.train.micro_batch_size} per step",
         f"  vocab {plan.vocab_size}, precision {cfg.train.precision}, {cfg.train.iters} iterations, "
         f"{lay.global_batch * cfg.model.seq_length * cfg.train.iters / 1e9:.2f} B tokens",
+        f"  precision recipe: {recipe_line(cfg.train.precision, cfg.train.precision_recipe, distributed)}",
         *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
         "",
         "Memory per device (the busiest pipeline stage):",

@@ -132,6 +132,8 @@ def test_dry_run_prints_plan_and_scripts_and_submits_nothing(tmp_path: Path):
     )
     text = out.stdout
     assert "Memory per device" in text and "optimizer state" in text and "activations" in text
+    # codeparrot trains fp16: the plan names the recipe train.precision_recipe=auto resolves to.
+    assert "precision recipe: fp16 autocast (auto): fp32 parameters, gradients and optimizer" in text
     # What each memory option would give, beside the configured total.
     assert "train.recompute_granularity=full" in text and "optim.distributed=true" in text, text
     assert "ETA" in text and "GPU-hours" in text
