@@ -115,7 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--model", default="codeparrot_small", help="hydra_conf/model/<name>.yaml")
     ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--micro-batches", default="16,32,64", help="candidates for the best micro-batch")
+    ap.add_argument("--micro-batches", default="16,32,64", help="candidates for the best micro-batch; one "
+                    "candidate is taken as it is (no search)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"some of {', '.join(ROWS)}")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -135,10 +136,13 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown rows {unknown}: choose from {', '.join(ROWS)}")
     base_spec = StepSpec(a.model, a.vocab)
-    mb, lines = best_micro_batch(base_spec, device, [int(x) for x in a.micro_batches.split(",")], a.steps,
-                                 a.warmup)
+    candidates = [int(x) for x in a.micro_batches.split(",")]
+    if len(candidates) == 1:
+        mb, lines = candidates[0], [f"  micro-batch {candidates[0]} (given)"]
+    else:
+        mb, lines = best_micro_batch(base_spec, device, candidates, a.steps, a.warmup)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (rehearsal: no MFU)"
-    print(f"{name}  torch {torch.__version__}  {a.model}  best micro-batch by the baseline's tokens/s:")
+    print(f"{name}  torch {torch.__version__}  {a.model}  micro-batch (the baseline's best tokens/s):")
     print("\n".join(lines))
     if mb is None:
         print("no micro-batch fits")
