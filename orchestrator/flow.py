@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import launches, queue, redaction
-from orchestrator.cancel import cancel_run
+from orchestrator.cancel import Stops, cancel_interrupted, ignoring_stops
 from orchestrator.checks import Context, run_checks
 from orchestrator.checks.secrets import known_secrets
 from orchestrator.data_shares import corpus_shares, shares_table
@@ -165,16 +163,6 @@ def scripts_of(cfg: SlipwayConfig, plan: Plan, launch_n: int | None = None) -> d
     return out
 
 
-@contextmanager
-def _ignoring_stops() -> Iterator[None]:
-    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOPS}
-    try:
-        yield
-    finally:
-        for sig, handler in before.items():
-            signal.signal(sig, handler)
-
-
 def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str], overrides: tuple[str, ...]) -> int:
     """Append this launch to the run's history (launches.py) and write its resolved config; its number."""
     from omegaconf import OmegaConf
@@ -279,67 +267,6 @@ def _failed(plan: Plan) -> list[tuple[str, str, str]]:
     return [(st, state, _stage_log(plan, st, jid, ex)) for st, state, jid, ex in rows[first:]]
 
 
-class Interrupted(KeyboardInterrupt):
-    """The launcher was told to stop (Ctrl-C, SIGTERM, SIGHUP) while it waited; ``signum`` says which."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@dataclass
-class Stops:
-    """While a launch waits for its jobs, SIGINT, SIGTERM and SIGHUP all stop it the same way (the default
-    of the last two would kill this process and leave the local jobs running: they are in sessions of
-    their own, orchestrator/local_jobs.py). Inside :meth:`deferred` (recording and submitting) a signal is
-    held until the section ends, so no job is submitted without being recorded."""
-
-    holding: bool = False
-    pending: int | None = None
-
-    def _handle(self, signum: int, _frame: object) -> None:
-        if self.holding:
-            self.pending = self.pending or signum
-        else:
-            raise Interrupted(signum)
-
-    @contextmanager
-    def installed(self) -> Iterator[Stops]:
-        before = {sig: signal.signal(sig, self._handle) for sig in STOPS}
-        try:
-            yield self
-        finally:
-            for sig, handler in before.items():
-                signal.signal(sig, handler)
-
-    @contextmanager
-    def deferred(self) -> Iterator[None]:
-        self.holding = True
-        try:
-            yield
-        finally:
-            self.holding = False
-        if self.pending is not None:
-            raise Interrupted(self.pending)
-
-
-def _cancel_local(plan: Plan, n: int, submitted: list[Submitted], err) -> None:
-    """Local jobs are this machine's processes: an interrupted launch cancels every one of them. Slurm jobs
-    keep running, as they would after the login shell closed."""
-    started = {s.job_id: s.job for s in submitted if s.job is not None}
-    lines = cancel_run(plan.run_dir, n, started) if any(s.executor == "local" for s in submitted) else []
-    for line in lines:
-        err.write(f"  {line}\n")
-    slurm = [s for s in submitted if s.executor == "slurm" and s.job_id]
-    what = f"{len(lines)} local job(s) of run {plan.run_id} cancelled" if lines else "no local job ran"
-    if slurm:
-        what += f"; its Slurm jobs keep running (cancel them: python -m orchestrator cancel {plan.run_dir})"
-    err.write(f"interrupted: {what}; launch the same run_id again to resume it\n")
-
-
 def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out, err) -> None:
     """Follow a blocking run to its end; print the summary, or the failed stages' log tails and raise."""
     local = all(s.executor == "local" for s in submitted)
@@ -419,8 +346,8 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
             if do_wait:
                 _wait_local(plan, submitted, started, out, err)
         except KeyboardInterrupt:
-            with _ignoring_stops():  # a second Ctrl-C must not leave the cancellation half done
+            with ignoring_stops():  # a second Ctrl-C must not leave the cancellation half done
                 if n is not None:
-                    _cancel_local(plan, n, submitted, err)
+                    cancel_interrupted(plan.run_dir, plan.run_id, n, submitted, err)
             raise
     return LaunchResult(plan, text, submitted)
