@@ -59,9 +59,11 @@ def _from_table(c: ClusterConfig, key: str, value: Any, gpu: Gpu | None, table: 
     """A site value when set, else the device table's (None when the table does not know the device)."""
     if value is not None:
         return Fact(value, source(c, key))
+    overruled = source(c, key) if "not used" in source(c, key) else ""  # an experiment's value (site.py)
     if gpu is None:
-        return Fact(None, f"not set ({c.device_name} is not in the device table)")
-    return Fact(table, f"device table: {gpu.source}")
+        return Fact(None, f"not set ({c.device_name} is not in the device table){overruled and '; '}"
+                          f"{overruled}")
+    return Fact(table, f"device table: {gpu.source}" + (f" ({overruled})" if overruled else ""))
 
 
 def plan_mfu(c: ClusterConfig, gpu: Gpu | None, precision: str,

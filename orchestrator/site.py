@@ -51,16 +51,16 @@ def command_line_keys(overrides: Sequence[str]) -> set[str]:
             if o.key_or_group.startswith("cluster.") and not o.is_delete()}
 
 
-def site_values(site: str | None, overrides: Sequence[str]) -> dict[str, Any]:
+def site_values(site: str | None, overrides: Sequence[str]) -> dict[str, Any] | None:
     """What the cluster group file ``site`` sets, composed alone with the launch's search path (a site
-    file may extend another through its own defaults list); empty when it cannot be composed."""
+    file may extend another through its own defaults list); None when it cannot be composed alone."""
     if not site:
-        return {}
+        return None
     searchpath = [o for o in overrides if o.lstrip("+").startswith("hydra.searchpath")]
     try:  # a primary config in the main search path: Hydra extends the search path only after finding it
         raw = compose(config_name=PROBE, overrides=[f"cluster={site}", *searchpath])
-    except Exception:  # noqa: BLE001 - a site file Hydra cannot compose alone: no site view, no crash
-        return {}
+    except Exception:  # noqa: BLE001 - e.g. another config directory without the probe: no site view
+        return None
     node = raw.get("cluster", {})
     try:
         return dict(OmegaConf.to_container(node, resolve=True))  # type: ignore[arg-type]
@@ -126,14 +126,20 @@ def apply_site(cfg: DictConfig, choices: Mapping[str, Any], overrides: Sequence[
     command-line overrides (task and hydra ones)."""
     site_name, experiment = choices.get("cluster"), choices.get("experiment")
     site = site_values(site_name, overrides)
+    cfg = copy.deepcopy(cfg)
     cmd, defaults = command_line_keys(overrides), _defaults()
     src = _Sources(f"cluster/{site_name}.yaml", str(experiment) if experiment else None)
-    cfg = copy.deepcopy(cfg)
     with open_dict(cfg):
         cluster = cfg.cluster
         for key in (*HARDWARE, *LAYOUT):
-            _classify(cluster, key, site, cmd, src, defaults.get(key))
+            if site is not None:
+                _classify(cluster, key, site, cmd, src, defaults.get(key))
+            elif key in cmd:  # no view of the site file alone: the composition as it is, said so
+                src.set(key, "command line", "command line")
+            else:  # an experiment's cluster.gpus still sizes the job over the nodes the config has
+                src.set(key, "experiment" if key == "gpus" else "site",
+                        "config (the site file could not be composed alone)")
         _nodes_from_gpus(cluster, src)
         cluster.hardware_sources = {**src.labels, "site": src.site_label}
-        cluster.site_hardware = {k: site[k] for k in HARDWARE if k in site}
+        cluster.site_hardware = {k: site[k] for k in HARDWARE if k in (site or {})}
     return cfg

@@ -54,5 +54,6 @@ def _needs(ctx: Context) -> str:
         return ("; no tensor × pipeline split of this model fits one replica on these devices at "
                 f"micro-batch {ctx.cfg.train.micro_batch_size}, even with every memory saver")
     tp, pp = est.smallest_replica
-    return (f"; with every memory saver one model replica needs at least {tp * pp} GPUs "
-            f"(parallel.tp_size={tp} parallel.pp_size={pp}), so cluster.gpus a multiple of {tp * pp}")
+    return (f"; with every memory saver one model replica fits on {tp * pp} GPUs (parallel.tp_size={tp} "
+            f"parallel.pp_size={pp}: the fewest, before any sharding over data-parallel ranks), so "
+            f"cluster.gpus a multiple of {tp * pp}")

@@ -26,15 +26,6 @@ def compose_cfg(overrides: list[str]) -> SlipwayConfig:
         return to_typed(apply_site(cfg, choices, overrides), choices)
 
 
-def site_file(tmp_path: Path, name: str, text: str) -> list[str]:
-    """A site file ``cluster/<name>.yaml`` kept outside the repository, as docs/cluster.md describes, and
-    the overrides that select it."""
-    conf = tmp_path / "site-conf"
-    (conf / "cluster").mkdir(parents=True, exist_ok=True)
-    (conf / "cluster" / f"{name}.yaml").write_text(text)
-    return [f"cluster={name}", f"hydra.searchpath=[file://{conf}]"]
-
-
 def user_docs() -> str:
     """What users read: README.md and every page of docs/ (the runbook moved there from the README)."""
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

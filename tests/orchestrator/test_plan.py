@@ -17,7 +17,8 @@ from orchestrator.hardware import hardware
 from orchestrator.layout import layout_of
 from orchestrator.plan import PlanInputs, SweepInfo, make_plan
 from orchestrator.stages.train import trainer_config
-from tests.orchestrator.conftest import REPO, compose_cfg, site_file
+from tests.orchestrator.conftest import REPO, compose_cfg
+from tests.orchestrator.sites import site_file
 
 CP = ["+experiment=codeparrot"]
 
