@@ -12,6 +12,7 @@ submits without blocking, and points that need the same preprocessing share one 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -24,9 +25,11 @@ from omegaconf import DictConfig
 from orchestrator import redaction
 from orchestrator.facts import SweepInfo
 from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED, RunFailed, launch
+from orchestrator.launches import RunRecordError
 from orchestrator.problems import PlanError
 from orchestrator.schema import register, to_typed
 from orchestrator.site import apply_site
+from orchestrator.submit import SubmitError
 
 register()
 
@@ -66,8 +69,16 @@ def main(cfg: DictConfig) -> None:
     except RunFailed as err:
         sys.stderr.write(f"slipway: {err}\n")
         sys.exit(EXIT_RUN_FAILED)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt as err:
+        sys.exit(128 + getattr(err, "signum", signal.SIGINT))  # the shell's convention: 130, 143, 129
+    except (RunRecordError, SubmitError) as err:  # conditions a user causes and fixes: one line, no traceback
+        sys.stderr.write(f"slipway: {err}\n")
+        sys.exit(EXIT_PROBLEMS)
+    except OSError as err:  # a disk that filled up, a folder that went read-only after the checks
+        where = f" ({err.filename})" if err.filename else ""
+        sys.stderr.write(f"slipway: {err.strerror or err}{where}; nothing more was submitted: free the space "
+                         "or fix the permissions, then launch the same run_id again\n")
+        sys.exit(EXIT_ERROR)
     except Exception:
         sys.stderr.write(f"slipway: launch failed unexpectedly:\n{traceback.format_exc()}")
         sys.exit(EXIT_ERROR)

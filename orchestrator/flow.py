@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import launches, queue, redaction
+from orchestrator.cancel import cancel_run
 from orchestrator.checks import Context, run_checks
 from orchestrator.checks.secrets import known_secrets
 from orchestrator.data_shares import corpus_shares, shares_table
@@ -157,6 +162,16 @@ def scripts_of(cfg: SlipwayConfig, plan: Plan, launch_n: int | None = None) -> d
     return out
 
 
+@contextmanager
+def _ignoring_stops() -> Iterator[None]:
+    before = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOPS}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str], overrides: tuple[str, ...]) -> int:
     """Append this launch to the run's history (launches.py) and write its resolved config; its number."""
     from omegaconf import OmegaConf
@@ -261,21 +276,72 @@ def _failed(plan: Plan) -> list[tuple[str, str, str]]:
     return [(st, state, _stage_log(plan, st, jid, ex)) for st, state, jid, ex in rows[first:]]
 
 
+class Interrupted(KeyboardInterrupt):
+    """The launcher was told to stop (Ctrl-C, SIGTERM, SIGHUP) while it waited; ``signum`` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass
+class Stops:
+    """While a launch waits for its jobs, SIGINT, SIGTERM and SIGHUP all stop it the same way (the default
+    of the last two would kill this process and leave the local jobs running: they are in sessions of
+    their own, orchestrator/local_jobs.py). Inside :meth:`deferred` (recording and submitting) a signal is
+    held until the section ends, so no job is submitted without being recorded."""
+
+    holding: bool = False
+    pending: int | None = None
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.holding:
+            self.pending = self.pending or signum
+        else:
+            raise Interrupted(signum)
+
+    @contextmanager
+    def installed(self) -> Iterator[Stops]:
+        before = {sig: signal.signal(sig, self._handle) for sig in STOPS}
+        try:
+            yield self
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        self.holding = True
+        try:
+            yield
+        finally:
+            self.holding = False
+        if self.pending is not None:
+            raise Interrupted(self.pending)
+
+
+def _cancel_local(plan: Plan, n: int, submitted: list[Submitted], err) -> None:
+    """Local jobs are this machine's processes: an interrupted launch cancels every one of them. Slurm jobs
+    keep running, as they would after the login shell closed."""
+    started = {s.job_id: s.job for s in submitted if s.job is not None}
+    lines = cancel_run(plan.run_dir, n, started) if any(s.executor == "local" for s in submitted) else []
+    for line in lines:
+        err.write(f"  {line}\n")
+    slurm = [s for s in submitted if s.executor == "slurm" and s.job_id]
+    what = f"{len(lines)} local job(s) of run {plan.run_id} cancelled" if lines else "no local job ran"
+    if slurm:
+        what += f"; its Slurm jobs keep running (cancel them: python -m orchestrator cancel {plan.run_dir})"
+    err.write(f"interrupted: {what}; launch the same run_id again to resume it\n")
+
+
 def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out, err) -> None:
     """Follow a blocking run to its end; print the summary, or the failed stages' log tails and raise."""
     local = all(s.executor == "local" for s in submitted)
     follow = LogFollower(plan.run_dir, err) if local else None
-    try:
-        ok = wait(plan, 1.0 if local else 5.0, out=err, follow=follow)
-    except KeyboardInterrupt:
-        # Local jobs are this machine's processes: Ctrl-C ends them too (Slurm jobs keep running). A
-        # terminal's Ctrl-C reached them already; cancel those that were not (a signal to this pid only).
-        time.sleep(2.0)
-        for s in submitted:
-            if s.job is not None and s.executor == "local" and not s.job.done():
-                s.job.cancel()
-        err.write(f"interrupted: local jobs of run {plan.run_id} cancelled\n")
-        raise
+    ok = wait(plan, 1.0 if local else 5.0, out=err, follow=follow)
     _reap(submitted)
     write_json(Path(plan.run_dir) / "wait.json", {"ok": ok})
     if not ok:
@@ -283,6 +349,36 @@ def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out, err
         err.write(failure_tails(plan.run_dir, [f[0] for f in failed]))
         raise RunFailed(plan, failed)
     out.write("\n" + write_summary(plan.run_dir, time.monotonic() - started))
+
+
+def _submit(cfg: SlipwayConfig, plan: Plan, overrides: tuple[str, ...]) -> tuple[int, list[Submitted]]:
+    """Record the launch and submit its stages under the run's writer lock; (launch number, outcomes)."""
+    with single_writer(plan):  # refuses while a job of this run (or of its checkpoint dir) is active
+        n = launches.next_launch(plan.run_dir)
+        _record(cfg, plan, scripts_of(cfg, plan, n), overrides)
+        launch_failpoint("recorded")
+        submitted = submit_plan(cfg, plan, n)
+        train = next((s for s in submitted if s.stage == TRAIN), None)
+        record_writer(plan, train.job_id if train else None, cfg.cluster.executor)
+        launch_failpoint("submitted")
+        launches.set_state(plan.run_dir, n, launches.SUBMITTED)
+    return n, submitted
+
+
+def _announce(plan: Plan, submitted: list[Submitted], sweep: SweepInfo | None, experiment: str) -> str:
+    """Add the point to its sweep's manifest; the text that says where the run is and how to follow it."""
+    if sweep:
+        add_to_sweep(
+            sweep.sweep_dir,
+            {
+                "point": sweep.point,
+                "run_dir": plan.run_dir,
+                "overrides": list(sweep.overrides),
+                "jobs": {s.stage: s.job_id for s in submitted},
+            },
+            {"sweep_id": sweep.sweep_id, "experiment": experiment},
+        )
+    return redaction.redact(_follow_text(plan, submitted))
 
 
 def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
@@ -305,31 +401,22 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
         return LaunchResult(plan, text)
     if plan.problems:
         raise PlanError(plan.problems)
-    with single_writer(plan):  # refuses while a job of this run (or of its checkpoint dir) is active
-        n = launches.next_launch(plan.run_dir)
-        _record(cfg, plan, scripts_of(cfg, plan, n), overrides)
-        launch_failpoint("recorded")
-        submitted = submit_plan(cfg, plan, n)
-        train = next((s for s in submitted if s.stage == TRAIN), None)
-        record_writer(plan, train.job_id if train else None, cfg.cluster.executor)
-        launch_failpoint("submitted")
-        launches.set_state(plan.run_dir, n, launches.SUBMITTED)
-    if sweep:
-        add_to_sweep(
-            sweep.sweep_dir,
-            {
-                "point": sweep.point,
-                "run_dir": plan.run_dir,
-                "overrides": list(sweep.overrides),
-                "jobs": {s.stage: s.job_id for s in submitted},
-            },
-            {"sweep_id": sweep.sweep_id, "experiment": cfg.experiment},
-        )
-    text = redaction.redact(_follow_text(plan, submitted))
-    out.write(text)
     # Default: block for a single local run (its jobs are this machine's processes); never for sweeps,
     # whose points must all be submitted before anything waits.
     do_wait = cfg.wait if cfg.wait is not None else (cfg.cluster.executor == "local" and sweep is None)
-    if do_wait:
-        _wait_local(plan, submitted, started, out, err)
+    stops, n, submitted = Stops(), None, []
+    main = threading.current_thread() is threading.main_thread()  # only it may handle signals
+    with stops.installed() if do_wait and main else nullcontext():
+        try:
+            with stops.deferred() if do_wait and main else nullcontext():
+                n, submitted = _submit(cfg, plan, overrides)
+            text = _announce(plan, submitted, sweep, cfg.experiment)
+            out.write(text)
+            if do_wait:
+                _wait_local(plan, submitted, started, out, err)
+        except KeyboardInterrupt:
+            with _ignoring_stops():  # a second Ctrl-C must not leave the cancellation half done
+                if n is not None:
+                    _cancel_local(plan, n, submitted, err)
+            raise
     return LaunchResult(plan, text, submitted)

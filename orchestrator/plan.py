@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.checks import Context, Estimates, run_checks
+from orchestrator.checks.run import insane_values
 from orchestrator.estimate import (
     MemoryEstimate,
     MemoryOption,
@@ -141,7 +142,7 @@ def smallest_replica(cfg: SlipwayConfig, vocab: int) -> tuple[int, int] | None:
 
 def plan_warnings(cfg: SlipwayConfig, lay: Layout) -> list[str]:
     """What the plan says before submitting without refusing it."""
-    c, out = cfg.cluster, []
+    c, out = cfg.cluster, insane_values(Context(cfg))
     if cfg.eval.enabled and not cfg.convert.enabled:
         out.append("no eval stage: convert.enabled=false leaves no converted model to evaluate (eval=none "
                    "says so without this warning)")

@@ -53,7 +53,7 @@ def active_jobs(plan: Plan) -> list[str]:
     writer."""
     found: list[str] = []
     seen: set[str] = set()
-    data = _read(Path(plan.run_dir) / RUN_JSON)
+    data = launches.read(plan.run_dir)  # a damaged record is refused, never taken for an empty one
     last = len(launches.history(data))
     for n, stage, e in _latest_entries(data):
         state = live_state(str(e["job_id"]), e.get("executor", "slurm"))
@@ -83,9 +83,10 @@ def run_active(plan: Plan, active: list[str]) -> Problem:
 
 def record_outcomes(run_dir: str) -> None:
     """Before a new launch: the final job states of earlier launches (their jobs have all ended)."""
-    entries = _latest_entries(_read(Path(run_dir) / RUN_JSON))
+    data = launches.read(run_dir)
+    entries, cancelled = _latest_entries(data), launches.cancelled_ids(data)
     _, sa = query_slurm([str(e["job_id"]) for _, _, e in entries if e.get("executor", "slurm") == "slurm"])
-    states = {str(e["job_id"]): local_state(e) if e.get("executor") == "local"
+    states = {str(e["job_id"]): local_state(e, str(e["job_id"]) in cancelled) if e.get("executor") == "local"
               else sa.get(str(e["job_id"]), {}).get("state", "UNKNOWN") for _, _, e in entries}
     # a state accounting does not know yet is left out: a later launch records it
     launches.add_outcomes(run_dir, {j: st for j, st in states.items() if ended(st)})

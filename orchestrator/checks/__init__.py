@@ -101,7 +101,6 @@ CHECKS: tuple[Check, ...] = (
     Check("run", "pure", run.section_problems),
     Check("layout", "pure", layout.layout_problems),
     Check("run", "pure", run.warmup_problems),
-    Check("run", "pure", run.range_problems),
     Check("cluster", "pure", cluster.precision_problems),
     Check("cluster", "pure", cluster.cluster_problems),
     Check("cluster", "pure", cluster.site_problems),
@@ -125,6 +124,9 @@ CHECKS: tuple[Check, ...] = (
     Check("data", "world", data.reused_data_problems, "launch"),
     Check("checkpoints", "world", checkpoints.checkpoint_problems, "launch"),
     Check("container", "world", container.pyxis_problems, "launch"),
+    Check("cluster", "world", cluster.controller_problems, "launch"),
+    Check("run", "world", run.storage_problems, "launch"),
+    Check("checkpoints", "world", checkpoints.record_problems, "launch"),
     Check("checkpoints", "world", checkpoints.active_problems, "launch"),
 )
 

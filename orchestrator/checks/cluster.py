@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.hardware import HARDWARE, hardware, is_cpu, source
 from orchestrator.problems import Problem
+from orchestrator.queue import controller_unreachable
 from orchestrator.schema import ClusterConfig
 from trainer.devices import known_names
 
@@ -241,3 +242,17 @@ def task_problems(ctx: Context) -> list[Problem]:
                     f"differs from the {c.gpus_per_node} GPUs per node ({source(c, 'gpus_per_node')}): the "
                     f"trainer runs one rank per GPU, so {what}",
                     "cluster.tasks_per_node=null (one task per GPU); for fewer GPUs ask cluster.gpus")]
+
+
+def controller_problems(ctx: Context) -> list[Problem]:
+    """A Slurm cluster's controller must answer before anything is recorded or submitted (the dry run
+    asks too): otherwise the first ``sbatch`` fails with submitit's traceback."""
+    c = ctx.cfg.cluster
+    if c.executor != "slurm":
+        return []
+    why = controller_unreachable()
+    if not why:
+        return []
+    return [Problem("slurm_unreachable", "cluster", c.name, f"the Slurm controller does not answer ({why})",
+                    "check that slurmctld runs (scontrol ping) and that this machine's SLURM_CONF names its "
+                    "slurm.conf; or launch with cluster=local to run on this machine")]

@@ -2,8 +2,8 @@
 written where the page says a site folder may be, and every launch command of the page and of the README's
 summary run as a dry run through launch.py. Each must plan what the site can run: 4 GPUs per node on at
 most 2 nodes, the CPU stages on the site's CPU partition with slurm.yaml's stage time limit and NCCL
-settings kept, and no problem but the input files this machine does not have (and, for pyxis, an srun
-without the plugin). Sweeps (``-m``) are left out: their dry run is another issue's (37, item 3)."""
+settings kept, and no problem but what this machine cannot have (the input files, pyxis in srun, the
+site's Slurm controller). Sweeps (``-m``) are left out: their dry run is another issue's (37, item 3)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from tests.orchestrator.conftest import REPO
 from tests.orchestrator.sites import docs_site, site_file
 
 # What a dry run on this machine cannot have: the CodeParrot data, the tokenizer and the image are the
-# user's; pyxis is a plugin of the site's srun.
-ELSEWHERE = {"file_missing", "pyxis_missing"}
+# user's; pyxis is a plugin of the site's srun; the site's Slurm controller answers on the site only.
+ELSEWHERE = {"file_missing", "pyxis_missing", "slurm_unreachable"}
 
 
 def _commands() -> list[str]:

@@ -185,7 +185,9 @@ def online_or_offline(wandb_cfg) -> tuple[str, str | None]:
 class WandbLogger:
     """The W&B face of the trainer (a no-op on ranks other than 0 or when disabled)."""
 
-    def __init__(self, wandb_cfg, run_dir: str, run_id: str | None, config: dict, enabled: bool) -> None:
+    def __init__(self, wandb_cfg, run_dir: str, run_id: str | None, config: dict, enabled: bool,
+                 start: int = 0) -> None:
+        """``start``: the iteration this job resumes from (its checkpoint's)."""
         self.run = None
         self.id: str | None = None
         self.state_path = str(RunDir(run_dir).wandb_run)
@@ -196,13 +198,13 @@ class WandbLogger:
 
         state = _read_json(self.state_path)
         wid = state.get("id") or run_id or _new_run_id()
-        self.resume_after = int(state.get("last_step", -1))
         os.makedirs(run_dir, exist_ok=True)
         mode, fallback = online_or_offline(wandb_cfg)
+        resume, self.resume_after = _resume(wid, int(state.get("last_step", -1)), start, mode, run_dir)
         try:
             self.run = wandb.init(
                 mode=mode, project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
-                name=wandb_cfg.name, tags=wandb_cfg.tags or None, id=wid, resume="allow", dir=run_dir,
+                name=wandb_cfg.name, tags=wandb_cfg.tags or None, dir=run_dir, **resume,
                 config=config, settings=wandb.Settings(silent=True, console="off"))
         except Exception as e:  # noqa: BLE001 - W&B's own errors have no common base class
             raise WandbError(f"W&B could not start ({mode} mode, {type(e).__name__}: {e}); set "
@@ -258,6 +260,35 @@ class WandbLogger:
             except (Exception, SystemExit) as e:  # noqa: BLE001 - see above; teardown may sys.exit
                 log.warning("W&B: %s failed (%s: %s); the run's exit code stands (%d). Upload what was "
                             "written with `wandb sync`", what, type(e).__name__, e, exit_code)
+
+
+def can_rewind() -> bool:
+    """Whether the installed wandb can rewind a run (``wandb.init(resume_from="<id>?_step=<n>")``, beta
+    since wandb 0.17.1); only a W&B server applies it, so only online runs use it."""
+    import inspect
+
+    import wandb
+
+    return "resume_from" in inspect.signature(wandb.init).parameters
+
+
+def _resume(wid: str, last: int, start: int, mode: str, run_dir: str) -> tuple[dict, int]:
+    """How this job continues W&B run ``wid`` (wandb.init's arguments) and the last step it must not log
+    again. An earlier job may have logged past this job's checkpoint (a crash after logging, or a relaunch
+    from an earlier checkpoint): online, the run is rewound to ``start`` so W&B's history is what the
+    metrics file holds; otherwise those steps keep their earlier values, and the log says so."""
+    if start >= last:
+        return {"id": wid, "resume": "allow"}, last
+    if mode == "online" and can_rewind():
+        log.info("W&B: rewinding run %s to step %d: steps %d..%d logged by an earlier job are replaced by "
+                 "this job's", wid, start, start + 1, last)
+        return {"resume_from": f"{wid}?_step={start}"}, start
+    why = "an offline run cannot be rewound" if mode == "offline" else "this wandb cannot rewind a run"
+    log.warning("W&B: run %s already holds steps %d..%d, logged by an earlier job; this job resumes from "
+                "iteration %d and %s, so W&B keeps the earlier values of those steps and logs from step %d "
+                "on. %s holds this job's values for every step", wid, start + 1, last, start, why, last + 1,
+                RunDir(run_dir).metrics)
+    return {"id": wid, "resume": "allow"}, last
 
 
 def _new_run_id() -> str:
