@@ -28,6 +28,7 @@ from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED, RunFai
 from orchestrator.launches import RunRecordError
 from orchestrator.problems import PlanError
 from orchestrator.schema import register, to_typed
+from orchestrator.site import apply_site
 from orchestrator.submit import SubmitError
 
 register()
@@ -56,8 +57,12 @@ def main(cfg: DictConfig) -> None:
     # Every outcome ends here with Slipway's message and exit code: an exception escaping this function
     # would make Hydra print "Error executing job with overrides: [...]", every override (secrets too).
     try:
-        typed = to_typed(cfg, dict(HydraConfig.get().runtime.choices))
-        result = launch(typed, _sweep_info(), overrides=tuple(HydraConfig.get().overrides.task))
+        hc = HydraConfig.get()
+        choices, task = dict(hc.runtime.choices), tuple(hc.overrides.task)
+        # The site file's hardware wins over an experiment's (orchestrator/site.py); keys the schema does
+        # not have are refused, +key=value included (to_typed).
+        typed = to_typed(apply_site(cfg, choices, (*hc.overrides.hydra, *task)), choices)
+        result = launch(typed, _sweep_info(), overrides=task)
     except PlanError as err:
         sys.stderr.write(f"{err}\n")
         sys.exit(EXIT_PROBLEMS)

@@ -23,10 +23,11 @@ from orchestrator.cancel import Stops, cancel_interrupted, ignoring_stops
 from orchestrator.checks import Context, run_checks
 from orchestrator.checks.secrets import known_secrets
 from orchestrator.data_shares import corpus_shares, shares_table
-from orchestrator.estimate import fmt_duration, memory_table, options_table
+from orchestrator.estimate import memory_table, options_table
 from orchestrator.facts import PlanInputs, SweepInfo
 from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.plan import Plan, make_plan
+from orchestrator.plan_format import hardware_lines, layout_line, recipe_lines, time_lines
 from orchestrator.problems import PlanError
 from orchestrator.runs import (
     RUN_JSON,
@@ -114,30 +115,24 @@ def _data_prefixes(plan: Plan) -> list[str]:
 
 
 def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
-    lay, t = plan.layout, plan.time
-    unit = "GPU" if cfg.cluster.gpus_per_node else "CPU-task"
+    lay = plan.layout
     lines = [f"Slipway plan: experiment {plan.experiment}, run {plan.run_id}", f"  run dir: {plan.run_dir}"]
     if plan.sweep:
         lines.append(
             f"  sweep {plan.sweep.sweep_id} point {plan.sweep.point}: {' '.join(plan.sweep.overrides)}"
         )
     lines += [
-        f"  layout: {lay.nodes} node(s) × {lay.tasks_per_node} task(s) = world {lay.world} = "
-        f"tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; {lay.num_microbatches} micro-batch(es) of "
-        f"{cfg.train.micro_batch_size} per step",
-        f"  vocab {plan.vocab_size}, precision {cfg.train.precision}, {cfg.train.iters} iterations, "
-        f"{lay.global_batch * cfg.model.seq_length * cfg.train.iters / 1e9:.2f} B tokens",
+        layout_line(cfg, lay),
+        *recipe_lines(cfg, lay, plan.vocab_size),
         *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
+        "",
+        *hardware_lines(cfg),
         "",
         "Memory per device (the busiest pipeline stage):",
         memory_table(plan.memory, cfg.cluster.device_name),
         *options_table(plan.memory, plan.memory_options),
         "",
-        f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {cfg.cluster.mfu:.0%} MFU of "
-        f"{cfg.cluster.device_peak_tflops:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}: "
-        f"{t.step_s:.3f} s/iteration",
-        f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {unit}-hours ({cfg.cluster.device_name} × "
-        f"{lay.world}); first checkpoint after {fmt_duration(t.first_checkpoint_s)}",
+        *time_lines(cfg, plan),
         "",
         "Stages:",
     ]
@@ -145,6 +140,8 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         where = "shared cache" if s.shared else "run dir"
         deps = f" after {', '.join(s.depends_on)}" if s.depends_on else ""
         lines.append(f"  {s.name:<11} key {s.key}  {s.state_dir} ({where}){deps}")
+    if plan.warnings:
+        lines += ["", "Warnings:", *(f"  - {w}" for w in plan.warnings)]
     if plan.problems:
         lines += ["", f"PROBLEMS ({len(plan.problems)}) — nothing would be submitted:"]
         lines += [f"  - {p}" for p in plan.problems]
