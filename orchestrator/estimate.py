@@ -59,6 +59,9 @@ class MemoryEstimate:
         return self.device_bytes == 0 or self.total_bytes <= self.device_bytes
 
 
+NO_MEMORY = MemoryEstimate(0, 0, 0, 0, 0, 0, 0, 0)  # no estimate: the model's sizes are broken (PROBLEMS)
+
+
 def stage_params(cfg: SlipwayConfig, vocab: int) -> tuple[int, int]:
     """(parameters on the busiest stage's device, parameters of the whole model):
     :func:`trainer.formulas.stage_params` for this run's model, padded vocabulary and layout."""
@@ -117,6 +120,9 @@ class TimeEstimate:
     @property
     def known(self) -> bool:
         return math.isfinite(self.step_s)
+
+
+NO_TIME = TimeEstimate(math.nan, math.nan, 0.0, math.nan, math.nan, math.nan)  # see NO_MEMORY
 
 
 def exchange_seconds(cfg: SlipwayConfig, params: int, lay: Layout) -> tuple[float, float]:

@@ -23,11 +23,10 @@ from orchestrator.cancel import Stops, cancel_interrupted, ignoring_stops
 from orchestrator.checks import Context, run_checks
 from orchestrator.checks.secrets import known_secrets
 from orchestrator.data_shares import corpus_shares, shares_table
-from orchestrator.estimate import memory_table, options_table
 from orchestrator.facts import PlanInputs, SweepInfo
 from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.plan import Plan, make_plan
-from orchestrator.plan_format import hardware_lines, layout_line, recipe_lines, time_lines
+from orchestrator.plan_format import hardware_lines, layout_line, memory_lines, recipe_lines, time_lines
 from orchestrator.problems import PlanError
 from orchestrator.runs import (
     RUN_JSON,
@@ -44,6 +43,7 @@ from orchestrator.runs import (
     write_json,
 )
 from orchestrator.schema import SlipwayConfig
+from orchestrator.stages import get as stage_def
 from orchestrator.stages import preprocess
 from orchestrator.stages.train import NAME as TRAIN
 from orchestrator.stages.train import run_name
@@ -128,9 +128,7 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         "",
         *hardware_lines(cfg),
         "",
-        "Memory per device (the busiest pipeline stage):",
-        memory_table(plan.memory, cfg.cluster.device_name),
-        *options_table(plan.memory, plan.memory_options),
+        *memory_lines(cfg, plan),
         "",
         *time_lines(cfg, plan),
         "",
@@ -140,6 +138,8 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         where = "shared cache" if s.shared else "run dir"
         deps = f" after {', '.join(s.depends_on)}" if s.depends_on else ""
         lines.append(f"  {s.name:<11} key {s.key}  {s.state_dir} ({where}){deps}")
+        done = stage_def(s.name).complete(s)  # what a launch would not submit again (submit.py)
+        lines += [f"              no job: {done}"] if done else []
     if plan.warnings:
         lines += ["", "Warnings:", *(f"  - {w}" for w in plan.warnings)]
     if plan.problems:

@@ -19,6 +19,8 @@ from typing import Any
 from orchestrator.checks import Context, Estimates, run_checks
 from orchestrator.checks.run import insane_values
 from orchestrator.estimate import (
+    NO_MEMORY,
+    NO_TIME,
     MemoryEstimate,
     MemoryOption,
     TimeEstimate,
@@ -163,11 +165,13 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
     """Everything about a launch that can be known before submitting (no job is touched)."""
     lay = layout_of(cfg)
     vocab = resolve_vocab(cfg, facts)
-    mem = estimate_memory(cfg, vocab, lay)
-    est = estimate_time(cfg, vocab, lay)
+    # A model or layout whose own rules fail (a size of 0) has no estimate: its formulas divide by them.
+    sized = not cfg.model.problems() and not cfg.parallel.problems()
+    mem = estimate_memory(cfg, vocab, lay) if sized else NO_MEMORY
+    est = estimate_time(cfg, vocab, lay) if sized else NO_TIME
     estimates = None
     choices: list[MemoryOption] = []
-    if lay.dp and lay.num_microbatches:
+    if sized and lay.dp and lay.num_microbatches:
         choices = memory_options(cfg, vocab, lay)
         nowhere = not mem.fits and not any(o.memory.fits for o in choices)
         estimates = Estimates(mem, est, choices, smallest_replica(cfg, vocab) if nowhere else None)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from orchestrator.estimate import fmt_duration
+from orchestrator.estimate import NO_MEMORY, NO_TIME, fmt_duration, memory_table, options_table
 from orchestrator.hardware import hardware, is_cpu, source
 from orchestrator.layout import Layout
 from orchestrator.schema import SlipwayConfig
@@ -75,11 +75,20 @@ def hardware_lines(cfg: SlipwayConfig) -> list[str]:
     return lines
 
 
+def memory_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
+    """The memory table and the options beside it, or why there is none (the model's sizes are broken)."""
+    if plan.memory is NO_MEMORY:
+        return ["Memory: not estimated: the model or layout has problems (see PROBLEMS)"]
+    table = memory_table(plan.memory, cfg.cluster.device_name)
+    return ["Memory per device (the busiest pipeline stage):", table,
+            *options_table(plan.memory, plan.memory_options)]
+
+
 def time_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
     """The time estimate, or why there is none (a layout or device problem): never an ETA from nonsense."""
     lay, t, hw = plan.layout, plan.time, hardware(cfg)
-    if not lay.dp or not lay.num_microbatches:
-        return ["Time: not estimated: the layout has problems (see PROBLEMS)"]
+    if not lay.dp or not lay.num_microbatches or plan.time is NO_TIME:
+        return ["Time: not estimated: the model or layout has problems (see PROBLEMS)"]
     if not t.known:
         return [f"Time: not estimated: the device's peak is unknown ({hw.peak_tflops.source}; see PROBLEMS)"]
     unit = "GPU" if cfg.cluster.gpus_per_node else "CPU-task"
