@@ -14,6 +14,8 @@ import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from trainer.devices import find_gpu
+
 MFU_FILE = Path(__file__).resolve().parents[1] / "bench" / "results" / "mfu.json"
 FORMAT = "slipway-measured-mfu/1"
 LOOP, STEP = "trainer.run loop", "bench step"
@@ -65,8 +67,13 @@ def load_measured(path: Path | str = MFU_FILE) -> list[MeasuredMFU]:
 
 
 def _same_device(configured: str, measured: str) -> bool:
-    a, b = (s.lower().replace("nvidia", "").replace("-", " ").split() for s in (configured, measured))
-    return bool(a) and (set(a) <= set(b) or set(b) <= set(a))
+    """One GPU by the device table (trainer.devices: "H200" and "NVIDIA H200" are one entry); a name the
+    table lacks must match the measured one word for word (case and "NVIDIA" aside)."""
+    a, b = find_gpu(configured), find_gpu(measured)
+    if a is not None or b is not None:
+        return a == b
+    words = [set(s.lower().replace("nvidia", "").replace("-", " ").split()) for s in (configured, measured)]
+    return bool(words[0]) and words[0] == words[1]
 
 
 def measured_mfu(device_name: str, num_layers: int | None = None, hidden_size: int | None = None,

@@ -236,7 +236,7 @@ class LoggingConfig(Section):
             self.wandb = _build(WandbConfig, self.wandb, "logging.wandb")
 
     def problems(self) -> list[ConfigIssue]:
-        return positive("logging.peak_tflops", self.peak_tflops, allow_none=True)
+        return self.wandb.problems() + positive("logging.peak_tflops", self.peak_tflops, allow_none=True)
 
 
 @dataclass

@@ -101,6 +101,7 @@ class RunResult:
     skipped_iters: int = 0
     wandb_run_id: str | None = None
     kernel_check: dict | None = None  # the start-up self-check's record (trainer.ops.selfcheck)
+    reason: str = ""  # why a run that did not reach train.iters stopped, in one line (status shows it)
 
 
 def gpt_config(model: ModelConfig, vocab_size: int) -> ModelConfig:
@@ -282,7 +283,8 @@ def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, fac
                                                  "num_microbatches": m,
                                                  "kernel_check": b.kernel_check.record() if b.kernel_check
                                                  else None}}
-    logger = metrics.WandbLogger(cfg.logging.wandb, cfg.run_dir, cfg.run_id, wandb_config, ps.rank == 0)
+    logger = metrics.WandbLogger(cfg.logging.wandb, cfg.run_dir, cfg.run_id, wandb_config, ps.rank == 0,
+                                 state.iteration)
     padded = b.gpt.padded_vocab_size(ps.tp_size)
     flops = formulas.model_flops_per_iteration(b.gpt, b.global_batch_size, padded)
     peak = metrics.detect_peak_tflops(ps.device, cfg.logging.peak_tflops)
@@ -326,16 +328,19 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
         facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id)
         hb.iteration = state.iteration
         loop = _loop(cfg, b, state, hooks, facts, hb)  # the loop's progress ticks arm the hang watchdog
+        reason = ""
         try:
             code = train(loop, state, stop)
-        except NonFiniteError as e:
+        except NonFiniteError as e:  # raised before the failing iteration was counted
+            reason = f"training diverged at iteration {state.iteration + 1}: {e}"
             log.error("%s. Stopping without saving: the last good checkpoint in %s is intact. Lower "
-                      "optim.lr, check the data, or resume from an earlier iteration.", e, cfg.checkpoint.dir)
+                      "optim.lr, check the data, or resume from an earlier iteration.", reason,
+                      cfg.checkpoint.dir)
             code = EXIT_NONFINITE
     loop.wandb.finish(0 if code in (EXIT_OK, EXIT_REQUEUE) else code)
     check = b.kernel_check.record() if b.kernel_check and b.kernel_check.results else None
     return RunResult(code, state.iteration, loop.losses, loop.eval_losses, state.skipped_iters,
-                     loop.wandb.run_id, check)
+                     loop.wandb.run_id, check, reason)
 
 
 def _override(d: dict, item: str) -> None:
