@@ -76,22 +76,26 @@ def _same_device(configured: str, measured: str) -> bool:
     return bool(words[0]) and words[0] == words[1]
 
 
+DEFAULT_SETTINGS = ("csrc", "autocast")
+"""The kernels and recipe of a default run on CUDA (kernels=auto without apex, precision_recipe=auto)."""
+
+
+def rank(r: MeasuredMFU, num_layers: int | None = None, hidden_size: int | None = None) -> tuple:
+    """Sort key, best first, of the rows that describe a run: its shape (layers, hidden) first, else the
+    model closest in hidden size; the real loop before the bench step; the newest; the default settings
+    (and no deliberate per-step sync) before other rows; the higher MFU."""
+    same = num_layers is None or (num_layers, hidden_size) == (r.num_layers, r.hidden_size)
+    distance = abs(r.hidden_size - hidden_size) if hidden_size else 0
+    default = (r.kernels, r.recipe) == DEFAULT_SETTINGS and "sync every step" not in r.notes
+    return (not same, distance, r.what != LOOP, _neg_date(r.date), not default, -r.mfu)
+
+
 def measured_mfu(device_name: str, num_layers: int | None = None, hidden_size: int | None = None,
                  path: Path | str = MFU_FILE) -> MeasuredMFU | None:
-    """The committed figure for ``device_name`` (``cluster.device_name``: "H200" matches "NVIDIA H200"):
-    a run of the same shape (layers, hidden) first, else the measured model closest in hidden size; among
-    those the real loop before the bench step, then the newest date, then the higher MFU (the default
-    settings measured best). None when the device was never measured."""
+    """The committed figure for ``device_name`` (``cluster.device_name``: "H200" matches "NVIDIA H200"),
+    best by :func:`rank` for a run of the given shape; None when the device was never measured."""
     rows = [r for r in load_measured(path) if _same_device(device_name, r.device)]
-    if not rows:
-        return None
-
-    def rank(r: MeasuredMFU) -> tuple:
-        same = (num_layers, hidden_size) == (r.num_layers, r.hidden_size)
-        distance = abs(r.hidden_size - hidden_size) if hidden_size else 0
-        return (not same, distance, r.what != LOOP, _neg_date(r.date), -r.mfu)
-
-    return min(rows, key=rank)
+    return min(rows, key=lambda r: rank(r, num_layers, hidden_size)) if rows else None
 
 
 def _neg_date(date: str) -> tuple[int, ...]:
