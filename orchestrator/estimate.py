@@ -26,6 +26,7 @@ from orchestrator.hardware import hardware
 from orchestrator.layout import Layout
 from orchestrator.schema import SlipwayConfig
 from trainer import formulas
+from trainer.config.train import precision_recipe
 
 GIB = 1024**3
 
@@ -79,10 +80,19 @@ def activation_profile(cfg: SlipwayConfig) -> formulas.ActivationProfile:
     return profile.for_architecture(m)
 
 
+def sharded_masters(cfg: SlipwayConfig) -> bool:
+    """Whether the run keeps the distributed optimizer's layout (16-bit parameters, fp32 masters and moments
+    sharded over dp): ``optim.distributed``, or the ``master_weights`` precision recipe, which uses that
+    layout at any dp (trainer/config/train.py)."""
+    t = cfg.train
+    recipe = precision_recipe(t.precision, t.precision_recipe, cfg.optim.distributed)
+    return cfg.optim.distributed or recipe == "master_weights"
+
+
 def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstimate:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     params, _ = stage_params(cfg, vocab)
-    w_bytes, g_bytes, o_bytes = formulas.state_bytes_per_param(t.precision, cfg.optim.distributed,
+    w_bytes, g_bytes, o_bytes = formulas.state_bytes_per_param(t.precision, sharded_masters(cfg),
                                                                max(lay.dp, 1))
     tp, pp = max(p.tp_size, 1), max(p.pp_size, 1)
     in_flight = min(pp, lay.num_microbatches or pp)
@@ -134,8 +144,8 @@ def exchange_seconds(cfg: SlipwayConfig, params: int, lay: Layout) -> tuple[floa
     ``parallel.overlap_grad_reduce`` the gradient buckets go while the last micro-batch's backward still
     runs (about 2/3 of its compute); the weights' all-gather waits for the optimizer step."""
     t, c, dp = cfg.train, cfg.cluster, max(lay.dp, 1)
-    w_bytes, g_bytes, _ = formulas.state_bytes_per_param(t.precision, cfg.optim.distributed, dp)
-    if cfg.optim.distributed:
+    w_bytes, g_bytes, _ = formulas.state_bytes_per_param(t.precision, sharded_masters(cfg), dp)
+    if sharded_masters(cfg):
         grads = formulas.collective_seconds("reduce_scatter", params * g_bytes, dp, c.bus_bandwidth_gbps)
         weights = formulas.collective_seconds("all_gather", params * w_bytes, dp, c.bus_bandwidth_gbps)
     else:

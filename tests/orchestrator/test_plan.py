@@ -53,6 +53,15 @@ def test_distributed_optimizer_shards_the_state_over_dp():
     assert fp32.memory.optimizer_bytes == fp32.memory.params  # 8 / d with d = 8
 
 
+def test_the_master_weights_recipe_is_sized_as_the_trainer_keeps_it():
+    """train.precision_recipe=master_weights keeps the distributed optimizer's layout at any dp (bf16
+    parameters, fp32 masters and moments sharded over dp): the plan sizes that, not autocast's 16 bytes."""
+    _, plan = _plan(CP + ["train.precision_recipe=master_weights"])
+    m = plan.memory
+    assert (m.weights_bytes, m.grads_bytes, m.optimizer_bytes) == (2 * m.params, 4 * m.params,
+                                                                   int(12 * m.params / 8))
+
+
 def test_tensor_parallel_shards_memory():
     cfg1, p1 = _plan(CP)
     cfg2, p2 = _plan(CP + ["parallel.tp_size=2"])
