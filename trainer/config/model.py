@@ -147,8 +147,6 @@ class ModelConfig(Section):
         Megatron's --use-checkpoint-args and Slipway's converters read back)."""
         return {
             "position_embedding_type": MEGATRON_POSITION[self.position_embedding],
-            "add_position_embedding": self.position_embedding == "learned",
-            "use_rotary_position_embeddings": self.position_embedding == "rope",
             "rotary_base": self.rotary_base, "rotary_percent": self.rotary_percent,
             "normalization": MEGATRON_NORMALIZATION[self.normalization], "norm_epsilon": self.norm_epsilon,
             "swiglu": self.activation == "swiglu", "add_bias_linear": self.add_bias_linear,

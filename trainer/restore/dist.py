@@ -27,11 +27,10 @@ import torch
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.dist_write import Piece, save_dist_checkpoint
-from trainer.checkpoint.files import DIST_COMMON, CheckpointError, arg
+from trainer.checkpoint.files import CheckpointError, arg
 from trainer.convert import dist as dist_ckpt
 from trainer.convert import names
 from trainer.convert.mcore import EXTRA, LEGACY_PREFIX, LINEARS, normalise_names, untied_head
-from trainer.convert.shard_io import load_shard
 from trainer.log import get_logger
 from trainer.model.names import nest, renumber
 from trainer.parallel import ParallelModel
@@ -159,7 +158,7 @@ def restore_dist(iter_dir: Path, model: ParallelModel, parts: Restorable | None)
     """A torch_dist checkpoint Slipway wrote, at any (tp, pp, dp): weights, and with ``parts`` the Adam
     state, schedule, loss scaler, counters and (at the saved layout: they belong to its ranks) the RNG
     states, so that a resume at the saved layout continues bit for bit."""
-    common = load_shard(iter_dir / DIST_COMMON)
+    common = dist_ckpt.read_common(iter_dir)
     extra = common.get("slipway") or {}
     if parts is not None and "optimizer_step" not in extra:
         raise CheckpointError(f"{iter_dir} is a torch_dist checkpoint without Slipway's optimizer state "

@@ -16,7 +16,7 @@ architecture's fixed values), with the run's own facts added:
     seed, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters, weight_decay, adam_beta1,
     adam_beta2, adam_eps, clip_grad, tokenizer_type, vocab_file, merge_file, tokenizer_model (the
     HuggingFaceTokenizer directory, Megatron's name), eod_token_id, data_path,
-    split, kernels, attention_backend, run_id, run_dir, slipway_version.
+    split, kernels, slipway_attention_backend, run_id, run_dir, slipway_version.
 
 With interleaving the shard holds ``model0`` … ``model{v-1}`` instead of ``model`` (Megatron's layout,
 :mod:`trainer.checkpoint.chunks`). Checkpoints of older Slipway versions carry a dict; everything here
@@ -106,7 +106,8 @@ def checkpoint_args(gpt: ModelConfig, model: ParallelModel, facts: RunFacts,
         "vocab_file": tok["vocab_file"], "merge_file": tok["merge_file"], "eod_token_id": facts.eod_token_id,
         "tokenizer_model": tok.get("model"),
         "data_path": list(c["data"]["paths"]), "split": c["data"]["split"], "kernels": c["kernels"],
-        "attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
+        # Not Megatron's attention_backend (an AttnBackend enum since core_v0.11): Slipway's own choice.
+        "slipway_attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
         "slipway_version": trainer.__version__,
         "use_distributed_optimizer": bool(o.get("distributed", False)),
         # The distributed optimizer keeps 16-bit weights (the fp32 masters are in distrib_optim.pt).

@@ -36,7 +36,6 @@ from trainer.checkpoint.files import config_differences
 from trainer.checks import ConfigError
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig
 from trainer.convert import dist as dist_ckpt
-from trainer.convert.shard_io import load_shard
 from trainer.convert.spec import unsupported_options
 from trainer.log import get_logger
 from trainer.metrics_file import metrics_path, truncate_after
@@ -176,7 +175,7 @@ def _load_checkpoint(plan: tuple[str, int, bool], gpt: ModelConfig, model: Paral
     ckpt_dir, iteration, model_only = plan
     iter_dir = Path(ckpt.iter_path(ckpt_dir, iteration))
     if dist_ckpt.is_dist(iter_dir):  # Megatron-core's torch_dist: Megatron-LM's (weights only) or Slipway's
-        _check_model(load_shard(iter_dir / dist_ckpt.COMMON).get("args"), gpt, ckpt_dir, iteration)
+        _check_model(dist_ckpt.read_common(iter_dir).get("args"), gpt, ckpt_dir, iteration)
         return restore_merged(iter_dir, model) if model_only else restore_dist(iter_dir, model, parts)
     tp, pp, args = ckpt.saved_layout(ckpt_dir, iteration)
     _check_model(args, gpt, ckpt_dir, iteration)
