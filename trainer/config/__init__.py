@@ -271,7 +271,7 @@ class RunConfig(Section):
     def problems(self) -> list[ConfigIssue]:
         """Every broken rule of every section (each section also raises its own when built)."""
         out = [i for name in _SECTIONS for i in getattr(self, name).problems()]
-        out += self.model.pp_issues(self.parallel.pp_size)  # needs two sections
+        out += self.parallel.layer_issues(self.model.num_layers)  # needs two sections
         return out + choice("kernels", self.kernels, KERNEL_SETS)
 
     @classmethod

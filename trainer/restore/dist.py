@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import protocol as ckpt
-from trainer.checkpoint.chunks import virtual_size
+from trainer.checkpoint.chunks import saved_split
 from trainer.checkpoint.dist_write import Piece, save_dist_checkpoint
 from trainer.checkpoint.files import CheckpointError, arg
 from trainer.convert import dist as dist_ckpt
@@ -145,7 +145,8 @@ def _restore_rng(iter_dir: Path, args: Any, model: ParallelModel) -> None:
     ps = model.pstate
     saved = tuple(arg(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                          "data_parallel_size"))
-    if saved != (ps.tp_size, ps.pp_size, ps.dp_size) or virtual_size(args) != len(model.chunks):
+    split = saved_split(args)
+    if saved != (ps.tp_size, ps.pp_size, ps.dp_size) or split != model.pcfg.split(split.num_layers):
         log.warning("the checkpoint was saved at (tp, pp, dp) = %s, this run is (%d, %d, %d): its RNG states "
                     "are not restored, so dropout masks differ from an uninterrupted run's", saved,
                     ps.tp_size, ps.pp_size, ps.dp_size)
