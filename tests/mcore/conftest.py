@@ -1,7 +1,7 @@
-"""The model checks' shared fixtures: every Slipway run they read, trained once (one spawn per tp), and
-per megatron-core version one subprocess that runs all of test_model's and test_llama's Megatron jobs
-(``model_cases``). Session-scoped and parametrised by version, so pytest runs each version's tests of
-both modules together and the subprocess once per version."""
+"""The model checks' shared fixtures: every Slipway run they read, trained once (one spawn per world
+size), and per megatron-core version one subprocess that runs all of test_model's, test_llama's and
+test_megatron_lm's Megatron jobs (``model_cases``). Session-scoped and parametrised by version, so
+pytest runs each version's tests of these modules together and the subprocess once per version."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def model_runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mcore_runs")
     data = write_dataset(str(root / "data"))
     configs = model_cases.run_configs(root, data)
-    for tp in sorted({tp for tp, _ in configs.values()}):
-        spawn(tp, str(root), model_cases.train, *[cfg for t, cfg in configs.values() if t == tp])
+    for world in sorted({w for w, _ in configs.values()}):
+        spawn(world, str(root), model_cases.train, *[cfg for w, cfg in configs.values() if w == world])
     return {name: root / name / "checkpoints" / f"iter_{model_cases.ITERS:07d}" for name in configs}
 
 

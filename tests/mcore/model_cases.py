@@ -68,6 +68,7 @@ EXPORT_LLAMA = {**LLAMA, **EXPORT_GPT, "ffn_hidden_size": 128}
 # the 16-bit arithmetic, not the weights: a swapped pair of lightly trained norms moved the logits by only
 # 5e-3, which the exact (fp32 twin, 1e-5) checks catch and this one would not.
 LOW_REL = {"bf16": 2.0 ** -5, "fp16": 2.0 ** -8}
+GPT2 = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
 # Megatron's uneven pipeline split (--decoder-first-pipeline-num-layers 1): 3 layers on 2 stages as 1 + 2.
 UNEVEN = {"layers": 3, "pp": 2, "first": 1}
 FIXTURE_TOKENIZER = {"vocab_file": str(TOKENIZER / "vocab.json"), "merge_file": str(TOKENIZER / "merges.txt")}
@@ -93,9 +94,9 @@ def train(rank: int, *cfgs: dict) -> None:
 
 
 def run_configs(root: Path, data: str) -> dict[str, tuple[int, dict]]:
-    """name -> (tp, config) of every Slipway run the model checks read; the run lives in ``root/name``.
+    """name -> (world size, config) of every Slipway run the model checks read, in ``root/name``.
     GPT-2 ``mcore{tp}`` (Megatron-core names, torch format) and ``dist{tp}`` (checkpoint.format=
-    torch_dist; deterministic, so the same weights); the Llama runs of LLAMA_RUNS; LOW_RUNS."""
+    torch_dist; deterministic, so the same weights); the Llama runs of LLAMA_RUNS; LOW_RUNS; ``uneven``."""
     tokenizer = write_tokenizer(root / "tokenizer")
     runs = {}
     for tp in (1, 2):
@@ -105,6 +106,13 @@ def run_configs(root: Path, data: str) -> dict[str, tuple[int, dict]]:
                 model={"hidden_dropout": 0.0, "attention_dropout": 0.0},
                 train={"micro_batch_size": 2, "global_batch_size": 2, "iters": ITERS, "eval_interval": None},
                 checkpoint={"format": fmt}, tokenizer=tokenizer, run_id=f"{fmt}-tp{tp}"))
+    # Megatron's uneven split in a Slipway run (3 layers as 1 + 2 on 2 stages; world 2: the tp 2 spawn).
+    runs["uneven"] = (2, tiny_config(
+        str(root / "uneven"), data, parallel={"tp_size": 1, "pp_size": UNEVEN["pp"],
+                                              "first_stage_layers": UNEVEN["first"]},
+        model={**GPT2, "num_layers": UNEVEN["layers"]},
+        train={"micro_batch_size": 1, "global_batch_size": 2, "iters": ITERS, "eval_interval": None},
+        checkpoint={"format": "mcore"}, tokenizer=tokenizer, run_id="mcore-uneven"))
     for name, (tp, precision) in {**LLAMA_RUNS, **LOW_RUNS}.items():
         model = LLAMA if name in LLAMA_RUNS else {"hidden_dropout": 0.0, "attention_dropout": 0.0}
         runs[name] = (tp, tiny_config(
@@ -155,8 +163,10 @@ class Jobs:
         iter_dir = self.runs[run]
         dist = run.startswith("dist")
         if self.lm:
-            argv = megatron_lm_argv(model, tp, run_tokenizer(self.runs), precision)
-            return {"tp": tp, "argv": [*argv, "--ckpt-format", "torch_dist" if dist else "torch"],
+            argv = megatron_lm_argv(model, tp, run_tokenizer(self.runs), precision, model.get("pp", 1),
+                                    model.get("first_stage_layers"))
+            return {"tp": tp, "pp": model.get("pp", 1),
+                    "argv": [*argv, "--ckpt-format", "torch_dist" if dist else "torch"],
                     "load": str(iter_dir.parent), "args_out": str(self.out / f"{name}.json"),
                     "compare": sorted(vars(slipway_args(iter_dir))), **self._forward(name),
                     **({"common_probe": str(iter_dir)} if dist else {})}
@@ -185,26 +195,24 @@ def slipway_args(iter_dir: Path):
 
     if (iter_dir / DIST_METADATA).is_file():
         return read_common(iter_dir)["args"]
-    return load_shard(Path(_shards(iter_dir, 1)[0]))["args"]
-
-
-GPT2 = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
+    return load_shard(min(iter_dir.glob("mp_rank_00*")) / "model_optim_rng.pt")["args"]
 
 
 def gpt_jobs(version: str, out: Path, ids: Path, runs: dict[str, Path]) -> list[dict]:
     """Megatron loads the GPT-2 runs at tp 1 and 2 (``in_tp{tp}``), the torch_dist runs crosswise
     (``dist_s{saved}_m{megatron}``) and the fp16 run (``in_fp16``), and saves its own weights at tp 2
-    (``export``; ``export_fp16`` under --fp16, in --ckpt-format torch: the format is the other export's)."""
+    (``export``; ``export_fp16`` under --fp16, in --ckpt-format torch: the format is the other export's).
+    Megatron-LM (HAS_TRAINING) also saves and loads the uneven split (``uneven``, ``in_uneven``)."""
     j = Jobs(version, out, ids, runs)
     jobs = [j.load(f"in_tp{tp}", f"mcore{tp}", tp, GPT2) for tp in (1, 2)]
     jobs += [j.load(f"dist_s{stp}_m{mtp}", f"dist{stp}", mtp, GPT2) for stp, mtp in DIST_LAYOUTS]
     jobs.append(j.load("in_fp16", "gpt_fp16", 2, GPT2, "fp16"))
     jobs.append(j.save("export", EXPORT_GPT, 2, gpt_export_args(version)))
     jobs.append(j.save("export_fp16", EXPORT_GPT, 2, gpt_export_args(version), "torch", "fp16"))
-    if j.lm:  # Megatron-LM's uneven pipeline split, saved at its own layout (pp 2)
-        uneven = {**EXPORT_GPT, "num_layers": UNEVEN["layers"], "pp": UNEVEN["pp"],
-                  "first_stage_layers": UNEVEN["first"]}
-        jobs.append({**j.save("uneven", uneven, 1, {}, "torch"), "tp": 1})
+    if j.lm:  # Megatron-LM's uneven pipeline split both ways, at its own layout (pp 2)
+        split = {"num_layers": UNEVEN["layers"], "pp": UNEVEN["pp"], "first_stage_layers": UNEVEN["first"]}
+        jobs.append(j.save("uneven", {**EXPORT_GPT, **split}, 1, {}, "torch"))
+        jobs.append(j.load("in_uneven", "uneven", 1, {**GPT2, **split}))
     return jobs
 
 

@@ -35,9 +35,9 @@ RUN_FIELDS = {"consumed_train_samples", "consumed_valid_samples", "micro_batch_s
               "vocab_size"}
 # Loads at another tp than the save (torch_dist): the layout is the load's, not the checkpoint's.
 LAYOUT_FIELDS = {"tensor_model_parallel_size", "padded_vocab_size"}
-LOADS = {"gpt": ["in_tp1", "in_tp2", "in_fp16", *(f"dist_s{s}_m{m}" for s, m in DIST_LAYOUTS)],
+LOADS = {"gpt": ["in_tp1", "in_tp2", "in_fp16", "in_uneven", *(f"dist_s{s}_m{m}" for s, m in DIST_LAYOUTS)],
          "llama": ["in_tp1", "in_tp2", "in_bf16"]}
-RUN_OF = {"in_tp1": "mcore1", "in_tp2": "mcore2", "in_fp16": "gpt_fp16",
+RUN_OF = {"in_tp1": "mcore1", "in_tp2": "mcore2", "in_fp16": "gpt_fp16", "in_uneven": "uneven",
           **{f"dist_s{s}_m{m}": f"dist{s}" for s, m in DIST_LAYOUTS}}
 
 
@@ -86,6 +86,23 @@ def test_slipways_args_are_what_megatron_lms_parser_gives(model_runs, megatron_l
         compared += len(set(vars(saved)) & set(read["fields"]) - skip)
     print(f"MATRIX {version} args {family}: {compared} fields equal over {len(LOADS[family])} loads")
     assert compared > 20 * len(LOADS[family])
+
+
+def test_megatron_lm_loads_slipways_uneven_run_at_its_layout(model_runs, megatron_lm):
+    """A Slipway run at pp=2 with parallel.first_stage_layers=1 (3 layers as 1 + 2): Megatron-LM's
+    load_checkpoint (strict, --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1) fills
+    its two stages, and their logits are Slipway's."""
+    from trainer.convert.reference import SlipwayGPTSource
+    from trainer.convert.shards import load_merged
+    from trainer.convert.spec import spec_from_checkpoint
+
+    version, out, ids = megatron_lm
+    merged = load_merged(model_runs["uneven"], ITERS)
+    spec = spec_from_checkpoint(merged.args, merged.state, merged.checkpoint_version, None)
+    ours = torch.stack([SlipwayGPTSource(merged.state, spec).logits(row) for row in ids])
+    diff = _diff(out / "gpt" / "in_uneven.npy", ours)
+    print(f"MATRIX {version} uneven in pp2 {diff:.2e}")
+    assert diff <= 1e-5, f"megatron-core {version}: logits {diff:.3g} from Slipway's"
 
 
 def test_megatron_lms_uneven_pipeline_checkpoint_converts(tmp_path, megatron_lm):
