@@ -1,6 +1,6 @@
-"""The Megatron side of the oracle tests: run as ``python -m tests.mcore.checks NAME JSON_KWARGS`` by
-``harness.run_check`` with one megatron-core version on ``sys.path``. Only Megatron's code computes here;
-results go to the files named in the kwargs and one JSON line on stdout.
+"""The Megatron side of the oracle tests: run as ``python -m tests.mcore.checks --serve`` (a worker,
+``harness.run_check``) or ``NAME JSON_KWARGS`` with one megatron-core version on ``sys.path``. Only
+Megatron's code computes here; results go to the files named in the kwargs and one JSON line on stdout.
 
 Nothing from ``trainer`` is imported: the expected side must not share code with what it checks.
 """
@@ -266,6 +266,7 @@ def model(jobs: list[dict], store: str) -> dict:
 
     if any("argv" in job for job in jobs):  # Megatron-LM's training side, once before the forks
         from megatron.training import checkpointing, training  # noqa: F401
+    _results_queue_once()
 
     dist = [job.get("dist_dir") or job["common_probe"] for job in jobs
             if {"dist_dir", "common_probe"} & set(job)]
@@ -277,6 +278,21 @@ def model(jobs: list[dict], store: str) -> dict:
         mp.start_processes(_rank, args=(world, f"{store}{i}", job), nprocs=world, start_method="fork")
         seconds.append(round(time.monotonic() - start, 2))
     return {"jobs": len(jobs), "seconds": seconds, "common_as_is": as_is}
+
+
+def _results_queue_once() -> None:
+    """dist_checkpointing's torch_dist writer collects its write results through a multiprocessing
+    Manager queue (module global ``_results_queue``), which it starts on first use by *spawning* a server
+    (a fresh interpreter, which then imports torch to unpickle the first results: 3-5 s on this CPU),
+    once per process, so once per forked rank. Here one is started once before the forks, by fork (the
+    server is a copy of this process, torch already imported), and every rank inherits it (a proxy
+    reconnects after a fork). The queue and what goes through it are the same."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", False) is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
 def _common_as_is(iter_dir: str) -> str:
@@ -328,11 +344,28 @@ CHECKS = {"indexed": indexed, "gpt_datasets": gpt_datasets, "data": data, "model
 
 
 def main(argv: list[str]) -> int:
+    """``NAME JSON_KWARGS``: one check, its result on stdout's last line. ``--serve``: every request line
+    of stdin ({"check", "kwargs"}) in turn, each answer on a line that starts with versions.RESULT (an
+    exception is answered with its traceback); ends with stdin."""
+    import traceback
+
     import megatron.core
 
-    name, kwargs = argv[0], json.loads(argv[1])
-    result = CHECKS[name](**kwargs)
-    print(json.dumps({"megatron_core": megatron.core.__version__, **result}))
+    from tests.mcore.versions import RESULT
+
+    if argv[:1] != ["--serve"]:
+        name, kwargs = argv[0], json.loads(argv[1])
+        print(json.dumps({"megatron_core": megatron.core.__version__, **CHECKS[name](**kwargs)}))
+        return 0
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            answer = {"megatron_core": megatron.core.__version__,
+                      **CHECKS[request["check"]](**request["kwargs"])}
+        except Exception:  # noqa: BLE001 - the harness reports it with the check's name
+            answer = {"error": traceback.format_exc()}
+        sys.stdout.write(RESULT + json.dumps(answer) + "\n")
+        sys.stdout.flush()
     return 0
 
 

@@ -62,6 +62,7 @@ EXPORT_FORMAT = {"0.8.0": "torch", "0.10.0": "torch"}
 COMMON_NEEDS_NAMESPACE = ("0.8.0", "0.10.0")
 
 STAMP = ".installed"
+RESULT = "@@mcore-check-result@@ "  # a check worker's answer line (Megatron prints to stdout too)
 
 
 def target(version: str) -> Path:
