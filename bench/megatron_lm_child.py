@@ -38,9 +38,10 @@ def _cpu_patches() -> list[str]:
     6. ``argparse.Namespace`` allowed by ``torch.load(weights_only=True)``, torch ≥ 2.6's default, which
        core_v0.8.0 predates ("Unsupported global: GLOBAL argparse.Namespace"; load_checkpoint prints it
        and exits with status 0): a checkpoint's ``args``. Slipway's are plain values, nothing else.
-    7. ``torch.cuda.get_device_properties`` describes a compute capability 9.0 device: from core_v0.19
-       ``validate_args`` asks the architecture with tp > 1 ("Found no NVIDIA driver"); 9.0 keeps the
-       pre-Blackwell rule (CUDA_DEVICE_MAX_CONNECTIONS=1, which the parent exports).
+    7. ``torch.cuda.get_device_properties`` describes a compute capability 9.0 device where the tag's
+       ``validate_args`` asks the architecture with tp > 1 (core_v0.16 on; "Found no NVIDIA driver" at
+       core_v0.19.0's tp 2); 9.0 keeps the pre-Blackwell rule (CUDA_DEVICE_MAX_CONNECTIONS=1, which the
+       parent exports).
     """
     import argparse as _argparse
     import contextlib
@@ -70,13 +71,14 @@ def _cpu_patches() -> list[str]:
 
     torch.tensor = cpu_tensor
     torch.serialization.add_safe_globals([_argparse.Namespace])
-    torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(major=9, minor=0, name="cpu")
+    if "get_device_arch_version" in Path("megatron/training/arguments.py").read_text():  # core_v0.19
+        torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(major=9, minor=0, name="cpu")
+        names.append("get_device_properties → sm 9.0")
     from megatron.core import tensor_parallel
 
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     return names + ["CUDA RNG tracker fork → no-op", "current_device → cpu", ".cuda() → identity",
-                    "torch.tensor(device=cuda) → cpu", "weights_only: allow Namespace",
-                    "get_device_properties → sm 9.0"]
+                    "torch.tensor(device=cuda) → cpu", "weights_only: allow Namespace"]
 
 
 def _triton_stand_in() -> list[str]:
