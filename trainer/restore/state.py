@@ -10,7 +10,9 @@ architecture's fixed values), with the run's own facts added:
     the architecture (ModelConfig.megatron_architecture: norm_epsilon, rope, RMSNorm, SwiGLU, GQA, biases,
     untied head), hidden_dropout, attention_dropout, init_method_std, tensor_model_parallel_size,
     pipeline_model_parallel_size, virtual_pipeline_model_parallel_size and
-    num_layers_per_virtual_pipeline_stage (None without interleaving), data_parallel_size, world_size,
+    num_layers_per_virtual_pipeline_stage (None without interleaving), decoder_first/last_pipeline_num_layers
+    and num_virtual_stages_per_pipeline_rank (Megatron's uneven split; None when even), data_parallel_size,
+    world_size,
     sequence_parallel, micro_batch_size, global_batch_size, train_iters, iteration,
     consumed_train_samples, consumed_valid_samples, fp16, bf16,
     seed, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters, weight_decay, adam_beta1,
