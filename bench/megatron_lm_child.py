@@ -39,7 +39,7 @@ def _cpu_patches() -> list[str]:
        core_v0.8.0 predates ("Unsupported global: GLOBAL argparse.Namespace"; load_checkpoint prints it
        and exits with status 0): a checkpoint's ``args``. Slipway's are plain values, nothing else.
     7. ``torch.cuda.get_device_properties`` describes a compute capability 9.0 device where the tag's
-       ``validate_args`` asks the architecture with tp > 1 (core_v0.16 on; "Found no NVIDIA driver" at
+       ``validate_args`` asks the architecture with tp > 1 (core_v0.13 on; "Found no NVIDIA driver" at
        core_v0.19.0's tp 2); 9.0 keeps the pre-Blackwell rule (CUDA_DEVICE_MAX_CONNECTIONS=1, which the
        parent exports).
     """
