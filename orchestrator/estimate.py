@@ -69,7 +69,15 @@ def stage_params(cfg: SlipwayConfig, vocab: int) -> tuple[int, int]:
     m, p = cfg.model, cfg.parallel
     tp, pp = max(p.tp_size, 1), max(p.pp_size, 1)
     padded = formulas.padded_vocab_size(vocab, tp, m.make_vocab_size_divisible_by)
-    return formulas.stage_params(m, padded, tp, pp)
+    return formulas.stage_params(m, padded, tp, pp, stage_layers(cfg))
+
+
+def stage_layers(cfg: SlipwayConfig) -> list[int]:
+    """Layers on each pipeline stage (ParallelConfig.split: even, or Megatron's uneven split); a split
+    that cannot be counts num_layers // pp each (its own problem is reported: pp_layers)."""
+    m, pp = cfg.model, max(cfg.parallel.pp_size, 1)
+    split = cfg.parallel.split(m.num_layers, 1)
+    return [m.num_layers // pp] * pp if split.problem() else split.stage_counts()
 
 
 def activation_profile(cfg: SlipwayConfig) -> formulas.ActivationProfile:
@@ -95,9 +103,12 @@ def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstima
     w_bytes, g_bytes, o_bytes = formulas.state_bytes_per_param(t.precision, sharded_masters(cfg),
                                                                max(lay.dp, 1))
     tp, pp = max(p.tp_size, 1), max(p.pp_size, 1)
-    in_flight = min(pp, lay.num_microbatches or pp)
+    # 1F1B: stage r keeps up to p − r micro-batches in flight; with an uneven split the busiest stage is
+    # the one whose layers × micro-batches is largest.
+    in_flight, layers = max(((min(pp - r, lay.num_microbatches or pp), n)
+                             for r, n in enumerate(stage_layers(cfg))), key=lambda f: f[0] * f[1])
     per_microbatch = formulas.stage_activation_bytes(
-        m.num_layers // pp, m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, tp,
+        layers, m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, tp,
         p.sequence_parallel, t.recompute_granularity, t.recompute_method, t.recompute_num_layers,
         activation_profile(cfg))
     interleave = formulas.interleaved_memory_factor(pp, p.virtual_pp_size)
@@ -164,7 +175,7 @@ def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
     mb = max(lay.num_microbatches, 1)
     # The step takes (1 + bubble) times the ideal compute (performance.md), interleaving included.
     bubble = formulas.bubble_fraction(lay.pp, mb, cfg.parallel.virtual_pp_size)
-    t, layers = cfg.train, m.num_layers // max(cfg.parallel.pp_size, 1)
+    t, layers = cfg.train, max(stage_layers(cfg))  # the slowest stage sets the pace
     recompute = formulas.recompute_time_factor(t.recompute_granularity, m.seq_length, m.hidden_size, layers,
                                                t.recompute_method, t.recompute_num_layers)
     compute = flops * recompute / rate

@@ -244,3 +244,29 @@ def test_no_data_at_all_is_a_plan_problem_not_a_crash(tmp_path):
                                  "dry_run=true"]), out=io.StringIO())
     assert {p.code for p in result.plan.problems} == {"data_missing", "tokenizer_missing"}
     assert result.plan.stage("eval").job.heldout_prefix is None
+
+
+def test_an_uneven_pipeline_split_plans_and_sizes_its_busiest_stage():
+    """Megatron's uneven split (parallel.first_stage_layers): 13 layers do not split evenly over 4 stages,
+    1 + 4 + 4 + 4 and 4 + 3 + 3 + 3 do. Memory follows the busiest stage: stage r keeps p − r micro-batches
+    in flight, so 4 + 3 + 3 + 3 holds 4 layers × 4 on the first stage (16 layer-micro-batches, vs 3 × 4 at
+    the even 12-layer split), while with 1 + 4 + 4 + 4 the busiest is the second (4 × 3 = 12) and the
+    last stage, not the first, holds the most parameters."""
+    from orchestrator.checks import Context, run_checks
+
+    def cfg(*o: str):
+        return compose_cfg(CP + ["parallel.pp_size=4", *o])
+
+    def codes(c) -> set[str]:
+        return {p.code for p in run_checks(Context(c, exists=lambda p: True), at="plan")}
+
+    light, heavy = cfg("model.num_layers=13", "parallel.first_stage_layers=1"), cfg(
+        "model.num_layers=13", "parallel.first_stage_layers=4")
+    assert not {"pp_layers", "uneven_pp", "vpp_layers"} & (codes(light) | codes(heavy))
+    assert "pp_layers" in codes(cfg("model.num_layers=13"))
+    base = estimate_memory(cfg(), 32768, layout_of(cfg())).activations_bytes
+    assert estimate_memory(light, 32768, layout_of(light)).activations_bytes == base
+    assert estimate_memory(heavy, 32768, layout_of(heavy)).activations_bytes == base * 16 // 12
+    per_layer = stage_params(compose_cfg(CP + ["model.num_layers=13"]), 32768)[1] - stage_params(
+        compose_cfg(CP), 32768)[1]
+    assert stage_params(light, 32768)[0] == 4 * per_layer + 32768 * 768 + 2 * 768  # head copy, final norm

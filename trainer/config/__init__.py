@@ -282,7 +282,7 @@ class RunConfig(Section):
     def problems(self) -> list[ConfigIssue]:
         """Every broken rule of every section (each section also raises its own when built)."""
         out = [i for name in _SECTIONS for i in getattr(self, name).problems()]
-        out += self.model.pp_issues(self.parallel.pp_size)  # needs two sections
+        out += self.parallel.layer_issues(self.model.num_layers)  # needs two sections
         out += recipe_issues(self.train, self.optim)
         if self.kernels == "compile_layer" and self.train.recompute_granularity == "selective":
             out.append(issue("compile_layer", "train.recompute_granularity", "selective",

@@ -141,7 +141,7 @@ def build_model(cfg: ModelConfig, pcfg: ParallelConfig, pstate: ParallelState, s
     chunks = []
     for chunk in range(pcfg.virtual_pp_size):
         with torch.device("meta"):  # no memory until this rank's shard is materialised
-            spec = stage_spec(cfg.num_layers, pstate.pp_rank, pstate.pp_size, pcfg.virtual_pp_size, chunk)
+            spec = stage_spec(pcfg.split(cfg.num_layers), pstate.pp_rank, chunk)
             module = GPT(cfg, spec, cfg.padded_vocab_size(pstate.tp_size), kernel_set)
             apply_tensor_parallel(module, pstate, pcfg.sequence_parallel, tracker)
         recompute_model(module, recompute, tracker)

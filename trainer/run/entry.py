@@ -31,13 +31,12 @@ import torch.distributed as dist
 from trainer import formulas, health, testing_hooks
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
-from trainer.checkpoint.chunks import virtual_size
+from trainer.checkpoint.chunks import saved_split
 from trainer.checkpoint.files import config_differences
 from trainer.checks import ConfigError
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig
 from trainer.config.train import precision_recipe, recipe_line
 from trainer.convert import dist as dist_ckpt
-from trainer.convert.shard_io import load_shard
 from trainer.convert.spec import unsupported_options
 from trainer.log import get_logger
 from trainer.metrics_file import metrics_path, truncate_after
@@ -62,7 +61,6 @@ from trainer.restore.state import (
     restore_merged,
     restore_resharded,
     restore_same_layout,
-    uneven_split,
 )
 from trainer.run import metrics
 from trainer.run.data import DataShape, build_data, resolve_vocab
@@ -180,19 +178,13 @@ def _load_checkpoint(plan: tuple[str, int, bool], gpt: ModelConfig, model: Paral
     ckpt_dir, iteration, model_only = plan
     iter_dir = Path(ckpt.iter_path(ckpt_dir, iteration))
     if dist_ckpt.is_dist(iter_dir):  # Megatron-core's torch_dist: Megatron-LM's (weights only) or Slipway's
-        _check_model(load_shard(iter_dir / dist_ckpt.COMMON).get("args"), gpt, ckpt_dir, iteration)
+        _check_model(dist_ckpt.read_common(iter_dir).get("args"), gpt, ckpt_dir, iteration)
         return restore_merged(iter_dir, model) if model_only else restore_dist(iter_dir, model, parts)
     tp, pp, args = ckpt.saved_layout(ckpt_dir, iteration)
     _check_model(args, gpt, ckpt_dir, iteration)
-    if uneven_split(args):
-        if not model_only:
-            raise ckpt.CheckpointError(f"{iter_dir} was saved with an uneven pipeline split (decoder_first/"
-                                       "last_pipeline_num_layers): Slipway starts from its weights only; "
-                                       "set checkpoint.load=model-only")
-        return restore_merged(iter_dir, model)
     ps = model.pstate
     restore = None if model_only else parts
-    if (tp, pp, virtual_size(args)) == (ps.tp_size, ps.pp_size, len(model.chunks)):
+    if tp == ps.tp_size and saved_split(args) == model.pcfg.split(gpt.num_layers):  # the same stages
         path = ckpt.shard_path(ckpt_dir, iteration, ps.tp_rank, ps.pp_rank, pp)
         distrib = read_beside(path) if restore is not None else None  # distributed optimizer state
         state = restore_same_layout(ckpt.load_file(path), model, restore, distrib)
