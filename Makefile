@@ -69,7 +69,9 @@ $(STAMP): setup.py $(CSRC) $(VENV_CFG)
 
 # Real megatron-core releases side by side, the oracle of tests/mcore (versions: tests/mcore/versions.py),
 # each in .make/mcore/<version> with --no-deps (they need only torch, numpy, packaging); an installed
-# version is not downloaded again.
+# version is not downloaded again. From 0.17 the wheels need Python 3.12: under an older $(PYTHON) they
+# run in .make/mcore/python3.12, a virtual environment of pyenv's (or the PATH's) python3.12 with this
+# project's torch release (PyTorch's CPU index when reachable, else PyPI's CUDA build, ~2.6 GB, once).
 mcore: install
 	$(PYTHON) -m tests.mcore.install
 

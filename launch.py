@@ -28,7 +28,8 @@ from orchestrator.facts import SweepInfo
 from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED, RunFailed, launch
 from orchestrator.launches import RunRecordError
 from orchestrator.problems import PlanError
-from orchestrator.schema import register, to_typed
+from orchestrator.schema import SlipwayConfig, register, to_typed
+from orchestrator.site import apply_site
 from orchestrator.submit import SubmitError
 
 register()
@@ -48,14 +49,19 @@ def main(cfg: DictConfig) -> None:
     # Every outcome ends here with Slipway's message and exit code: an exception escaping this function
     # would make Hydra print "Error executing job with overrides: [...]", every override (secrets too).
     try:
-        sweep, overrides = _sweep_info(), tuple(HydraConfig.get().overrides.task)
-        choices = dict(HydraConfig.get().runtime.choices)
+        hc = HydraConfig.get()
+        choices, task, sweep = dict(hc.runtime.choices), tuple(hc.overrides.task), _sweep_info()
+
+        def typed() -> SlipwayConfig:
+            # The site file's hardware wins over an experiment's (orchestrator/site.py); keys the schema does
+            # not have are refused, +key=value included (to_typed).
+            return to_typed(apply_site(cfg, choices, (*hc.overrides.hydra, *task)), choices)
+
         collector = sweeps.active()
         if sweep is not None and collector is not None:  # Slipway's sweeper: plan (or submit) this point
-            collector.point(sweep, lambda: to_typed(cfg, choices), overrides)
+            collector.point(sweep, typed, task)
             return
-        typed = to_typed(cfg, choices)
-        result = launch(typed, sweep, overrides=overrides)
+        result = launch(typed(), sweep, overrides=task)
     except PlanError as err:
         sys.stderr.write(f"{err}\n")
         sys.exit(EXIT_PROBLEMS)

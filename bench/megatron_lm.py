@@ -1,27 +1,35 @@
-"""Megatron-LM's training side and transformers' v4.27 converter against Slipway, tag by tag (issue 27 §1).
+"""Megatron-LM's training side and transformers' v4.27 converter against Slipway, tag by tag (issue 27 §1,
+issue 38).
 
 Too heavy for CI (a Megatron-LM tree per tag, a few minutes of CPU), so a bench: each Megatron-LM tag is
-``git archive``d from a mirror (as bench/preprocess.py's ``--megatron`` tree) and used unmodified.
+``git archive``d from a mirror (as bench/preprocess.py's ``--megatron`` tree) and used unmodified, under
+the Python its pyproject asks for (3.12 from core_v0.17: the oracle's ``.make/mcore/python3.12``, made by
+``make mcore``, with pyyaml added in the work folder).
 
-(a) **load_checkpoint**: a tiny Slipway run (2 layers, hidden 64, seq 64; 2 iterations on (b)'s data so
-    biases and norms are off their init) is saved with each ``checkpoint.format`` (legacy, mcore). In a
-    fresh process per tag and format, Megatron-LM itself parses its arguments, builds the model with
+(a) **load_checkpoint**: tiny Slipway runs (2 layers, hidden 64, seq 64; 2 iterations on (b)'s data so
+    biases and norms are off their init) are saved in each ``checkpoint.format``. In a fresh process per
+    tag and run, Megatron-LM itself parses its arguments (the model's flags only: nothing that relaxes
+    the checkpoint check, such as --no-position-embedding or --finetune), builds the model with
     ``pretrain_gpt.model_provider`` through ``training.get_model`` (legacy GPTModel with
     ``--use-legacy-models``, Megatron-core GPTModel with the local layer spec otherwise) and loads the
     checkpoint with ``training.checkpointing.load_checkpoint`` (strict, ``--no-load-optim
-    --no-load-rng``); its logits on fixed tokens are compared with Slipway's own GPT on the same files.
+    --no-load-rng``: Slipway's optimizer layout is its own); its logits on fixed tokens (gathered over
+    its tp ranks) are compared with Slipway's own GPT on the same files. Every tag loads the GPT-2 runs
+    in the legacy and mcore formats at tp 1; core_v0.19.0 (no legacy model any more) loads GPT-2 and
+    Llama-style runs (rope base 500000, RMSNorm, SwiGLU, 2 KV groups, no biases, untied head), each
+    at tp 1 and 2, in the mcore (``--ckpt-format torch``) and torch_dist formats.
 (b) **preprocess**: Megatron-LM's ``tools/preprocess_data.py`` and ``python -m trainer.data.preprocess``
     on the standard-library JSONL (``trainer.data.corpus``) with a BPE trained on it: ``.bin``/``.idx``
     bytes compared.
 (c) **transformers v4.27** ``convert_megatron_gpt2_checkpoint.py`` (extracted from the 4.27.4 wheel, run
     with the installed transformers) on each Slipway checkpoint; the HF model's logits vs Slipway's.
 
-Everything runs on CPU, one process per Megatron run (gloo, world 1). The runtime patches are in
-:func:`_cpu_patches` (Megatron-LM) and :data:`_HF_CONVERT` (transformers), each with its reason; no file
-of either project is edited. A part that cannot run prints why and the table says so.
+Everything runs on CPU (gloo; one process per tp rank). The runtime patches are in
+bench/megatron_lm_child.py (Megatron-LM) and :data:`_HF_CONVERT` (transformers), each with its reason; no
+file of either project is edited. A part that cannot run prints why and the table says so.
 
     python bench/megatron_lm.py                                  # tags from the mirror below
-    python bench/megatron_lm.py --repo /path/to/Megatron-LM/.git --tags core_v0.8.0 core_v0.10.0
+    python bench/megatron_lm.py --repo /path/to/Megatron-LM/.git --tags core_v0.8.0 core_v0.19.0
 """
 
 from __future__ import annotations
@@ -43,187 +51,23 @@ from bench.meta import ROOT, load, run_meta  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "megatron_lm.txt"
 MIRROR = Path("/work/.mirror/NVIDIA+Megatron-LM/repo")
-TAGS = ("core_v0.8.0", "core_v0.10.0", "core_v0.13.1", "core_v0.16.1")
+TAGS = ("core_v0.8.0", "core_v0.10.0", "core_v0.13.1", "core_v0.16.1", "core_v0.19.0")
 TREE_PATHS = ("megatron", "tools/preprocess_data.py", "pretrain_gpt.py", "gpt_builders.py",
-              "model_provider.py")
+              "model_provider.py", "pyproject.toml")
+CHILD = Path(__file__).resolve().parent / "megatron_lm_child.py"
 HF_SCRIPT = "transformers/models/megatron_gpt2/convert_megatron_gpt2_checkpoint.py"
 MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "seq_length": 64,
          "max_position_embeddings": 64, "hidden_dropout": 0.0, "attention_dropout": 0.0}
+LLAMA = {**MODEL, "ffn_hidden_size": 128, "position_embedding": "rope", "rotary_base": 500000.0,
+         "normalization": "rmsnorm", "activation": "swiglu", "num_query_groups": 2, "add_bias_linear": False,
+         "tie_word_embeddings": False}
+# Slipway runs: name -> (model, checkpoint.format, tp). "legacy"/"mcore": GPT-2 at tp 1 (every tag).
+RUNS = {"legacy": (MODEL, "legacy", 1), "mcore": (MODEL, "mcore", 1)}
+# The grid of core_v0.19.0 (tags without a legacy model): GPT-2 and Llama-style, tp 1 and 2, both formats.
+GRID = {f"{family}_{fmt}_tp{tp}": (model, fmt, tp) for family, model in (("gpt", MODEL), ("llama", LLAMA))
+        for fmt in ("mcore", "torch_dist") for tp in (1, 2)}
 ITERS = 2
 TOLERANCE = 1e-4  # fp32, the same math in another order: ~1e-6 expected
-
-
-# ---------------------------------------------------------------------------------------------------------
-# The Megatron-LM side: runs as ``--child JOB`` with one Megatron-LM tree first on PYTHONPATH. Nothing from
-# ``trainer`` is imported here (the expected side must not share code with what it checks).
-
-
-def _cpu_patches() -> list[str]:
-    """Runtime stand-ins that Megatron-LM's training code needs on a CPU-only torch; returns their names.
-    Each was checked necessary on core_v0.8.0 by leaving it out (the error it then stops with is given).
-
-    1. The legacy model's LayerNorm (``megatron.legacy.model.fused_layer_norm.MixedFusedLayerNorm``)
-       imports the ``fused_layer_norm_cuda`` extension in ``__init__`` ("No module named
-       'fused_layer_norm_cuda'") and calls apex's ``fused_layer_norm_affine`` (None without apex): an
-       empty module stands in for the extension and that module's global becomes ``F.layer_norm``
-       (arguments reordered). Not a fake ``apex`` package: Megatron-core's local layer spec would then
-       pick apex's FusedLayerNorm over torch's LayerNorm. Legacy model only.
-    2. ``get_cuda_rng_tracker().fork`` is a no-op context ("cuda rng state model-parallel-rng is not
-       added"): entered around attention dropout (0 here); the tracker gets its states from
-       ``model_parallel_cuda_manual_seed``, which ``initialize_megatron`` calls only with a GPU.
-    3. ``torch.cuda.current_device()`` names the CPU ("Torch not compiled with CUDA enabled"): tensors
-       Megatron creates "on the current device" (the attention scratch buffer that baddbmm uses with
-       beta=0, GlobalMemoryBuffer; the model's move in ``get_model``) stay on the CPU.
-    4. ``Module.cuda``/``Tensor.cuda`` return self ("Invalid device, must be cuda device"): ``get_model``
-       moves the model with ``.cuda(torch.cuda.current_device())``.
-    5. ``torch.tensor(..., device='cuda')`` → CPU ("Torch not compiled with CUDA enabled"):
-       ``read_metadata`` all-reduces the iteration it read from latest_checkpointed_iteration.txt as a
-       CUDA tensor; gloo reduces a CPU one the same.
-    6. ``argparse.Namespace`` allowed by ``torch.load(weights_only=True)``, torch ≥ 2.6's default, which
-       core_v0.8.0 predates ("Unsupported global: GLOBAL argparse.Namespace"; load_checkpoint prints it
-       and exits with status 0): a checkpoint's ``args``. Slipway's are plain values, nothing else.
-    """
-    import argparse as _argparse
-    import contextlib
-    import importlib
-    import types
-
-    import torch
-    import torch.nn.functional as F
-
-    importlib.import_module("pretrain_gpt")  # first: megatron.legacy.model alone is a circular import
-    legacy_ln = importlib.import_module("megatron.legacy.model.fused_layer_norm")
-    legacy_ln.fused_layer_norm_affine = lambda x, w, b, shape, eps: F.layer_norm(x, shape, w, b, eps)
-    sys.modules["fused_layer_norm_cuda"] = types.ModuleType("fused_layer_norm_cuda")
-    torch.cuda.current_device = lambda: "cpu"
-    torch.nn.Module.cuda = lambda self, *a, **k: self
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    tensor = torch.tensor
-
-    def cpu_tensor(*a, **k):
-        if str(k.get("device", "")).startswith("cuda"):
-            k["device"] = "cpu"
-        return tensor(*a, **k)
-
-    torch.tensor = cpu_tensor
-    torch.serialization.add_safe_globals([_argparse.Namespace])
-    from megatron.core import tensor_parallel
-
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
-    return ["legacy LayerNorm: apex → F.layer_norm", "CUDA RNG tracker fork → no-op", "current_device → cpu",
-            ".cuda() → identity", "torch.tensor(device=cuda) → cpu", "weights_only: allow Namespace"]
-
-
-def _triton_stand_in() -> list[str]:
-    """7. Only where triton is not installed (a CPU torch): from core_v0.16 ``import megatron.training``
-    imports the batch-invariant Triton kernels (training/initialize.py → custom_layers/
-    batch_invariant_kernels.py; used only with --batch-invariant-mode, on a GPU), which need ``triton.jit``
-    and ``triton.language`` at import. A stand-in triton (``jit`` returns the function) is in
-    ``sys.modules`` only while that one module imports, so nothing else (torch's own probes for triton,
-    ``megatron.core.utils.HAVE_TRITON``) ever sees it."""
-    import importlib
-    import importlib.util
-    import types
-
-    kernels = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
-    if importlib.util.find_spec("triton") is not None or importlib.util.find_spec(kernels) is None:
-        return []
-    triton, language = types.ModuleType("triton"), types.ModuleType("triton.language")
-    triton.jit = lambda fn=None, **kw: fn if fn is not None else (lambda f: f)
-    triton.cdiv = lambda a, b: -(-a // b)
-    language.__getattr__ = lambda name: object  # annotations such as tl.constexpr
-    triton.language = language
-    sys.modules.update({"triton": triton, "triton.language": language})
-    try:
-        importlib.import_module(kernels)
-    finally:
-        del sys.modules["triton"], sys.modules["triton.language"]
-    return ["triton stand-in while importing batch_invariant_kernels"]
-
-
-def preprocess_child(argv: list[str]) -> None:
-    """Megatron-LM's tools/preprocess_data.py as ``__main__`` (cwd: the tree, on sys.path), after
-    :func:`_triton_stand_in`; its 2 workers are forks, so they inherit the imported modules."""
-    import runpy
-
-    _triton_stand_in()
-    sys.argv = ["tools/preprocess_data.py", *argv]
-    runpy.run_path("tools/preprocess_data.py", run_name="__main__")
-
-
-def _megatron_argv(job: dict) -> list[str]:
-    m = job["model"]
-    argv = ["--num-layers", m["num_layers"], "--hidden-size", m["hidden_size"],
-            "--num-attention-heads", m["num_attention_heads"], "--seq-length", m["seq_length"],
-            "--max-position-embeddings", m["max_position_embeddings"], "--micro-batch-size", 1,
-            "--global-batch-size", 1, "--train-iters", 1, "--lr", 0.0,
-            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", job["vocab"],
-            "--merge-file", job["merges"],
-            "--load", job["load"], "--no-load-optim", "--no-load-rng", "--use-cpu-initialization",
-            "--transformer-impl", "local", "--distributed-backend", "gloo", "--hidden-dropout", 0.0,
-            "--attention-dropout", 0.0, "--no-masked-softmax-fusion", "--no-bias-dropout-fusion",
-            "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"]
-    # core_v0.8.0 builds the legacy model unless told --use-mcore-models; later tags the reverse.
-    argv.append("--use-legacy-models" if job["kind"] == "legacy" else "--use-mcore-models")
-    # Slipway writes Megatron-LM's torch format (mp_rank_00/model_optim_rng.pt); from core_v0.10 the
-    # default --ckpt-format is torch_dist, which the legacy model refuses outright.
-    if "ckpt_format" in Path("megatron/training/arguments.py").read_text():  # not in core_v0.8.0
-        argv += ["--ckpt-format", "torch"]
-    return [str(a) for a in argv]
-
-
-def _megatron_model(job: dict, patches: list[str]):
-    """Megatron-LM's own set-up: its arguments, globals (tokenizer, padded vocab), model-parallel groups,
-    ``get_model(model_provider)``; returns the model and the iteration ``load_checkpoint`` reports."""
-    import pretrain_gpt
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.enums import ModelType
-    from megatron.training import checkpointing, training
-    from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.global_vars import set_global_variables
-
-    sys.argv = ["pretrain_gpt.py", *_megatron_argv(job)]
-    args = parse_args()
-    if job["kind"] == "legacy" and not hasattr(args, "apply_layernorm_1p"):
-        # 8. From core_v0.16 the parser is generated from TransformerConfig (Megatron-LM 639c08ab82), which
-        # names the option layernorm_zero_centered_gamma; the legacy model (legacy/model/utils.py
-        # get_norm) still reads args.apply_layernorm_1p. Same option, so the old name gets its value.
-        args.apply_layernorm_1p = args.layernorm_zero_centered_gamma
-        patches.append("args.apply_layernorm_1p ← layernorm_zero_centered_gamma")
-    validate_args(args)
-    set_global_variables(args)
-    # initialize_megatron's _initialize_distributed skips the model-parallel groups without a GPU.
-    dist.init_process_group("gloo", init_method=f"file://{job['store']}", rank=0, world_size=1)
-    parallel_state.initialize_model_parallel(1, 1)
-    provider = pretrain_gpt.model_provider
-    if hasattr(pretrain_gpt, "gpt_builder"):  # core_v0.16: what pretrain_gpt's __main__ passes to pretrain
-        from functools import partial
-
-        provider = partial(provider, pretrain_gpt.gpt_builder)
-    model = training.get_model(provider, ModelType.encoder_or_decoder, wrap_with_ddp=False)
-    iteration = checkpointing.load_checkpoint(model, None, None, strict=True)
-    iteration = iteration[0] if isinstance(iteration, tuple) else iteration
-    return model[0].eval(), iteration, type(model[0]).__module__ + "." + type(model[0]).__name__, torch
-
-
-def child(job_file: str) -> int:
-    """One Megatron-LM load + forward; writes its logits (.npy) and a JSON summary."""
-    import numpy as np
-
-    job = json.loads(Path(job_file).read_text())
-    summary: dict = {"patches": _triton_stand_in() + _cpu_patches()}
-    model, iteration, cls, torch = _megatron_model(job, summary["patches"])
-    ids = torch.from_numpy(np.load(job["tokens"]))
-    s = ids.shape[1]
-    mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)  # True = masked (get_ltor_masks_and_position_ids)
-    with torch.no_grad():
-        logits = model(ids, torch.arange(s)[None].expand_as(ids), mask)
-    np.save(job["out"], logits.float().numpy())
-    summary.update(iteration=int(iteration), model_class=cls)
-    Path(job["summary"]).write_text(json.dumps(summary))
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -250,23 +94,25 @@ def slipway_preprocess(paths: dict, out: Path) -> Path:
     return out / "stdlib_content_document"
 
 
-def slipway_checkpoints(work: Path, paths: dict, data_prefix: Path) -> dict[str, Path]:
-    """format -> checkpoint folder of a 2-iteration run of Slipway's trainer (one process, CPU)."""
+def slipway_checkpoints(work: Path, paths: dict, data_prefix: Path, runs: dict) -> dict[str, Path]:
+    """name -> checkpoint folder of a 2-iteration run of Slipway's trainer for each of ``runs`` (name ->
+    (model, checkpoint.format, tp); tp processes under torchrun, CPU, gloo)."""
     out = {}
-    for fmt in ("legacy", "mcore"):
-        cfg = {"run_dir": str(work / f"run_{fmt}"), "model": dict(MODEL),
+    for name, (model, fmt, tp) in runs.items():
+        cfg = {"run_dir": str(work / f"run_{name}"), "model": dict(model),
                "tokenizer": {"vocab_file": str(paths["vocab"]), "merge_file": str(paths["merges"])},
                "data": {"paths": [str(data_prefix)], "split": "100,0,0", "cache_dir": str(work / "cache")},
-               "parallel": {"tp_size": 1, "pp_size": 1},
+               "parallel": {"tp_size": tp, "pp_size": 1},
                "optim": {"lr": 1e-2, "min_lr": 1e-3, "warmup_iters": 1},
                "train": {"micro_batch_size": 2, "global_batch_size": 2, "iters": ITERS, "log_interval": 1,
                          "eval_interval": None, "deterministic": True, "device": "cpu"},
                "checkpoint": {"format": fmt}, "logging": {"wandb": {"mode": "disabled"}}, "kernels": "auto"}
-        code = ("import json, sys; from trainer.config import RunConfig; from trainer.run import run; "
-                "sys.exit(run(RunConfig.from_dict(json.loads(sys.argv[1]))).exit_code)")
-        subprocess.run([sys.executable, "-c", code, json.dumps(cfg)], cwd=ROOT, check=True,
-                       capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        out[fmt] = work / f"run_{fmt}" / "checkpoints"
+        (work / f"run_{name}.json").write_text(json.dumps(cfg))
+        launch = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}"]
+                  if tp > 1 else [sys.executable])
+        subprocess.run([*launch, "-m", "trainer.run", "--config", str(work / f"run_{name}.json")], cwd=ROOT,
+                       check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        out[name] = work / f"run_{name}" / "checkpoints"
     return out
 
 
@@ -283,24 +129,47 @@ def slipway_logits(ckpt: Path, ids):
     return torch.stack([SlipwayGPTSource(merged.state, spec).logits(row) for row in ids])
 
 
-def megatron_logits(tree: Path, ckpt: Path, kind: str, paths: dict, tokens: Path, work: Path) -> dict:
-    """Megatron-LM from ``tree`` loads ``ckpt`` as a ``kind`` (legacy / mcore) model in a fresh process."""
+def tree_python(tree: Path, work: Path) -> tuple[str, list[str]]:
+    """(the Python that runs ``tree``, extra PYTHONPATH entries): this interpreter, or for a tree whose
+    pyproject asks for Python >= 3.12 the oracle's 3.12 environment (``make mcore``) with pyyaml (which
+    megatron.training imports) installed once into the work folder."""
+    from tests.mcore.versions import PY312_ENV
+
+    project = tree / "pyproject.toml"
+    needs = project.is_file() and 'requires-python = ">=3.12"' in project.read_text()
+    if not needs or sys.version_info >= (3, 12):
+        return sys.executable, []
+    python = PY312_ENV / "bin" / "python"
+    if not python.is_file():
+        raise RuntimeError(f"{tree.name} needs Python 3.12: run make mcore (it makes {PY312_ENV})")
+    deps = work / "py312-deps"
+    if not (deps / "yaml").is_dir():
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "--target", str(deps), "pyyaml"],
+                       check=True, capture_output=True, timeout=300)
+    return str(python), [str(deps)]
+
+
+def megatron_logits(tree: Path, ckpt: Path, job: dict, paths: dict, ctx: dict, work: Path) -> dict:
+    """Megatron-LM from ``tree`` loads ``ckpt`` (``job``: model, kind legacy/mcore, format torch /
+    torch_dist, tp) in a fresh process with ``tp`` forked ranks."""
     import numpy as np
 
     work.mkdir(parents=True, exist_ok=True)
-    job = {"model": MODEL, "kind": kind, "load": str(ckpt), "vocab": str(paths["vocab"]),
-           "merges": str(paths["merges"]), "tokens": str(tokens), "out": str(work / "logits.npy"),
-           "summary": str(work / "summary.json"), "store": str(work / "store")}
+    job = {**job, "load": str(ckpt), "vocab": str(paths["vocab"]), "merges": str(paths["merges"]),
+           "tokens": str(ctx["tokens"]), "out": str(work / "logits.npy"),
+           "summary": str(work / "summary.json"),
+           "store": str(work / "store")}
     (work / "job.json").write_text(json.dumps(job))
     # bench/preprocess.py's import-time stand-ins: core_v0.8.0 imports pkg_resources (for its packaging).
     from bench.preprocess import _megatron_shims
 
-    path = [str(tree), str(ROOT), str(_megatron_shims(work))]
+    python, extra = tree_python(tree, ctx["work"])
+    path = [str(tree), *extra, str(_megatron_shims(work))]
     # CUDA_DEVICE_MAX_CONNECTIONS=1: what Megatron-LM's launch scripts export; validate_args insists on it.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "OMP_NUM_THREADS": "1",
-           "PYTHONWARNINGS": "ignore", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+           "PYTHONWARNINGS": "ignore", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCHDYNAMO_DISABLE": "1"}
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--child", str(work / "job.json")], cwd=tree, env=env,
+    proc = subprocess.run([python, str(CHILD), str(work / "job.json")], cwd=tree, env=env,
                           capture_output=True, text=True, timeout=600)
     # Exit status 0 is not enough: load_checkpoint prints a failed torch.load and calls sys.exit().
     if proc.returncode != 0 or not (work / "summary.json").exists():
@@ -323,7 +192,8 @@ def megatron_preprocess(tree: Path, paths: dict, out: Path, ours: Path, work: Pa
 
     out.mkdir(parents=True, exist_ok=True)
     # preprocess_child runs tools/preprocess_data.py with these arguments.
-    cmd = [sys.executable, __file__, "--preprocess-child", "--input", str(paths["corpus"]),
+    python, extra = tree_python(tree, work.parent)
+    cmd = [python, str(CHILD), "--preprocess", "--input", str(paths["corpus"]),
            "--output-prefix", str(out / "stdlib"), "--json-keys", "content", "--tokenizer-type",
            "GPT2BPETokenizer", "--vocab-file", str(paths["vocab"]), "--merge-file", str(paths["merges"]),
            "--append-eod", "--workers", "2"]
@@ -332,7 +202,7 @@ def megatron_preprocess(tree: Path, paths: dict, out: Path, ours: Path, work: Pa
         # which needs the Hub even with vocab and merges given; --legacy-tokenizer is Megatron's own
         # GPT-2 BPE from the two files, the tokenizer every earlier tag uses.
         cmd.append("--legacy-tokenizer")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT), str(_megatron_shims(work))])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *extra, str(_megatron_shims(work))])}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
     seconds = round(time.perf_counter() - t0, 1)
@@ -413,24 +283,49 @@ def _verdict(diff: float) -> str:
     return "ok" if diff <= TOLERANCE else "DIFFERS"
 
 
-def tag_rows(tag: str, tree: Path, ctx: dict) -> list[tuple[str, ...]]:
-    """(a) and (b) for one Megatron-LM tag: table rows (tag, part, what, result, verdict)."""
+def _loads(tree: Path) -> list[tuple[str, str]]:
+    """(run, Megatron model kind) pairs a tag loads: the legacy and mcore GPT-2 runs while the tag has the
+    legacy model, else the grid (GRID) into the Megatron-core GPTModel."""
+    if (tree / "megatron" / "legacy").is_dir():
+        return [(name, name) for name in RUNS]
+    return [(name, "mcore") for name in GRID]
+
+
+def load_rows(tag: str, tree: Path, ctx: dict) -> list[tuple[str, ...]]:
+    """(a) for one tag: Megatron-LM's load_checkpoint of each run, logits against Slipway's."""
     rows = []
-    for fmt, kind in (("legacy", "legacy"), ("mcore", "mcore")):
-        r = megatron_logits(tree, ctx["ckpts"][fmt], kind, ctx["paths"], ctx["tokens"],
-                            ctx["work"] / tag / f"load_{fmt}")
-        what = f"load_checkpoint, checkpoint.format={fmt} → {kind} GPTModel"
+    if not (tree / "megatron" / "legacy").is_dir():
+        rows.append((tag, "a", "load_checkpoint, checkpoint.format=legacy → legacy GPTModel",
+                     "not applicable: the tag has no legacy model (megatron/legacy removed)", "n/a"))
+    for name, kind in _loads(tree):
+        model, fmt, tp = {**RUNS, **GRID}[name]
+        family = "Llama-style" if model is LLAMA else "GPT-2"
+        job = {"model": model, "kind": kind, "format": "torch_dist" if fmt == "torch_dist" else "torch",
+               "tp": tp}
+        r = megatron_logits(tree, ctx["ckpts"][name], job, ctx["paths"], ctx,
+                            ctx["work"] / tag / f"load_{name}")
+        what = f"load_checkpoint, {family} checkpoint.format={fmt} at tp {tp} → {kind} GPTModel"
         if "error" in r:
             rows.append((tag, "a", what, f"could not run: {r['error']}", "NOT RUN"))
             continue
-        d = _diff(r["logits"], ctx["ours"][fmt])
+        d = _diff(r["logits"], ctx["ours"][name])
         rows.append((tag, "a", what, f"max |Δlogit| {d:.2e} (iteration {r['iteration']}, {r['model_class']}, "
                      f"{r['seconds']} s)", _verdict(d)))
         seen = ctx["patches"].setdefault(tag, [])
-        seen += [name for name in r["patches"] if name not in seen]
+        seen += [n for n in r["patches"] if n not in seen]
+    return rows
+
+
+def tag_rows(tag: str, tree: Path, ctx: dict) -> list[tuple[str, ...]]:
+    """(a) and (b) for one Megatron-LM tag: table rows (tag, part, what, result, verdict)."""
+    rows = load_rows(tag, tree, ctx)
+    what = "tools/preprocess_data.py vs trainer.data.preprocess (.bin/.idx bytes)"
+    if not (tree / "megatron" / "training" / "tokenizer").is_dir():
+        return rows + [(tag, "b", what, "not applicable here: from core_v0.17 GPT2BPETokenizer is Hugging "
+                        "Face's AutoTokenizer('gpt2'), which needs the Hub (this machine has no access)",
+                        "n/a")]
     r = megatron_preprocess(tree, ctx["paths"], ctx["work"] / tag / "preprocess", ctx["prefix"],
                             ctx["work"] / tag)
-    what = "tools/preprocess_data.py vs trainer.data.preprocess (.bin/.idx bytes)"
     if "error" in r:
         rows.append((tag, "b", what, f"could not run: {r['error']}", "NOT RUN"))
     else:
@@ -467,8 +362,9 @@ def hf_rows(ctx: dict, wheel: Path | None) -> list[tuple[str, ...]]:
     return rows
 
 
-def prepare(work: Path, vocab_size: int) -> dict:
-    """Corpus, tokenizer, Slipway's .bin/.idx, the two checkpoints, fixed tokens and Slipway's logits."""
+def prepare(work: Path, vocab_size: int, grid: bool) -> dict:
+    """Corpus, tokenizer, Slipway's .bin/.idx, the checkpoints (RUNS, and GRID when a tag loads it), fixed
+    tokens and Slipway's logits."""
     import numpy as np
     import torch
 
@@ -476,7 +372,7 @@ def prepare(work: Path, vocab_size: int) -> dict:
 
     paths = corpus_and_tokenizer(work, vocab_size)
     prefix = slipway_preprocess(paths, work / "slipway")
-    ckpts = slipway_checkpoints(work, paths, prefix)
+    ckpts = slipway_checkpoints(work, paths, prefix, {**RUNS, **(GRID if grid else {})})
     ids = torch.randint(0, vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     np.save(work / "ids.npy", ids.numpy())
     ours = {fmt: slipway_logits(ckpt, ids) for fmt, ckpt in ckpts.items()}
@@ -495,7 +391,10 @@ def report(meta: dict, rows: list[tuple[str, ...]], patches: dict[str, list[str]
              f"{MODEL['num_attention_heads']} heads, seq {MODEL['seq_length']}, {ITERS} iterations of "
              f"Slipway's trainer; logits on 2 × 16 fixed tokens, fp32; tolerance {TOLERANCE:g}",
              f"# Slipway's logits: max |logit| {meta['scale']:.3f}; |Δlogit| is against them",
-             *(f"# {tag} runtime patches (bench/megatron_lm.py): {'; '.join(names)}"
+             f"# Llama-style (core_v0.19.0 rows): {LLAMA['position_embedding']} base "
+             f"{LLAMA['rotary_base']:g}, RMSNorm, SwiGLU (ffn {LLAMA['ffn_hidden_size']}), "
+             f"{LLAMA['num_query_groups']} KV groups, no biases, untied head",
+             *(f"# {tag} runtime patches (bench/megatron_lm_child.py): {'; '.join(names)}"
                for tag, names in patches.items()),
              "# transformers 4.27 script patches: torch.load allows argparse.Namespace; "
              "AutoTokenizer('gpt2') → the run's vocab/merges (no Hub)"]
@@ -521,21 +420,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transformers-wheel", type=Path, help="transformers-4.27.4 wheel (else pip download)")
     p.add_argument("--work", type=Path, help="keep the work files here (default: a temporary folder)")
     p.add_argument("--no-save", action="store_true", help=f"do not write {RESULTS.relative_to(ROOT)}")
-    p.add_argument("--child", help=argparse.SUPPRESS)  # internal: one Megatron-LM run
-    if argv is None and sys.argv[1:2] == ["--preprocess-child"]:  # internal: Megatron-LM's preprocess
-        preprocess_child(sys.argv[2:])
-        return 0
     a = p.parse_args(argv)
-    if a.child:
-        return child(a.child)
     meta = {**run_meta(), "versions": _versions()}
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work or Path(tmp)
-        ctx = prepare(work, a.vocab_size)
+        trees = {tag: _tree(a.repo, tag, work) for tag in a.tags}
+        grid = any(isinstance(t, Path) and not (t / "megatron" / "legacy").is_dir() for t in trees.values())
+        ctx = prepare(work, a.vocab_size, grid)
         print("bench/megatron_lm.py: transformers 4.27.4's converter", file=sys.stderr, flush=True)
         rows = hf_rows(ctx, a.transformers_wheel)
-        for tag in a.tags:
-            rows += _one_tag(a.repo, tag, ctx)
+        for tag, tree in trees.items():
+            rows += _one_tag(a.repo, tag, tree, ctx)
     tags = ", ".join(f"{t} = {c}" for t, c in ctx["commits"].items())
     meta["scale"] = max(float(v.abs().max()) for v in ctx["ours"].values())
     meta["megatron_lm"] = f"Megatron-LM from {a.repo}: {tags}"
@@ -546,19 +441,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r[4] in ("ok", "n/a") for r in rows) else 1
 
 
-def _one_tag(repo: Path, tag: str, ctx: dict) -> list[tuple[str, ...]]:
-    """A tag's rows, or one row saying why it could not run (no mirror, no such tag, a crash here)."""
+def _tree(repo: Path, tag: str, work: Path) -> Path | str:
+    """The tag's tree, or why it cannot be had (no mirror, no such tag)."""
     try:
-        tree = extract_tree(repo, tag, ctx["work"] / tag / "tree")
-        ctx["commits"][tag] = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=10",
-                                              f"{tag}^{{commit}}"], capture_output=True, text=True,
-                                             check=True).stdout.strip()
+        return extract_tree(repo, tag, work / tag / "tree")
     except (OSError, subprocess.CalledProcessError) as e:
         why = getattr(e, "stderr", b"") or str(e)
-        why = why.decode(errors="replace") if isinstance(why, bytes) else why
-        return [(tag, "a, b", f"git archive from {repo}", f"could not run: {why.strip()[:200]}", "NOT RUN")]
-    print(f"bench/megatron_lm.py: {tag} ({ctx['commits'][tag]}): load_checkpoint ×2, preprocess_data.py",
-          file=sys.stderr, flush=True)
+        return (why.decode(errors="replace") if isinstance(why, bytes) else why).strip()[:200]
+
+
+def _one_tag(repo: Path, tag: str, tree: Path | str, ctx: dict) -> list[tuple[str, ...]]:
+    """A tag's rows, or one row saying why it could not run (no mirror, no such tag, a crash here)."""
+    if isinstance(tree, str):
+        return [(tag, "a, b", f"git archive from {repo}", f"could not run: {tree}", "NOT RUN")]
+    ctx["commits"][tag] = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short=10",
+                                          f"{tag}^{{commit}}"], capture_output=True, text=True,
+                                         check=True).stdout.strip()
+    print(f"bench/megatron_lm.py: {tag} ({ctx['commits'][tag]}): load_checkpoint ×{len(_loads(tree))}, "
+          "preprocess_data.py", file=sys.stderr, flush=True)
     try:
         return tag_rows(tag, tree, ctx)
     except Exception:

@@ -23,14 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import launches, queue, redaction
-from orchestrator.cancel import cancel_run
+from orchestrator.cancel import Stops, cancel_interrupted, ignoring_stops
 from orchestrator.checks import Context, run_checks
 from orchestrator.checks.secrets import known_secrets
 from orchestrator.data_shares import corpus_shares, shares_table
-from orchestrator.estimate import fmt_duration, memory_table, options_table
 from orchestrator.facts import PlanInputs, SweepInfo
 from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.plan import Plan, make_plan
+from orchestrator.plan_format import hardware_lines, layout_line, memory_lines, recipe_lines, time_lines
 from orchestrator.problems import PlanError
 from orchestrator.runs import (
     RUN_JSON,
@@ -47,10 +47,10 @@ from orchestrator.runs import (
     write_json,
 )
 from orchestrator.schema import SlipwayConfig
+from orchestrator.stages import get as stage_def
 from orchestrator.stages import preprocess
 from orchestrator.stages.train import NAME as TRAIN
 from orchestrator.stages.train import run_name
-from orchestrator.stops import Stops, ignoring_stops
 from orchestrator.submit import (
     Submitted,
     container_wrapper,
@@ -61,6 +61,7 @@ from orchestrator.submit import (
 )
 from orchestrator.summary import write_summary
 from orchestrator.writer_lock import record_writer, single_writer
+from trainer.config.train import recipe_line
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
 from trainer.run_files import RunDir
@@ -119,30 +120,24 @@ def _data_prefixes(plan: Plan) -> list[str]:
 
 
 def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
-    lay, t = plan.layout, plan.time
-    unit = "GPU" if cfg.cluster.gpus_per_node else "CPU-task"
+    lay = plan.layout
+    precision = recipe_line(cfg.train.precision, cfg.train.precision_recipe, cfg.optim.distributed)
     lines = [f"Slipway plan: experiment {plan.experiment}, run {plan.run_id}", f"  run dir: {plan.run_dir}"]
     if plan.sweep:
         lines.append(
             f"  sweep {plan.sweep.sweep_id} point {plan.sweep.point}: {' '.join(plan.sweep.overrides)}"
         )
     lines += [
-        f"  layout: {lay.nodes} node(s) × {lay.tasks_per_node} task(s) = world {lay.world} = "
-        f"tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; {lay.num_microbatches} micro-batch(es) of "
-        f"{cfg.train.micro_batch_size} per step",
-        f"  vocab {plan.vocab_size}, precision {cfg.train.precision}, {cfg.train.iters} iterations, "
-        f"{lay.global_batch * cfg.model.seq_length * cfg.train.iters / 1e9:.2f} B tokens",
+        layout_line(cfg, lay),
+        *recipe_lines(cfg, lay, plan.vocab_size),
+        f"  precision recipe: {precision}",
         *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
         "",
-        "Memory per device (the busiest pipeline stage):",
-        memory_table(plan.memory, cfg.cluster.device_name),
-        *options_table(plan.memory, plan.memory_options),
+        *hardware_lines(cfg),
         "",
-        f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {cfg.cluster.mfu:.0%} MFU of "
-        f"{cfg.cluster.device_peak_tflops:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}: "
-        f"{t.step_s:.3f} s/iteration",
-        f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {unit}-hours ({cfg.cluster.device_name} × "
-        f"{lay.world}); first checkpoint after {fmt_duration(t.first_checkpoint_s)}",
+        *memory_lines(cfg, plan),
+        "",
+        *time_lines(cfg, plan),
         "",
         "Stages:",
     ]
@@ -150,6 +145,10 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         where = "shared cache" if s.shared else "run dir"
         deps = f" after {', '.join(s.depends_on)}" if s.depends_on else ""
         lines.append(f"  {s.name:<11} key {s.key}  {s.state_dir} ({where}){deps}")
+        done = stage_def(s.name).complete(s)  # what a launch would not submit again (submit.py)
+        lines += [f"              no job: {done}"] if done else []
+    if plan.warnings:
+        lines += ["", "Warnings:", *(f"  - {w}" for w in plan.warnings)]
     if plan.problems:
         lines += ["", f"PROBLEMS ({len(plan.problems)}) — nothing would be submitted:"]
         lines += [f"  - {p}" for p in plan.problems]
@@ -270,20 +269,6 @@ def _failed(plan: Plan) -> list[tuple[str, str, str]]:
     return [(st, state, _stage_log(plan, st, jid, ex)) for st, state, jid, ex in rows[first:]]
 
 
-def _cancel_local(plan: Plan, n: int, submitted: list[Submitted], err) -> None:
-    """Local jobs are this machine's processes: an interrupted launch cancels every one of them. Slurm jobs
-    keep running, as they would after the login shell closed."""
-    started = {s.job_id: s.job for s in submitted if s.job is not None}
-    lines = cancel_run(plan.run_dir, n, started) if any(s.executor == "local" for s in submitted) else []
-    for line in lines:
-        err.write(f"  {line}\n")
-    slurm = [s for s in submitted if s.executor == "slurm" and s.job_id]
-    what = f"{len(lines)} local job(s) of run {plan.run_id} cancelled" if lines else "no local job ran"
-    if slurm:
-        what += f"; its Slurm jobs keep running (cancel them: python -m orchestrator cancel {plan.run_dir})"
-    err.write(f"interrupted: {what}; launch the same run_id again to resume it\n")
-
-
 def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out, err) -> None:
     """Follow a blocking run to its end; print the summary, or the failed stages' log tails and raise."""
     local = all(s.executor == "local" for s in submitted)
@@ -390,6 +375,6 @@ def execute(p: Prepared, out=sys.stdout, overrides: tuple[str, ...] = (),
         except KeyboardInterrupt:
             with ignoring_stops():  # a second Ctrl-C must not leave the cancellation half done
                 if n is not None:
-                    _cancel_local(plan, n, submitted, err)
+                    cancel_interrupted(plan.run_dir, plan.run_id, n, submitted, err)
             raise
     return LaunchResult(plan, text, submitted)

@@ -21,6 +21,7 @@ import subprocess
 import pytest
 
 from tests.ci import IN_CI
+from tests.mcore.harness import mcore_version  # noqa: F401 (the oracle's one version fixture)
 
 _UNCHECKED = object()
 _slurm_problem: object = _UNCHECKED

@@ -104,25 +104,28 @@ def layer_params(m) -> tuple[int, int]:
     return split, 2 * norm + (2 * h if bias else 0)
 
 
-def stage_params(m, padded_vocab: int, tp: int = 1, pp: int = 1) -> tuple[int, int]:
+def stage_params(m, padded_vocab: int, tp: int = 1, pp: int = 1, counts: list[int] | None = None
+                 ) -> tuple[int, int]:
     """(parameters on the busiest pipeline stage's device, parameters of the whole model) for a model
-    section ``m``, its padded vocabulary (for ``tp``) and the layout. The first stage holds the word
-    embeddings (split over TP) and any learned position table; the last the final norm and the head: the
-    untied output layer, or with pp > 1 the tied embeddings' copy (Megatron's word_embeddings_for_head,
-    not counted in the total)."""
+    section ``m``, its padded vocabulary (for ``tp``) and the layout; ``counts``: the layers of each stage
+    (PipelineSplit.stage_counts; None: num_layers / pp each). The first stage holds the word embeddings
+    (split over TP) and any learned position table; the last the final norm and the head: the untied
+    output layer, or with pp > 1 the tied embeddings' copy (Megatron's word_embeddings_for_head, not
+    counted in the total)."""
     split, replicated = layer_params(m)
     h = m.hidden_size
     embed = padded_vocab * h
     positions = (m.max_position_embeddings or m.seq_length) * h if m.position_embedding == "learned" else 0
     final_norm = h * (1 if m.normalization == "rmsnorm" else 2)
     head = 0 if m.tie_word_embeddings else embed
-    layers = (m.num_layers // pp) * (split // tp + replicated)
+    counts = counts or [m.num_layers // pp] * pp
+    per_layer = split // tp + replicated
     total = m.num_layers * (split + replicated) + embed + positions + final_norm + head
     if pp == 1:
-        return layers + (embed + head) // tp + positions + final_norm, total
-    first = layers + embed // tp + positions
-    last = layers + embed // tp + final_norm  # the untied head, or the tied copy: the same shape
-    return max(first, last), total
+        return counts[0] * per_layer + (embed + head) // tp + positions + final_norm, total
+    first = counts[0] * per_layer + embed // tp + positions
+    last = counts[-1] * per_layer + embed // tp + final_norm  # the untied head, or the tied copy
+    return max(first, last, max(counts[1:-1], default=0) * per_layer), total
 
 
 @dataclass(frozen=True)
@@ -303,3 +306,102 @@ def recompute_time_factor(granularity: str, seq: int, hidden: int, layers: int =
         share = 1.0 if method == "uniform" else min(recompute_layers, layers) / max(layers, 1)
         return 1 + share / 3
     return 1.0
+
+
+# The bytes each rank moves per byte of the buffer, as nccl-tests defines bus bandwidth (its
+# doc/PERFORMANCE.md): a ring all-reduce sends 2(n − 1)/n, a reduce-scatter or all-gather (n − 1)/n.
+COLLECTIVE_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+                     "all_gather": lambda n: (n - 1) / n}
+
+
+def collective_seconds(kind: str, nbytes: float, ranks: int, bus_gbps: float) -> float:
+    """Time of one collective over ``ranks`` ranks on a ``nbytes`` buffer at a bus bandwidth of ``bus_gbps``
+    GB/s (what nccl-tests prints as busbw): ``nbytes · factor(n) / busbw``; 0 for one rank."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return nbytes * COLLECTIVE_FACTOR[kind](ranks) / (bus_gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class PipelineSplit:
+    """How ``num_layers`` transformer layers split over ``pp_size`` pipeline stages and ``virtual_pp_size``
+    model chunks per stage: Megatron's rule (megatron/core/transformer/transformer_block.py
+    get_num_layers_to_build, transformer_layer.py get_transformer_layer_offset), the one definition the
+    trainer, its checkpoints, the converters and the plan all read.
+
+    Evenly by default: every stage holds num_layers / pp. Megatron's uneven split
+    (``--decoder-first-pipeline-num-layers F``, ``--decoder-last-pipeline-num-layers L``; Slipway's
+    parallel.first_stage_layers / last_stage_layers) gives the first (last) stage F (L) layers and the
+    stages between the rest, evenly. With interleaving each stage's layers are cut into v equal chunks,
+    and chunk c of stage r holds, from layer c·num_layers/v + Σ_{r' < r} count(r')/v, count(r)/v layers
+    (the round-robin of Narayanan et al. 2021 §2.2.2 when the split is even). Checkpoints number the
+    layers of each chunk from 0 (Megatron's convention).
+    """
+
+    num_layers: int
+    pp_size: int = 1
+    virtual_pp_size: int = 1
+    first: int | None = None
+    last: int | None = None
+
+    @property
+    def uneven(self) -> bool:
+        return self.first is not None or self.last is not None
+
+    def problem(self) -> str | None:
+        """Why the layers cannot split so (a sentence naming the sizes), or None."""
+        p, v, n = self.pp_size, self.virtual_pp_size, self.num_layers
+        ends = [x for x in (self.first, self.last) if x is not None]
+        if any(x < 1 for x in ends) or p < 1 or v < 1 or n < 1:
+            return "every stage and chunk needs at least one layer"
+        if self.uneven and p < 2:
+            return f"an uneven split needs at least 2 pipeline stages (pp_size={p})"
+        if len(ends) == 2 and p < 3 and self.first + self.last != n:
+            return f"the first and last stage hold {self.first} + {self.last} layers, not num_layers={n}"
+        middle, rest = p - len(ends), n - sum(ends)
+        if rest < middle or (middle and rest % middle) or (not middle and rest):
+            where = "the stages between" if ends else "the stages"
+            return (f"num_layers={n} leaves {rest} layer(s) for {middle} of {where}, not an equal share each"
+                    if ends else f"num_layers={n} is not divisible by pp_size={p}")
+        counts = self._counts()
+        if v > 1 and any(c % v for c in counts):
+            return (f"a stage's {counts} layers do not split into virtual_pp_size={v} equal chunks"
+                    if self.uneven else f"num_layers={n} is not divisible by pp_size·virtual_pp_size = "
+                    f"{p}·{v} = {p * v} (each model chunk needs equal layers)")
+        return None
+
+    def _counts(self) -> list[int]:
+        ends = [x for x in (self.first, self.last) if x is not None]
+        middle = self.pp_size - len(ends)
+        share = (self.num_layers - sum(ends)) // middle if middle else 0
+        counts = [share] * self.pp_size
+        if self.first is not None:
+            counts[0] = self.first
+        if self.last is not None:
+            counts[-1] = self.last
+        return counts
+
+    def stage_counts(self) -> list[int]:
+        """Layers on each stage (all its chunks); ValueError when :meth:`problem` says why not."""
+        why = self.problem()
+        if why:
+            raise ValueError(why)
+        return self._counts()
+
+    def chunk_layers(self, pp_rank: int, chunk: int = 0) -> range:
+        """The global layer numbers chunk ``chunk`` of stage ``pp_rank`` holds."""
+        if not 0 <= chunk < self.virtual_pp_size or not 0 <= pp_rank < self.pp_size:
+            raise ValueError(f"stage {pp_rank} chunk {chunk} is outside pp_size={self.pp_size}, "
+                             f"virtual_pp_size={self.virtual_pp_size}")
+        counts, v = self.stage_counts(), self.virtual_pp_size
+        start = chunk * (self.num_layers // v) + sum(counts[:pp_rank]) // v
+        return range(start, start + counts[pp_rank] // v)
+
+    def locate(self, index: int) -> tuple[int, int, int]:
+        """(stage, chunk, local layer number within the chunk) of global layer ``index``."""
+        for r in range(self.pp_size):
+            for c in range(self.virtual_pp_size):
+                held = self.chunk_layers(r, c)
+                if index in held:
+                    return r, c, index - held.start
+        raise ValueError(f"layer {index} is outside num_layers={self.num_layers}")

@@ -60,6 +60,9 @@ class Estimates:
     memory: MemoryEstimate
     time: TimeEstimate
     memory_options: list[MemoryOption]
+    # When nothing fits: the fewest GPUs (tp, pp) one model replica fits on with every memory saver
+    # (orchestrator.plan.smallest_replica); None when no split fits either or it was not needed.
+    smallest_replica: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ CHECKS: tuple[Check, ...] = (
     Check("run", "pure", run.warmup_problems),
     Check("cluster", "pure", cluster.precision_problems),
     Check("cluster", "pure", cluster.cluster_problems),
+    Check("cluster", "pure", cluster.site_problems),
+    Check("cluster", "pure", cluster.task_problems),
     Check("container", "pure", container.container_problems),
     Check("data", "pure", data.data_source_problems),
     Check("tokenizer", "pure", tokenizer.tokenizer_source_problems),

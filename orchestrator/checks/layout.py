@@ -1,6 +1,7 @@
 """The parallel layout and the batch: tensor-parallel size against the heads, the world against tp·pp,
 the global batch against micro-batches × dp, the interleaved schedule's constraints, sequence parallelism.
-(pp_size against the layers is the model section's own rule, ModelConfig.pp_issues.)"""
+(The layers against pp_size, the uneven split and the model chunks are the parallel section's own rule,
+ParallelConfig.layer_issues.)"""
 
 from __future__ import annotations
 
@@ -68,20 +69,12 @@ def layout_problems(ctx: Context) -> list[Problem]:
 
 
 def _virtual_pipeline(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
-    """The interleaved schedule's constraints (Megatron's): equal chunks of layers, and micro-batches in
-    groups of pp_size (the schedule runs each chunk on a group of p micro-batches in turn). v > 1 with
-    pp_size 1 is ParallelConfig's own problem."""
-    m, p, v, out = cfg.model, cfg.parallel, cfg.parallel.virtual_pp_size, []
+    """The interleaved schedule's batch constraint (Megatron's): micro-batches in groups of pp_size (the
+    schedule runs each chunk on a group of p micro-batches in turn). Equal chunks of layers
+    (ParallelConfig.layer_issues, ``vpp_layers``) and v > 1 with pp_size 1 are ParallelConfig's own."""
+    p, v, out = cfg.parallel, cfg.parallel.virtual_pp_size, []
     if not isinstance(v, int) or v < 2 or p.pp_size < 2:
         return out
-    if m.num_layers % (p.pp_size * v):
-        fit = [k for k in range(2, v + 3) if m.num_layers % (p.pp_size * k) == 0]
-        out.append(Problem("vpp_layers", "parallel.virtual_pp_size", v,
-                           f"model.num_layers={m.num_layers} is not divisible by pp_size·virtual_pp_size = "
-                           f"{p.pp_size}·{v} = {p.pp_size * v} (each model chunk needs equal layers)",
-                           f"use parallel.virtual_pp_size={fit[0]}" if fit else
-                           "use parallel.virtual_pp_size=1, or a num_layers divisible by "
-                           "pp_size·virtual_pp_size"))
     if lay.num_microbatches and lay.num_microbatches % p.pp_size:
         need = cfg.train.micro_batch_size * lay.dp * p.pp_size
         out.append(Problem("vpp_microbatches", "train.global_batch_size", cfg.train.global_batch_size,

@@ -1,5 +1,6 @@
 """The run as configured: each section's own rules (defined once beside its fields, trainer/config and
-orchestrator/schema), the warm-up against the run's length, and the names that become folders."""
+orchestrator/schema), values far outside any sane range, the warm-up against the run's length, and the
+names that become folders."""
 
 from __future__ import annotations
 
@@ -17,6 +18,40 @@ if TYPE_CHECKING:
 def section_problems(ctx: Context) -> list[Problem]:
     """Each section's own rules; the sections record them instead of raising, so all are reported."""
     return [Problem(i.code, i.key, i.value, i.message, i.fix) for i in ctx.cfg.problems()]
+
+
+# Bounds no pre-training recipe comes near (an order of magnitude past the published ones: GPT-3's peak
+# learning rates 0.6e-4 to 6e-4, weight decay 0.1, Adam's eps 1e-8, init std 0.02): a value beyond is most
+# likely a typo (3e4 for 3e-4) that would end in a non-finite loss after a queue wait. Flagged, not
+# refused: a run may diverge on purpose (the fault tests do). (key, section, field, upper bound, typical)
+SANE_UPPER = (
+    ("optim.lr", "optim", "lr", 0.1, "3e-4"),
+    ("optim.min_lr", "optim", "min_lr", 0.1, "3e-5"),
+    ("optim.weight_decay", "optim", "weight_decay", 1.0, "0.1"),
+    ("optim.adam_eps", "optim", "adam_eps", 1e-3, "1e-8"),
+    ("model.init_std", "model", "init_std", 1.0, "0.02"),
+)
+
+
+def _flipped(value: float, upper: float) -> str:
+    """``3e4`` → ``; did you mean 0.0003?`` when the exponent's sign flipped lands in range."""
+    if value <= 1:
+        return ""
+    mantissa, exponent = f"{value:e}".split("e")
+    guess = float(f"{mantissa}e-{int(exponent)}")
+    return f"; did you mean {guess:g}?" if 0 < guess <= upper else ""
+
+
+def insane_values(ctx: Context) -> list[str]:
+    """Values far outside any sane range (:data:`SANE_UPPER`), as the plan's warnings (no check: they are
+    said before submitting, never refused)."""
+    out = []
+    for key, section, name, upper, typical in SANE_UPPER:
+        value = getattr(getattr(ctx.cfg, section), name)
+        if isinstance(value, int | float) and value > upper:
+            out.append(f"{key}={value:g} is far above any pre-training recipe's (at most {upper:g}; typical "
+                       f"{typical}): the run would most likely diverge{_flipped(value, upper)}")
+    return out
 
 
 def warmup_problems(ctx: Context) -> list[Problem]:

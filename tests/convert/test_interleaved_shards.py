@@ -9,6 +9,7 @@ import pytest
 
 from trainer.checkpoint.chunks import chunk_entries, model_keys, virtual_size
 from trainer.checkpoint.files import CheckpointError
+from trainer.formulas import PipelineSplit
 from trainer.restore.reshard import SourceCheckpoint
 
 
@@ -32,5 +33,5 @@ def test_refusals_name_the_problem(shard, match):
 
 
 def test_source_layout_must_divide(tmp_path):
-    with pytest.raises(CheckpointError, match="pp_size·virtual_pp_size=2·2=4"):
-        SourceCheckpoint(str(tmp_path), 1, 1, 2, 6, 2)
+    with pytest.raises(CheckpointError, match="pp_size·virtual_pp_size = 2·2 = 4"):
+        SourceCheckpoint(str(tmp_path), 1, 1, PipelineSplit(6, 2, 2))

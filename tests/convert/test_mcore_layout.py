@@ -12,6 +12,7 @@ import torch
 from trainer.checkpoint import pickles
 from trainer.config.model import ModelConfig
 from trainer.convert.mcore import gpt_flat, to_mcore_model
+from trainer.formulas import PipelineSplit
 from trainer.model.gpt import GPT, StageSpec
 from trainer.parallel.apply import apply_tensor_parallel, stage_spec
 from trainer.parallel.random import RNGTracker
@@ -44,7 +45,7 @@ def test_slipway_mcore_shards_match_megatron_cores(name, tp, pp):
             folder = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "")
             path = FIXTURES / name / "iter_0000007" / folder / "model_optim_rng.pt"
             theirs = pickles.load(str(path))["model"]
-            stage = stage_spec(CFG.num_layers, p, pp)
+            stage = stage_spec(PipelineSplit(CFG.num_layers, pp), p)
             model = _shard_model(tp, t, stage)
             flat = {n: p_.detach() for n, p_ in model.named_parameters()}
             ours = to_mcore_model(flat, stage.post_process)  # local layer numbers, as Megatron saves
@@ -57,7 +58,7 @@ def test_reading_back_either_format_gives_the_gpts_names():
     path = FIXTURES / "mcore_tp1_pp1" / "iter_0000007" / "mp_rank_00" / "model_optim_rng.pt"
     theirs = pickles.load(str(path))
     flat = gpt_flat(theirs["model"])
-    model = _shard_model(1, 0, stage_spec(2, 0, 1))
+    model = _shard_model(1, 0, stage_spec(PipelineSplit(2, 1), 0))
     assert {n: tuple(v.shape) for n, v in flat.items()} == \
         {n: tuple(p.shape) for n, p in model.named_parameters()}
     assert gpt_flat(to_mcore_model(flat, post_process=True)).keys() == flat.keys()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.data.test_gpt_dataset_indexed import write_pair
-from tests.mcore.harness import run_check, versions
+from tests.mcore.harness import run_check
 from trainer.checks import deferred
 from trainer.config import DataConfig, TrainConfig
 from trainer.data.blend import BlendError, parse_blend
@@ -60,9 +60,8 @@ def cases(corpora: list[str]) -> list[tuple[list[str], list[float], tuple[int, i
             ([corpora[1]], [1.0], (200, 20))]
 
 
-@pytest.mark.parametrize("version", versions)
-def test_blend_order_and_samples_equal_megatron_core(version, corpora, tmp_path):
-    todo = cases(corpora)
+def test_blend_order_and_samples_equal_megatron_core(mcore_version, corpora, tmp_path):
+    version, todo = mcore_version, cases(corpora)
     theirs = run_check(version, "blends", timeout=600, cases=[
         {"prefixes": p, "weights": w, "sizes": [*n, 0], "seq_length": SEQ, "seed": SEED, "split": SPLIT,
          "read": n[0]} for p, w, n in todo])

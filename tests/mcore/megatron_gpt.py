@@ -4,8 +4,8 @@
 The model is configured from a checkpoint's Megatron-LM ``args`` the way Megatron-LM's
 ``core_transformer_config_from_args`` and ``model_provider`` do, for the options the oracle covers: GPT-2
 (learned positions, LayerNorm, fused bias-GeLU, biases, tied head), Llama (rope, RMSNorm, SwiGLU,
-grouped-query attention, no biases, untied head), ``--bf16`` weights, and the options Slipway refuses
-(mixture of experts, interleaved rotary, q/k LayerNorm, a QKV-only bias).
+grouped-query attention, no biases, untied head), ``--bf16``/``--fp16`` weights, and the options Slipway
+refuses (mixture of experts, interleaved rotary, q/k LayerNorm, a QKV-only bias).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _config(args, tp: int, dtype):
         normalization=arg(args, "normalization", "LayerNorm"),
         num_query_groups=arg(args, "num_query_groups") if arg(args, "group_query_attention", False) else None,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=dtype,
-        bf16=str(dtype) == "torch.bfloat16", hidden_dropout=0.0, attention_dropout=0.0,
+        bf16=str(dtype) == "torch.bfloat16", fp16=str(dtype) == "torch.float16", hidden_dropout=0.0,
+        attention_dropout=0.0,
         add_bias_linear=bias, add_qkv_bias=bool(arg(args, "add_qkv_bias", False)),
         # Megatron-LM's defaults --bias-gelu-fusion / --bias-swiglu-fusion: the jit-scripted fused
         # activations (they run on CPU).
@@ -96,7 +97,8 @@ def build_gpt(args, tp: int, dtype=None):
     from megatron.core.models.gpt import GPTModel
 
     if dtype is None:
-        dtype = torch.bfloat16 if arg(args, "bf16", False) else torch.float32
+        dtype = (torch.bfloat16 if arg(args, "bf16", False) else torch.float16 if arg(args, "fp16", False)
+                 else torch.float32)
     config = _config(args, tp, dtype)
     model = GPTModel(config, _layer_spec(config), vocab_size=arg(args, "padded_vocab_size"),
                     max_sequence_length=arg(args, "max_position_embeddings"), pre_process=True,
@@ -106,9 +108,10 @@ def build_gpt(args, tp: int, dtype=None):
                     position_embedding_type=arg(args, "position_embedding_type", "learned_absolute"),
                     rotary_percent=float(arg(args, "rotary_percent", 1.0)),
                     rotary_base=arg(args, "rotary_base", 10000))
-    # Megatron-LM's --bf16 wraps the model in Float16Module, which casts every parameter (norms included,
-    # whatever params_dtype the module chose) with module.bfloat16(); the weights it saves are those.
-    return model.bfloat16() if dtype == torch.bfloat16 else model
+    # Megatron-LM's --bf16 (--fp16) wraps the model in Float16Module, which casts every parameter (norms
+    # included, whatever params_dtype the module chose) with module.bfloat16() (.half()); the weights it
+    # saves are those.
+    return model.to(dtype) if dtype in (torch.bfloat16, torch.float16) else model
 
 
 def fresh_model(args, tp: int):
@@ -118,12 +121,19 @@ def fresh_model(args, tp: int):
 
     torch.manual_seed(1234)  # use_cpu_initialization: the full weight from torch's RNG, then split
     model = build_gpt(args, tp)
-    g = torch.Generator().manual_seed(7)  # the same on every rank: replicated params stay equal
+    perturb(model)
+    return model
+
+
+def perturb(model) -> None:
+    """Biases and norms off 0/1 by seeded noise, the same on every rank (replicated ones stay equal)."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for _, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_((torch.randn(p.shape, generator=g) * 0.1).to(p.dtype))
-    return model
 
 
 def megatron_args(job: dict):
@@ -134,8 +144,8 @@ def megatron_args(job: dict):
     args = torch.load(job["args_from"], map_location="cpu", weights_only=False)["args"]
     for key, value in job["args"].items():
         setattr(args, key, value)
-    if args.bf16:  # what Megatron-LM's validate_args derives from --bf16
-        args.params_dtype = torch.bfloat16
+    if args.bf16 or getattr(args, "fp16", False):  # what validate_args derives from --bf16 / --fp16
+        args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16
     return args
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.mcore.harness import run_check, versions
+from tests.mcore.harness import run_check
 from trainer.data.gpt_dataset import GPTDatasetConfig, build_gpt_datasets
 from trainer.data.index_helpers import SampleIndexArgs, build_sample_index_cpp, build_sample_index_numpy
 from trainer.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
@@ -65,10 +65,10 @@ def prefixes(tmp_path_factory) -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module", params=versions)
-def megatron(request, prefixes, tmp_path_factory):
-    """What megatron-core ``request.param`` reads and builds from the pairs (one subprocess)."""
-    out = tmp_path_factory.mktemp(f"megatron_{request.param}")
+@pytest.fixture(scope="module")
+def megatron(mcore_version, prefixes, tmp_path_factory):
+    """What megatron-core ``mcore_version`` reads and builds from the pairs (one check)."""
+    out = tmp_path_factory.mktemp(f"megatron_{mcore_version}")
     cases = {}
     for i, a in enumerate(CASES):
         cases.update({f"sizes_{i}": a.sizes, f"order_{i}": a.document_index, f"params_{i}": np.array(
@@ -77,7 +77,7 @@ def megatron(request, prefixes, tmp_path_factory):
     gpt = {"prefix": prefixes[0], "out": str(out / "gpt.npz"), "cache": str(out / "cache"), "seq_length": SEQ,
            "split": SPLIT, "seed": SEED, "sizes": [SAMPLES[s] for s in ("train", "valid", "test")]}
     sample = {"cases": str(out / "cases.npz"), "out": str(out / "smp.npz")}
-    result = run_check(request.param, "data", indexed_args={"prefixes": prefixes, "out": str(out / "idx")},
+    result = run_check(mcore_version, "data", indexed_args={"prefixes": prefixes, "out": str(out / "idx")},
                        gpt_args=gpt, sample_args=sample)
     return result, out
 

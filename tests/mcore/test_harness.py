@@ -27,3 +27,19 @@ def test_a_changed_requirement_list_reinstalls(tmp_path, monkeypatch):
     assert not versions.installed("0.8.0")
     stamp.write_text(" ".join(versions.requirements("0.8.0")) + "\n")
     assert versions.installed("0.8.0")
+
+
+def test_a_worker_reports_a_failing_check_and_serves_the_next():
+    """A check that raises is answered with its traceback (the worker lives on: the next check runs in the
+    same interpreter), and closing ends the process. Its own Worker, not the suite's current one."""
+    version = "0.16.1"
+    harness.require(version)
+    worker = harness.Worker(version)
+    try:
+        with pytest.raises(AssertionError, match=r"check no_such_check failed \(raised\)[\s\S]*KeyError"):
+            worker.ask("no_such_check", {}, timeout=300)
+        answer = worker.ask("blends", {"cases": []}, timeout=300)
+        assert answer["blends"] == [] and answer["megatron_core"] == version
+    finally:
+        worker.close()
+    assert not worker.alive() and worker.proc.returncode == 0

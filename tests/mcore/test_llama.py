@@ -17,7 +17,7 @@ Out: a Llama-style GPTModel's own weights (fp32, and --bf16) at tp 2, saved as M
 bf16 is checked twice. Exactly: the same bf16 weights upcast (Megatron's fp32 twin of the model, HF loaded
 in fp32) agree within 1e-5, so loading and conversion lose nothing. And the bf16 forwards themselves:
 Megatron's bf16 logits against the fp32 ones on the same weights, and HF's bf16 logits against
-Megatron's bf16 ones, within 2^-5 of the largest logit (BF16_REL: why).
+Megatron's bf16 ones, within 2^-5 of the largest logit (model_cases.LOW_REL: why).
 
 Refused: GPTModels megatron-core builds on CPU with an option neither HF architecture nor Slipway's GPT
 has (mixture of experts, interleaved rotary, q/k LayerNorm, a QKV-only bias), saved as Megatron-LM saves
@@ -34,25 +34,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.mcore.model_cases import ITERS, LLAMA, REFUSED, TOKENIZER
+from tests.mcore.model_cases import ITERS, LLAMA, LOW_REL, REFUSED, TOKENIZER
 from tests.train.harness import tiny_config, write_dataset
 from trainer.convert.reference import SlipwayGPTSource
 from trainer.convert.shards import load_merged
 from trainer.convert.spec import spec_from_checkpoint
 
-# bf16 keeps 8 significant bits: one rounding moves a value by up to 2^-9 of it, and a bf16 forward rounds
-# every matmul output, norm and residual sum. Two bf16 forwards of the same weights that order their
-# arithmetic differently (Megatron vs HF, or Megatron's bf16 vs its fp32 twin) differ by a few such
-# roundings of the largest logits: measured 2.5e-3 to 3.9e-3 at max |logit| 0.45-0.64 (about 1.5
-# roundings of 2^-8 there; the MATRIX lines print each). The bound is 8 roundings of 2^-8 at the largest
-# logit (2^-5 · max |logit|, 0.014-0.02 here): a few times what bf16 does. It guards the bf16 arithmetic,
-# not the weights: a swapped pair of lightly trained norms moved the logits by only 5e-3, which the
-# exact (fp32 twin, 1e-5) checks catch and this one would not.
-BF16_REL = 2.0 ** -5
-
 
 def _bf16_tol(reference: torch.Tensor) -> float:
-    return BF16_REL * reference.abs().max().item()
+    return LOW_REL["bf16"] * reference.abs().max().item()
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.mcore.model_cases import DIST_LAYOUTS, FIXTURES, ITERS, train
+from tests.mcore.model_cases import DIST_LAYOUTS, FIXTURES, ITERS, LOW_REL, train
 from tests.mcore.versions import COMMON_NEEDS_NAMESPACE
 from tests.train.harness import spawn, tiny_config, write_dataset
 from trainer.convert.reference import SlipwayGPTSource
@@ -141,3 +141,55 @@ def test_megatron_gpt_model_weights_start_a_slipway_run(tmp_path, megatron):
     diff = (theirs[..., :ours.shape[-1]] - ours).abs().max().item()
     print(f"MATRIX {version} run-start {diff:.2e}")
     assert diff <= 1e-5, f"megatron-core {version}: the run's weights give logits {diff:.3g} away"
+
+
+def _slipway(iter_dir, ids) -> torch.Tensor:
+    merged = load_merged(iter_dir, ITERS)
+    spec = spec_from_checkpoint(merged.args, merged.state, merged.checkpoint_version, None)
+    return torch.stack([SlipwayGPTSource(merged.state, spec).logits(row) for row in ids])
+
+
+def _diff(theirs: torch.Tensor, ours: torch.Tensor) -> float:
+    return (theirs[..., :ours.shape[-1]] - ours).abs().max().item()
+
+
+def test_megatron_loads_slipways_fp16_checkpoint(model_runs, megatron):
+    """train.precision=fp16 with the distributed optimizer keeps fp16 weights, as --fp16 saves them: the
+    GPTModel Megatron-LM's --fp16 builds loads them; its fp32 twin (same weights upcast) gives Slipway's
+    logits exactly, its fp16 forward within the 16-bit bound (model_cases.LOW_REL)."""
+    version, out, ids = megatron
+    shard = torch.load(model_runs["gpt_fp16"] / "mp_rank_00" / "model_optim_rng.pt", weights_only=False)
+    assert {t.dtype for t in shard["model"].values() if torch.is_tensor(t)} == {torch.float16}
+    ours = _slipway(model_runs["gpt_fp16"], ids)  # fp32 arithmetic on the fp16 weights
+    exact = _diff(torch.from_numpy(np.load(out / "in_fp16_fp32.npy")), ours)
+    fp16 = _diff(torch.from_numpy(np.load(out / "in_fp16.npy")), ours)
+    print(f"MATRIX {version} fp16 in tp2 weights {exact:.2e} fp16-forward {fp16:.2e} "
+          f"(max |logit| {ours.abs().max().item():.2f})")
+    assert exact <= 1e-5, f"megatron-core {version}: the loaded fp16 weights give logits {exact:.3g} away"
+    bound = LOW_REL["fp16"] * ours.abs().max().item()
+    assert fp16 <= bound, f"megatron-core {version}: its fp16 forward is {fp16:.3g} from fp32"
+
+
+def test_megatron_fp16_weights_convert_with_to_hf(tmp_path, megatron):
+    """A --fp16 GPTModel's weights (Float16Module: every parameter fp16) convert to an fp16 GPT-2; in fp32
+    arithmetic it gives the fp32 twin's logits exactly, in fp16 the GPTModel's within the bound."""
+    from transformers import GPT2LMHeadModel
+
+    from trainer.convert.to_hf import main
+
+    version, out, ids = megatron
+    assert main(["--checkpoint-dir", str(out / "export_fp16"), "--output-dir", str(tmp_path / "hf")]) == 0
+    hf = GPT2LMHeadModel.from_pretrained(tmp_path / "hf", torch_dtype=torch.float16).eval()
+    assert hf.lm_head.weight.dtype == torch.float16
+    with torch.no_grad():
+        ours_fp16 = hf(ids).logits.float()
+        ours_fp32 = hf.float()(ids).logits
+    theirs_fp32 = torch.from_numpy(np.load(out / "export_fp16_fp32.npy"))
+    theirs_fp16 = torch.from_numpy(np.load(out / "export_fp16.npy"))
+    exact, fp16 = _diff(theirs_fp32, ours_fp32), _diff(theirs_fp16, ours_fp16)
+    own = _diff(theirs_fp16, theirs_fp32[..., :ours_fp32.shape[-1]])
+    scale = theirs_fp32.abs().max().item()
+    print(f"MATRIX {version} fp16 out weights {exact:.2e} hf-vs-megatron-fp16 {fp16:.2e} "
+          f"megatron-fp16-vs-fp32 {own:.2e} (max |logit| {scale:.2f})")
+    assert exact <= 1e-5, f"megatron-core {version}: converted fp16 weights give logits {exact:.3g} away"
+    assert fp16 <= LOW_REL["fp16"] * scale and own <= LOW_REL["fp16"] * scale, (version, fp16, own)

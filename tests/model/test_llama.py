@@ -107,8 +107,7 @@ def test_defaults_are_gpt2_and_the_megatron_names_of_the_options():
     assert (cfg.position_embedding, cfg.normalization, cfg.activation) == ("learned", "layernorm", "gelu")
     assert cfg.query_groups == cfg.num_attention_heads and cfg.add_bias_linear and cfg.tie_word_embeddings
     assert cfg.megatron_architecture() == {
-        "position_embedding_type": "learned_absolute", "add_position_embedding": True,
-        "use_rotary_position_embeddings": False, "rotary_base": 10000.0, "rotary_percent": 1.0,
+        "position_embedding_type": "learned_absolute", "rotary_base": 10000.0, "rotary_percent": 1.0,
         "normalization": "LayerNorm", "norm_epsilon": 1e-5, "swiglu": False, "add_bias_linear": True,
         "group_query_attention": False, "num_query_groups": 12, "untie_embeddings_and_output_weights": False}
     llama = ModelConfig(**LLAMA).megatron_architecture()

@@ -5,6 +5,7 @@ refuses a job."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -99,3 +100,16 @@ def test_an_sbatch_refusal_is_one_line_naming_the_stage(tmp_path):
     assert "slipway: sbatch refused the corpus job: sbatch: error: " in text, text[-3000:]
     assert "nothing was submitted" in text and "launch again" in text
     assert newest_job_id() == newest
+
+
+@pytest.mark.parametrize("size", ["model.hidden_size=0", "model.num_attention_heads=0", "model.num_layers=0",
+                                  "model.seq_length=0", "parallel.pp_size=0"])
+def test_a_size_of_zero_is_a_problem_line_not_a_division_by_zero(tmp_path, size):
+    """The estimates divide by the model's sizes: with one at 0 the plan says so instead of crashing."""
+    from orchestrator.flow import launch
+    from tests.orchestrator.conftest import compose_cfg
+
+    out = io.StringIO()
+    plan = launch(compose_cfg([*SMOKE, f"runs_root={tmp_path}", "dry_run=true", size]), out=out).plan
+    assert any(p.code == "positive" and p.key == size.split("=")[0] for p in plan.problems), plan.problems
+    assert "Memory: not estimated" in out.getvalue() and "Time: not estimated" in out.getvalue()

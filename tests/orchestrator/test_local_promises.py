@@ -82,6 +82,10 @@ def test_relaunches_keep_afterok_and_do_only_what_is_missing(tmp_path, cache):
     # hf/ deleted: only conversion runs again (no train job that would load iteration 6 and stop).
     shutil.rmtree(run / "hf")
     jobs_before = current_jobs(json.loads((run / "run.json").read_text()))
+    dry = io.StringIO()
+    _launch(tmp_path, cache, "train.iters=6", "dry_run=true", out=dry)  # says so before submitting
+    assert "no job: its checkpoint is at iteration 6 = train.iters: nothing to train" in dry.getvalue()
+    assert dry.getvalue().count("no job:") == 3  # corpus, preprocess, train: convert would run
     res = _launch(tmp_path, cache, "train.iters=6")
     actions = {s.stage: s.action for s in res.submitted}
     assert actions == {"corpus": "reused", "preprocess": "reused", "train": "reused", "convert": "submitted"}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.parallel import harness as H
-from trainer.formulas import interleaved_memory_factor
+from trainer.formulas import PipelineSplit, interleaved_memory_factor
 from trainer.parallel import ParallelConfig, ParallelState, build_model, finish_grad_sync, sharding
 from trainer.parallel import engine as E
 from trainer.parallel.apply import check_compatible, stage_spec
@@ -34,7 +34,7 @@ def test_megatron_layer_assignment():
         for i in range(L):
             r, c, local = sharding.chunk_of_layer(i, L, p, v)
             assert sharding.stage_layers(L, p, r, v, c)[local] == i
-    specs = {(r, c): stage_spec(8, r, 2, 2, c) for r in range(2) for c in range(2)}
+    specs = {(r, c): stage_spec(PipelineSplit(8, 2, 2), r, c) for r in range(2) for c in range(2)}
     assert [k for k, s in specs.items() if s.pre_process] == [(0, 0)]
     assert [k for k, s in specs.items() if s.post_process] == [(1, 1)]
 
@@ -49,7 +49,7 @@ def test_chunk_order_and_warmup_follow_megatron():
 
 def test_refusals_say_how_to_fix():
     cfg = dataclasses.replace(H.CFG, num_layers=6)
-    with pytest.raises(ValueError, match="pp_size × parallel.virtual_pp_size = 2×2"):
+    with pytest.raises(ValueError, match="vpp_layers.*pp_size·virtual_pp_size = 2·2 = 4.*virtual_pp_size=3"):
         check_compatible(cfg, ParallelConfig(pp_size=2, virtual_pp_size=2))
     with pytest.raises(ValueError, match="virtual_pp.*parallel.virtual_pp_size=1, or parallel.pp_size>=2"):
         ParallelConfig(virtual_pp_size=2)  # the section refuses itself (Megatron: pp > 1)
@@ -146,7 +146,8 @@ def test_chunked_model_names_are_global_and_module_is_refused():
     from trainer.parallel.random import seed_everything
 
     ps, cfg = ParallelState.single(), dataclasses.replace(H.CFG, num_layers=8)
-    chunks = [GPT(cfg, stage_spec(8, 1, 2, 2, c)) for c in range(2)]  # rank 1: layers 2,3 and 6,7
+    # rank 1: layers 2,3 and 6,7
+    chunks = [GPT(cfg, stage_spec(PipelineSplit(8, 2, 2), 1, c)) for c in range(2)]
     model = E.ParallelModel(chunks, ps, ParallelConfig(pp_size=2, virtual_pp_size=2), seed_everything(0, ps))
     layers = sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if ".layers." in n})
     assert layers == [2, 3, 6, 7] and set(model.partition_dims) == {n for n, _ in model.named_parameters()}

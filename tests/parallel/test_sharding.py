@@ -4,6 +4,7 @@ and the converters' rules read their kind from it."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -89,8 +90,36 @@ def test_layer_numbers_and_stages():
     assert renumber("encoder.layers.11.input_layernorm.bias", 1) == "encoder.layers.12.input_layernorm.bias"
     assert [sharding.stage_of_layer(i, 12, 3) for i in (0, 3, 4, 11)] == [(0, 0), (0, 3), (1, 0), (2, 3)]
     assert list(sharding.stage_layers(12, 3, 1)) == [4, 5, 6, 7]
-    with pytest.raises(ValueError, match="num_layers=12 does not divide by pp_size=5"):
+    with pytest.raises(ValueError, match="num_layers=12 is not divisible by pp_size=5"):
         sharding.stage_layers(12, 5, 0)
+
+
+@pytest.mark.parametrize("layers,pp,v,first,last,held", [
+    (3, 2, 1, 1, None, [[[0]], [[1, 2]]]),                      # --decoder-first-pipeline-num-layers 1
+    (3, 2, 1, None, 1, [[[0, 1]], [[2]]]),                      # --decoder-last-pipeline-num-layers 1
+    (7, 3, 1, 1, 2, [[[0]], [[1, 2, 3, 4]], [[5, 6]]]),         # both; the middle stage takes the rest
+    (10, 3, 2, 2, 4, [[[0], [5]], [[1, 2], [6, 7]], [[3, 4], [8, 9]]]),  # interleaved: per chunk c,
+])                                                              # c·L/v + Σ earlier stages' count / v
+def test_megatrons_uneven_split(layers, pp, v, first, last, held):
+    """Megatron's get_num_layers_to_build / get_transformer_layer_offset (core_v0.19.0) by hand."""
+    got = [[list(sharding.stage_layers(layers, pp, r, v, c, first, last)) for c in range(v)]
+           for r in range(pp)]
+    assert got == held
+    for i in range(layers):
+        r, c, local = sharding.chunk_of_layer(i, layers, pp, v, first, last)
+        assert held[r][c][local] == i
+
+
+@pytest.mark.parametrize("layers,pp,v,first,last,why", [
+    (4, 1, 1, 1, None, "needs at least 2 pipeline stages"),
+    (4, 3, 1, 1, None, "leaves 3 layer"),
+    (4, 2, 1, 1, 2, "1 + 2 layers, not num_layers=4"),
+    (5, 2, 2, 1, None, "do not split into virtual_pp_size=2"),
+    (4, 2, 1, 0, None, "at least one layer"),
+])
+def test_splits_that_cannot_be_are_refused_with_the_sizes(layers, pp, v, first, last, why):
+    with pytest.raises(ValueError, match=re.escape(why)):
+        sharding.stage_layers(layers, pp, 0, v, 0, first, last)
 
 
 def test_reshard_slices_the_last_stages_head_copy_like_the_embedding():

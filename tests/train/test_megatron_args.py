@@ -49,7 +49,7 @@ def test_args_are_a_megatron_namespace_of_plain_values(saved):
     odd = {k: type(v).__name__ for k, v in vars(args).items() if not _plain(v)}
     assert not odd, odd
     shape = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 128,
-             "kv_channels": 8, "num_query_groups": 4, "seq_length": 16, "max_position_embeddings": 16,
+             "kv_channels": 8, "num_query_groups": 1, "seq_length": 16, "max_position_embeddings": 16,
              "vocab_size": VOCAB, "padded_vocab_size": 256, "make_vocab_size_divisible_by": 128,
              "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "iteration": ITERS,
              "consumed_train_samples": ITERS * 4, "add_position_embedding": True,

@@ -4,7 +4,8 @@ Megatron-LM saves a rank that holds v > 1 model chunks with one entry per chunk,
 … instead of ``model`` (``save_checkpoint``: ``state_dict['model%d' % i]``), each in the usual nested
 (legacy) or flat (Megatron-core) naming, with layer numbers local to the chunk (0 … L/(p·v) − 1, the
 ModuleList index of that chunk); ``args.virtual_pipeline_model_parallel_size`` is v (None without
-interleaving). Chunk c of rank r holds layers ``trainer.parallel.sharding.stage_layers(L, p, r, v, c)``.
+interleaving). Chunk c of rank r holds layers ``trainer.formulas.PipelineSplit.chunk_layers(r, c)`` of the
+split :func:`saved_split` reads from the args.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 from typing import Any
 
 from trainer.checkpoint.files import CheckpointError, arg
+from trainer.formulas import PipelineSplit
 
 _CHUNK_KEY = re.compile(r"^model(\d+)$")
 
@@ -45,3 +47,11 @@ def chunk_entries(shard: Any, where: object) -> list[Any]:
 def virtual_size(args: Any) -> int:
     """v of a saved checkpoint's args (Megatron: None without interleaving)."""
     return int(arg(args, "virtual_pipeline_model_parallel_size", None) or 1)
+
+
+def saved_split(args: Any) -> PipelineSplit:
+    """How a saved checkpoint's layers split over its stages and chunks: its args' pipeline size, v, and
+    Megatron's uneven split (decoder_first/last_pipeline_num_layers; None: even)."""
+    return PipelineSplit(int(arg(args, "num_layers")), int(arg(args, "pipeline_model_parallel_size", 1) or 1),
+                         virtual_size(args), arg(args, "decoder_first_pipeline_num_layers"),
+                         arg(args, "decoder_last_pipeline_num_layers"))

@@ -71,6 +71,32 @@ _GPT2_ARCHITECTURE: dict[str, Any] = {
     "consumed_train_samples": 0, "consumed_valid_samples": 0,
 }
 
+def _as_megatron_parses(values: dict[str, Any]) -> None:
+    """What Megatron-LM's parser and ``validate_args`` (core_v0.19.0, and earlier tags alike) hold for a
+    model Slipway describes, where Slipway's own view would differ. Megatron-LM's ``load_checkpoint``
+    compares add_position_embedding strictly (``check_checkpoint_args``), and ``--use-checkpoint-args``
+    copies all four (``load_args_from_checkpoint``, force=True), so each must be the parser's value:
+
+    - ``add_position_embedding``: True unless --no-position-embedding, which Slipway's models never need:
+      with rope Megatron builds no position table whatever it says (GPTModel: learned_absolute only);
+    - ``use_rotary_position_embeddings``: the deprecated flag, False; rope is position_embedding_type;
+    - ``num_query_groups``: the parser's default 1 unless --group-query-attention (readers take the
+      heads then: trainer.checkpoint.files._kv_groups, trainer.convert.spec);
+    - ``add_qkv_bias``: validate_args sets it whenever add_bias_linear (from core_v0.10);
+    - ``bias_gelu_fusion``: validate_args turns it off without linear biases, and Megatron's GeLU is then
+      the erf form unless --openai-gelu: Slipway's tanh GeLU without biases is ``openai_gelu``.
+    """
+    values["add_position_embedding"] = True
+    values["use_rotary_position_embeddings"] = False
+    if not values.get("group_query_attention"):
+        values["num_query_groups"] = 1
+    bias = bool(values.get("add_bias_linear", True))
+    values["add_qkv_bias"] = bool(values.get("add_qkv_bias")) or bias
+    if not bias and values.get("bias_gelu_fusion"):
+        values["bias_gelu_fusion"] = False
+        values["openai_gelu"] = values.get("openai_gelu") or not values.get("swiglu")
+
+
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -86,16 +112,17 @@ def megatron_args(fields: dict[str, Any]) -> argparse.Namespace:
     """The checkpoint ``args``: Slipway's GPT-2 architecture defaults, then ``fields`` (Megatron's names;
     extra Slipway fields such as run_id are kept — readers ignore attributes they do not know).
 
-    Derives what follows from the shape: kv_channels, num_query_groups (= heads without GQA), and both
-    epsilon names (``layernorm_epsilon``; ``norm_epsilon`` since Megatron core_v0.4.0).
+    Derives what follows from the shape: kv_channels, both epsilon names (``layernorm_epsilon``;
+    ``norm_epsilon`` since Megatron core_v0.4.0), and the values Megatron-LM's own parser gives the same
+    model (:func:`_as_megatron_parses`), field by field as its ``validate_args`` leaves them.
     """
     values = {**_GPT2_ARCHITECTURE, **fields}
     heads, hidden = values.get("num_attention_heads"), values.get("hidden_size")
     if heads and hidden:
         values.setdefault("kv_channels", hidden // heads)
-        values.setdefault("num_query_groups", heads)
     eps = values.get("norm_epsilon", values.get("layernorm_epsilon", 1e-5))
     values["norm_epsilon"] = values["layernorm_epsilon"] = eps
+    _as_megatron_parses(values)
     missing = [k for k in READER_ARGS if k not in values]
     if missing:
         raise ValueError(f"checkpoint args lack {missing}, which Megatron-LM or transformers read; pass them "

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import testing_hooks
-from trainer.checkpoint import pickles
+from trainer.checkpoint import dist_read, pickles
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.files import (  # noqa: F401 (the layout's names, re-exported for the trainer)
     CHECKPOINT_VERSION,
@@ -294,19 +294,27 @@ def select_latest(ckpt_dir: str, *, act: bool = True) -> ckpt_verify.Choice:
 
 def load_file(path: str, *, mmap: bool = False) -> dict:
     """One shard, safely, onto the CPU: ``torch.load(weights_only=True)`` plus ``argparse.Namespace``
-    (the ``args``), numpy RNG pieces and inert stand-ins for Megatron's classes
+    (the ``args``), numpy RNG pieces, standard-library enums and inert stand-ins for Megatron's classes
     (:mod:`trainer.checkpoint.pickles`); no code from the file runs."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path} does not exist: the checkpoint is incomplete or was saved with a "
                               "different layout")
+    return _load(path, path, mmap)
+
+
+def _load(source: Any, where: str, mmap: bool) -> Any:
+    """:func:`load_file` of a path or a BytesIO (a torch_dist object), errors naming ``where``."""
     try:
-        return pickles.load(path, mmap=mmap)
+        return pickles.load(source, mmap=mmap, where=where)
     except pickles.UnsafePickle as e:
-        raise CheckpointError(f"{path} cannot be read safely: it pickles {', '.join(e.names)}, which is "
-                              "neither a tensor, plain data nor Megatron-LM's (not a Slipway or Megatron "
-                              "checkpoint?); convert it with trainer.convert first") from e
+        raise CheckpointError(f"{where} cannot be read safely: it pickles {', '.join(e.names)}, beyond "
+                              f"{pickles.SAFE_KINDS}, and the trainer never runs code from a checkpoint. "
+                              "Start from its weights through the converters, which can: python -m "
+                              "trainer.convert.to_hf --trust-pickle (the modules it names importable), then "
+                              "python -m trainer.convert.from_hf into a checkpoint for checkpoint.load_dir "
+                              "(checkpoint.load=model-only)") from e
     except Exception as e:  # noqa: BLE001 - re-raised with the file and the fix
-        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); it is corrupt or holds "
+        raise CheckpointError(f"{where} cannot be read ({type(e).__name__}: {e}); it is corrupt or holds "
                               "pickled objects (a Megatron-LM checkpoint: convert it with "
                               "trainer.convert first)") from e
 
@@ -320,13 +328,14 @@ def saved_layout(ckpt_dir: str, iteration: int, *, mmap: bool = False) -> tuple[
         raise CheckpointError(f"{base} does not exist; available iterations in {ckpt_dir}: "
                               f"{list_iterations(ckpt_dir) or 'none'}")
     first = [n for n in sorted(os.listdir(base)) if n.startswith("mp_rank_00")]
-    if os.path.isfile(os.path.join(base, DIST_METADATA)):  # torch_dist: the args are in common.pt
-        path = os.path.join(base, DIST_COMMON)
+    if os.path.isfile(os.path.join(base, DIST_METADATA)):  # torch_dist: the args are in its common state
+        path = base
+        args = dist_read.read_common(base, lambda src, where: _load(src, where, mmap)).get("args")
     elif not first:
         raise CheckpointError(f"{base} holds no mp_rank_* shard: incomplete checkpoint")
     else:
         path = os.path.join(base, first[0], SHARD_FILE)
-    args = load_file(path, mmap=mmap).get("args")
+        args = load_file(path, mmap=mmap).get("args")
     sizes = [arg(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size")]
     if None in sizes:
         raise CheckpointError(f"{path} has no args.tensor_model_parallel_size/pipeline_model_parallel_size: "

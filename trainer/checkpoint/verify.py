@@ -21,6 +21,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from trainer.checkpoint import dist_read
 from trainer.checkpoint.files import (
     DIST_COMMON,
     DIST_METADATA,
@@ -104,7 +105,7 @@ def read_manifest(iter_dir: str) -> dict | None:
 
 def _completeness(iter_dir: str, file_name: str) -> list[str]:
     """A checkpoint without a manifest: every (tp, pp) shard its folders imply, present and non-empty
-    (Megatron-core's torch_dist: its metadata, common.pt and data files)."""
+    (Megatron-core's torch_dist: its metadata, common state and data files)."""
     if os.path.isfile(os.path.join(iter_dir, DIST_METADATA)):
         return _dist_completeness(iter_dir)
     ranks = [(int(m.group(1)), int(m.group(2) or 0))
@@ -125,10 +126,14 @@ def _completeness(iter_dir: str, file_name: str) -> list[str]:
 def _dist_completeness(iter_dir: str) -> list[str]:
     names = os.listdir(iter_dir)
     out = []
-    for n in (DIST_METADATA, DIST_COMMON):
-        path = os.path.join(iter_dir, n)
-        if not os.path.isfile(path) or os.path.getsize(path) == 0:
-            out.append(f"{path} is missing or empty")
+    path = os.path.join(iter_dir, DIST_METADATA)
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return [f"{path} is missing or empty"]
+    common = os.path.join(iter_dir, DIST_COMMON)
+    if os.path.isfile(common) and os.path.getsize(common) == 0:
+        out.append(f"{common} is empty")
+    elif not dist_read.has_common(iter_dir):  # core 0.19 keeps it in the data files
+        out.append(f"{common} is missing (and the metadata lists no {dist_read.COMMON_STATE!r} object)")
     data = [n for n in names if n.endswith(".distcp")]
     if not data or any(os.path.getsize(os.path.join(iter_dir, n)) == 0 for n in data):
         out.append(f"{iter_dir} has no (or an empty) .distcp data file: the torch_dist save is incomplete")

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainer.checks import ConfigIssue, Section, choice, issue, positive
-from trainer.formulas import padded_vocab_size
+from trainer.formulas import PipelineSplit, padded_vocab_size
 
 ATTENTION_BACKENDS = ("sdpa", "softmax")
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 POSITION_EMBEDDINGS = ("learned", "rope")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu")
@@ -27,7 +28,8 @@ class ModelConfig(Section):
     """GPT shape and regularisation (Megatron's names; Megatron GPT == HF GPT-2 math, formats.md §4)."""
 
     num_layers: int = 12
-    """Transformer blocks; parallel.pp_size must divide it (CodeParrot-small: 12)."""
+    """Transformer blocks; parallel.pp_size must divide it, or split it unevenly with
+    parallel.first_stage_layers / last_stage_layers (CodeParrot-small: 12)."""
     hidden_size: int = 768
     """Width h of the residual stream; a multiple of num_attention_heads (CodeParrot-small: 768)."""
     num_attention_heads: int = 12
@@ -45,7 +47,9 @@ class ModelConfig(Section):
     hidden_dropout: float = 0.1
     """Dropout probability on the embeddings and the residual branches (attention and MLP outputs)."""
     attention_dropout: float = 0.1
-    """Dropout probability on the attention weights."""
+    """Dropout probability on the attention weights: a recipe choice. 0.1 is GPT-2's and Megatron's
+    default; on Hopper it keeps SDPA off cuDNN attention (which refuses dropout) on flash, about twice the
+    attention time (../shared/design/performance.md); 0 is what llm.c and nanoGPT-style runs use."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation (output projections are scaled by
     1/sqrt(2·num_layers), as in Megatron)."""
@@ -77,8 +81,14 @@ class ModelConfig(Section):
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padding unit, multiplied by parallel.tp_size (Megatron's --make-vocab-size-divisible-by)."""
     attention_backend: str = "sdpa"
-    """sdpa: torch scaled_dot_product_attention (flash/efficient on GPU); softmax: explicit QK^T → the
+    """sdpa: torch scaled_dot_product_attention (the kernel: sdpa_backend); softmax: explicit QK^T → the
     scaled causal softmax kernel → dropout → ·V (Megatron's fused scale-mask-softmax path)."""
+    sdpa_backend: str = "auto"
+    """The SDPA kernel (attention_backend=sdpa): auto ranks cuDNN > flash > memory-efficient > math on CUDA
+    and takes the first that supports the call (cuDNN refuses attention dropout: with attention_dropout > 0
+    training runs flash, evaluation cuDNN), and leaves the choice to torch on CPU (its flash kernel without
+    dropout, else math); cudnn, flash, efficient or math allow only that kernel (a call it cannot serve
+    fails). The job's first log lines name the kernel training and evaluation run."""
 
     def _normalise(self) -> None:
         if self.max_position_embeddings is None:
@@ -124,7 +134,8 @@ class ModelConfig(Section):
         for key, value, allowed in (("position_embedding", self.position_embedding, POSITION_EMBEDDINGS),
                                     ("normalization", self.normalization, NORMALIZATIONS),
                                     ("activation", self.activation, ACTIVATIONS),
-                                    ("attention_backend", self.attention_backend, ATTENTION_BACKENDS)):
+                                    ("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
+                                    ("sdpa_backend", self.sdpa_backend, SDPA_BACKENDS)):
             out += choice(f"model.{key}", value, allowed)
         return out
 
@@ -147,8 +158,6 @@ class ModelConfig(Section):
         Megatron's --use-checkpoint-args and Slipway's converters read back)."""
         return {
             "position_embedding_type": MEGATRON_POSITION[self.position_embedding],
-            "add_position_embedding": self.position_embedding == "learned",
-            "use_rotary_position_embeddings": self.position_embedding == "rope",
             "rotary_base": self.rotary_base, "rotary_percent": self.rotary_percent,
             "normalization": MEGATRON_NORMALIZATION[self.normalization], "norm_epsilon": self.norm_epsilon,
             "swiglu": self.activation == "swiglu", "add_bias_linear": self.add_bias_linear,
@@ -168,14 +177,6 @@ class ModelConfig(Section):
                                  "divisible by it", f"choose a tp_size that divides model.{key}={n}"))
         return out
 
-    def pp_issues(self, pp_size: int) -> list[ConfigIssue]:
-        """Whether ``pp_size`` pipeline stages get equal layers (checked by RunConfig, so at plan time
-        and by the standalone trainer before any rank starts; trainer.parallel.apply at build time)."""
-        if isinstance(pp_size, int) and pp_size > 0 and self.num_layers % pp_size:
-            return [issue("pp_layers", "parallel.pp_size", pp_size, f"model.num_layers={self.num_layers} "
-                          "is not divisible by it", "choose a pp_size that divides the number of layers")]
-        return []
-
     def padded_vocab_size(self, tp_size: int = 1) -> int:
         """Embedding rows for a tensor-parallel size (Megatron's rule, :func:`trainer.formulas`)."""
         if self.vocab_size is None:
@@ -191,14 +192,22 @@ class ParallelConfig(Section):
     tp_size: int = 1
     """Tensor-parallel ranks per layer (keep them inside one node: they all-reduce in every layer)."""
     pp_size: int = 1
-    """Pipeline stages (model.num_layers must divide evenly)."""
+    """Pipeline stages: each holds model.num_layers / pp_size layers, unless first_stage_layers or
+    last_stage_layers split them unevenly."""
+    first_stage_layers: int | None = None
+    """Layers on the first pipeline stage (Megatron's --decoder-first-pipeline-num-layers), which also
+    holds the embedding: fewer there balances the stages' memory and time; the stages between share the
+    rest equally. null: the even split. Needs pp_size >= 2."""
+    last_stage_layers: int | None = None
+    """Layers on the last pipeline stage (Megatron's --decoder-last-pipeline-num-layers), which also
+    holds the final norm, the LM head and the loss; null: the even split. Needs pp_size >= 2."""
     virtual_pp_size: int = 1
     """Model chunks per pipeline stage for the interleaved 1F1B schedule (Megatron's
     virtual_pipeline_model_parallel_size = num_layers / (pp_size · --num-layers-per-virtual-pipeline-stage)):
     stage r holds chunks r, r+p, r+2p, … of num_layers / (pp_size·v) layers each, which divides the
     pipeline bubble by v for v times the point-to-point traffic (Narayanan et al. 2021, §2.2.2).
-    1: no interleaving. v > 1 needs pp_size > 1, num_layers divisible by pp_size·v and the micro-batches
-    per step a multiple of pp_size."""
+    1: no interleaving. v > 1 needs pp_size > 1, each stage's layers divisible by v (num_layers by pp_size·v
+    when even) and the micro-batches per step a multiple of pp_size."""
     sequence_parallel: bool = False
     """Shard the LayerNorm/dropout regions along the sequence across the tensor-parallel group (saves
     activation memory, same math; needs tp_size > 1 and seq_length divisible by it)."""
@@ -213,8 +222,16 @@ class ParallelConfig(Section):
     def problems(self) -> list[ConfigIssue]:
         out = (positive("parallel.tp_size", self.tp_size) + positive("parallel.pp_size", self.pp_size)
                + positive("parallel.virtual_pp_size", self.virtual_pp_size)
+               + positive("parallel.first_stage_layers", self.first_stage_layers, allow_none=True)
+               + positive("parallel.last_stage_layers", self.last_stage_layers, allow_none=True)
                + choice("parallel.schedule", self.schedule, SCHEDULES)
                + positive("parallel.bucket_size_mb", self.bucket_size_mb))
+        uneven = [k for k in ("first_stage_layers", "last_stage_layers") if getattr(self, k) is not None]
+        if not out and uneven and self.pp_size < 2:
+            out.append(issue("uneven_pp", f"parallel.{uneven[0]}", getattr(self, uneven[0]),
+                             "an uneven split needs several pipeline stages; "
+                             f"parallel.pp_size={self.pp_size}",
+                             f"set parallel.{uneven[0]}=null, or parallel.pp_size>=2"))
         if not out and self.virtual_pp_size > 1 and self.pp_size < 2:
             # Megatron (initialize_model_parallel): "pipeline-model-parallel size should be greater than 1
             # with interleaved schedule" — with one stage there is no bubble to shrink.
@@ -222,3 +239,35 @@ class ParallelConfig(Section):
                              f"interleaving needs several pipeline stages; parallel.pp_size={self.pp_size}",
                              "set parallel.virtual_pp_size=1, or parallel.pp_size>=2"))
         return out
+
+    def split(self, num_layers: int, virtual_pp_size: int | None = None) -> PipelineSplit:
+        """How this layout splits ``num_layers`` (unchecked: :meth:`layer_issues` says what is wrong)."""
+        v = self.virtual_pp_size if virtual_pp_size is None else virtual_pp_size
+        return PipelineSplit(num_layers, self.pp_size, v, self.first_stage_layers, self.last_stage_layers)
+
+    def layer_issues(self, num_layers: int) -> list[ConfigIssue]:
+        """Whether the stages and their model chunks get whole shares of ``num_layers`` (Megatron's rule,
+        trainer.formulas.PipelineSplit; checked by RunConfig, so at plan time and by the standalone
+        trainer before any rank starts; trainer.parallel.apply at build time)."""
+        sizes = (num_layers, self.pp_size, self.virtual_pp_size)
+        if not all(isinstance(x, int) and x > 0 for x in sizes) or self.problems():
+            return []  # the sections' own problems say what is wrong first
+        why = self.split(num_layers).problem()
+        if why is None:
+            return []
+        if self.virtual_pp_size > 1 and self.split(num_layers, 1).problem() is None:  # the chunks
+            fit = [k for k in range(2, self.virtual_pp_size + 3)
+                   if self.split(num_layers, k).problem() is None]
+            return [issue("vpp_layers", "parallel.virtual_pp_size", self.virtual_pp_size,
+                          f"model.{why}" if why.startswith("num_layers") else why,
+                          f"use parallel.virtual_pp_size={fit[0]}" if fit else
+                          "use parallel.virtual_pp_size=1, or layers that split into equal chunks")]
+        if not self.split(num_layers).uneven:
+            return [issue("pp_layers", "parallel.pp_size", self.pp_size,
+                          f"model.num_layers={num_layers} is not divisible by it",
+                          "choose a pp_size that divides the number of layers, or split them unevenly as "
+                          "Megatron does: parallel.first_stage_layers / last_stage_layers")]
+        key = "first_stage_layers" if self.first_stage_layers is not None else "last_stage_layers"
+        return [issue("pp_layers", f"parallel.{key}", getattr(self, key), why,
+                      f"choose first_stage_layers / last_stage_layers that leave the {self.pp_size} stages "
+                      f"whole shares of model.num_layers={num_layers}")]

@@ -4,7 +4,8 @@ The default format of current Megatron-LM (``--use-dist-ckpt``, ``--dist-ckpt-fo
 
     iter_0000007/.metadata        torch.distributed.checkpoint metadata: every tensor's global shape
     iter_0000007/__R_I.distcp     the chunks, written by each rank
-    iter_0000007/common.pt        args, iteration, checkpoint_version (a plain torch file)
+    iter_0000007/common.pt        args, iteration, checkpoint_version (a plain torch file; from core
+                                  0.19 not written: a ``common_state`` object in the .distcp files)
     iter_0000007/metadata.json    {"sharded_backend": "torch_dist", ...}
 
 Tensors are stored *global* (tp shards and pp stages already assembled by the format), with the layers
@@ -16,14 +17,15 @@ flat names (``decoder.layers.{i}.…``) for :func:`trainer.convert.mcore.normali
 
 from __future__ import annotations
 
+import io
 import json
-import pickle
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.checkpoint import dist_read
 from trainer.checkpoint.files import DIST_COMMON, DIST_INFO, DIST_METADATA
 from trainer.convert.shard_io import CheckpointError, load_shard
 
@@ -32,7 +34,9 @@ STACKED = "decoder.layers."
 
 
 def is_dist(iter_dir: Path) -> bool:
-    return (iter_dir / METADATA).is_file() and (iter_dir / COMMON).is_file()
+    """A torch_dist folder: its ``.metadata`` is there (the common state is in ``common.pt`` beside it, or
+    from core 0.19 inside the data files: :func:`trainer.checkpoint.dist_read.read_common`)."""
+    return (iter_dir / METADATA).is_file()
 
 
 def _backend(iter_dir: Path) -> None:
@@ -44,39 +48,6 @@ def _backend(iter_dir: Path) -> None:
                               "the torch format with --ckpt-format torch)")
 
 
-class _MegatronStandIn:
-    """Whatever Megatron class a ``.metadata`` pickle names: unpickled as attributes only."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """torch's own ``.metadata`` unpickling, except Megatron's classes: since core_v0.13 the metadata
-    keeps each rank's save plan as ``megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan``
-    (``Metadata.all_local_plans``), which nothing here reads and which must not need Megatron to load."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "megatron" or module.startswith("megatron."):
-            return type(name, (_MegatronStandIn,), {"__module__": module})
-        return super().find_class(module, name)
-
-
-def _reader(iter_dir: Path):
-    import torch.distributed.checkpoint as dcp
-
-    class Reader(dcp.FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            from torch.distributed.checkpoint.metadata import StorageMeta
-
-            with open(iter_dir / METADATA, "rb") as f:
-                pickled = _MetadataUnpickler(f).load()
-            # The rest is what FileSystemReader.read_metadata does after its plain pickle.load.
-            if getattr(pickled, "storage_meta", None) is None:
-                pickled.storage_meta = StorageMeta()
-            pickled.storage_meta.load_id = self.load_id
-            return pickled
-
-    return Reader(str(iter_dir))
-
-
 OPTIMIZER = "optimizer."  # Megatron's optimizer state (``optimizer.state.exp_avg.<param key>``, …)
 
 
@@ -86,45 +57,24 @@ def read_tensors(iter_dir: Path, keep=lambda key: not key.startswith(OPTIMIZER))
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    reader = _reader(iter_dir)
-    try:
-        meta = reader.read_metadata()
-    except Exception as e:  # noqa: BLE001 - reported with the folder and what to check
-        raise CheckpointError(f"{iter_dir}/{METADATA} cannot be read ({type(e).__name__}: {e}): the "
-                              "checkpoint is incomplete or not a torch.distributed.checkpoint") from e
+    meta = dist_read.read_metadata(iter_dir)
     state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
              if isinstance(m, TensorStorageMetadata) and keep(k)}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        dcp.load(state, storage_reader=dist_read.reader(iter_dir), no_dist=True)
     return state
 
 
 def read_object(iter_dir: Path, key: str) -> Any:
     """One object of the checkpoint (a Megatron ShardedObject: the list of its data) by its key,
     unpickled weights-only with :mod:`trainer.checkpoint.pickles`' allowances (no code runs)."""
-    import io
+    return load_shard(io.BytesIO(dist_read.object_bytes(iter_dir, key)), where=f"{iter_dir} ({key!r})")
 
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from trainer.checkpoint import pickles
-
-    raw: dict[str, bytes] = {}
-
-    class KeepBytes(DefaultLoadPlanner):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:  # torch's own unpickles anything
-            raw[read_item.dest_index.fqn] = value.getvalue()
-
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
-            dcp.load({key: io.BytesIO()}, storage_reader=_reader(iter_dir), planner=KeepBytes(), no_dist=True)
-        with pickles.allowed():
-            return torch.load(io.BytesIO(raw[key]), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - reported with the folder and the key
-        raise CheckpointError(f"{iter_dir}: the object {key!r} cannot be read ({type(e).__name__}: {e}); "
-                              "the checkpoint is incomplete or was saved with another layout") from e
+def read_common(iter_dir: Path, trust_pickle: bool = False) -> dict[str, Any]:
+    """``args``, ``iteration``, ``checkpoint_version`` …: ``common.pt``, or core 0.19's ``common_state``."""
+    return dist_read.read_common(iter_dir, lambda src, where: load_shard(src, trust_pickle, where))
 
 
 def unstack(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -145,10 +95,10 @@ def unstack(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.
 def load_dist(iter_dir: Path, trust_pickle: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(Megatron-core flat state with per-layer names, the common metadata: args, iteration, version)."""
     _backend(iter_dir)
-    common = load_shard(iter_dir / COMMON, trust_pickle)
+    common = read_common(iter_dir, trust_pickle)
     args = common.get("args")
     num_layers = getattr(args, "num_layers", None) if args is not None else None
     if num_layers is None:
-        raise CheckpointError(f"{iter_dir / COMMON} has no args.num_layers: cannot unstack the layers")
+        raise CheckpointError(f"{iter_dir}'s common state has no args.num_layers: cannot unstack the layers")
     state = unstack(read_tensors(iter_dir), int(num_layers))
     return state, {k: common.get(k) for k in ("args", "checkpoint_version", "iteration")}

@@ -13,6 +13,7 @@ written by ``from_hf`` at any (tp, pp) can be read back by ``to_hf`` and vice ve
 
 from __future__ import annotations
 
+import io
 import pickle
 import shutil
 from pathlib import Path
@@ -98,25 +99,29 @@ def discover_layout(iter_dir: Path) -> tuple[int, int]:
     return tp_size, pp_size
 
 
-def load_shard(path: Path, trust_pickle: bool = False) -> dict[str, Any]:
-    """One ``model_optim_rng.pt`` (or torch_dist ``common.pt``), memory-mapped, by the restricted reader
-    (:mod:`trainer.checkpoint.pickles`: Megatron-LM's Namespace args and classes load without Megatron
-    and without running code). ``trust_pickle`` unpickles anything else too, running code from the file."""
+def load_shard(path: Path | io.BytesIO, trust_pickle: bool = False, where: str | None = None
+               ) -> dict[str, Any]:
+    """One ``model_optim_rng.pt`` (or torch_dist ``common.pt``, or a torch_dist object's bytes: ``where``
+    names it), memory-mapped, by the restricted reader (:mod:`trainer.checkpoint.pickles`: Megatron-LM's
+    Namespace args, its classes and standard-library enums load without Megatron and without running
+    code). ``trust_pickle`` unpickles anything else too, running code from the file (Megatron's classes
+    still become stand-ins)."""
+    source = path if isinstance(path, io.BytesIO) else str(path)
+    where = where or str(path)
     try:
         if trust_pickle:
-            log.warning("%s: --trust-pickle unpickles arbitrary objects: code in the file runs", path)
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-        return pickles.load(str(path))
+            log.warning("%s: --trust-pickle unpickles arbitrary objects: code in the file runs", where)
+            return pickles.load_trusted(source)
+        return pickles.load(source, where=where)
     except pickles.UnsafePickle as e:
-        raise CheckpointError(
-            f"{path} pickles Python objects beyond plain data, tensors, argparse.Namespace and Megatron's "
-            f"own classes ({', '.join(e.names)}). Loading them runs code from the file, so it is off by "
-            "default: pass --trust-pickle if you trust where this checkpoint came from") from None
-    except ModuleNotFoundError as e:
-        raise CheckpointError(f"{path} needs the Python module {e.name!r} to unpickle; load it without "
-                              "--trust-pickle (Megatron's own classes need no Megatron install)") from e
+        raise CheckpointError(pickles.refusal(where, e.names)) from None
+    except ModuleNotFoundError as e:  # --trust-pickle: a module the file names is not installed
+        raise CheckpointError(f"{where} pickles objects of the Python module {e.name!r}, which "
+                              "--trust-pickle imports to unpickle them and which is not installed here: "
+                              f"install the package that provides {e.name!r} (or put its source tree on "
+                              "PYTHONPATH) and run again with --trust-pickle") from e
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
-        raise CheckpointError(f"{path} cannot be read ({e.__class__.__name__}: {e}); the file is truncated "
+        raise CheckpointError(f"{where} cannot be read ({e.__class__.__name__}: {e}); the file is truncated "
                               "or not a torch checkpoint") from e
 
 

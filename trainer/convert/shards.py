@@ -4,11 +4,12 @@ A *full* state is flat Megatron names (``names.RULES``) with global layer indice
 Merging follows ``formats.md`` §4 by the trainer's one sharding table (``trainer.parallel.sharding``):
 column-parallel tensors (QKV, h→4h, word embeddings) concatenate on
 dim 0, row-parallel weights on dim 1, everything else is replicated. Megatron numbers layers locally
-within each pipeline stage (stage k holds global layers k·L/p… as local 0…L/p−1); checkpoints that use
-global numbers are accepted too. Interleaved checkpoints (v model chunks per stage: ``model0`` …
-entries, ``trainer.checkpoint.chunks``) number layers locally within each chunk; chunk c of stage r holds
-``sharding.stage_layers(L, p, r, v, c)``. Stages are read one at a time and memory-mapped, so merging
-needs about one copy of the model in memory.
+within each pipeline stage (stage k holds global layers k·L/p… as local 0…L/p−1, or with Megatron's uneven
+split the counts its stages hold); checkpoints that use global numbers are accepted too. Interleaved
+checkpoints (v model chunks per stage: ``model0`` … entries, ``trainer.checkpoint.chunks``) number layers
+locally within each chunk; chunk c of stage r holds ``PipelineSplit.chunk_layers(r, c)`` of the split the
+args record (``trainer.checkpoint.chunks.saved_split``). Stages are read one at a time and memory-mapped,
+so merging needs about one copy of the model in memory.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.chunks import chunk_entries
+from trainer.checkpoint.chunks import chunk_entries, saved_split
 from trainer.checkpoint.files import CHECKPOINT_VERSION, arg, iter_dir_name, write_tracker
 from trainer.convert import dist, names
 from trainer.convert.mcore import is_mcore_model, normalise_names, untied_head
@@ -34,6 +35,7 @@ from trainer.convert.shard_io import (
     shard_dir_name,
 )
 from trainer.convert.spec import check_convertible
+from trainer.formulas import PipelineSplit
 from trainer.log import get_logger
 from trainer.model.names import layer_index, renumber
 from trainer.parallel import sharding
@@ -69,12 +71,14 @@ def _stage_model(shard: dict[str, Any], path: Path, pp_rank: int, pp_size: int) 
     chunks = [_entry_model(e, path, untied) for e in entries]
     v = len(chunks)
     per = len({i for n in chunks[0] if (i := layer_index(n)) is not None})
+    args = shard.get("args")  # the split its args record (Megatron's uneven one too), else the even one
+    split = saved_split(args) if arg(args, "num_layers") else PipelineSplit(per * pp_size * v, pp_size, v)
     merged: dict[str, torch.Tensor] = {}
     for c, chunk in enumerate(chunks):
         if sorted({i for n in chunk if (i := layer_index(n)) is not None}) != list(range(per)):
             raise CheckpointError(f"{path}: model{c} does not hold layers 0…{per - 1} like model0 (Megatron "
                                   "numbers each chunk's layers locally): inconsistent interleaved checkpoint")
-        offset = sharding.stage_layers(per * pp_size * v, pp_size, pp_rank, v, c).start
+        offset = split.chunk_layers(pp_rank, c).start
         merged.update(_renumber(chunk, offset))
     return merged, True
 

@@ -1,6 +1,7 @@
 """Applying parallelism to the single-device GPT from outside: the stage split and the TP plan.
 
-``stage_spec`` picks this pipeline stage's layers (first stage: embedding; last: final LN, head, loss).
+``stage_spec`` picks this pipeline stage's layers (first stage: embedding; last: final LN, head, loss),
+evenly or by Megatron's uneven split (parallel.first_stage_layers / last_stage_layers).
 ``apply_tensor_parallel`` swaps modules by the sharding table (``trainer.parallel.sharding``): each
 layer Linear whose weight is ``column`` becomes a ColumnParallelLinear, ``row`` a RowParallelLinear; the
 ``glu`` SwiGLU first matrix a ColumnParallelLinear holding matching gate/up halves; the ``vocab`` word
@@ -15,6 +16,7 @@ from __future__ import annotations
 from torch import nn
 
 from trainer.config.model import ModelConfig, ParallelConfig
+from trainer.formulas import PipelineSplit
 from trainer.model.gpt import GPT, StageSpec
 from trainer.parallel import sharding
 from trainer.parallel.random import RNGTracker
@@ -29,29 +31,23 @@ from trainer.parallel.tensor_parallel import (
 
 
 def check_compatible(cfg: ModelConfig, pcfg: ParallelConfig) -> None:
-    """The model's shape must split evenly under the layout; errors say which field to change."""
-    tp, pp, v = pcfg.tp_size, pcfg.pp_size, pcfg.virtual_pp_size
-    if cfg.num_layers % pp:
-        raise ValueError(f"model.num_layers={cfg.num_layers} does not divide by parallel.pp_size={pp}")
-    if cfg.num_layers % (pp * v):
-        raise ValueError(f"model.num_layers={cfg.num_layers} does not divide by parallel.pp_size × "
-                         f"parallel.virtual_pp_size = {pp}×{v}: every model chunk needs equal layers; "
-                         "choose a virtual_pp_size that divides num_layers / pp_size")
-    for found in cfg.tp_issues(tp):  # heads, KV groups (GQA) and the MLP width: the config's own rule
+    """The model's shape must split under the layout; errors say which field to change."""
+    tp = pcfg.tp_size
+    # The config's own rules: the stages' layers; heads, KV groups (GQA) and the MLP width.
+    for found in pcfg.layer_issues(cfg.num_layers) + cfg.tp_issues(tp):
         raise ValueError(str(found))
     if pcfg.sequence_parallel and cfg.seq_length % tp:
         raise ValueError(f"parallel.sequence_parallel needs model.seq_length={cfg.seq_length} divisible by "
                          f"parallel.tp_size={tp}")
 
 
-def stage_spec(num_layers: int, pp_rank: int, pp_size: int, virtual_pp_size: int = 1,
-               chunk: int = 0) -> StageSpec:
-    """This stage's (chunk's) block of num_layers / (pp_size·v) layers (``sharding.stage_layers``): the
-    model's first chunk (rank 0, chunk 0) holds the embedding, its last (rank p−1, chunk v−1) the final
-    LayerNorm, head and loss."""
-    layers = sharding.stage_layers(num_layers, pp_size, pp_rank, virtual_pp_size, chunk)
+def stage_spec(split: PipelineSplit, pp_rank: int, chunk: int = 0) -> StageSpec:
+    """This stage's (chunk's) block of layers (``PipelineSplit.chunk_layers``: num_layers / (pp_size·v),
+    or Megatron's uneven split): the model's first chunk (rank 0, chunk 0) holds the embedding, its last
+    (rank p−1, chunk v−1) the final LayerNorm, head and loss."""
+    layers = split.chunk_layers(pp_rank, chunk)
     return StageSpec(layers.start, layers.stop, pre_process=pp_rank == 0 and chunk == 0,
-                     post_process=pp_rank == pp_size - 1 and chunk == virtual_pp_size - 1)
+                     post_process=pp_rank == split.pp_size - 1 and chunk == split.virtual_pp_size - 1)
 
 
 # The layer's Linear modules; the sharding table says how each one splits.

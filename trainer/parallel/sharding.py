@@ -24,17 +24,19 @@ name alone cannot tell a GeLU h→4h from a SwiGLU one, so :func:`kind` takes ``
 rows are grouped per KV group (``trainer.model.gpt``), so a row split hands each rank whole groups.
 
 Names are the GPT's flat names (``encoder.layers.{i}.…``); Megatron's checkpoint names (a
-``language_model.`` prefix) are accepted too. Pipeline stages hold equal blocks of layers — one
-contiguous block, or with interleaving (virtual pipeline stages) v chunks dealt round-robin — and number
-them from 0 within each block in checkpoints (Megatron's convention); :func:`stage_layers` and its
-inverse :func:`chunk_of_layer` are that rule (``trainer.model.names.renumber`` turns local numbers into
-global ones).
+``language_model.`` prefix) are accepted too. Pipeline stages hold blocks of layers — equal ones, or
+with Megatron's uneven split a different number on the first and/or last stage; one contiguous block, or
+with interleaving (virtual pipeline stages) v chunks dealt round-robin — and number them from 0 within
+each block in checkpoints (Megatron's convention); :func:`stage_layers` and its inverse
+:func:`chunk_of_layer` are that rule (``trainer.formulas.PipelineSplit``;
+``trainer.model.names.renumber`` turns local numbers into global ones).
 """
 
 from __future__ import annotations
 
 import torch
 
+from trainer.formulas import PipelineSplit
 from trainer.model.names import LAYER_RE
 
 COLUMN, ROW, REPLICATED, VOCAB, GLU = "column", "row", "replicated", "vocab", "glu"
@@ -111,42 +113,39 @@ def merge_tp(parts: list[torch.Tensor], kind_: str) -> torch.Tensor:
 
 
 def layers_per_stage(num_layers: int, pp_size: int, virtual_pp_size: int = 1) -> int:
-    """Layers in one model chunk: num_layers / (pp_size · virtual_pp_size) (one chunk per stage when v=1)."""
-    chunks = pp_size * virtual_pp_size
-    if num_layers % chunks:
-        what = (f"pp_size={pp_size}" if virtual_pp_size == 1
-                else f"pp_size·virtual_pp_size={pp_size}·{virtual_pp_size}={chunks}")
-        raise ValueError(f"num_layers={num_layers} does not divide by {what}; choose sizes whose product "
-                         "divides the number of layers")
-    return num_layers // chunks
+    """Layers in one model chunk of an even split: num_layers / (pp_size · virtual_pp_size)."""
+    counts = split_of(num_layers, pp_size, virtual_pp_size).stage_counts()
+    return counts[0] // virtual_pp_size
 
 
-def stage_layers(num_layers: int, pp_size: int, pp_rank: int, virtual_pp_size: int = 1,
-                 chunk: int = 0) -> range:
-    """The global layer numbers model chunk ``chunk`` of pipeline stage ``pp_rank`` holds.
-
-    Megatron's interleaved assignment (Narayanan et al. 2021, §2.2.2): the layers are cut into p·v equal
-    chunks and dealt round-robin, so chunk c of rank r holds chunk number c·p + r, i.e. layers
-    [(c·p + r)·L/(p·v), (c·p + r + 1)·L/(p·v)). With v=1 that is the contiguous block of stage r.
-    """
-    if not 0 <= chunk < virtual_pp_size:
-        raise ValueError(f"chunk={chunk} is outside [0, virtual_pp_size={virtual_pp_size})")
-    per = layers_per_stage(num_layers, pp_size, virtual_pp_size)
-    start = (chunk * pp_size + pp_rank) * per
-    return range(start, start + per)
+def split_of(num_layers: int, pp_size: int, virtual_pp_size: int = 1, first: int | None = None,
+             last: int | None = None) -> PipelineSplit:
+    """The split (trainer.formulas.PipelineSplit), checked: a ValueError naming the sizes if it cannot be."""
+    split = PipelineSplit(num_layers, pp_size, virtual_pp_size, first, last)
+    why = split.problem()
+    if why:
+        raise ValueError(f"{why}; choose sizes that split the layers (parallel.pp_size, virtual_pp_size, "
+                         "first_stage_layers, last_stage_layers)")
+    return split
 
 
-def chunk_of_layer(index: int, num_layers: int, pp_size: int, virtual_pp_size: int = 1
-                   ) -> tuple[int, int, int]:
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int, virtual_pp_size: int = 1, chunk: int = 0,
+                 first: int | None = None, last: int | None = None) -> range:
+    """The global layer numbers model chunk ``chunk`` of pipeline stage ``pp_rank`` holds
+    (:meth:`trainer.formulas.PipelineSplit.chunk_layers`: Megatron's even or uneven split, interleaved
+    round-robin: with an even split chunk c of rank r holds chunk number c·p + r of L/(p·v) layers)."""
+    return split_of(num_layers, pp_size, virtual_pp_size, first, last).chunk_layers(pp_rank, chunk)
+
+
+def chunk_of_layer(index: int, num_layers: int, pp_size: int, virtual_pp_size: int = 1,
+                   first: int | None = None, last: int | None = None) -> tuple[int, int, int]:
     """(stage, chunk, local layer number within the chunk) of global layer ``index``: the inverse of
     :func:`stage_layers` (Megatron numbers layers from 0 within each chunk in checkpoints)."""
-    per = layers_per_stage(num_layers, pp_size, virtual_pp_size)
-    position, local = divmod(index, per)
-    chunk, stage = divmod(position, pp_size)
-    return stage, chunk, local
+    return split_of(num_layers, pp_size, virtual_pp_size, first, last).locate(index)
 
 
-def stage_of_layer(index: int, num_layers: int, pp_size: int) -> tuple[int, int]:
+def stage_of_layer(index: int, num_layers: int, pp_size: int, first: int | None = None,
+                   last: int | None = None) -> tuple[int, int]:
     """(stage, local layer number) of global layer ``index`` without interleaving."""
-    stage, _, local = chunk_of_layer(index, num_layers, pp_size)
+    stage, _, local = chunk_of_layer(index, num_layers, pp_size, 1, first, last)
     return stage, local

@@ -25,13 +25,12 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import protocol as ckpt
-from trainer.checkpoint.chunks import virtual_size
+from trainer.checkpoint.chunks import saved_split
 from trainer.checkpoint.dist_write import Piece, save_dist_checkpoint
-from trainer.checkpoint.files import DIST_COMMON, CheckpointError, arg
+from trainer.checkpoint.files import CheckpointError, arg
 from trainer.convert import dist as dist_ckpt
 from trainer.convert import names
 from trainer.convert.mcore import EXTRA, LEGACY_PREFIX, LINEARS, normalise_names, untied_head
-from trainer.convert.shard_io import load_shard
 from trainer.log import get_logger
 from trainer.model.names import nest, renumber
 from trainer.parallel import ParallelModel
@@ -146,7 +145,8 @@ def _restore_rng(iter_dir: Path, args: Any, model: ParallelModel) -> None:
     ps = model.pstate
     saved = tuple(arg(args, k) for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                          "data_parallel_size"))
-    if saved != (ps.tp_size, ps.pp_size, ps.dp_size) or virtual_size(args) != len(model.chunks):
+    split = saved_split(args)
+    if saved != (ps.tp_size, ps.pp_size, ps.dp_size) or split != model.pcfg.split(split.num_layers):
         log.warning("the checkpoint was saved at (tp, pp, dp) = %s, this run is (%d, %d, %d): its RNG states "
                     "are not restored, so dropout masks differ from an uninterrupted run's", saved,
                     ps.tp_size, ps.pp_size, ps.dp_size)
@@ -159,7 +159,7 @@ def restore_dist(iter_dir: Path, model: ParallelModel, parts: Restorable | None)
     """A torch_dist checkpoint Slipway wrote, at any (tp, pp, dp): weights, and with ``parts`` the Adam
     state, schedule, loss scaler, counters and (at the saved layout: they belong to its ranks) the RNG
     states, so that a resume at the saved layout continues bit for bit."""
-    common = load_shard(iter_dir / DIST_COMMON)
+    common = dist_ckpt.read_common(iter_dir)
     extra = common.get("slipway") or {}
     if parts is not None and "optimizer_step" not in extra:
         raise CheckpointError(f"{iter_dir} is a torch_dist checkpoint without Slipway's optimizer state "

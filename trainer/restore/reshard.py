@@ -4,7 +4,8 @@ For each tensor this rank needs, the source shards are merged into the full tens
 table, ``trainer.parallel.sharding``) with layer indices made global, the vocabulary padding is
 adapted to the target's padded size (rows trimmed or zero-filled), and the target shard is sliced out.
 Interleaved checkpoints (v model chunks per stage, ``model0`` … entries: ``trainer.checkpoint.chunks``)
-are read as well as written; the target's chunks are loaded one :class:`Target` at a time.
+and Megatron's uneven splits (args.decoder_first/last_pipeline_num_layers) are read as well as written;
+the target's chunks are loaded one :class:`Target` at a time.
 Adam's moment tensors are resharded by the same rules (they are stored with their parameters' names), so
 a resharded run continues with its optimizer state. RNG states are layout-specific and are not carried
 over. Only the source stages that hold this rank's layers are read, memory-mapped.
@@ -21,17 +22,9 @@ from trainer.checkpoint.chunks import chunk_entries
 from trainer.checkpoint.files import SHARD_FILE, CheckpointError, iter_dir_name, shard_dir_name
 from trainer.checkpoint.protocol import load_file
 from trainer.convert.mcore import gpt_flat
+from trainer.formulas import PipelineSplit
 from trainer.model.names import layer_index, renumber
-from trainer.parallel.sharding import (
-    DIM,
-    VOCAB,
-    chunk_of_layer,
-    kind,
-    layers_per_stage,
-    merge_tp,
-    split_tp,
-    stage_layers,
-)
+from trainer.parallel.sharding import DIM, VOCAB, kind, merge_tp, split_tp
 
 WORD = "embedding.word_embeddings.weight"
 HEAD = "word_embeddings_for_head.weight"
@@ -53,18 +46,18 @@ class Target:
 
 
 class SourceCheckpoint:
-    """The shards of one saved iteration, loaded lazily per pipeline stage (memory-mapped), with
-    ``virtual_pp_size`` model chunks per stage. Tensors and moments are keyed by global names."""
+    """The shards of one saved iteration, loaded lazily per pipeline stage (memory-mapped), split over its
+    stages and model chunks as ``split`` says (its args: even, or Megatron's uneven split; v chunks per
+    stage). Tensors and moments are keyed by global names."""
 
-    def __init__(self, ckpt_dir: str, iteration: int, tp_size: int, pp_size: int, num_layers: int,
-                 virtual_pp_size: int = 1, swiglu: bool = False, untied: bool = False) -> None:
-        try:
-            layers_per_stage(num_layers, pp_size, virtual_pp_size)
-        except ValueError as e:
-            raise CheckpointError(f"saved checkpoint layout: {e}") from None
+    def __init__(self, ckpt_dir: str, iteration: int, tp_size: int, split: PipelineSplit,
+                 swiglu: bool = False, untied: bool = False) -> None:
+        why = split.problem()
+        if why:
+            raise CheckpointError(f"saved checkpoint layout: {why}")
         self.base = os.path.join(ckpt_dir, iter_dir_name(iteration))
-        self.tp_size, self.pp_size, self.num_layers = tp_size, pp_size, num_layers
-        self.virtual_pp_size = virtual_pp_size
+        self.tp_size, self.split, self.pp_size = tp_size, split, split.pp_size
+        self.num_layers, self.virtual_pp_size = split.num_layers, split.virtual_pp_size
         self.swiglu, self.untied = swiglu, untied
         self._stages: dict[int, list[dict]] = {}
 
@@ -90,7 +83,7 @@ class SourceCheckpoint:
                                   f"virtual_pipeline_model_parallel_size={self.virtual_pp_size}")
         flat: dict[str, torch.Tensor] = {}
         for c, entry in enumerate(entries):  # stored numbers are local to the chunk (Megatron's)
-            offset = stage_layers(self.num_layers, self.pp_size, pp_rank, self.virtual_pp_size, c).start
+            offset = self.split.chunk_layers(pp_rank, c).start
             flat.update({renumber(n, offset): t for n, t in gpt_flat(entry, path, self.untied).items()})
         return flat
 
@@ -100,14 +93,14 @@ class SourceCheckpoint:
     def global_param_name(self, name: str, pp_rank: int) -> str:
         """A saved optimizer name (ParallelModel.named_parameters: local to the stage without
         interleaving, already global with it) with its global layer number."""
-        offset = 0 if self.virtual_pp_size > 1 else stage_layers(self.num_layers, self.pp_size, pp_rank).start
+        offset = 0 if self.virtual_pp_size > 1 else self.split.chunk_layers(pp_rank).start
         return renumber(name, offset)
 
     def locate(self, global_name: str) -> tuple[int, str]:
         """(source pp rank, name in its tables) of a parameter given its global name."""
         index = layer_index(global_name)
         if index is not None:
-            return chunk_of_layer(index, self.num_layers, self.pp_size, self.virtual_pp_size)[0], global_name
+            return self.split.locate(index)[0], global_name
         if global_name.startswith("embedding."):
             return 0, global_name
         if global_name == HEAD:  # the head copy equals the word embeddings: read those

@@ -10,13 +10,15 @@ architecture's fixed values), with the run's own facts added:
     the architecture (ModelConfig.megatron_architecture: norm_epsilon, rope, RMSNorm, SwiGLU, GQA, biases,
     untied head), hidden_dropout, attention_dropout, init_method_std, tensor_model_parallel_size,
     pipeline_model_parallel_size, virtual_pipeline_model_parallel_size and
-    num_layers_per_virtual_pipeline_stage (None without interleaving), data_parallel_size, world_size,
+    num_layers_per_virtual_pipeline_stage (None without interleaving), decoder_first/last_pipeline_num_layers
+    and num_virtual_stages_per_pipeline_rank (Megatron's uneven split; None when even), data_parallel_size,
+    world_size,
     sequence_parallel, micro_batch_size, global_batch_size, train_iters, iteration,
     consumed_train_samples, consumed_valid_samples, fp16, bf16,
     seed, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters, weight_decay, adam_beta1,
     adam_beta2, adam_eps, clip_grad, tokenizer_type, vocab_file, merge_file, tokenizer_model (the
     HuggingFaceTokenizer directory, Megatron's name), eod_token_id, data_path,
-    split, kernels, attention_backend, run_id, run_dir, slipway_version.
+    split, kernels, slipway_attention_backend, run_id, run_dir, slipway_version.
 
 With interleaving the shard holds ``model0`` … ``model{v-1}`` instead of ``model`` (Megatron's layout,
 :mod:`trainer.checkpoint.chunks`). Checkpoints of older Slipway versions carry a dict; everything here
@@ -34,7 +36,7 @@ import torch
 
 import trainer
 from trainer.checkpoint import protocol as ckpt
-from trainer.checkpoint.chunks import chunk_entries, model_keys, virtual_size
+from trainer.checkpoint.chunks import chunk_entries, model_keys, saved_split, virtual_size
 from trainer.checkpoint.files import arg
 from trainer.checkpoint.megatron_args import megatron_args
 from trainer.config.model import ModelConfig
@@ -43,7 +45,7 @@ from trainer.convert.shards import load_merged
 from trainer.log import get_logger
 from trainer.model.names import nest
 from trainer.optim.lr import OptimizerParamScheduler
-from trainer.optim.precision import LossScaler
+from trainer.optim.precision import LossScaler, uses_master_weights
 from trainer.parallel import ParallelModel
 from trainer.restore import reshard
 from trainer.restore.distrib_optim import DistribSource, is_distributed, load_optimizer, load_resharded
@@ -83,6 +85,8 @@ def checkpoint_args(gpt: ModelConfig, model: ParallelModel, facts: RunFacts,
     """Megatron-named ``args`` (plain values; see the module docstring)."""
     c, ps = facts.config, model.pstate
     t, o, tok = c["train"], c["optim"], c["tokenizer"]
+    master = uses_master_weights(t["precision"], t.get("precision_recipe", "auto"),
+                                 bool(o.get("distributed")))
     return megatron_args({
         "num_layers": gpt.num_layers, "hidden_size": gpt.hidden_size, "ffn_hidden_size": gpt.ffn_hidden_size,
         "num_attention_heads": gpt.num_attention_heads, "kv_channels": gpt.head_dim,
@@ -106,12 +110,14 @@ def checkpoint_args(gpt: ModelConfig, model: ParallelModel, facts: RunFacts,
         "vocab_file": tok["vocab_file"], "merge_file": tok["merge_file"], "eod_token_id": facts.eod_token_id,
         "tokenizer_model": tok.get("model"),
         "data_path": list(c["data"]["paths"]), "split": c["data"]["split"], "kernels": c["kernels"],
-        "attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
+        # Not Megatron's attention_backend (an AttnBackend enum since core_v0.11): Slipway's own choice.
+        "slipway_attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
         "slipway_version": trainer.__version__,
-        "use_distributed_optimizer": bool(o.get("distributed", False)),
-        # The distributed optimizer keeps 16-bit weights (the fp32 masters are in distrib_optim.pt).
+        # The distributed optimizer (also the master_weights recipe's layout) keeps 16-bit weights; the
+        # fp32 masters are in distrib_optim.pt.
+        "use_distributed_optimizer": master or bool(o.get("distributed", False)),
         "params_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(t["precision"], "float32")
-        if o.get("distributed") else "float32",
+        if master else "float32",
         **_format_args(c["checkpoint"].get("format", "legacy")),
     })
 
@@ -125,11 +131,16 @@ def _format_args(fmt: str) -> dict:
 
 
 def _virtual_args(gpt: ModelConfig, model: ParallelModel) -> dict:
-    """Megatron's interleaving fields: None without it (as Megatron writes them)."""
-    v = len(model.chunks)
-    per_chunk = gpt.num_layers // (model.pstate.pp_size * v)
+    """Megatron's interleaving and uneven-split fields, None where unused (as Megatron writes them): with
+    an uneven split the chunks differ in size, so Megatron-LM takes --num-virtual-stages-per-pipeline-rank
+    instead of --num-layers-per-virtual-pipeline-stage."""
+    split = model.pcfg.split(gpt.num_layers)
+    v = split.virtual_pp_size
+    even = v > 1 and not split.uneven
     return {"virtual_pipeline_model_parallel_size": v if v > 1 else None,
-            "num_layers_per_virtual_pipeline_stage": per_chunk if v > 1 else None}
+            "num_layers_per_virtual_pipeline_stage": gpt.num_layers // (split.pp_size * v) if even else None,
+            "num_virtual_stages_per_pipeline_rank": v if v > 1 and split.uneven else None,
+            "decoder_first_pipeline_num_layers": split.first, "decoder_last_pipeline_num_layers": split.last}
 
 
 def param_names(model: ParallelModel, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -254,9 +265,9 @@ def _restore_common(shard: dict, parts: Restorable) -> None:
 
 
 def restore_merged(iter_dir: Path, model: ParallelModel) -> TrainState:
-    """Weights merged from every shard by the converter's reader (Megatron-core torch_dist, or the torch
-    format with any pipeline split, uneven ones included), sliced for this rank at any layout; the
-    optimizer, schedule and iteration start fresh (checkpoint.load=model-only)."""
+    """Weights merged from every shard by the converter's reader (Megatron-core torch_dist), sliced for
+    this rank at any layout; the optimizer, schedule and iteration start fresh
+    (checkpoint.load=model-only)."""
     merged = load_merged(iter_dir, iter_dir.name)
     src = reshard.MergedSource({n.removeprefix(LEGACY_PREFIX): t for n, t in merged.state.items()})
     for c, (local, target) in enumerate(load_targets(model)):
@@ -264,13 +275,6 @@ def restore_merged(iter_dir: Path, model: ParallelModel) -> TrainState:
     log.warning("loaded the weights of checkpoint %s (iteration %s, tp=%d pp=%d) at tp=%d pp=%d", iter_dir,
                 merged.iteration, merged.tp_size, merged.pp_size, model.pstate.tp_size, model.pstate.pp_size)
     return TrainState()
-
-
-def uneven_split(args: Any) -> bool:
-    """Saved with Megatron's uneven pipeline split (--decoder-first/last-pipeline-num-layers), whose
-    stages hold layer counts that even resharding (trainer.parallel.sharding) cannot place."""
-    return any(arg(args, k) for k in ("decoder_first_pipeline_num_layers",
-                                      "decoder_last_pipeline_num_layers"))
 
 
 def load_targets(model: ParallelModel) -> list[tuple[list[str], reshard.Target]]:
@@ -294,8 +298,8 @@ def restore_resharded(ckpt_dir: str, iteration: int, saved: tuple[int, int, Any]
     targets = load_targets(model)
     first_target = targets[0][1]
     # DistribSource: a SourceCheckpoint that also reads distrib_optim.pt (distributed optimizer)
-    src = DistribSource(ckpt_dir, iteration, src_tp, src_pp, int(arg(args, "num_layers")), src_v,
-                        first_target.swiglu, first_target.untied)
+    src = DistribSource(ckpt_dir, iteration, src_tp, saved_split(args), first_target.swiglu,
+                        first_target.untied)
     for c, (local, target) in enumerate(targets):
         model.load_megatron_state_dict(nest(reshard.reshard_model(src, local, target)), c)
     log.warning("resharded checkpoint iteration %d from tp=%d pp=%d v=%d to tp=%d pp=%d v=%d", iteration,

@@ -31,20 +31,22 @@ import torch.distributed as dist
 from trainer import formulas, health, testing_hooks
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
-from trainer.checkpoint.chunks import virtual_size
+from trainer.checkpoint.chunks import saved_split
 from trainer.checkpoint.files import config_differences
 from trainer.checks import ConfigError
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig
+from trainer.config.train import precision_recipe, recipe_line
 from trainer.convert import dist as dist_ckpt
-from trainer.convert.shard_io import load_shard
 from trainer.convert.spec import unsupported_options
 from trainer.log import get_logger
 from trainer.metrics_file import metrics_path, truncate_after
+from trainer.model import attention
 from trainer.model.recompute import Recompute
+from trainer.ops.dtypes import DTYPES
 from trainer.ops.selfcheck import KernelCheck
 from trainer.optim.lr import LRSchedule, OptimizerParamScheduler
 from trainer.optim.optimizer import build_optimizer
-from trainer.optim.precision import ScalerSettings, make_scaler
+from trainer.optim.precision import ScalerSettings, autocast_dtype, make_scaler
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed
 from trainer.parallel.dist_optimizer import build_distributed_optimizer
 from trainer.parallel.interleaved import check_microbatches
@@ -59,10 +61,10 @@ from trainer.restore.state import (
     restore_merged,
     restore_resharded,
     restore_same_layout,
-    uneven_split,
 )
 from trainer.run import metrics
 from trainer.run.data import DataShape, build_data, resolve_vocab
+from trainer.run.host import host_group
 from trainer.run.kernels import checked_kernels, optimizer_after_check
 from trainer.run.loop import Cadence, Loop, NonFiniteError, Throughput, train
 from trainer.signals import (
@@ -105,16 +107,15 @@ def gpt_config(model: ModelConfig, vocab_size: int) -> ModelConfig:
     return dataclasses.replace(model, vocab_size=vocab_size)
 
 
-def _apply_autocast(model: ParallelModel, precision: str) -> None:
-    """bf16/fp16: run the forward under autocast (weights, grads and optimizer stay fp32; see
-    trainer.optim.precision for why); backward is outside it, as PyTorch recommends."""
-    if precision == "fp32":
-        return
-    from trainer.ops.dtypes import DTYPES
-
-    device_type = model.pstate.device.type
-    for chunk in model.chunks:
-        chunk.forward = torch.autocast(device_type, dtype=DTYPES[precision])(chunk.forward)
+def _apply_recipe(model: ParallelModel, t, distributed: bool) -> str:
+    """bf16/fp16 per ``train.precision_recipe``: autocast sets the forward's autocast dtype (weights, grads
+    and optimizer stay fp32; backward runs outside it, as PyTorch recommends); master_weights leaves the
+    model to the optimizer, which makes its parameters 16-bit. Returns the resolved recipe (logged)."""
+    dtype = autocast_dtype(t.precision, t.precision_recipe, distributed)
+    if dtype is not None:
+        model.autocast = dtype
+    log.info("precision: %s", recipe_line(t.precision, t.precision_recipe, distributed))
+    return precision_recipe(t.precision, t.precision_recipe, distributed)
 
 
 def _configure_determinism(deterministic: bool) -> None:
@@ -177,19 +178,13 @@ def _load_checkpoint(plan: tuple[str, int, bool], gpt: ModelConfig, model: Paral
     ckpt_dir, iteration, model_only = plan
     iter_dir = Path(ckpt.iter_path(ckpt_dir, iteration))
     if dist_ckpt.is_dist(iter_dir):  # Megatron-core's torch_dist: Megatron-LM's (weights only) or Slipway's
-        _check_model(load_shard(iter_dir / dist_ckpt.COMMON).get("args"), gpt, ckpt_dir, iteration)
+        _check_model(dist_ckpt.read_common(iter_dir).get("args"), gpt, ckpt_dir, iteration)
         return restore_merged(iter_dir, model) if model_only else restore_dist(iter_dir, model, parts)
     tp, pp, args = ckpt.saved_layout(ckpt_dir, iteration)
     _check_model(args, gpt, ckpt_dir, iteration)
-    if uneven_split(args):
-        if not model_only:
-            raise ckpt.CheckpointError(f"{iter_dir} was saved with an uneven pipeline split (decoder_first/"
-                                       "last_pipeline_num_layers): Slipway starts from its weights only; "
-                                       "set checkpoint.load=model-only")
-        return restore_merged(iter_dir, model)
     ps = model.pstate
     restore = None if model_only else parts
-    if (tp, pp, virtual_size(args)) == (ps.tp_size, ps.pp_size, len(model.chunks)):
+    if tp == ps.tp_size and saved_split(args) == model.pcfg.split(gpt.num_layers):  # the same stages
         path = ckpt.shard_path(ckpt_dir, iteration, ps.tp_rank, ps.pp_rank, pp)
         distrib = read_beside(path) if restore is not None else None  # distributed optimizer state
         state = restore_same_layout(ckpt.load_file(path), model, restore, distrib)
@@ -252,9 +247,12 @@ def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int
     check = checked_kernels(cfg, gpt, pstate, start_iteration)  # before the model: it takes the checked set
     recompute = Recompute(t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
     model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=check.kernels, recompute=recompute)
-    _apply_autocast(model, t.precision)
+    log.info("%s", attention.describe(gpt, pstate.device, DTYPES[t.precision], t.micro_batch_size,
+                                      pstate.tp_size))  # raises when a named SDPA kernel cannot serve it
+    recipe = _apply_recipe(model, t, cfg.optim.distributed)
     optim, opt_kernels = optimizer_after_check(cfg.optim, cfg.kernels, check)
-    if optim.distributed:  # re-lays the model's parameters and gradient buckets (ZeRO-1)
+    if optim.distributed or recipe == "master_weights":  # re-lays the parameters and gradient buckets:
+        # 16-bit parameters, fp32 gradient buckets and masters (ZeRO-1 over dp; all of them at dp 1)
         optimizer, _ = build_distributed_optimizer(model, optim, t.precision, opt_kernels)
     else:
         optimizer, _ = build_optimizer(model.named_parameters(), optim, pstate.device.type, opt_kernels)
@@ -290,7 +288,8 @@ def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, fac
         cadence=Cadence(t.log_interval, t.eval_interval, t.eval_iters, t.save_interval),
         throughput=Throughput(flops, b.global_batch_size * b.gpt.seq_length, ps.world_size, peak),
         metrics_file=metrics_path(cfg.run_dir), on_step=hooks.on_step, monitor=monitor,
-        kernel_fallbacks=tuple(b.kernel_check.fallbacks) if b.kernel_check else ())
+        kernel_fallbacks=tuple(b.kernel_check.fallbacks) if b.kernel_check else (),
+        stop_group=host_group())  # collective: every rank builds its loop
 
 
 def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | None = None) -> RunResult:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.devices import find_gpu, known_names
 from trainer.log import get_logger
 from trainer.run_files import METRICS, RunDir
 from trainer.wandb_key import has_wandb_key, missing_key_message
@@ -36,22 +37,18 @@ from trainer.wandb_online import (
 
 log = get_logger(__name__)
 
-# Dense bf16 peak TFLOP/s by GPU name fragment (first match wins; specific names first).
-PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("GH200", 989.0), ("A100", 312.0), ("A800", 312.0),
-               ("L40S", 362.0), ("A10G", 70.0), ("V100", 125.0), ("B200", 2250.0))
-
-
 def detect_peak_tflops(device: torch.device, configured: float | None) -> float | None:
-    """The configured peak, else the GPU's dense bf16 peak by name, else None (CPU: no MFU)."""
+    """The configured peak, else the GPU's dense bf16 peak from the device table (trainer/devices.py), else
+    None (CPU: no MFU)."""
     if configured:
         return float(configured)
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for fragment, peak in PEAK_TFLOPS:
-        if fragment in name:
-            return peak
-    log.warning("unknown GPU %r: MFU not reported (set logging.peak_tflops)", name)
+    gpu = find_gpu(name)
+    if gpu is not None:
+        return gpu.tflops_16bit
+    log.warning("unknown GPU %r: MFU not reported (set logging.peak_tflops; known: %s)", name, known_names())
     return None
 
 
