@@ -52,16 +52,17 @@ def main(cfg: DictConfig) -> None:
         hc = HydraConfig.get()
         choices, task, sweep = dict(hc.runtime.choices), tuple(hc.overrides.task), _sweep_info()
 
-        def typed() -> SlipwayConfig:
+        def typed_config() -> SlipwayConfig:
             # The site file's hardware wins over an experiment's (orchestrator/site.py); keys the schema does
             # not have are refused, +key=value included (to_typed).
             return to_typed(apply_site(cfg, choices, (*hc.overrides.hydra, *task)), choices)
 
         collector = sweeps.active()
         if sweep is not None and collector is not None:  # Slipway's sweeper: plan (or submit) this point
-            collector.point(sweep, typed, task)
+            collector.point(sweep, typed_config, task)
             return
-        result = launch(typed(), sweep, overrides=task)
+        typed = typed_config()
+        result = launch(typed, sweep, overrides=task)
     except PlanError as err:
         sys.stderr.write(f"{err}\n")
         sys.exit(EXIT_PROBLEMS)
