@@ -42,7 +42,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match=r"global_batch_size=100 .*micro_batch_size=4 × dp_size=8 \(= 32\)"):
         num_microbatches(100, 4, 8)
     cfg = ModelConfig(num_layers=6, hidden_size=64, num_attention_heads=8, seq_length=10, vocab_size=50)
-    with pytest.raises(ValueError, match="num_layers=6 does not divide by parallel.pp_size=4"):
+    with pytest.raises(ValueError, match=r"parallel.pp_size=4: model.num_layers=6 is not divisible by it"):
         check_compatible(cfg, ParallelConfig(pp_size=4))
     with pytest.raises(ValueError, match="seq_length=10 divisible by parallel.tp_size=4"):
         check_compatible(cfg, ParallelConfig(tp_size=4, sequence_parallel=True))
