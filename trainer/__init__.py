@@ -33,5 +33,5 @@ CONTRACT = (
     "trainer.eval.config",
     "trainer.data.blend", "trainer.data.splits", "trainer.data.hf_tokenizer",
     "trainer.metrics_file", "trainer.checkpoint.files", "trainer.checkpoint.verify", "trainer.health",
-    "trainer.eval.results", "trainer.wandb_key", "trainer.wandb_online",
+    "trainer.eval.results", "trainer.wandb_key", "trainer.wandb_online", "trainer.kernel_build",
 )
