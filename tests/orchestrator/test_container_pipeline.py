@@ -3,11 +3,13 @@ train (tp 2 x pp 2 on 2 nodes) -> convert -> eval, every task in the image throu
 (``container=charliecloud``: the per-task wrapper, as Apptainer's).
 
 The image (containers/dev_image.py; ``make test`` builds it, cached by its inputs) has its own Python
-(Debian's), its own CPU torch and Slipway's kernels built inside it at /opt/slipway. The run is launched
-from a checkout whose kernel build does not match the image: it was made for another Python (a cp312
-library, as on a login node whose Python is not the image's; the image runs 3.11), the case in which a
-job that imported the checkout's kernels found none and trained on eager fallbacks. Every training rank
-must report (metrics file: kernel_builds) the image's build, loaded by the image's Python.
+(Debian's 3.11), its own CPU torch and Slipway's kernels built inside it at /opt/slipway. The run is
+launched from a checkout whose kernel build does not match the image: a library named for the image's
+Python (cp311), first on PYTHONPATH, that needs a symbol the image's torch does not have, as a build made
+on the login node against another torch does (a stand-in compiled here: importing it fails with
+"undefined symbol", as such a build's import does). With e37144f's loader the ranks import it, fail, and
+train on eager fallbacks ("Fix: run `make install`"). Every training rank must report (metrics file:
+kernel_builds) the image's build, loaded by the image's Python, running the checkout's code.
 
 pyxis and Apptainer cannot be installed here (docs/cluster.md says what this run proves of them).
 Cost: the pipeline's jobs, ~3 min on two cores (the image is built before the suite: minutes once per
@@ -52,16 +54,23 @@ def _dev_image() -> Path:
     return found
 
 
+# A library that loads only where a torch with this symbol is: what a build for another torch is in an image.
+FOREIGN_BUILD = "extern void _ZN3c1021slipway_another_torchEv(void);\n" \
+                "void *PyInit__C(void) { _ZN3c1021slipway_another_torchEv(); return 0; }\n"
+
+
 def _checkout(dest: Path) -> Path:
-    """A copy of this checkout whose kernel build is for another Python (cp312) than the image's."""
+    """A copy of this checkout (its own build left out) with a build that does not match the image."""
     def skip(folder: str, names: list[str]) -> list[str]:
         return [n for n in names if n == "__pycache__" or n.startswith("_C.")]
 
     for name in CHECKOUT:
         src = REPO / name
         shutil.copy2(src, dest / name) if src.is_file() else shutil.copytree(src, dest / name, ignore=skip)
-    host = next((REPO / "trainer").glob("_C.cpython-*.so"))
-    shutil.copy2(host, dest / "trainer" / "_C.cpython-312-x86_64-linux-gnu.so")
+    (dest / "foreign.c").write_text(FOREIGN_BUILD)
+    library = dest / "trainer" / Path(IMAGE_BUILD).name  # the image's Python finds it first
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(library), str(dest / "foreign.c")], check=True,
+                   timeout=120)
     return dest
 
 
@@ -110,4 +119,5 @@ def test_every_rank_loaded_the_images_kernels_with_the_images_python(run):
         assert b["ok"] and b["image"] and b["path"] == IMAGE_BUILD, builds
         assert b["python"] == IMAGE_PYTHON and b["python"] != sys.executable, builds
         assert b["code"] == code, builds  # the launched checkout's Python code, the image's kernels
-    assert "eager fallbacks" not in "\n".join(p.read_text() for p in (run / "logs").glob("train_*.err"))
+    logs = "\n".join(p.read_text() for p in (run / "logs").glob("train_*.err"))
+    assert "eager fallbacks" not in logs and "undefined symbol" not in logs
