@@ -77,7 +77,8 @@ def checked_kernels(cfg: RunConfig, gpt: ModelConfig, pstate: ParallelState, sta
     """The kernel set the run uses after the self-check; the verdict is appended to the metrics file
     (rank 0). Raises :class:`KernelCheckError` under ``train.kernel_check=fail`` when an op failed."""
     require_compiled(cfg.kernels, pstate.device.type)
-    record_builds(cfg.run_dir, pstate.rank, start_iteration)
+    if cfg.kernels in COMPILED_KERNEL_SETS:  # eager/compile load no build: nothing to record
+        record_builds(cfg.run_dir, pstate.rank, start_iteration)
     kernels = testing_hooks.with_faults(resolve(cfg.kernels, pstate.device.type))  # a test hook, if on
     check = run_check(kernels, check_setup(cfg, gpt, pstate), cfg.train.kernel_check)
     if check.results and pstate.rank == 0:
