@@ -23,7 +23,7 @@ builds it), so a change rebuilds only what it touches:
 is built (exit 1 otherwise); ``key`` prints both keys. Needs root, debootstrap and ch-run (missing ones are
 installed with apt-get, as slurm/devcluster does). pip inside the image uses this machine's pip settings
 (index, find-links, constraints, certificates: ``pip config list`` and PIP_* variables), so it finds what
-the host's pip finds. Standard library only.
+the host's pip finds. Runs after ``make install`` (it reads orchestrator/container.py).
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from orchestrator.container import CH_NAME_FILES as NAME_FILES  # noqa: E402  (ch-run binds onto them)
+
 CACHE = REPO / ".make" / "images"
 SUITE = "bookworm"
 MIRROR = os.environ.get("SLIPWAY_DEBIAN_MIRROR", "http://deb.debian.org/debian")
@@ -56,8 +59,6 @@ TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 SLIPWAY_FILES = ("setup.py", "pyproject.toml", "csrc", "trainer", "orchestrator")
 SLIPWAY_KEY_FILES = ("setup.py", "pyproject.toml", "csrc", "trainer/kernel_build.py")
 VENV = "/opt/venv"
-# Files ch-run binds the host's onto when the image has them (debootstrap's minimal system has no hosts).
-NAME_FILES = ("etc/hosts", "etc/resolv.conf")
 ENVIRONMENT = f"PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\nLANG=C.UTF-8\n"
 KEEP = {"base": 2, "slipway": 3}  # older images of each layer are removed after a build
 TOOLS = {"debootstrap": "debootstrap", "ch-run": "charliecloud-runtime"}
