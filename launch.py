@@ -12,6 +12,7 @@ submits without blocking, and points that need the same preprocessing share one 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -24,8 +25,11 @@ from omegaconf import DictConfig
 from orchestrator import redaction
 from orchestrator.facts import SweepInfo
 from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED, RunFailed, launch
+from orchestrator.launches import RunRecordError
 from orchestrator.problems import PlanError
 from orchestrator.schema import register, to_typed
+from orchestrator.site import apply_site
+from orchestrator.submit import SubmitError
 
 register()
 
@@ -53,16 +57,28 @@ def main(cfg: DictConfig) -> None:
     # Every outcome ends here with Slipway's message and exit code: an exception escaping this function
     # would make Hydra print "Error executing job with overrides: [...]", every override (secrets too).
     try:
-        typed = to_typed(cfg, dict(HydraConfig.get().runtime.choices))
-        result = launch(typed, _sweep_info(), overrides=tuple(HydraConfig.get().overrides.task))
+        hc = HydraConfig.get()
+        choices, task = dict(hc.runtime.choices), tuple(hc.overrides.task)
+        # The site file's hardware wins over an experiment's (orchestrator/site.py); keys the schema does
+        # not have are refused, +key=value included (to_typed).
+        typed = to_typed(apply_site(cfg, choices, (*hc.overrides.hydra, *task)), choices)
+        result = launch(typed, _sweep_info(), overrides=task)
     except PlanError as err:
         sys.stderr.write(f"{err}\n")
         sys.exit(EXIT_PROBLEMS)
     except RunFailed as err:
         sys.stderr.write(f"slipway: {err}\n")
         sys.exit(EXIT_RUN_FAILED)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    except KeyboardInterrupt as err:
+        sys.exit(128 + getattr(err, "signum", signal.SIGINT))  # the shell's convention: 130, 143, 129
+    except (RunRecordError, SubmitError) as err:  # conditions a user causes and fixes: one line, no traceback
+        sys.stderr.write(f"slipway: {err}\n")
+        sys.exit(EXIT_PROBLEMS)
+    except OSError as err:  # a disk that filled up, a folder that went read-only after the checks
+        where = f" ({err.filename})" if err.filename else ""
+        sys.stderr.write(f"slipway: {err.strerror or err}{where}; nothing more was submitted: free the space "
+                         "or fix the permissions, then launch the same run_id again\n")
+        sys.exit(EXIT_ERROR)
     except Exception:
         sys.stderr.write(f"slipway: launch failed unexpectedly:\n{traceback.format_exc()}")
         sys.exit(EXIT_ERROR)

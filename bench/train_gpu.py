@@ -10,8 +10,8 @@ design), random tokens. The best micro-batch is found first: each of --micro-bat
 steps with the probe mode (csrc when asked for, else the first mode) and the one with the most tokens/s
 wins (sizes that run out of memory are skipped); every mode then runs at it (a mode that runs out of
 memory retries at half). Reports step time, tokens/s, model TFLOP/s (Megatron's formula,
-trainer.formulas) and MFU against the device's dense bf16 peak (trainer.run.metrics.PEAK_TFLOPS: H100/H200
-989) or --peak-tflops, the peak memory, and throughput ratios against eager and against HF.
+trainer.formulas) and MFU against the device's dense bf16 peak (the device table, trainer/devices.py:
+H100/H200 989) or --peak-tflops, the peak memory, and throughput ratios against eager and against HF.
 
 Optimizer per mode: eager → torch.optim.AdamW(foreach) (the unfused baseline), csrc → Slipway's
 FusedAdamW (trainer.ops.adamw), apex → apex FusedAdam, compile and hf → torch.optim.AdamW(fused) (what

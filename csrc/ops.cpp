@@ -81,18 +81,16 @@ void bias_dropout_add_launch(const Tensor& x, const Tensor& b, const Tensor& res
   });
 }
 
-// out = residual + dropout(x + bias) in the promoted dtype of the three, as eager PyTorch gives: under
-// autocast x is bf16/fp16 while bias (a parameter) and the residual stream are fp32, and the fp32
-// result is produced straight from the low-precision x without a separate cast pass.
+// out = residual + dropout(x + bias) in the promoted dtype of x and the residual; the bias (a parameter,
+// fp32 under autocast) is read in the compute precision and never promotes the output: under autocast
+// x and the residual stream are bf16/fp16 and so is the result. An fp32 residual with a low-precision x
+// gives fp32 straight from x, without a separate cast pass.
 Tensor bias_dropout_add_cpu(const Tensor& x, const std::optional<Tensor>& bias, const Tensor& residual, double p,
                             const Tensor& seed) {
   TORCH_CHECK(x.sizes() == residual.sizes(), "slipway::bias_dropout_add: residual must have x's shape ",
               x.sizes(), ", got ", residual.sizes(), ".");
-  at::ScalarType out_t = at::promote_types(x.scalar_type(), residual.scalar_type());
-  if (bias.has_value()) {
-    check_vec(x, *bias, "bias_dropout_add", "bias");
-    out_t = at::promote_types(out_t, bias->scalar_type());
-  }
+  const at::ScalarType out_t = at::promote_types(x.scalar_type(), residual.scalar_type());
+  if (bias.has_value()) check_vec(x, *bias, "bias_dropout_add", "bias");
   const int64_t h = x.dim() == 0 ? 1 : x.size(-1);
   Tensor b = bias.has_value() ? bias->to(opmath_of(out_t)).contiguous()
                               : at::zeros({h}, x.options().dtype(opmath_of(out_t)));

@@ -18,6 +18,17 @@ inline void check_vec(const at::Tensor& x, const at::Tensor& v, const char* op, 
               v.sizes(), ". Fix: pass a [hidden] vector matching the last dim of x.");
 }
 
+// The in-place loss gradient overwrites the logits row by row: they need unit stride along the vocabulary
+// and one row stride (contiguous logits, or a [..., :V] slice of vocabulary-padded ones).
+inline void check_rows_in_place(const at::Tensor& logits, const char* op) {
+  bool ok = logits.dim() >= 1 && (logits.size(-1) <= 1 || logits.stride(-1) == 1);
+  for (int64_t d = 0; ok && d + 2 < logits.dim(); ++d)
+    ok = logits.size(d + 1) <= 1 || logits.stride(d) == logits.stride(d + 1) * logits.size(d + 1);
+  TORCH_CHECK(ok, "slipway::", op, ": logits must have unit stride along the vocabulary and one row stride to "
+              "be overwritten in place (contiguous, or a [..., :V] slice of padded logits); got strides ",
+              logits.strides(), ". Fix: call .contiguous() first or use ce_local_grad.");
+}
+
 inline void check_same(const at::Tensor& a, const at::Tensor& b, const char* op, const char* what) {
   TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(), "slipway::", op, ": ", what,
               " must match the input in shape and dtype; got ", b.sizes(), " ", b.scalar_type(), " vs ",

@@ -144,10 +144,10 @@ std::tuple<Tensor, Tensor, Tensor> ce_local_stats_cpu(const Tensor& logits, cons
   return {mx, se, tl};
 }
 
-// Writes the gradient of per-row loss (lse − target logit) w.r.t. logits into `out` (contiguous; may be
-// the same memory as `logits`, for the in-place variant).
+// Writes the gradient of per-row loss (lse − target logit) w.r.t. logits into `out`: a new contiguous tensor,
+// or the logits' own memory for the in-place variant (`out` then is `logits`, rows at the logits' stride).
 void ce_grad_into(const Tensor& logits, const Tensor& out, const Tensor& target, int64_t vocab_start,
-                  const Tensor& lse, const Tensor& grad_loss) {
+                  const Tensor& lse, const Tensor& grad_loss, bool inplace) {
   check_ce(logits, target, "ce_local_grad");
   check_rowvec(target, lse, "ce_local_grad", "lse");
   check_rowvec(target, grad_loss, "ce_local_grad", "grad_loss");
@@ -155,15 +155,16 @@ void ce_grad_into(const Tensor& logits, const Tensor& out, const Tensor& target,
   Tensor l2 = rows_view(logits);
   Tensor tc = target.to(at::kLong).contiguous(), lc = lse.to(acc).contiguous(), gc = grad_loss.to(acc).contiguous();
   const int64_t v = l2.size(1), rows = l2.size(0), ld = l2.stride(0);
+  const int64_t ldo = inplace ? ld : v;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, logits.scalar_type(), "ce_local_grad", [&] {
     using A = at::opmath_type<scalar_t>;
     const scalar_t* lp = l2.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* op = inplace ? l2.data_ptr<scalar_t>() : out.data_ptr<scalar_t>();
     const int64_t* tp = tc.data_ptr<int64_t>();
     const A *lsp = lc.data_ptr<A>(), *gp = gc.data_ptr<A>();
     at::parallel_for(0, rows, grain_rows(v), [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
-        cpu::ce_grad_row<scalar_t, A>(lp + r * ld, op + r * v, v, tp[r] - vocab_start, lsp[r], gp[r]);
+        cpu::ce_grad_row<scalar_t, A>(lp + r * ld, op + r * ldo, v, tp[r] - vocab_start, lsp[r], gp[r]);
     });
   });
 }
@@ -171,15 +172,14 @@ void ce_grad_into(const Tensor& logits, const Tensor& out, const Tensor& target,
 Tensor ce_local_grad_cpu(const Tensor& logits, const Tensor& target, int64_t vocab_start, const Tensor& lse,
                          const Tensor& grad_loss) {
   Tensor out = at::empty(logits.sizes(), logits.options());
-  ce_grad_into(logits, out, target, vocab_start, lse, grad_loss);
+  ce_grad_into(logits, out, target, vocab_start, lse, grad_loss, false);
   return out;
 }
 
 void ce_local_grad_inplace_cpu(const Tensor& logits, const Tensor& target, int64_t vocab_start, const Tensor& lse,
                                const Tensor& grad_loss) {
-  TORCH_CHECK(logits.is_contiguous(), "slipway::ce_local_grad_: logits must be contiguous to be overwritten in "
-              "place. Fix: call .contiguous() first or use ce_local_grad.");
-  ce_grad_into(logits, logits, target, vocab_start, lse, grad_loss);
+  check_rows_in_place(logits, "ce_local_grad_");
+  ce_grad_into(logits, logits, target, vocab_start, lse, grad_loss, true);
 }
 
 }  // namespace

@@ -12,16 +12,21 @@ stage holds the activations of L layers in total, times ``1 + (p − 1)/(p·v)``
 Run time uses Megatron's FLOPs formula (performance.md), the trainer's own definition
 (:func:`trainer.formulas.flops_per_iteration`, padded vocabulary), so the ETA and the trainer's logged
 TFLOP/s count the same work; recomputation adds its forward FLOPs
-(:func:`trainer.formulas.recompute_time_factor`) and the pipeline its bubble ``(p − 1)/(v·m)``.
+(:func:`trainer.formulas.recompute_time_factor`) and the pipeline its bubble ``(p − 1)/(v·m)``, at the
+device's peak and MFU (orchestrator/hardware.py: the site file, the device table, the figure measured in
+bench/); the data-parallel exchange adds what backward does not hide (:func:`exchange_seconds`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+from orchestrator.hardware import hardware
 from orchestrator.layout import Layout
 from orchestrator.schema import SlipwayConfig
 from trainer import formulas
+from trainer.config.train import precision_recipe
 
 GIB = 1024**3
 
@@ -55,6 +60,9 @@ class MemoryEstimate:
         return self.device_bytes == 0 or self.total_bytes <= self.device_bytes
 
 
+NO_MEMORY = MemoryEstimate(0, 0, 0, 0, 0, 0, 0, 0)  # no estimate: the model's sizes are broken (PROBLEMS)
+
+
 def stage_params(cfg: SlipwayConfig, vocab: int) -> tuple[int, int]:
     """(parameters on the busiest stage's device, parameters of the whole model):
     :func:`trainer.formulas.stage_params` for this run's model, padded vocabulary and layout."""
@@ -72,10 +80,19 @@ def activation_profile(cfg: SlipwayConfig) -> formulas.ActivationProfile:
     return profile.for_architecture(m)
 
 
+def sharded_masters(cfg: SlipwayConfig) -> bool:
+    """Whether the run keeps the distributed optimizer's layout (16-bit parameters, fp32 masters and moments
+    sharded over dp): ``optim.distributed``, or the ``master_weights`` precision recipe, which uses that
+    layout at any dp (trainer/config/train.py)."""
+    t = cfg.train
+    recipe = precision_recipe(t.precision, t.precision_recipe, cfg.optim.distributed)
+    return cfg.optim.distributed or recipe == "master_weights"
+
+
 def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstimate:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     params, _ = stage_params(cfg, vocab)
-    w_bytes, g_bytes, o_bytes = formulas.state_bytes_per_param(t.precision, cfg.optim.distributed,
+    w_bytes, g_bytes, o_bytes = formulas.state_bytes_per_param(t.precision, sharded_masters(cfg),
                                                                max(lay.dp, 1))
     tp, pp = max(p.tp_size, 1), max(p.pp_size, 1)
     in_flight = min(pp, lay.num_microbatches or pp)
@@ -95,43 +112,68 @@ def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstima
         activations_bytes=int(per_microbatch * in_flight * interleave),
         logits_bytes=logits,
         reserved_bytes=int(cfg.cluster.reserved_memory_gb * GIB),
-        device_bytes=int(cfg.cluster.device_memory_gb * GIB),
+        device_bytes=int(hardware(cfg).memory_gb.value * GIB),
     )
 
 
 @dataclass(frozen=True)
 class TimeEstimate:
     flops_per_iter: float
-    step_s: float
+    step_s: float  # NaN when the device's peak is unknown (a plan problem says so)
     bubble_fraction: float
     eta_s: float
     device_hours: float
     first_checkpoint_s: float
+    exchange_s: float = 0.0  # the data-parallel gradient (and weight) exchange of one step, in all
+    exposed_s: float = 0.0  # the part of it not hidden behind the last micro-batch's backward
+
+    @property
+    def known(self) -> bool:
+        return math.isfinite(self.step_s)
+
+
+NO_TIME = TimeEstimate(math.nan, math.nan, 0.0, math.nan, math.nan, math.nan)  # see NO_MEMORY
+
+
+def exchange_seconds(cfg: SlipwayConfig, params: int, lay: Layout) -> tuple[float, float]:
+    """(the data-parallel exchange of one step, the part of it hidden behind backward at most).
+
+    Gradients (fp32 buckets, :func:`trainer.formulas.state_bytes_per_param`) are all-reduced over dp, or
+    with ``optim.distributed`` reduce-scattered and the updated weights all-gathered after the step
+    (:func:`trainer.formulas.collective_seconds`, at ``cluster.bus_bandwidth_gbps``). With
+    ``parallel.overlap_grad_reduce`` the gradient buckets go while the last micro-batch's backward still
+    runs (about 2/3 of its compute); the weights' all-gather waits for the optimizer step."""
+    t, c, dp = cfg.train, cfg.cluster, max(lay.dp, 1)
+    w_bytes, g_bytes, _ = formulas.state_bytes_per_param(t.precision, sharded_masters(cfg), dp)
+    if sharded_masters(cfg):
+        grads = formulas.collective_seconds("reduce_scatter", params * g_bytes, dp, c.bus_bandwidth_gbps)
+        weights = formulas.collective_seconds("all_gather", params * w_bytes, dp, c.bus_bandwidth_gbps)
+    else:
+        grads = formulas.collective_seconds("all_reduce", params * g_bytes, dp, c.bus_bandwidth_gbps)
+        weights = 0.0
+    return grads + weights, grads if cfg.parallel.overlap_grad_reduce else 0.0
 
 
 def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
-    c = cfg.cluster
-    m = cfg.model
+    hw, m = hardware(cfg), cfg.model
     # The padded vocabulary: the logit matmul runs over every embedding row, as the trainer counts it.
     v = formulas.padded_vocab_size(vocab, max(cfg.parallel.tp_size, 1), m.make_vocab_size_divisible_by)
     flops = formulas.model_flops_per_iteration(m, lay.global_batch, v)
-    rate = max(lay.world, 1) * c.device_peak_tflops * 1e12 * max(c.mfu, 1e-6)
+    peak = hw.peak_tflops.value if hw.peak_tflops.value else math.nan
+    rate = max(lay.world, 1) * peak * 1e12 * max(hw.mfu.value, 1e-6)
     mb = max(lay.num_microbatches, 1)
     # The step takes (1 + bubble) times the ideal compute (performance.md), interleaving included.
     bubble = formulas.bubble_fraction(lay.pp, mb, cfg.parallel.virtual_pp_size)
     t, layers = cfg.train, m.num_layers // max(cfg.parallel.pp_size, 1)
     recompute = formulas.recompute_time_factor(t.recompute_granularity, m.seq_length, m.hidden_size, layers,
                                                t.recompute_method, t.recompute_num_layers)
-    step = flops * recompute / rate * (1 + bubble)
-    eta = step * cfg.train.iters
-    return TimeEstimate(
-        flops,
-        step,
-        bubble,
-        eta,
-        eta / 3600 * max(lay.world, 1),
-        step * min(cfg.train.save_interval or cfg.train.iters, cfg.train.iters),
-    )
+    compute = flops * recompute / rate
+    exchange, hideable = exchange_seconds(cfg, stage_params(cfg, vocab)[0], lay)
+    exposed = exchange - min(hideable, compute * 2 / 3 / mb)  # the last micro-batch's backward
+    step = compute * (1 + bubble) + exposed
+    eta = step * t.iters
+    return TimeEstimate(flops, step, bubble, eta, eta / 3600 * max(lay.world, 1),
+                        step * min(t.save_interval or t.iters, t.iters), exchange, exposed)
 
 
 def fmt_bytes(n: float) -> str:

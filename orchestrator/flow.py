@@ -12,18 +12,21 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import launches, queue, redaction
+from orchestrator.cancel import Stops, cancel_interrupted, ignoring_stops
 from orchestrator.checks import Context, run_checks
 from orchestrator.checks.secrets import known_secrets
 from orchestrator.data_shares import corpus_shares, shares_table
-from orchestrator.estimate import fmt_duration, memory_table, options_table
 from orchestrator.facts import PlanInputs, SweepInfo
 from orchestrator.follow import LogFollower, failure_tails, log_path
 from orchestrator.plan import Plan, make_plan
+from orchestrator.plan_format import hardware_lines, layout_line, memory_lines, recipe_lines, time_lines
 from orchestrator.problems import PlanError
 from orchestrator.runs import (
     RUN_JSON,
@@ -40,6 +43,7 @@ from orchestrator.runs import (
     write_json,
 )
 from orchestrator.schema import SlipwayConfig
+from orchestrator.stages import get as stage_def
 from orchestrator.stages import preprocess
 from orchestrator.stages.train import NAME as TRAIN
 from orchestrator.stages.train import run_name
@@ -53,6 +57,7 @@ from orchestrator.submit import (
 )
 from orchestrator.summary import write_summary
 from orchestrator.writer_lock import record_writer, single_writer
+from trainer.config.train import recipe_line
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
 from trainer.run_files import RunDir
@@ -111,30 +116,24 @@ def _data_prefixes(plan: Plan) -> list[str]:
 
 
 def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
-    lay, t = plan.layout, plan.time
-    unit = "GPU" if cfg.cluster.gpus_per_node else "CPU-task"
+    lay = plan.layout
+    precision = recipe_line(cfg.train.precision, cfg.train.precision_recipe, cfg.optim.distributed)
     lines = [f"Slipway plan: experiment {plan.experiment}, run {plan.run_id}", f"  run dir: {plan.run_dir}"]
     if plan.sweep:
         lines.append(
             f"  sweep {plan.sweep.sweep_id} point {plan.sweep.point}: {' '.join(plan.sweep.overrides)}"
         )
     lines += [
-        f"  layout: {lay.nodes} node(s) × {lay.tasks_per_node} task(s) = world {lay.world} = "
-        f"tp {lay.tp} × pp {lay.pp} × dp {lay.dp}; {lay.num_microbatches} micro-batch(es) of "
-        f"{cfg.train.micro_batch_size} per step",
-        f"  vocab {plan.vocab_size}, precision {cfg.train.precision}, {cfg.train.iters} iterations, "
-        f"{lay.global_batch * cfg.model.seq_length * cfg.train.iters / 1e9:.2f} B tokens",
+        layout_line(cfg, lay),
+        *recipe_lines(cfg, lay, plan.vocab_size),
+        f"  precision recipe: {precision}",
         *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
         "",
-        "Memory per device (the busiest pipeline stage):",
-        memory_table(plan.memory, cfg.cluster.device_name),
-        *options_table(plan.memory, plan.memory_options),
+        *hardware_lines(cfg),
         "",
-        f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {cfg.cluster.mfu:.0%} MFU of "
-        f"{cfg.cluster.device_peak_tflops:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}: "
-        f"{t.step_s:.3f} s/iteration",
-        f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {unit}-hours ({cfg.cluster.device_name} × "
-        f"{lay.world}); first checkpoint after {fmt_duration(t.first_checkpoint_s)}",
+        *memory_lines(cfg, plan),
+        "",
+        *time_lines(cfg, plan),
         "",
         "Stages:",
     ]
@@ -142,6 +141,10 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         where = "shared cache" if s.shared else "run dir"
         deps = f" after {', '.join(s.depends_on)}" if s.depends_on else ""
         lines.append(f"  {s.name:<11} key {s.key}  {s.state_dir} ({where}){deps}")
+        done = stage_def(s.name).complete(s)  # what a launch would not submit again (submit.py)
+        lines += [f"              no job: {done}"] if done else []
+    if plan.warnings:
+        lines += ["", "Warnings:", *(f"  - {w}" for w in plan.warnings)]
     if plan.problems:
         lines += ["", f"PROBLEMS ({len(plan.problems)}) — nothing would be submitted:"]
         lines += [f"  - {p}" for p in plan.problems]
@@ -268,17 +271,7 @@ def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out, err
     """Follow a blocking run to its end; print the summary, or the failed stages' log tails and raise."""
     local = all(s.executor == "local" for s in submitted)
     follow = LogFollower(plan.run_dir, err) if local else None
-    try:
-        ok = wait(plan, 1.0 if local else 5.0, out=err, follow=follow)
-    except KeyboardInterrupt:
-        # Local jobs are this machine's processes: Ctrl-C ends them too (Slurm jobs keep running). A
-        # terminal's Ctrl-C reached them already; cancel those that were not (a signal to this pid only).
-        time.sleep(2.0)
-        for s in submitted:
-            if s.job is not None and s.executor == "local" and not s.job.done():
-                s.job.cancel()
-        err.write(f"interrupted: local jobs of run {plan.run_id} cancelled\n")
-        raise
+    ok = wait(plan, 1.0 if local else 5.0, out=err, follow=follow)
     _reap(submitted)
     write_json(Path(plan.run_dir) / "wait.json", {"ok": ok})
     if not ok:
@@ -286,6 +279,37 @@ def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out, err
         err.write(failure_tails(plan.run_dir, [f[0] for f in failed]))
         raise RunFailed(plan, failed)
     out.write("\n" + write_summary(plan.run_dir, time.monotonic() - started))
+
+
+def _submit(cfg: SlipwayConfig, plan: Plan, overrides: tuple[str, ...]) -> tuple[int, list[Submitted]]:
+    """Record the launch and submit its stages under the run's writer lock; (launch number, outcomes)."""
+    with single_writer(plan):  # refuses while a job of this run (or of its checkpoint dir) is active
+        n = launches.next_launch(plan.run_dir)
+        _record(cfg, plan, scripts_of(cfg, plan, n), overrides)
+        launch_failpoint("recorded")
+        submitted = submit_plan(cfg, plan, n)
+        train = next((s for s in submitted if s.stage == TRAIN), None)
+        record_writer(plan, train.job_id if train else None, cfg.cluster.executor,
+                      stage_folder(plan, plan.stage(TRAIN)))
+        launch_failpoint("submitted")
+        launches.set_state(plan.run_dir, n, launches.SUBMITTED)
+    return n, submitted
+
+
+def _announce(plan: Plan, submitted: list[Submitted], sweep: SweepInfo | None, experiment: str) -> str:
+    """Add the point to its sweep's manifest; the text that says where the run is and how to follow it."""
+    if sweep:
+        add_to_sweep(
+            sweep.sweep_dir,
+            {
+                "point": sweep.point,
+                "run_dir": plan.run_dir,
+                "overrides": list(sweep.overrides),
+                "jobs": {s.stage: s.job_id for s in submitted},
+            },
+            {"sweep_id": sweep.sweep_id, "experiment": experiment},
+        )
+    return redaction.redact(_follow_text(plan, submitted))
 
 
 def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
@@ -308,31 +332,22 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
         return LaunchResult(plan, text)
     if plan.problems:
         raise PlanError(plan.problems)
-    with single_writer(plan):  # refuses while a job of this run (or of its checkpoint dir) is active
-        n = launches.next_launch(plan.run_dir)
-        _record(cfg, plan, scripts_of(cfg, plan, n), overrides)
-        launch_failpoint("recorded")
-        submitted = submit_plan(cfg, plan, n)
-        train = next((s for s in submitted if s.stage == TRAIN), None)
-        record_writer(plan, train.job_id if train else None, cfg.cluster.executor)
-        launch_failpoint("submitted")
-        launches.set_state(plan.run_dir, n, launches.SUBMITTED)
-    if sweep:
-        add_to_sweep(
-            sweep.sweep_dir,
-            {
-                "point": sweep.point,
-                "run_dir": plan.run_dir,
-                "overrides": list(sweep.overrides),
-                "jobs": {s.stage: s.job_id for s in submitted},
-            },
-            {"sweep_id": sweep.sweep_id, "experiment": cfg.experiment},
-        )
-    text = redaction.redact(_follow_text(plan, submitted))
-    out.write(text)
     # Default: block for a single local run (its jobs are this machine's processes); never for sweeps,
     # whose points must all be submitted before anything waits.
     do_wait = cfg.wait if cfg.wait is not None else (cfg.cluster.executor == "local" and sweep is None)
-    if do_wait:
-        _wait_local(plan, submitted, started, out, err)
+    stops, n, submitted = Stops(), None, []
+    main = threading.current_thread() is threading.main_thread()  # only it may handle signals
+    with stops.installed() if do_wait and main else nullcontext():
+        try:
+            with stops.deferred() if do_wait and main else nullcontext():
+                n, submitted = _submit(cfg, plan, overrides)
+            text = _announce(plan, submitted, sweep, cfg.experiment)
+            out.write(text)
+            if do_wait:
+                _wait_local(plan, submitted, started, out, err)
+        except KeyboardInterrupt:
+            with ignoring_stops():  # a second Ctrl-C must not leave the cancellation half done
+                if n is not None:
+                    cancel_interrupted(plan.run_dir, plan.run_id, n, submitted, err)
+            raise
     return LaunchResult(plan, text, submitted)

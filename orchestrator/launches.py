@@ -5,7 +5,8 @@
 its git state, resolved config (also written to ``launches/<n>/config.yaml``; ``config.yaml`` at the top is
 a link to the latest one), stage keys, scripts, job ids and its outcome. A launch writes only its own
 record; the next launch adds the earlier one's final job states (``outcome``) when it starts, and a
-submission the earlier one left unrecorded (below), never anything else of it.
+submission the earlier one left unrecorded (below), and ``cancel`` the ids of the jobs it cancelled
+(``cancelled``), never anything else of it.
 
 Submission is crash-consistent. Each launch moves through ``state``:
 
@@ -75,7 +76,7 @@ def all_jobs(data: dict[str, Any]) -> list[tuple[int, str, dict[str, Any]]]:
 
 def next_launch(run_dir: str) -> int:
     """The number the run's next launch gets."""
-    return len(history(_read(run_dir))) + 1
+    return len(history(read(run_dir))) + 1
 
 
 def launch_dir(run_dir: str, n: int) -> Path:
@@ -89,9 +90,34 @@ def job_comment(run_dir: str, n: int, stage: str) -> str:
     return f"slipway:{digest}:{n}:{stage}"
 
 
-def _read(run_dir: str) -> dict[str, Any]:
+class RunRecordError(ValueError):
+    """``run.json`` cannot be read as a run record (truncated, hand-edited, not a file); the message names
+    it and says how to recover."""
+
+    def __init__(self, path: Path, why: str) -> None:
+        self.path = path
+        super().__init__(
+            f"{path} is not a readable run record ({why}). Move it aside (mv {path} {path}.broken) and "
+            f"launch the same run_id again: the run resumes from its checkpoints, and every earlier "
+            f"launch's config and job scripts stay in {path.parent / LAUNCHES_DIR}/<n>/; first make sure "
+            "no job of the run is still queued or running (squeue --me; ps), since their ids were in it")
+
+
+def read(run_dir: str | Path) -> dict[str, Any]:
+    """The run's record ({} when it has none yet). Raises :class:`RunRecordError` when it is unreadable: a
+    launch must not take a damaged record for an empty one (it would forget the run's live jobs)."""
     path = Path(run_dir) / RUN_JSON
-    return read_json(path) if path.exists() else {}
+    try:
+        data = read_json(path)
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as err:
+        raise RunRecordError(path, f"{type(err).__name__}: {err}") from err
+    except ValueError as err:
+        raise RunRecordError(path, f"not valid JSON: {err}") from err
+    if not isinstance(data, dict) or not isinstance(data.get("launches", []), list):
+        raise RunRecordError(path, "not a JSON object with a list of launches")
+    return data
 
 
 def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
@@ -106,7 +132,7 @@ def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
 def begin(run_dir: str, identity: dict[str, Any], record: dict[str, Any]) -> int:
     """Append a new launch (state ``recording``); returns its number. Called under the run's launch lock.
     Identity fields already recorded (the first launch's) are kept."""
-    data = _upgraded(_read(run_dir))
+    data = _upgraded(read(run_dir))
     for key in _IDENTITY:
         if key in identity:
             data.setdefault(key, identity[key])
@@ -121,7 +147,7 @@ def begin(run_dir: str, identity: dict[str, Any], record: dict[str, Any]) -> int
 
 def _update(run_dir: str, n: int, change) -> None:
     """Apply ``change`` to launch ``n``'s record only (a launch writes nothing of another's)."""
-    data = _upgraded(_read(run_dir))
+    data = _upgraded(read(run_dir))
     change(data["launches"][n - 1])
     write_json(Path(run_dir) / RUN_JSON, data)
 
@@ -146,6 +172,23 @@ def record_job(run_dir: str, n: int, stage: str, entry: dict[str, Any]) -> None:
     _update(run_dir, n, change)
 
 
+def mark_cancelled(run_dir: str, jobs: dict[int, list[str]]) -> None:
+    """Record that Slipway cancelled these jobs ({launch: [job ids]}) in their launches' ``cancelled`` lists
+    (the job entries stay as submitted): a local job's process leaves no other trace of why it ended."""
+    if not jobs:
+        return
+    data = _upgraded(read(run_dir))
+    for r in data["launches"]:
+        if jobs.get(r.get("n")):
+            r["cancelled"] = sorted({*r.get("cancelled", ()), *map(str, jobs[r["n"]])})
+    write_json(Path(run_dir) / RUN_JSON, data)
+
+
+def cancelled_ids(data: dict[str, Any]) -> set[str]:
+    """The ids of every job Slipway cancelled, in any launch of the run."""
+    return {str(j) for r in history(data) for j in r.get("cancelled", ())}
+
+
 def is_incomplete(record: dict[str, Any]) -> bool:
     """A launch that stopped before it submitted everything (its process is gone)."""
     from orchestrator.queue import process_alive
@@ -165,7 +208,7 @@ def orphans(run_dir: str, find=None) -> list[tuple[int, str, str | None, str]]:
     queue knows it by comment (None: not queued or running). Reads only."""
     from orchestrator.queue import jobs_by_comment
 
-    stale = _stale(_read(run_dir))
+    stale = _stale(read(run_dir))
     wanted = [(r["n"], stage, p["comment"]) for r in stale for stage, p in r.get("pending", {}).items()]
     if not wanted:
         return []
@@ -191,7 +234,7 @@ def reconcile(run_dir: str, find=None) -> list[str]:
             _update(run_dir, n, lambda r, s=stage: r["pending"].pop(s, None))
             lines.append(f"launch {n} died before recording its {stage} job, and no job of it is queued or "
                          "running (never submitted, or already ended)")
-    for r in _stale(_read(run_dir)):
+    for r in _stale(read(run_dir)):
         _update(run_dir, r["n"], lambda x: x.update(state=INCOMPLETE))
     return lines
 
@@ -215,7 +258,7 @@ def link_config(run_dir: str, n: int) -> Path:
 def add_outcomes(run_dir: str, states: dict[str, str]) -> None:
     """Record the final states of earlier launches' jobs ({job id: state}, ended jobs only) in their
     ``outcome`` ({stage: state}), once: a relaunch keeps what the earlier launch produced."""
-    data = _upgraded(_read(run_dir))
+    data = _upgraded(read(run_dir))
     for r in data["launches"]:
         if r.get("outcome"):
             continue

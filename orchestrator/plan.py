@@ -11,12 +11,16 @@ eval) write into the run directory.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.checks import Context, Estimates, run_checks
+from orchestrator.checks.run import insane_values
 from orchestrator.estimate import (
+    NO_MEMORY,
+    NO_TIME,
     MemoryEstimate,
     MemoryOption,
     TimeEstimate,
@@ -112,25 +116,74 @@ def memory_options(cfg: SlipwayConfig, vocab: int, lay: Layout) -> list[MemoryOp
     return out
 
 
+def _replica_config(cfg: SlipwayConfig, tp: int, pp: int) -> SlipwayConfig:
+    """``cfg`` as one model replica on tp × pp devices (dp 1) with every memory saver that applies."""
+    with deferred():
+        parallel = dataclasses.replace(cfg.parallel, tp_size=tp, pp_size=pp, virtual_pp_size=1,
+                                       sequence_parallel=tp > 1)
+        train = dataclasses.replace(cfg.train, recompute_granularity="full", recompute_method="uniform",
+                                    recompute_num_layers=1, global_batch_size=None)
+        cluster = dataclasses.replace(cfg.cluster, nodes=1, gpus=None, tasks_per_node=tp * pp)
+        return dataclasses.replace(cfg, parallel=parallel, train=train, cluster=cluster)
+
+
+def smallest_replica(cfg: SlipwayConfig, vocab: int) -> tuple[int, int] | None:
+    """The fewest devices (tp, pp) one model replica fits on with every memory saver, tp within a node
+    (parallel layouts Megatron allows: tp divides the heads and the KV groups, pp the layers); None when
+    no split fits."""
+    m, per_node = cfg.model, cfg.cluster.gpus_per_node
+    tps = [d for d in range(1, m.num_attention_heads + 1)
+           if m.num_attention_heads % d == 0 and m.query_groups % d == 0 and (not per_node or d <= per_node)]
+    pps = [d for d in range(1, m.num_layers + 1) if m.num_layers % d == 0]
+    for tp, pp in sorted(itertools.product(tps, pps), key=lambda s: (s[0] * s[1], s[1])):
+        alt = _replica_config(cfg, tp, pp)
+        if estimate_memory(alt, vocab, layout_of(alt)).fits:
+            return tp, pp
+    return None
+
+
+def plan_warnings(cfg: SlipwayConfig, lay: Layout) -> list[str]:
+    """What the plan says before submitting without refusing it."""
+    c, out = cfg.cluster, insane_values(Context(cfg))
+    if cfg.eval.enabled and not cfg.convert.enabled:
+        out.append("no eval stage: convert.enabled=false leaves no converted model to evaluate (eval=none "
+                   "says so without this warning)")
+    # A TP group is tp consecutive ranks (trainer/parallel/state.py): within a node when tp divides the
+    # tasks per node.
+    if lay.nodes > 1 and lay.tp > 1 and lay.tasks_per_node % lay.tp:
+        out.append(f"parallel.tp_size={lay.tp} spans nodes ({lay.tasks_per_node} tasks per node): every "
+                   "layer's tensor-parallel all-reduces then cross the network instead of staying within a "
+                   f"node; use a tp_size that divides {lay.tasks_per_node} and grow pp_size or dp instead")
+    if c.executor == "slurm" and c.gpus_per_node and not c.stage_partition:
+        out.append(f"the CPU-only stages (corpus, preprocess, convert; eval on cpu) go to the training "
+                   f"partition {c.partition or '(the site default)'} and hold a GPU node's slot: set "
+                   "cluster.stage_partition in the site file to a CPU partition")
+    return out
+
+
 def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exists) -> Plan:
     """Everything about a launch that can be known before submitting (no job is touched)."""
     lay = layout_of(cfg)
     vocab = resolve_vocab(cfg, facts)
-    mem = estimate_memory(cfg, vocab, lay)
-    est = estimate_time(cfg, vocab, lay)
-    choices = memory_options(cfg, vocab, lay) if lay.dp and lay.num_microbatches else []
-    estimates = Estimates(mem, est, choices) if lay.dp and lay.num_microbatches else None
+    # A model or layout whose own rules fail (a size of 0) has no estimate: its formulas divide by them.
+    sized = not cfg.model.problems() and not cfg.parallel.problems()
+    mem = estimate_memory(cfg, vocab, lay) if sized else NO_MEMORY
+    est = estimate_time(cfg, vocab, lay) if sized else NO_TIME
+    estimates = None
+    choices: list[MemoryOption] = []
+    if sized and lay.dp and lay.num_microbatches:
+        choices = memory_options(cfg, vocab, lay)
+        nowhere = not mem.fits and not any(o.memory.fits for o in choices)
+        estimates = Estimates(mem, est, choices, smallest_replica(cfg, vocab) if nowhere else None)
     problems = run_checks(Context(cfg, facts.environ, exists, estimates), at="plan")
     ctx = PlanContext(cfg, facts)
     for stage in STAGES:
         planned = stage.plan(ctx)
         if planned is not None:
             ctx.planned[stage.name] = planned
-    warnings = ["no eval stage: convert.enabled=false leaves no converted model to evaluate (eval=none says "
-                "so without this warning)"] if cfg.eval.enabled and not cfg.convert.enabled else []
     return Plan(
         facts.run_id, facts.run_dir, cfg.experiment, lay, vocab, mem, est, list(ctx.planned.values()),
         problems, facts.sweep,
-        warnings=warnings,
+        warnings=plan_warnings(cfg, lay),
         memory_options=choices,
     )

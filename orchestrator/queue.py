@@ -26,6 +26,7 @@ ENDED (failed) for a process that is gone without either.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import subprocess
@@ -121,13 +122,35 @@ def _run(cmd: list[str]) -> tuple[str | None, str]:
     return r.stdout, ""
 
 
-def live_state(job_id: str, executor: str) -> str | None:
+def local_job_alive(job_id: int | str, folder: str | None = None) -> bool:
+    """A local job still runs: its controller's pid exists and, when the job's submitit folder is known,
+    that process's command line names it. Pids are reused (pid_max is 32768 on many machines), so an old
+    run's job id may belong to another program by now: that must not keep the run "active" forever."""
+    if not process_alive(job_id):
+        return False
+    if not folder:
+        return True
+    try:
+        command = Path(f"/proc/{int(job_id)}/cmdline").read_bytes().decode(errors="replace")
+    except (OSError, ValueError):
+        return True  # it exists but cannot be read (another user's): take it for alive
+    return os.path.normpath(folder) in command
+
+
+def controller_unreachable() -> str:
+    """Why the Slurm controller does not answer ("" when it does): one cheap ``sinfo`` call."""
+    out, why = _run(["sinfo", "-h", "-o", "%P"])
+    return "" if out is not None else why
+
+
+def live_state(job_id: str, executor: str, folder: str | None = None) -> str | None:
     """The job's state while it is alive, None once it ended or the queue no longer knows it.
 
     Slurm: squeue's answer; squeue exiting non-zero means the id is unknown (purged after it ended).
-    When squeue cannot be run or times out, "UNKNOWN": the job may still write."""
+    When squeue cannot be run or times out, "UNKNOWN": the job may still write. Local: its process
+    (:func:`local_job_alive`, checked against the job's submitit ``folder`` when given)."""
     if executor == "local":
-        return "RUNNING" if process_alive(job_id) else None
+        return "RUNNING" if local_job_alive(job_id, folder) else None
     try:
         out = subprocess.run(["squeue", "-h", "-j", str(job_id), "-o", "%T"], capture_output=True, text=True,
                              timeout=60)
@@ -186,21 +209,44 @@ def query_slurm_checked(job_ids: list[str]) -> tuple[dict, dict, str]:
     return sq, parse_sacct(out) if out is not None else {}, squeue_error
 
 
-def local_state(entry: dict) -> str:
-    """A local job's state from its run.json entry: its submitit results, then the stage's markers, then
-    whether the controller process still exists."""
+def marker_of(state_dir: str | Path, name: str, job_id: str | None) -> dict | None:
+    """A stage's ``_COMPLETE``/``_FAILED`` marker (its JSON record) when job ``job_id`` wrote it; any job's
+    when ``job_id`` is None (a reused output, content-addressed by its directory). A marker an earlier job
+    left (a relaunch's, or a previous attempt's) is not this job's outcome: Slurm's ``afterok`` waits for
+    the job it names, and so does everything that reads markers (the local wait, status). Markers written
+    before they named their job count for any job."""
+    path = Path(state_dir) / name
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        record = {}  # being replaced (markers are written by rename) or damaged: it exists, nobody's
+    if not isinstance(record, dict):
+        record = {}
+    wrote = record.get("job")
+    return record if job_id is None or wrote is None or str(wrote) == str(job_id) else None
+
+
+def local_state(entry: dict, cancelled: bool = False) -> str:
+    """A local job's state from its run.json entry: cancelled (by Slipway, as run.json records), its
+    submitit results, then the stage's markers that this job wrote, then whether the controller process
+    still exists."""
     folder = Path(entry.get("folder", ""))
-    jid = entry["job_id"]
+    jid = str(entry["job_id"])
+    alive = local_job_alive(jid, entry.get("folder"))  # before the files: an ended job has written them
+    if cancelled and not alive:
+        return "CANCELLED"
     results = list(folder.glob(f"{jid}_*_result.pkl"))
     if results:
         outcomes = {pickle.loads(r.read_bytes())[0] for r in results}
         return "FAILED" if "error" in outcomes else "COMPLETED"
-    state_dir = Path(entry.get("state_dir", ""))
-    if (state_dir / FAILED_MARKER).exists():
+    state_dir = entry.get("state_dir", "")
+    if marker_of(state_dir, FAILED_MARKER, jid) is not None:
         return "FAILED"
-    if process_alive(jid):
+    if alive:
         return "RUNNING"
-    return "COMPLETED" if (state_dir / COMPLETE).exists() else "ENDED"
+    return "COMPLETED" if marker_of(state_dir, COMPLETE, jid) is not None else "ENDED"
 
 
 def jobs_by_comment(comments: list[str]) -> dict[str, tuple[str, str]]:

@@ -15,12 +15,15 @@ current. Field names are a user contract (see the brief): keep them stable.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from trainer.checks import ConfigIssue, Section, choice, declared_defaults, deferred, positive
+from orchestrator.problems import PlanError, Problem
+from trainer.checks import ConfigIssue, Section, choice, declared_defaults, deferred, issue, positive
 from trainer.config import RunConfig
 from trainer.eval.config import EvalConfig
 
@@ -43,9 +46,23 @@ class ClusterConfig(Section):
     qos: str | None = None
     """Slurm QOS (sbatch --qos); null: none given."""
     nodes: int = 1
-    """Nodes of the training job."""
+    """Nodes of the training job: part of the layout a run asks for (with cluster.gpus set, derived from it;
+    at most cluster.max_nodes)."""
+    gpus: int | None = None
+    """GPUs of the training job in all, on whole nodes of the site's gpus_per_node (nodes = gpus /
+    gpus_per_node): how an experiment asks for its size on any site; null: cluster.nodes nodes. A
+    cluster.nodes from a later source (the command line over an experiment) replaces it."""
+    max_nodes: int | None = None
+    """Site hardware: the most nodes one job can have here (the partition's size or limit); null: not
+    checked."""
     gpus_per_node: int = 0
-    """GPUs per node; 0: a CPU-only cluster (gloo), where training runs tasks_per_node tasks per node."""
+    """Site hardware: GPUs per node; the training job takes them all, one task each. 0: a CPU-only cluster
+    (gloo), where training runs tasks_per_node tasks per node."""
+    cpus_per_node: int | None = None
+    """Site hardware: CPU cores per node (tasks_per_node × cpus_per_task and stage_cpus must fit); null:
+    not checked."""
+    mem_per_node_gb: float | None = None
+    """Site hardware: memory per node in GB (mem_gb must fit); null: not checked."""
     tasks_per_node: int | None = None
     """Training ranks per node; null: gpus_per_node (one task per GPU), or tp_size × pp_size on the local
     executor without GPUs."""
@@ -81,24 +98,51 @@ class ClusterConfig(Section):
     stage_partition: str | None = None
     """Partition of those jobs; null: the training partition."""
     device_name: str = "cpu"
-    """Planning: the device's name in the plan (a GPU model, or cpu)."""
-    device_memory_gb: float = 0.0
-    """Planning: memory of one device in GB; 0: unknown, the memory check is skipped."""
-    device_peak_tflops: float = 0.05
-    """Planning: dense peak TFLOP/s of one device in the training precision (A100 312, H100 989), for the
-    plan's time estimate. The trainer's MFU uses the GPU it runs on (logging.peak_tflops overrides)."""
-    device_bf16: bool = True
-    """Planning: the device supports bf16 (false refuses train.precision=bf16)."""
-    mfu: float = 0.4
-    """Planning: assumed model FLOPs utilisation for the ETA."""
+    """Site hardware: the GPU model, a name the device table knows (trainer/devices.py: A100-40GB,
+    A100-80GB, H100-SXM-80GB (also H100 or H100-80GB), H100-PCIe-80GB, H100-NVL-94GB, H200, GH200, B200,
+    L40S), or cpu. Another name needs device_peak_tflops and device_memory_gb."""
+    device_memory_gb: float | None = None
+    """Site hardware: memory of one device in GB; null: the device table's; 0: unknown (the memory check
+    is skipped)."""
+    device_peak_tflops: float | None = None
+    """Site hardware: dense peak TFLOP/s of one device in the training precision, for the plan's time
+    estimate; null: the device table's for train.precision (0.05 for cpu). The trainer's MFU uses the GPU
+    it runs on (logging.peak_tflops overrides)."""
+    device_bf16: bool | None = None
+    """Site hardware: the device supports bf16 (false refuses train.precision=bf16); null: the device
+    table's (true for cpu)."""
+    bus_bandwidth_gbps: float = 25.0
+    """Site hardware: the all-reduce bus bandwidth between the job's GPUs in GB/s, as nccl-tests'
+    all_reduce_perf prints it (busbw, large messages, across two nodes): the plan's data-parallel gradient
+    exchange takes bytes × 2(dp − 1)/dp / busbw per step. Default 25: about what one 200 Gb/s HDR
+    InfiniBand link per node gives; NVLink within a node and a NIC per GPU give 10-20× more."""
+    mfu: float | None = None
+    """Planning: model FLOPs utilisation for the ETA; null: the figure measured in bench/ on this GPU (or,
+    for a GPU not measured yet, on the one that was; the plan names the figure), 0.3 on CPUs."""
     reserved_memory_gb: float = 2.0
     """Planning: memory per device taken by the CUDA context, allocator fragmentation and communication
     buffers."""
 
+    hardware_sources: dict[str, str] = field(default_factory=dict)
+    """Written by launch.py, not a setting: where each hardware and layout value came from (site file,
+    experiment, command line, default), and under "site" the site file; shown in the plan and recorded
+    with the launch."""
+    site_hardware: dict[str, Any] = field(default_factory=dict)
+    """Written by launch.py, not a setting: the hardware values as the site file states them, against
+    which the plan checks a command line's (orchestrator/site.py)."""
+
     def problems(self) -> list[ConfigIssue]:
-        return (positive("cluster.nodes", self.nodes)
-                + positive("cluster.time_limit_min", self.time_limit_min)
-                + choice("cluster.executor", self.executor, EXECUTORS))
+        out = (positive("cluster.nodes", self.nodes)
+               + positive("cluster.time_limit_min", self.time_limit_min)
+               + choice("cluster.executor", self.executor, EXECUTORS))
+        for name in ("gpus", "max_nodes", "cpus_per_node", "tasks_per_node"):
+            out += positive(f"cluster.{name}", getattr(self, name), allow_none=True)
+        for name in ("mem_per_node_gb", "device_peak_tflops", "bus_bandwidth_gbps"):
+            out += positive(f"cluster.{name}", getattr(self, name), allow_none=True)
+        if self.mfu is not None and not 0 < self.mfu <= 1:
+            out.append(issue("range", "cluster.mfu", self.mfu, "must be in (0, 1]", "cluster.mfu=null "
+                             "(the measured figure) or a fraction such as cluster.mfu=0.35"))
+        return out
 
 
 @dataclass
@@ -203,13 +247,47 @@ def register() -> None:
         cs.store(name="slipway_schema", node=SlipwayConfig)
 
 
+def unknown_keys(node: Any, path: str = "") -> list[ConfigIssue]:
+    """Keys of a composed config that no section of the schema has. Hydra refuses ``optim.lrr=3e-4``
+    itself, but its own hint (``+optim.lrr=3e-4``) adds the key to the typed section and typing then
+    drops it without a word; mappings (cluster.env, cluster.sbatch_extra, ...) take any key."""
+    from omegaconf import DictConfig, OmegaConf
+
+    kind = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(kind):
+        return []
+    names = [f.name for f in dataclasses.fields(kind)]
+    out = []
+    for key in node.keys():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            value = OmegaConf.select(node, str(key), default=None)
+            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
+            prefix = f"{path}." if path else ""
+            listed = f": {', '.join(names)}" if len(names) <= 12 else ""
+            out.append(issue(
+                "unknown_key", full, value,
+                f"is no key of {f'section {path}' if path else 'the top level'} ({kind.__name__}{listed}); a "
+                "leading + adds keys only to mappings such as cluster.env or cluster.sbatch_extra",
+                (f"did you mean {prefix}{close[0]}={value}? " if close else "")
+                + "docs/config.md lists every key"))
+            continue
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            out += unknown_keys(child, full)
+    return out
+
+
 def to_typed(cfg: Any, choices: dict[str, Any] | None = None) -> SlipwayConfig:
     """OmegaConf DictConfig (composed) → plain, resolved SlipwayConfig dataclass tree.
 
     ``choices``: Hydra's group choices (``hydra.runtime.choices``), used for names a group file omits.
+    Raises :class:`PlanError` for keys the schema does not have (``+optim.lrr=3e-4``).
     """
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
+    if isinstance(cfg, DictConfig) and (unknown := unknown_keys(cfg)):
+        raise PlanError([Problem(i.code, i.key, i.value, i.message, i.fix) for i in unknown])
     # Sections record instead of raising here, so the checks report every problem at once.
     with deferred():
         obj = OmegaConf.to_object(cfg)

@@ -11,16 +11,25 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator import launches
 from orchestrator.launches import INCOMPLETE, current, history, is_incomplete
 from orchestrator.progress import log_records
-from orchestrator.queue import CANCELLED, FAILED, PENDING, category, local_state, query_slurm_checked
-from orchestrator.runs import read_json, run_dirs_of
+from orchestrator.queue import (
+    CANCELLED,
+    FAILED,
+    PENDING,
+    category,
+    local_state,
+    marker_of,
+    query_slurm_checked,
+)
+from orchestrator.runs import run_dirs_of
 from orchestrator.stages import get as stage_def
 from orchestrator.stages.base import StageLook
 from orchestrator.stages.train import NAME as TRAIN
 from trainer.health import RankHealth
 from trainer.run_files import FAILED as FAILED_MARKER
-from trainer.run_files import RUN_JSON
+from trainer.signals import FATAL_MARKER
 
 
 @dataclass
@@ -46,21 +55,23 @@ class JobRow:
     wandb_offline: str = ""  # online W&B fell back to offline: why, and the `wandb sync` command
     failure: str = ""  # a failed or cancelled stage: why (its error, the trainer's verdict, or Slurm's)
     hangs: list[str] = field(default_factory=list)  # every hang a watchdog recorded (kept across retries)
+    overrides: str = ""  # a sweep point's overrides (lr ...): what tells the points apart
 
 
 def _failure(state: str, entry: dict, acct: dict) -> str:
-    """Why a stage that failed or was cancelled ended: the error its callable recorded (``_FAILED``), else
-    the trainer's verdict (the newest ``fatal_*`` marker of this job), else what Slurm says."""
+    """Why a stage that failed or was cancelled ended: the trainer's own verdict (the newest ``fatal_*``
+    marker of this job), else the error its callable recorded (this job's ``_FAILED``), else what Slurm
+    says. Markers an earlier job left are never this job's reason."""
     if category(state) not in (FAILED, CANCELLED):
         return ""
     state_dir = Path(entry.get("state_dir", ""))
-    marker = read_json(state_dir / FAILED_MARKER) if (state_dir / FAILED_MARKER).is_file() else {}
+    marker = marker_of(state_dir, FAILED_MARKER, str(entry["job_id"])) or {}
     reason = marker.get("reason") or marker.get("error")
-    job = "local" if entry.get("executor") == "local" else entry["job_id"]  # as the stage names its markers
-    fatal = sorted(state_dir.glob(f"fatal_{job}_*"), key=lambda p: p.stat().st_mtime)
-    if not reason and fatal:
-        code, _, reason = fatal[-1].read_text(errors="replace").strip().partition(" ")
-        reason = f"{reason} (exit {code})"
+    pattern = FATAL_MARKER.format(job=entry["job_id"], restart="*", attempt="*")
+    fatal = sorted(state_dir.glob(pattern), key=lambda p: p.stat().st_mtime)
+    if fatal:
+        code, _, verdict = fatal[-1].read_text(errors="replace").strip().partition(" ")
+        reason = f"{verdict} (exit {code})" if verdict else reason
     if not reason:
         exit_code = acct.get("exit", "")
         why = ", ".join(x for x in (f"exit code {exit_code}" if exit_code else "", acct.get("reason", ""))
@@ -71,12 +82,24 @@ def _failure(state: str, entry: dict, acct: dict) -> str:
     return str(reason).splitlines()[0] if str(reason).strip() else state
 
 
+def records(path: str) -> tuple[list[tuple[Path, dict]], list[str]]:
+    """(run dir, run.json) of every readable run under ``path``, and one line per run whose record is
+    damaged (status shows the others and says what is wrong with it, instead of failing)."""
+    good, notes = [], []
+    for run_dir in run_dirs_of(path):
+        try:
+            good.append((run_dir, launches.read(run_dir)))
+        except launches.RunRecordError as err:
+            notes.append(f"RUN RECORD: run {run_dir.name}: {err}")
+    return good, notes
+
+
 def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
     """Rows for every stage of every run under ``path`` (a run dir or a sweep dir). A training rank whose
     heartbeat is older than ``stale_after_s`` (default: five heartbeat intervals, at least 30 s) is stale."""
-    runs = run_dirs_of(path)
+    runs = records(path)[0]
     # status shows each run's latest launch (launches.py); --history lists all of them
-    metas = [(r, {**current(d), "name": d.get("name")}) for r in runs for d in [read_json(r / RUN_JSON)]]
+    metas = [(r, {**current(d), "name": d.get("name")}) for r, d in runs]
     ids = [
         e["job_id"]
         for _, d in metas
@@ -91,7 +114,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
             e = entries[-1]
             jid = str(e["job_id"])
             if e.get("executor") == "local":
-                state, reason = local_state(e), ""
+                state, reason = local_state(e, jid in data.get("cancelled", ())), ""
             elif jid in sq:
                 state, reason = sq[jid]
             else:
@@ -99,7 +122,8 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
             # Slurm keeps a job's last pending reason ("Dependency") after it ran; only a job still waiting
             # has one (an ended one that failed gets its reason line below the table).
             reason = reason if category(state) == PENDING else ""
-            row = JobRow(run_dir.name, stage, jid, state, reason, name=str(data.get("name") or run_dir.name))
+            row = JobRow(run_dir.name, stage, jid, state, reason, name=str(data.get("name") or run_dir.name),
+                         overrides=" ".join((data.get("sweep") or {}).get("overrides") or ()))
             row.failure = _failure(state, e, sa.get(jid, {}))
             if squeue_error and e.get("executor") == "slurm":
                 row.slurm_error = squeue_error
@@ -112,11 +136,14 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
 
 
 def format_rows(rows: list[JobRow]) -> str:
-    head = ("run", "stage", "job", "state", "reason", "restarts", "ckpt", "loss", "tok/s", "pass@1", "health",
-            "wandb", "log")
+    """The table; a sweep's rows carry their point's overrides beside the run."""
+    point = any(r.overrides for r in rows)
+    head = ("run", *(("point",) if point else ()), "stage", "job", "state", "reason", "restarts", "ckpt",
+            "loss", "tok/s", "pass@1", "health", "wandb", "log")
     table = [head] + [
         (
             r.run,
+            *((r.overrides,) if point else ()),
             r.stage,
             r.job_id,
             r.state,
@@ -142,9 +169,9 @@ def format_rows(rows: list[JobRow]) -> str:
 
 def launch_notes(path: str) -> list[str]:
     """A line for every run whose latest launch stopped before it submitted everything."""
-    out = []
-    for run_dir in run_dirs_of(path):
-        r = current(read_json(run_dir / RUN_JSON))
+    runs, out = records(path)
+    for run_dir, data in runs:
+        r = current(data)
         if r and (r.get("state") == INCOMPLETE or is_incomplete(r)):
             pending = ", ".join(r.get("pending", {})) or "nothing pending"
             out.append(f"LAUNCH INCOMPLETE: run {run_dir.name} launch {r.get('n', 1)} (started "
@@ -158,7 +185,12 @@ def format_history(path: str) -> str:
     lines = []
     for run_dir in run_dirs_of(path):
         lines.append(f"run {run_dir.name}:")
-        for r in history(read_json(run_dir / RUN_JSON)):
+        try:
+            launched = history(launches.read(run_dir))
+        except launches.RunRecordError as err:
+            lines.append(f"  {err}")
+            continue
+        for r in launched:
             jobs = " ".join(f"{s}={es[-1]['job_id']}{'(adopted)' if es[-1].get('adopted') else ''}"
                             for s, es in r.get("jobs", {}).items() if es) or "-"
             outcome = " ".join(f"{s}={st}" for s, st in (r.get("outcome") or {}).items()) or "-"
@@ -214,8 +246,10 @@ def plot(path: str, out: str) -> str:
     for run_dir in run_dirs_of(path):
         recs = [(i, loss) for i, loss, _ in log_records(run_dir, TRAIN) if loss is not None]
         if recs:
-            data = read_json(run_dir / RUN_JSON)
-            label = data.get("name") or run_dir.name
+            try:
+                label = launches.read(run_dir).get("name") or run_dir.name
+            except launches.RunRecordError:
+                label = run_dir.name
             ax.plot([i for i, _ in recs], [x for _, x in recs], label=label)
     ax.set_xlabel("iteration")
     ax.set_ylabel("lm loss")

@@ -26,11 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import submitit
+from submitit.core.utils import FailedJobError
 
 from orchestrator import container_render, render
 from orchestrator.container import WRAPPER_KINDS, host_paths, job_image
 from orchestrator.launches import job_comment, launch_dir, next_launch, record_intent, record_job
 from orchestrator.layout import tasks_per_node
+from orchestrator.local_jobs import LocalExecutor
 from orchestrator.plan import Plan, StagePlan
 from orchestrator.queue import live_state
 from orchestrator.runs import REPO_ROOT
@@ -43,6 +45,18 @@ from trainer.testing_hooks import launch_failpoint
 
 log = get_logger(__name__)
 JOB_FILE = "_JOB.json"
+
+
+class SubmitError(RuntimeError):
+    """``sbatch`` refused a stage's job: which, why (Slurm's words), and what this launch submitted before."""
+
+    def __init__(self, stage: str, before: list[str], run_dir: str, why: str) -> None:
+        lines = [x for x in why.strip().splitlines() if x.strip()] or ["(no message)"]
+        earlier = (f"; the stages submitted before it ({', '.join(before)}) stay queued: see python -m "
+                   f"orchestrator status {run_dir}, or cancel them: python -m orchestrator cancel {run_dir}"
+                   if before else "; nothing was submitted")
+        super().__init__(f"sbatch refused the {stage} job: {lines[-1]}{earlier}. Fix the cluster settings it "
+                         "names (cluster.partition, account, qos, constraint, sbatch_extra) and launch again")
 
 
 class SlipwaySlurmExecutor(submitit.SlurmExecutor):
@@ -184,12 +198,13 @@ def _queued(stage: StagePlan) -> dict[str, Any] | None:
     if not path.exists():
         return None
     info = json.loads(path.read_text())
-    return info if live_state(str(info["job_id"]), info.get("executor", "slurm")) else None
+    state = live_state(str(info["job_id"]), info.get("executor", "slurm"), info.get("folder"))
+    return info if state else None
 
 
 def _executor(job: StageJob) -> Any:
     if isinstance(job.spec, render.LocalSpec):
-        ex = submitit.LocalExecutor(job.folder, python=job.python)
+        ex = LocalExecutor(job.folder, python=job.python)
         env = [f"export {k}={shlex.quote(v)}" for k, v in job.spec.env]
         setup = [render.code_path_line(str(REPO_ROOT)), *env]
         ex.update_parameters(setup=setup, **render.local_parameters(job.spec))
@@ -207,9 +222,10 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted
         Path(stage.state_dir).mkdir(parents=True, exist_ok=True)
         # Slurm fails a job at once (no log anywhere) when its --output directory does not exist.
         Path(stage_log_dir(plan, stage)).mkdir(parents=True, exist_ok=True)
-        if stage.shared and (Path(stage.state_dir) / COMPLETE).exists():
+        why = _definition(stage).complete(stage)
+        if why is not None:
             done[stage.name] = Submitted(stage.name, "reused", executor=cfg.cluster.executor)
-            log.info("%s: reusing complete output %s", stage.name, stage.state_dir)
+            log.info("%s: not submitted: %s", stage.name, why)
             continue
         queued = _queued(stage) if stage.shared else None
         if queued is not None:
@@ -218,10 +234,13 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted
             )
             log.info("%s: same key already queued as job %s; depending on it", stage.name, queued["job_id"])
             continue
-        ups = [done[d] for d in stage.depends_on if d in done]
+        # A reused upstream is complete already; every other is waited for by its job id: Slurm's afterok,
+        # and the same rule for local jobs (stages/base.py wait_for: only that job's marker counts).
+        ups = [done[d] for d in stage.depends_on if d in done and done[d].action != "reused"]
         deps = tuple(u.job_id for u in ups if u.job_id and u.executor == "slurm")
         upstream = [Upstream(_abs(plan.stage(u.stage).state_dir), u.job_id, u.executor) for u in ups]
-        (Path(stage.state_dir) / FAILED).unlink(missing_ok=True)
+        for marker in (FAILED, COMPLETE):  # an earlier job's outcome is not this one's (status, summary)
+            (Path(stage.state_dir) / marker).unlink(missing_ok=True)
         timeout = cfg.cluster.time_limit_min * 60.0 * 4 if local else 300.0
         fn = _definition(stage).node(stage.job, _abs(stage.state_dir), upstream, stage.key, timeout)
         job_spec = stage_job(cfg, plan, stage, deps, launch_n=launch_n)
@@ -229,7 +248,11 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted
         comment = getattr(job_spec.spec, "comment", "")
         record_intent(plan.run_dir, launch_n, stage.name, comment)
         launch_failpoint(f"before_sbatch:{stage.name}")
-        job = ex.submit(fn)
+        try:
+            job = ex.submit(fn)
+        except FailedJobError as err:  # sbatch said no: its own words are the message
+            raise SubmitError(stage.name, [d.stage for d in done.values() if d.action == "submitted"],
+                              plan.run_dir, str(err)) from err
         launch_failpoint(f"after_sbatch:{stage.name}")
         script = getattr(ex, "script", None)  # Slurm: the text submitit wrote and sbatch got
         sub = Submitted(stage.name, "submitted", str(job.job_id), cfg.cluster.executor, script, job)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from orchestrator.estimate import fmt_duration
 from orchestrator.launches import current
+from orchestrator.progress import checkpoint_iter
 from orchestrator.runs import read_json
 from orchestrator.stages.convert import NAME as CONVERT
 from trainer.checkpoint.verify import read_warnings
@@ -26,6 +27,8 @@ class RunOutcome:
     valid: list[tuple[int, float]] = field(default_factory=list)  # (iteration, validation lm loss)
     hf_dir: str | None = None
     verification: str | None = None
+    hf_iteration: int | None = None  # the checkpoint iteration the HF model was converted from
+    checkpoint_iteration: int | None = None  # the run's latest checkpoint (the tracker)
     sample: str | None = None
     sample_how: str = "greedy"  # how the sample was decoded
     wandb_dir: str | None = None
@@ -40,13 +43,15 @@ def _losses(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, flo
     return series(run_dir, TRAIN_LOSS), series(run_dir, VALID_LOSS)
 
 
-def _convert_result(run_dir: Path, meta: dict) -> tuple[str | None, str | None]:
+def _convert_result(run_dir: Path, meta: dict) -> tuple[str | None, str | None, int | None]:
+    """(HF dir, verification verdict, checkpoint iteration converted) from the convert stage's marker."""
     state = meta.get("stages", {}).get(CONVERT, {}).get("dir")
     if not state or not (Path(state) / COMPLETE).exists():
-        return None, None
+        return None, None, None
     result = read_json(Path(state) / COMPLETE).get("result") or {}
     verdict = str(result.get("result", ""))
-    return result.get("hf"), verdict.split(": ", 1)[-1] or None
+    it = result.get("iteration")
+    return result.get("hf"), verdict.split(": ", 1)[-1] or None, it if isinstance(it, int) else None
 
 
 def _sample(run_dir: Path) -> tuple[str | None, str]:
@@ -73,11 +78,13 @@ def _wandb_dirs(run_dir: Path) -> list[str]:
 def outcome(run_dir: str) -> RunOutcome:
     run = Path(run_dir)
     train, valid = _losses(run)
-    hf, verdict = _convert_result(run, current(read_json(run / RUN_JSON)))
+    launch = current(read_json(run / RUN_JSON))
+    hf, verdict, hf_iter = _convert_result(run, launch)
     sample, how = _sample(run)
     dirs = _wandb_dirs(run)
-    return RunOutcome(run_dir, train, valid, hf, verdict, sample, how, dirs[-1] if dirs else None, dirs,
-                      read_warnings(run_dir), read_results(run_dir), last_kernel_check(run_dir))
+    return RunOutcome(run_dir, train, valid, hf, verdict, hf_iter, checkpoint_iter(run, launch), sample, how,
+                      dirs[-1] if dirs else None, dirs, read_warnings(run_dir), read_results(run_dir),
+                      last_kernel_check(run_dir))
 
 
 def plot_losses(o: RunOutcome, out: Path) -> Path | None:
@@ -122,6 +129,18 @@ def _kernel_lines(check: dict | None) -> list[str]:
             f"with eager on {where} (self-check, {check.get('seconds', 0):.2f} s)"]
 
 
+def _hf_line(o: RunOutcome) -> str:
+    """The HF model and the iteration it holds; a loud warning when that is not the run's latest
+    checkpoint (it would be a stale model presented as the run's result)."""
+    if not o.hf_dir:
+        return "n/a (no conversion)"
+    if o.hf_iteration is None:
+        return o.hf_dir
+    stale = (f" — WARNING: the run's latest checkpoint is iteration {o.checkpoint_iteration}; convert it "
+             "again (relaunch the run)") if o.checkpoint_iteration not in (None, o.hf_iteration) else ""
+    return f"{o.hf_dir} (iteration {o.hf_iteration}){stale}"
+
+
 def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = None) -> str:
     took = f" in {fmt_duration(elapsed_s)}" if elapsed_s is not None else ""
     first = f", from {o.train[0][1]:.3f} at iteration {o.train[0][0]}" if len(o.train) > 1 else ""
@@ -131,7 +150,7 @@ def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = No
         f"  train loss       {_last(o.train)}{first}",
         f"  validation loss  {_last(o.valid)}",
         f"  loss curve       {png or 'n/a (no losses logged)'}",
-        f"  HF model         {o.hf_dir or 'n/a (no conversion)'}",
+        f"  HF model         {_hf_line(o)}",
     ]
     if o.verification:
         lines.append(f"                   {o.verification}")

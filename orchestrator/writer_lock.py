@@ -53,10 +53,10 @@ def active_jobs(plan: Plan) -> list[str]:
     writer."""
     found: list[str] = []
     seen: set[str] = set()
-    data = _read(Path(plan.run_dir) / RUN_JSON)
+    data = launches.read(plan.run_dir)  # a damaged record is refused, never taken for an empty one
     last = len(launches.history(data))
     for n, stage, e in _latest_entries(data):
-        state = live_state(str(e["job_id"]), e.get("executor", "slurm"))
+        state = live_state(str(e["job_id"]), e.get("executor", "slurm"), e.get("folder"))
         seen.add(str(e["job_id"]))
         if state:
             by = "" if n == last and not e.get("adopted") else f" submitted by launch {n}"
@@ -64,7 +64,7 @@ def active_jobs(plan: Plan) -> list[str]:
             found.append(f"{stage} job {e['job_id']} ({state}){by}")
     writer = _read(Path(checkpoint_dir(plan)) / WRITER)
     if writer and str(writer.get("job_id")) not in seen:
-        state = live_state(str(writer["job_id"]), writer.get("executor", "slurm"))
+        state = live_state(str(writer["job_id"]), writer.get("executor", "slurm"), writer.get("folder"))
         if state:
             found.append(f"train job {writer['job_id']} of run {writer.get('run_dir')} ({state}), which "
                          f"writes {checkpoint_dir(plan)}")
@@ -78,14 +78,15 @@ def run_active(plan: Plan, active: list[str]) -> Problem:
         f"this run is already launched: {'; '.join(active)}. A second launch would write "
         f"{checkpoint_dir(plan)} at the same time",
         f"follow it with python -m orchestrator status {plan.run_dir}; to relaunch, wait until it "
-        "ends or cancel it first (scancel)")
+        f"ends or cancel it first (python -m orchestrator cancel {plan.run_dir})")
 
 
 def record_outcomes(run_dir: str) -> None:
     """Before a new launch: the final job states of earlier launches (their jobs have all ended)."""
-    entries = _latest_entries(_read(Path(run_dir) / RUN_JSON))
+    data = launches.read(run_dir)
+    entries, cancelled = _latest_entries(data), launches.cancelled_ids(data)
     _, sa = query_slurm([str(e["job_id"]) for _, _, e in entries if e.get("executor", "slurm") == "slurm"])
-    states = {str(e["job_id"]): local_state(e) if e.get("executor") == "local"
+    states = {str(e["job_id"]): local_state(e, str(e["job_id"]) in cancelled) if e.get("executor") == "local"
               else sa.get(str(e["job_id"]), {}).get("state", "UNKNOWN") for _, _, e in entries}
     # a state accounting does not know yet is left out: a later launch records it
     launches.add_outcomes(run_dir, {j: st for j, st in states.items() if ended(st)})
@@ -122,8 +123,10 @@ def _rmdir(path: str) -> None:
         pass
 
 
-def record_writer(plan: Plan, job_id: str | None, executor: str) -> None:
-    """Name the training job as the checkpoint directory's writer (read by later launches)."""
+def record_writer(plan: Plan, job_id: str | None, executor: str, folder: str | None = None) -> None:
+    """Name the training job (and its submitit folder) as the checkpoint directory's writer (read by later
+    launches)."""
     if job_id:
         write_json(Path(checkpoint_dir(plan)) / WRITER,
-                   {"run_id": plan.run_id, "run_dir": plan.run_dir, "job_id": job_id, "executor": executor})
+                   {"run_id": plan.run_id, "run_dir": plan.run_dir, "job_id": job_id, "executor": executor,
+                    "folder": folder})

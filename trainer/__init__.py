@@ -11,10 +11,10 @@ perplexity of the converted model), and ``run``: the training run itself (``run(
 
 Facts several packages share, and the orchestrator too, live torch-free in ``config`` and in the
 top-level modules: ``checks``, ``formulas`` (FLOPs, vocab padding, batch rules), ``signals`` (exit
-codes), ``metrics_file``, ``run_files`` (every file of a run), ``wandb_key``, ``wandb_online``, ``disk``,
-``testing_hooks`` and ``log`` (the rank-aware logger); :data:`CONTRACT` lists every module the
-orchestrator may import. ``cli`` generates a command line's flags from a
-config dataclass; ``extension`` loads the csrc kernels.
+codes), ``metrics_file``, ``run_files`` (every file of a run), ``devices`` (the GPU table),
+``wandb_key``, ``wandb_online``, ``disk``, ``testing_hooks`` and ``log`` (the rank-aware logger);
+:data:`CONTRACT` lists every module the orchestrator may import. ``cli`` generates a command line's
+flags from a config dataclass; ``extension`` loads the csrc kernels.
 
 Never imports hydra, omegaconf, submitit or orchestrator (tests/test_imports.py): it runs standalone
 from small dataclasses.
@@ -33,5 +33,6 @@ CONTRACT = (
     "trainer.eval.config",
     "trainer.data.blend", "trainer.data.splits", "trainer.data.hf_tokenizer",
     "trainer.metrics_file", "trainer.checkpoint.files", "trainer.checkpoint.verify", "trainer.health",
-    "trainer.eval.results", "trainer.wandb_key", "trainer.wandb_online", "trainer.kernel_build",
+    "trainer.eval.results", "trainer.wandb_key", "trainer.wandb_online", "trainer.devices",
+    "trainer.measured", "trainer.kernel_build",
 )

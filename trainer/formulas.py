@@ -303,3 +303,17 @@ def recompute_time_factor(granularity: str, seq: int, hidden: int, layers: int =
         share = 1.0 if method == "uniform" else min(recompute_layers, layers) / max(layers, 1)
         return 1 + share / 3
     return 1.0
+
+
+# The bytes each rank moves per byte of the buffer, as nccl-tests defines bus bandwidth (its
+# doc/PERFORMANCE.md): a ring all-reduce sends 2(n − 1)/n, a reduce-scatter or all-gather (n − 1)/n.
+COLLECTIVE_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+                     "all_gather": lambda n: (n - 1) / n}
+
+
+def collective_seconds(kind: str, nbytes: float, ranks: int, bus_gbps: float) -> float:
+    """Time of one collective over ``ranks`` ranks on a ``nbytes`` buffer at a bus bandwidth of ``bus_gbps``
+    GB/s (what nccl-tests prints as busbw): ``nbytes · factor(n) / busbw``; 0 for one rank."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    return nbytes * COLLECTIVE_FACTOR[kind](ranks) / (bus_gbps * 1e9)

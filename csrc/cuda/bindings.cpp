@@ -60,12 +60,12 @@ Tensor bias_dropout_add_cuda(const Tensor& x, const std::optional<Tensor>& bias,
   TORCH_CHECK(x.sizes() == residual.sizes(), "slipway::bias_dropout_add: residual must have x's shape ", x.sizes(),
               ", got ", residual.sizes(), ".");
   c10::cuda::CUDAGuard guard(x.device());
-  at::ScalarType out_t = at::promote_types(x.scalar_type(), residual.scalar_type());
+  // The output dtype is x's and the residual's (the bias never promotes it): see csrc/ops.cpp.
+  const at::ScalarType out_t = at::promote_types(x.scalar_type(), residual.scalar_type());
   const int64_t h = x.dim() == 0 ? 1 : x.size(-1);
   Tensor b;
   if (bias.has_value()) {
     check_vec(x, *bias, "bias_dropout_add", "bias");
-    out_t = at::promote_types(out_t, bias->scalar_type());
     b = f32(*bias);
   } else {
     b = at::zeros({h}, x.options().dtype(at::kFloat));
@@ -173,29 +173,31 @@ std::tuple<Tensor, Tensor, Tensor> ce_local_stats_cuda(const Tensor& logits, con
 }
 
 void ce_grad_into(const Tensor& logits, const Tensor& out, const Tensor& target, int64_t vocab_start,
-                  const Tensor& lse, const Tensor& grad_loss) {
+                  const Tensor& lse, const Tensor& grad_loss, bool inplace) {
   check_ce(logits, target, "ce_local_grad");
   check_rowvec(target, lse, "ce_local_grad", "lse");
   check_rowvec(target, grad_loss, "ce_local_grad", "grad_loss");
   c10::cuda::CUDAGuard guard(logits.device());
   Tensor l2 = rows_view(logits), tc = target.to(at::kLong).contiguous(), lc = f32(lse), gc = f32(grad_loss);
-  check_launch(cuda::ce_grad(dtype_of(logits.scalar_type(), "ce_local_grad"), l2.data_ptr(), l2.stride(0),
-                             out.data_ptr(), tc.data_ptr<int64_t>(), vocab_start, lc.data_ptr<float>(),
-                             gc.data_ptr<float>(), l2.size(0), l2.size(1), stream_of(logits)), "ce_local_grad");
+  // In place: the rows are the logits' own, at their stride (csrc/ops_rows.cpp); else a new contiguous tensor.
+  void* op = inplace ? l2.data_ptr() : out.data_ptr();
+  const int64_t ldo = inplace ? l2.stride(0) : l2.size(1);
+  check_launch(cuda::ce_grad(dtype_of(logits.scalar_type(), "ce_local_grad"), l2.data_ptr(), l2.stride(0), op,
+                             ldo, tc.data_ptr<int64_t>(), vocab_start, lc.data_ptr<float>(), gc.data_ptr<float>(),
+                             l2.size(0), l2.size(1), stream_of(logits)), "ce_local_grad");
 }
 
 Tensor ce_local_grad_cuda(const Tensor& logits, const Tensor& target, int64_t vocab_start, const Tensor& lse,
                           const Tensor& grad_loss) {
   Tensor out = at::empty(logits.sizes(), logits.options());
-  ce_grad_into(logits, out, target, vocab_start, lse, grad_loss);
+  ce_grad_into(logits, out, target, vocab_start, lse, grad_loss, false);
   return out;
 }
 
 void ce_local_grad_inplace_cuda(const Tensor& logits, const Tensor& target, int64_t vocab_start, const Tensor& lse,
                                 const Tensor& grad_loss) {
-  TORCH_CHECK(logits.is_contiguous(), "slipway::ce_local_grad_: logits must be contiguous to be overwritten in "
-              "place. Fix: call .contiguous() first or use ce_local_grad.");
-  ce_grad_into(logits, logits, target, vocab_start, lse, grad_loss);
+  check_rows_in_place(logits, "ce_local_grad_");
+  ce_grad_into(logits, logits, target, vocab_start, lse, grad_loss, true);
 }
 
 // Pointer table and chunk list for the one-launch AdamW kernel (layout in csrc/cuda/kernels.h), staged in

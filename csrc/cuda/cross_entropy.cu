@@ -67,12 +67,12 @@ __global__ void ce_stats_kernel(const T* __restrict__ logits, int64_t ld, const 
 
 // Each element is read and then written by the same thread, so `out` may alias `logits` (in place).
 template <typename T>
-__global__ void ce_grad_kernel(const T* logits, int64_t ld, T* out, const int64_t* __restrict__ target,
+__global__ void ce_grad_kernel(const T* logits, int64_t ld, T* out, int64_t ldo, const int64_t* __restrict__ target,
                                int64_t vocab_start, const float* __restrict__ lse, const float* __restrict__ gl,
                                int64_t rows, int64_t v) {
   for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
     const T* lr = logits + r * ld;
-    T* orow = out + r * v;
+    T* orow = out + r * ldo;
     const int64_t t = target[r] - vocab_start;
     const float l = lse[r], g = gl[r];
     for (int64_t j = threadIdx.x; j < v; j += blockDim.x) {
@@ -96,13 +96,14 @@ cudaError_t ce_stats(DType t, const void* logits, int64_t ld, const int64_t* tar
   });
 }
 
-cudaError_t ce_grad(DType t, const void* logits, int64_t ld, void* out, const int64_t* target, int64_t vocab_start,
-                    const float* lse, const float* grad_loss, int64_t rows, int64_t v, cudaStream_t stream) {
+cudaError_t ce_grad(DType t, const void* logits, int64_t ld, void* out, int64_t ldo, const int64_t* target,
+                    int64_t vocab_start, const float* lse, const float* grad_loss, int64_t rows, int64_t v,
+                    cudaStream_t stream) {
   return dispatch(t, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     ce_grad_kernel<T><<<row_grid(rows), kThreads, 0, stream>>>(static_cast<const T*>(logits), ld,
-                                                                static_cast<T*>(out), target, vocab_start, lse,
-                                                                grad_loss, rows, v);
+                                                                static_cast<T*>(out), ldo, target, vocab_start,
+                                                                lse, grad_loss, rows, v);
     return cudaGetLastError();
   });
 }

@@ -45,8 +45,10 @@ cudaError_t layer_norm_bwd(DType t, const void* grad, const void* x, const float
 cudaError_t ce_stats(DType t, const void* logits, int64_t ld, const int64_t* target, int64_t vocab_start,
                      float* mx, float* se, float* tl, int64_t rows, int64_t v, cudaStream_t stream);
 // out (contiguous rows of v, may alias logits when ld == v) = (softmax − onehot) · grad_loss.
-cudaError_t ce_grad(DType t, const void* logits, int64_t ld, void* out, const int64_t* target, int64_t vocab_start,
-                    const float* lse, const float* grad_loss, int64_t rows, int64_t v, cudaStream_t stream);
+// out rows at stride ldo (the logits' ld when writing over them in place, v for a new contiguous tensor).
+cudaError_t ce_grad(DType t, const void* logits, int64_t ld, void* out, int64_t ldo, const int64_t* target,
+                    int64_t vocab_start, const float* lse, const float* grad_loss, int64_t rows, int64_t v,
+                    cudaStream_t stream);
 
 // RMSNorm: x (type tx) → y (type ty: tx, or fp32 from a bf16/fp16 x), rstd fp32, one per row.
 cudaError_t rms_norm_fwd(DType tx, DType ty, const void* x, const float* w, void* y, float* rstd, int64_t rows,

@@ -2,8 +2,8 @@
 
 One module per subject: ``run`` (each config section's own rules, warm-up, names), ``data``,
 ``tokenizer``, ``layout`` (the parallel layout and the batch), ``memory``, ``container`` (pyxis and
-Charliecloud included), ``cluster`` (its devices, partitions and time limit), ``secrets`` (secrets, test
-hooks, the W&B key) and ``checkpoints``. A check is a function ``(Context) -> list[Problem]``;
+Charliecloud included), ``cluster`` (its devices, hardware, Slurm partitions and time limit), ``secrets``
+(secrets, test hooks, the W&B key) and ``checkpoints``. A check is a function ``(Context) -> list[Problem]``;
 :data:`CHECKS` lists them all, each with its subject and its cost:
 
 - ``pure``: the config, the launching environment and the plan's estimates.
@@ -61,6 +61,9 @@ class Estimates:
     memory: MemoryEstimate
     time: TimeEstimate
     memory_options: list[MemoryOption]
+    # When nothing fits: the fewest GPUs (tp, pp) one model replica fits on with every memory saver
+    # (orchestrator.plan.smallest_replica); None when no split fits either or it was not needed.
+    smallest_replica: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,8 @@ CHECKS: tuple[Check, ...] = (
     Check("run", "pure", run.warmup_problems),
     Check("cluster", "pure", cluster.precision_problems),
     Check("cluster", "pure", cluster.cluster_problems),
+    Check("cluster", "pure", cluster.site_problems),
+    Check("cluster", "pure", cluster.task_problems),
     Check("container", "pure", container.container_problems),
     Check("data", "pure", data.data_source_problems),
     Check("tokenizer", "pure", tokenizer.tokenizer_source_problems),
@@ -122,7 +127,10 @@ CHECKS: tuple[Check, ...] = (
     Check("container", "world", container.pyxis_problems, "launch"),
     Check("container", "inputs", container.charliecloud_image_problems, "launch"),
     Check("container", "world", container.charliecloud_problems, "launch"),
+    Check("cluster", "world", cluster.controller_problems, "launch"),
     Check("cluster", "world", cluster.partition_problems, "launch"),
+    Check("run", "world", run.storage_problems, "launch"),
+    Check("checkpoints", "world", checkpoints.record_problems, "launch"),
     Check("checkpoints", "world", checkpoints.active_problems, "launch"),
 )
 

@@ -39,7 +39,24 @@ def checkpoint_problems(ctx: Context) -> list[Problem]:
                         "checkpoint.dir); damaged folders are never deleted")]
     plan.warnings.extend(f"{w} (the training job will load iteration {choice.iteration} instead)"
                          if "failed verification" in w else w for w in choice.warnings)
-    return _model_problems(plan, ck["dir"], choice.iteration) if choice.iteration is not None else []
+    if choice.iteration is None:
+        return []
+    past = _past_iters(ck["dir"], choice.iteration, ctx.cfg.train.iters)
+    return past + _model_problems(plan, ck["dir"], choice.iteration)
+
+
+def _past_iters(ckpt_dir: str, iteration: int, iters: int) -> list[Problem]:
+    """A checkpoint past ``train.iters``: the job would load it and stop at once, looking complete while
+    training nothing (and a conversion would hold the later iteration, not the one asked for)."""
+    if iteration <= iters:
+        return []
+    return [Problem(
+        "iters_below_checkpoint", "train.iters", iters,
+        f"the run's checkpoints ({ckpt_dir}) are at iteration {iteration}, past train.iters={iters}: the "
+        f"training job would load iteration {iteration} and train nothing",
+        f"to train further set train.iters above {iteration} (e.g. train.iters={iteration + iters}); to "
+        f"train to {iters} start a new run (another run_id), from these weights with checkpoint.load="
+        f"model-only checkpoint.load_dir={ckpt_dir} if you want them")]
 
 
 def _model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
@@ -78,16 +95,31 @@ def _model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
         f"checkpoint.load_dir={ckpt_dir}), or keep the old values: {old}")]
 
 
+def record_problems(ctx: Context) -> list[Problem]:
+    """The run's ``run.json`` must be readable when the run has one: a relaunch reads its job ids to refuse
+    a second writer, and a damaged record must stop it, not pass for an empty history."""
+    plan = ctx.require_plan()
+    try:
+        launches.read(plan.run_dir)
+    except launches.RunRecordError as err:
+        what, _, fix = str(err).partition(". ")
+        return [Problem("run_record", "run_id", plan.run_id, what, fix)]
+    return []
+
+
 def active_problems(ctx: Context) -> list[Problem]:
     """The dry run's ``run_active``: what writer_lock.single_writer would refuse (reads only), the jobs a
     dead launch submitted without recording them included. A real launch asks under its lock instead."""
     if not ctx.cfg.dry_run:
         return []
     plan = ctx.require_plan()
-    active = active_jobs(plan)
+    active: list[str] = []
     try:
+        active += active_jobs(plan)
         active += [f"{stage} job {jid} ({state}) submitted by launch {n}, which died before recording it"
                    for n, stage, jid, state in launches.orphans(plan.run_dir) if jid]
+    except launches.RunRecordError:
+        return []  # record_problems reports it
     except RuntimeError as err:
         active.append(str(err))
     return [run_active(plan, active)] if active else []

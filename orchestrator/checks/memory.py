@@ -39,7 +39,21 @@ def memory_problems(ctx: Context) -> list[Problem]:
             "train.micro_batch_size",
             cfg.train.micro_batch_size,
             f"needs {mem.total_bytes / GIB:.1f} GiB per device ({parts}) but "
-            f"{cfg.cluster.device_name} has {mem.device_bytes / GIB:.0f} GiB",
+            f"{cfg.cluster.device_name} has {mem.device_bytes / GIB:.0f} GiB{_needs(ctx)}",
             hint,
         )
     ]
+
+
+def _needs(ctx: Context) -> str:
+    """How many GPUs one model replica needs, when no memory option makes the layout fit."""
+    est = ctx.estimates
+    if est is None or any(o.memory.fits for o in est.memory_options):
+        return ""
+    if est.smallest_replica is None:
+        return ("; no tensor × pipeline split of this model fits one replica on these devices at "
+                f"micro-batch {ctx.cfg.train.micro_batch_size}, even with every memory saver")
+    tp, pp = est.smallest_replica
+    return (f"; with every memory saver one model replica fits on {tp * pp} GPUs (parallel.tp_size={tp} "
+            f"parallel.pp_size={pp}: the fewest, before any sharding over data-parallel ranks), so "
+            f"cluster.gpus a multiple of {tp * pp}")

@@ -7,7 +7,8 @@ a key.
   environment copied into the config (``${oc.env:DB_PASSWD}``). Secrets belong in the environment one
   launches from; the value is never shown (``<redacted>``).
 - ``wandb_key``: ``logging.wandb.mode=online`` with no W&B API key in the launching environment or
-  ``~/.netrc`` (the jobs get both).
+  ``~/.netrc`` (the jobs get both); ``wandb_key_home``: the key only in a netrc file that a
+  ``container=pyxis`` job does not mount.
 - ``test_hook``: a hook variable (trainer/testing_hooks.py) in ``cluster.env`` or the launching
   environment, without the switch ``SLIPWAY_TESTING=1`` in the launching environment.
 
@@ -19,15 +20,17 @@ rules that refuse them here.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from orchestrator.container import mount_points
 from orchestrator.problems import Problem
 from orchestrator.redaction import HEX40, is_secret_name, secret_assignments, secret_kind
 from orchestrator.schema import SlipwayConfig
 from trainer import testing_hooks
 from trainer.run_files import RUN_JSON
-from trainer.wandb_key import has_wandb_key, missing_key_message
+from trainer.wandb_key import has_wandb_key, missing_key_message, wandb_host
 
 if TYPE_CHECKING:
     from orchestrator.checks import Context
@@ -106,14 +109,30 @@ def hook_problems(ctx: Context) -> list[Problem]:
 
 def wandb_key_problems(ctx: Context) -> list[Problem]:
     """W&B online needs a key where the jobs will look for it (trainer/wandb_key.py): without one every
-    attempt of the training job would fail at start."""
+    attempt of the training job would fail at start. A key only in the netrc file reaches a pyxis job only
+    when the file lies in a folder the job mounts (pyxis runs with --no-container-mount-home)."""
     environ = ctx.environ
-    if ctx.cfg.logging.wandb.mode != "online" or has_wandb_key(environ):
+    if ctx.cfg.logging.wandb.mode != "online" or environ.get("WANDB_API_KEY"):
         return []
-    return [Problem("wandb_key", "logging.wandb.mode", "online", missing_key_message(environ),
-                    "export WANDB_API_KEY in the shell you launch from (Slurm passes it on) or run `wandb "
-                    "login` (~/.netrc); or set logging.wandb.mode=offline (upload later with wandb sync) or "
-                    "disabled")]
+    if not has_wandb_key(environ):
+        return [Problem("wandb_key", "logging.wandb.mode", "online", missing_key_message(environ),
+                        "export WANDB_API_KEY in the shell you launch from (Slurm passes it on) or run "
+                        "`wandb login` (~/.netrc); or set logging.wandb.mode=offline (upload later with "
+                        "wandb sync) or disabled")]
+    netrc = os.path.abspath(os.path.expanduser(environ.get("NETRC") or "~/.netrc"))  # as has_wandb_key
+    if ctx.cfg.container.kind != "pyxis" or any(_under(netrc, d) for _, d in mount_points(ctx.cfg)):
+        return []
+    read = f"python -c \"import netrc; print(netrc.netrc().authenticators('{wandb_host(environ)}')[2])\""
+    return [Problem("wandb_key_home", "logging.wandb.mode", "online",
+                    f"the W&B key is only in {netrc}, which a container=pyxis job does not see (pyxis "
+                    "mounts no home directory, only the run's folders and container.binds)",
+                    "export WANDB_API_KEY in the shell you launch from (WANDB_* reaches the container), "
+                    f"e.g. export WANDB_API_KEY=$({read}); or keep the netrc in a folder the job mounts "
+                    "(container.binds) and export NETRC=<that file>; or set logging.wandb.mode=offline")]
+
+
+def _under(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
 def known_secrets(cfg: SlipwayConfig) -> dict[str, str]:

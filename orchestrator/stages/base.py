@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from orchestrator.facts import PlanInputs
-from orchestrator.queue import process_alive
+from orchestrator.queue import marker_of, process_alive
 from orchestrator.render import JobResources
 from orchestrator.schema import SlipwayConfig
 from trainer.run_files import COMPLETE, FAILED, RunDir
@@ -103,6 +103,20 @@ class StageDef:
         """Fields of the status row beyond the job's state (``orchestrator.status.JobRow``)."""
         return {}
 
+    def complete(self, stage: StagePlan) -> str | None:
+        """Why this stage has nothing to do for this plan (its output exists), or None: it must run. Read
+        from its directories when the launch submits (and by the dry run). Default: its ``_COMPLETE``
+        marker names this plan's key and :meth:`outputs` are all there."""
+        marker = marker_of(stage.state_dir, COMPLETE, None)
+        if marker is None or marker.get("key", stage.key) != stage.key:
+            return None
+        missing = [str(p) for p in self.outputs(stage) if not p.exists()]
+        return None if missing else f"complete for key {stage.key} ({stage.state_dir})"
+
+    def outputs(self, stage: StagePlan) -> list[Path]:
+        """The files whose absence makes a complete stage run again (a deleted hf/ or eval/, say)."""
+        return []
+
 
 def job_name(cfg: SlipwayConfig, stage: str) -> str:
     return f"slipway-{cfg.experiment}-{stage}"
@@ -132,13 +146,22 @@ def mark(output_dir: str, name: str, info: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _rank() -> int:
+def job_of_task() -> str:
+    """This task's job id as the launch recorded it (Slurm's, or the local controller's pid); "local"
+    outside a submitit job."""
+    return _job()[1] or "local"
+
+
+def _job() -> tuple[int, str | None]:
+    """(global rank, job id) of this task as submitit sees it: Slurm's job id, or the local controller's pid
+    (the id the launch recorded); (0, None) outside a submitit job (a direct call in a test)."""
     import submitit
 
     try:
-        return submitit.JobEnvironment().global_rank
-    except RuntimeError:  # not inside a submitit job (a direct call in a test)
-        return 0
+        env = submitit.JobEnvironment()
+    except RuntimeError:
+        return 0, None
+    return env.global_rank, str(env.job_id)
 
 
 def _job_alive(up: Upstream) -> bool:
@@ -148,15 +171,18 @@ def _job_alive(up: Upstream) -> bool:
 
 
 def wait_for(upstream: list[Upstream], timeout_s: float) -> None:
-    """Block until every upstream output is complete; raise if one failed (local ``afterok``)."""
+    """Block until every upstream job completed its output; raise if it failed or ended without completing.
+
+    This is Slurm's ``afterok`` for local jobs (and a guard against shared-storage lag under Slurm): an
+    upstream with a job id is satisfied only by the marker *that job* wrote, never by one an earlier launch
+    or attempt left (queue.marker_of); an upstream without one (a reused complete output) by any."""
     deadline = time.monotonic() + timeout_s
     for up in upstream:
-        done = Path(up.output_dir) / COMPLETE
-        while not done.exists():
+        while marker_of(up.output_dir, COMPLETE, up.job_id) is None:
             alive = _job_alive(up)  # read before the markers: a job that just ended has written them
-            if (Path(up.output_dir) / FAILED).exists():
+            if marker_of(up.output_dir, FAILED, up.job_id) is not None:
                 raise RuntimeError(f"upstream stage {up.output_dir} failed; not running (afterok)")
-            if not alive and not done.exists():
+            if not alive and marker_of(up.output_dir, COMPLETE, up.job_id) is None:
                 raise RuntimeError(f"upstream job {up.job_id} ended without completing {up.output_dir}; "
                                    "not running (afterok)")
             if time.monotonic() > deadline:
@@ -181,17 +207,19 @@ class NodeStage:
         raise NotImplementedError
 
     def __call__(self) -> Any:
+        rank, job = _job()
         try:
             wait_for(self.upstream, self.upstream_timeout_s)
             result = self.run()
         except Exception as err:
-            if _rank() == 0:
-                mark(self.output_dir, FAILED, {"key": self.key, "error": repr(err), "time": time.time(),
-                                               "reason": f"{type(err).__name__}: {err}"})  # status shows it
+            if rank == 0:
+                mark(self.output_dir, FAILED, {"key": self.key, "job": job, "error": repr(err),
+                                               "time": time.time(), "reason": f"{type(err).__name__}: {err}"})
             raise
-        if _rank() == 0:  # only rank 0 writes the markers; the others must not race it with a stale _FAILED
+        if rank == 0:  # only rank 0 writes the markers; the others must not race it with a stale _FAILED
             (Path(self.output_dir) / FAILED).unlink(missing_ok=True)
-            mark(self.output_dir, COMPLETE, {"key": self.key, "result": result, "time": time.time()})
+            mark(self.output_dir, COMPLETE, {"key": self.key, "job": job, "result": result,
+                                             "time": time.time()})
         return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from orchestrator.stages import train
@@ -27,7 +28,7 @@ class ConvertStage(NodeStage):
 
         job: ConvertJob = self.job
         result = convert_run(job.run_dir, job.config)
-        return {"hf": job.config.output_dir, "result": str(result)}
+        return {"hf": job.config.output_dir, "result": str(result), "iteration": result.provenance.iteration}
 
 
 class Convert(StageDef):
@@ -50,6 +51,10 @@ class Convert(StageDef):
             # The sample generated after conversion must fit the model's positions (prompt included).
             sample_tokens=max(1, min(64, cfg.model.max_position_embeddings // 4))))
         return StagePlan(NAME, key, str(ctx.run.stage_state(NAME)), False, (train.NAME,), job)
+
+    def outputs(self, stage: StagePlan) -> list[Path]:
+        """The converted model's config (written last of its files): a deleted hf/ converts again."""
+        return [Path(stage.job.config.output_dir, "config.json")]
 
 
 STAGE = Convert()

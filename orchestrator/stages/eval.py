@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 from typing import Any
 
 from orchestrator.render import JobResources
@@ -24,7 +25,7 @@ from orchestrator.stages.base import (
 from trainer.checks import deferred
 from trainer.data.blend import blend_paths
 from trainer.eval.config import EvalConfig, EvalRun
-from trainer.eval.results import pass_at_1, read_results
+from trainer.eval.results import RESULTS_FILE, pass_at_1, read_results
 
 NAME = "eval"
 
@@ -33,7 +34,7 @@ class EvalStage(NodeStage):
     """HumanEval and perplexity of <run_dir>/hf (trainer/eval); a failed sample is a result, not an error."""
 
     def run(self) -> dict[str, Any]:
-        from trainer.eval.results import RESULTS_FILE, flat_metrics
+        from trainer.eval.results import flat_metrics
         from trainer.eval.run import run_eval
 
         run: EvalRun = self.job  # the trainer's own spec, built by the plan
@@ -73,6 +74,9 @@ class Eval(StageDef):
 
     def status(self, look: StageLook) -> dict[str, Any]:
         return {"pass_at_1": pass_at_1(read_results(look.run_dir))}
+
+    def outputs(self, stage: StagePlan) -> list[Path]:
+        return [Path(stage.job.out_dir, RESULTS_FILE)]
 
 
 STAGE = Eval()

@@ -29,10 +29,13 @@ def summaries(job: list[PreprocessConfig]) -> list[str]:
 
 class PreprocessStage(NodeStage):
     def run(self) -> dict[str, Any]:
-        from trainer.data.preprocess import preprocess
+        from trainer.data.preprocess import PreprocessError, preprocess
 
         job: list[PreprocessConfig] = self.job
-        return {"prefixes": prefixes(job), "summaries": [str(preprocess(c)) for c in job]}
+        try:
+            return {"prefixes": prefixes(job), "summaries": [str(preprocess(c)) for c in job]}
+        except PreprocessError as err:  # its fix in the launcher's words, not the preprocessing tool's flag
+            raise PreprocessError(err.bad, skip="data.on_error=skip") from None
 
 
 def tokenizer_files(ctx: PlanContext) -> tuple[str | None, str | None]:

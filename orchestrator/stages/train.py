@@ -26,6 +26,7 @@ from orchestrator.stages.base import (
     StagePlan,
     common_resources,
     job_name,
+    job_of_task,
     stable_hash,
 )
 from trainer import testing_hooks
@@ -152,7 +153,7 @@ class TrainStage(NodeStage):
 
         on_step = seam.train_on_step(self.output_dir, rank) if seam is not None else None
         hooks = RunHooks(on_step=on_step) if on_step is not None else None
-        job_id = os.environ.get("SLURM_JOB_ID", "local")  # a relaunch (new job) never reads an old marker
+        job_id = job_of_task()  # a relaunch (new job) never reads an old marker, local jobs included
         marker = Path(self.output_dir, FATAL_MARKER.format(job=job_id, restart=restart, attempt=attempt))
         try:
             result = run(RunConfig.from_dict(job.trainer_config), hooks)
@@ -163,8 +164,10 @@ class TrainStage(NodeStage):
                 log.error("a retry would repeat this failure; not retrying: %s", reason)
             raise
         code = int(getattr(result, "exit_code", result) or 0)
-        if code == EXIT_NONFINITE:
-            marker.write_text(f"{EXIT_NONFINITE} non-finite loss or gradient norm\n")
+        verdict = getattr(result, "reason", "")
+        why = f"{verdict} (exit {code})" if verdict else f"the trainer exited with code {code}"
+        if code == EXIT_NONFINITE:  # the trainer's one-line verdict: status shows it (and the iteration)
+            marker.write_text(f"{EXIT_NONFINITE} {verdict or 'non-finite loss or gradient norm'}\n")
         if code == EXIT_REQUEUE:
             # Local controller requeues on its own code; the sbatch script requeues on the trainer's, or
             # on this marker (every stopping rank writes it, so it exists before the first one exits).
@@ -174,7 +177,7 @@ class TrainStage(NodeStage):
                         LOCAL_REQUEUE if local else EXIT_REQUEUE)
             sys.exit(LOCAL_REQUEUE if local else EXIT_REQUEUE)
         if code != 0:
-            raise RuntimeError(f"trainer exited with code {code}")
+            raise RuntimeError(why)
         return {"checkpoints": job.trainer_config.get("checkpoint", {}).get("dir"), "rank": rank,
                 "iteration": getattr(result, "iteration", None)}
 
@@ -199,6 +202,17 @@ class Train(StageDef):
                             c.time_limit_min, c.partition, mem=mem_flag(c.mem_gb), exclusive=c.exclusive,
                             signal_delay_s=c.signal_delay_s, max_retries=c.max_retries,
                             max_timeouts=c.max_timeouts, **common_resources(cfg))
+
+    def complete(self, stage: StagePlan) -> str | None:
+        """Nothing to train when the checkpoint the job would resume from is at ``train.iters`` already:
+        a job would load it and stop (a relaunch that only lacks hf/ or eval/ reruns only those). A
+        checkpoint past ``train.iters`` is a plan problem (checks/checkpoints.py)."""
+        ck, iters = stage.job.trainer_config["checkpoint"], stage.job.trainer_config["train"]["iters"]
+        if ck.get("load") not in (None, "latest"):
+            return None
+        done = progress.checkpoint_iter(Path(stage.job.run_dir), {"config": {"checkpoint": ck}})
+        return f"its checkpoint is at iteration {done} = train.iters: nothing to train" if done == iters \
+            else None
 
     def status(self, look: StageLook) -> dict[str, Any]:
         run_dir, recs = look.run_dir, progress.log_records(look.run_dir, NAME)

@@ -176,6 +176,23 @@ def test_bad_line_fail_mode_stops_and_leaves_nothing(tmp_path, tok_files, reason
     assert leftovers(tmp_path) == []
 
 
+def test_through_the_launcher_the_fix_is_the_launchers_key(tmp_path, tok_files):
+    """The preprocess stage of a launch (local or Slurm: the same callable) speaks launch.py's language:
+    its failure says data.on_error=skip, not the preprocessing tool's --on-error flag."""
+    import json
+
+    from orchestrator.stages.preprocess import PreprocessStage
+
+    write_with_bad(tmp_path / "in.jsonl", BAD_LINES[0][1])
+    stage = PreprocessStage([config(tmp_path, tok_files, input=str(tmp_path / "in.jsonl"), workers=1)],
+                            str(tmp_path / "state"), [], "key")
+    with pytest.raises(PreprocessError) as err:
+        stage()
+    marker = json.loads((tmp_path / "state" / "_FAILED").read_text())
+    for text in (str(err.value), marker["reason"]):
+        assert "rerun with data.on_error=skip to drop bad lines" in text and "--on-error" not in text, text
+
+
 @pytest.mark.parametrize("reason, line, message", BAD_LINES)
 def test_bad_line_skip_mode_drops_counts_and_reports(tmp_path, tok_files, reason, line, message):
     write_with_bad(tmp_path / "in.jsonl", line)

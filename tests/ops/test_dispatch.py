@@ -85,6 +85,9 @@ CASES = [
     ("apex", "cuda", False, True, {**EAGER, **APEX}),
     ("eager", "cuda", True, True, EAGER),
     ("compile", "cuda", True, True, COMPILE),
+    ("compile_layer", "cpu", True, True, CSRC),  # outside the compiled layers: csrc, never apex
+    ("compile_layer", "cuda", True, True, CSRC),
+    ("compile_layer", "cuda", False, True, EAGER),
 ]
 
 
@@ -114,7 +117,8 @@ def test_mode_errors():
         resolve("fastest", "cpu")
     with pytest.raises(ValueError, match="device_type"):
         resolve("auto", "tpu")
-    assert set(KERNEL_MODES) == {"auto", "csrc", "apex", "eager", "compile"}
+    assert set(KERNEL_MODES) == {"auto", "csrc", "apex", "eager", "compile", "compile_layer"}
+    assert resolve("compile_layer", "cpu").compile_layers and not resolve("compile", "cpu").compile_layers
 
 
 def test_choice_is_logged_once():

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(not _ext.load(),
                                 reason="trainer._C not built (tests/ops/test_dispatch.py fails)")
 if _ext.load():
     from trainer.ops import cross_entropy as ce
+    from trainer.ops import fused  # noqa: F401 - registers the fake kernels opcheck needs (also when run alone)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -51,6 +52,40 @@ def test_padded_vocab_slice_is_read_in_place_and_inplace_grad():
     reference.cross_entropy(logits, t).sum().backward()
     torch.testing.assert_close(buf.grad, logits.grad)
     torch.testing.assert_close(buf.detach(), logits.grad)  # the gradient was written over the logits
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_vocab_size_leaves_padding_out_without_a_slice(device, dtype, inplace):
+    """The head passes the padded logits and the true vocabulary: the loss is the sliced reference's, the
+    padded columns get a zero gradient, autograd records no slice (whose backward zero-fills a
+    [tokens, V_pad] tensor), and in place the gradient lands in the padded logits' own memory (the kernel
+    writes each row at the padded row stride)."""
+    padded, vocab = 40, 37
+    base = (rand((3, 4, padded), torch.float32, device) * 4).to(dtype)
+    target = torch.randint(0, vocab, (3, 4), device=device)
+    logits = base.clone().requires_grad_()
+    mine = logits * 1.0  # a non-leaf, as the head's matmul output is
+    loss = ce.cross_entropy(mine, target, inplace_grad=inplace, vocab_size=vocab)
+    assert "Slice" not in str(loss.grad_fn.next_functions)
+    ref_in = base.float().requires_grad_()
+    ref = reference.cross_entropy(ref_in, target, vocab_size=vocab)
+    assert_close(loss, ref, dtype if dtype != torch.float32 else torch.float32)
+    g = torch.rand(target.shape, device=device)
+    loss.backward(g)
+    ref.backward(g)
+    assert_close(logits.grad, ref_in.grad, dtype)
+    assert torch.count_nonzero(logits.grad[..., vocab:]) == 0
+    if inplace:
+        assert_close(mine.detach(), ref_in.grad, dtype)  # written over the (padded) logits
+
+
+def test_inplace_grad_refuses_logits_without_one_row_stride():
+    logits = torch.randn(4, 6, 10)[:, :3]  # rows at two strides (10 within a block of 3, 60 between)
+    lse, t = torch.zeros(4, 3), torch.zeros(4, 3, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="one row stride"):
+        torch.ops.slipway.ce_local_grad_(logits, t, 0, lse, torch.ones(4, 3))
 
 
 def test_sharded_stats_combine_to_full_loss_and_grad():

@@ -147,17 +147,20 @@ def test_bias_dropout_add_training_mask_and_grads(device, dtype):
     assert_close(b.grad, (g.float() * mask).sum((0, 1)), dtype, scale=PARAM_GRAD_SCALE)
 
 
-def test_bias_dropout_add_mixed_dtypes_promote_like_eager():
-    """bf16 branch output + fp32 bias + fp32 residual (autocast with fp32 params) gives fp32, like eager."""
+@pytest.mark.parametrize("residual_dtype", [torch.float32, torch.bfloat16])
+def test_bias_dropout_add_output_dtype_is_x_and_residual(residual_dtype):
+    """bf16 branch output + fp32 bias: the output is in the promoted dtype of x and the residual, never
+    promoted by the bias (autocast with fp32 parameters keeps a bf16 residual stream bf16); fp32 math."""
     x = torch.randn(5, 16).bfloat16().requires_grad_()
     b = torch.randn(16, requires_grad=True)
-    r = torch.randn(5, 16, requires_grad=True)
+    r = torch.randn(5, 16).to(residual_dtype).requires_grad_()
     out = fused.bias_dropout_add(x, b, r, 0.0, training=True)
     ref = reference.bias_dropout_add(x, b, r, 0.0, True)
-    assert out.dtype == ref.dtype == torch.float32
-    torch.testing.assert_close(out, ref)
-    out.sum().backward()
-    assert x.grad.dtype == torch.bfloat16 and b.grad.dtype == torch.float32 and r.grad.dtype == torch.float32
+    assert out.dtype == ref.dtype == residual_dtype
+    assert_close(out, ref.float(), residual_dtype)
+    assert_close(out, (r.double() + x.double() + b.double()).float(), residual_dtype)  # fp32 math
+    out.float().sum().backward()
+    assert x.grad.dtype == torch.bfloat16 and b.grad.dtype == torch.float32 and r.grad.dtype == residual_dtype
 
 
 def _seeds_after(manual_seed: int, n: int) -> list[int]:

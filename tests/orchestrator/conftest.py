@@ -1,4 +1,5 @@
-"""Helpers: compose the shipped Hydra configs the way launch.py does."""
+"""Helpers: compose the shipped Hydra configs the way launch.py does (the site's hardware applied,
+orchestrator/site.py; unknown keys refused)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
 from orchestrator.schema import SlipwayConfig, register, to_typed
+from orchestrator.site import apply_site
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "hydra_conf"
@@ -21,7 +23,7 @@ def compose_cfg(overrides: list[str]) -> SlipwayConfig:
         choices = dict(cfg.hydra.runtime.choices)
         with open_dict(cfg):
             del cfg["hydra"]
-        return to_typed(cfg, choices)
+        return to_typed(apply_site(cfg, choices, overrides), choices)
 
 
 def user_docs() -> str:

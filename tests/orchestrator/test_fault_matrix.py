@@ -273,6 +273,7 @@ def test_7_bad_jsonl_lines_fail_the_preprocess_job_and_training_never_starts(mat
     prep = Path(current(json.loads((run / "run.json").read_text()))["stages"]["preprocess"]["dir"])
     error = json.loads((prep / "_FAILED").read_text())["error"]
     assert f"{matrix.root / 'bad.jsonl'}:3: invalid JSON" in error, error
+    assert "rerun with data.on_error=skip" in error and "--on-error" not in error, error  # launch.py's words
     assert f"{matrix.root / 'bad.jsonl'}:3: invalid JSON" in "".join(
         p.read_text() for p in (prep / "logs").glob("preprocess_*.err"))
     assert not list((run / "logs").glob("train_*")) and not RunDir(run).pids.exists()  # never ran

@@ -13,10 +13,12 @@ import pytest
 
 from orchestrator.estimate import GIB, estimate_memory, stage_params
 from orchestrator.flow import format_plan, launch
+from orchestrator.hardware import hardware
 from orchestrator.layout import layout_of
 from orchestrator.plan import PlanInputs, SweepInfo, make_plan
 from orchestrator.stages.train import trainer_config
 from tests.orchestrator.conftest import REPO, compose_cfg
+from tests.orchestrator.sites import site_file
 
 CP = ["+experiment=codeparrot"]
 
@@ -49,6 +51,15 @@ def test_distributed_optimizer_shards_the_state_over_dp():
                                                                    int(12 * m.params / 8))
     _, fp32 = _plan(CP + ["optim.distributed=true", "train.precision=fp32"])
     assert fp32.memory.optimizer_bytes == fp32.memory.params  # 8 / d with d = 8
+
+
+def test_the_master_weights_recipe_is_sized_as_the_trainer_keeps_it():
+    """train.precision_recipe=master_weights keeps the distributed optimizer's layout at any dp (bf16
+    parameters, fp32 masters and moments sharded over dp): the plan sizes that, not autocast's 16 bytes."""
+    _, plan = _plan(CP + ["train.precision_recipe=master_weights"])
+    m = plan.memory
+    assert (m.weights_bytes, m.grads_bytes, m.optimizer_bytes) == (2 * m.params, 4 * m.params,
+                                                                   int(12 * m.params / 8))
 
 
 def test_tensor_parallel_shards_memory():
@@ -132,6 +143,8 @@ def test_dry_run_prints_plan_and_scripts_and_submits_nothing(tmp_path: Path):
     )
     text = out.stdout
     assert "Memory per device" in text and "optimizer state" in text and "activations" in text
+    # codeparrot trains fp16: the plan names the recipe train.precision_recipe=auto resolves to.
+    assert "precision recipe: fp16 autocast (auto): fp32 parameters, gradients and optimizer" in text
     # What each memory option would give, beside the configured total.
     assert "train.recompute_granularity=full" in text and "optim.distributed=true" in text, text
     assert "ETA" in text and "GPU-hours" in text
@@ -142,20 +155,27 @@ def test_dry_run_prints_plan_and_scripts_and_submits_nothing(tmp_path: Path):
     assert not (tmp_path / "runs").exists()  # nothing recorded, nothing submitted
 
 
-def test_1p3b_dry_run_shows_memory_with_and_without_each_option():
+# A site of A100-40GB nodes, the GPU the 1.3B example was sized for: slurm.yaml's facts with another device
+# and (so that step ratios are the compute's alone) a bus no exchange waits on.
+A100_40 = "defaults:\n  - slurm\n  - _self_\ndevice_name: A100-40GB\nbus_bandwidth_gbps: 1.0e9\n"
+
+
+def test_1p3b_dry_run_shows_memory_with_and_without_each_option(tmp_path):
     """The 1.3B example fits 40 GB only with its options; the plan's table says what each one is worth,
     and each figure is the plan of the run with that one change."""
-    cfg, plan = _plan(["+experiment=gpt_1p3b"])
+    exp = ["+experiment=gpt_1p3b", *site_file(tmp_path, "a100_40", A100_40)]
+    cfg, plan = _plan(exp)
+    assert plan.memory.device_bytes == 40 * GIB  # the site's device, from the device table
     assert plan.memory.fits and [p.code for p in plan.problems if p.code == "memory"] == []
     names = {o.name: o for o in plan.memory_options}
     assert set(names) == {"train.recompute_granularity=none", "train.recompute_granularity=selective",
                           "optim.distributed=false", "parallel.virtual_pp_size=1"}
     for name, option in names.items():
-        _, alt = _plan(["+experiment=gpt_1p3b", name])
+        _, alt = _plan([*exp, name])
         assert option.memory == alt.memory
         assert option.step_ratio == pytest.approx(alt.time.step_s / plan.time.step_s)
     assert names["train.recompute_granularity=none"].step_ratio == pytest.approx(3 / 4)  # no 4/3 forward
-    _, bare = _plan(["+experiment=gpt_1p3b", "train.recompute_granularity=none", "optim.distributed=false"])
+    _, bare = _plan([*exp, "train.recompute_granularity=none", "optim.distributed=false"])
     assert not bare.memory.fits and [p.key for p in bare.problems if p.code == "memory"]
 
 
@@ -179,7 +199,7 @@ def test_llama_1b_plan_counts_its_architecture():
 
 
 def test_mfu_uses_the_detected_gpu_unless_the_user_sets_a_peak(monkeypatch):
-    """cluster.device_peak_tflops (312, an A100, in cluster/slurm.yaml) is the plan's estimate only: it
+    """The plan's peak (312, cluster/slurm.yaml's A100 in the device table) is the plan's estimate only: it
     once went into the trainer's logging.peak_tflops, which overrides the GPU detection, so every log
     line on an H100/H200 node said MFU 3.2x too high."""
     import torch
@@ -188,7 +208,7 @@ def test_mfu_uses_the_detected_gpu_unless_the_user_sets_a_peak(monkeypatch):
     from trainer.run.metrics import detect_peak_tflops
 
     cfg, plan = _plan(["+experiment=codeparrot", "cluster=slurm"])
-    assert cfg.cluster.gpus_per_node and cfg.cluster.device_peak_tflops == 312.0
+    assert cfg.cluster.gpus_per_node and hardware(cfg).peak_tflops.value == 312.0  # the A100's, by its table
     rc = RunConfig.from_dict(plan.stage("train").job.trainer_config)
     assert rc.logging.peak_tflops is None
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")

@@ -147,6 +147,7 @@ def test_dry_run_prints_and_writes_no_secret(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _fake(bin_dir, "srun", f"cat <<'EOF'\n{PYXIS_HELP}EOF\n")
+    _fake(bin_dir, "sinfo", "echo debug\n")  # a controller that answers, with or without the devcluster
     image = tmp_path / "s.sqsh"
     image.write_bytes(SQSH)
     env = dict(os.environ, **ENV_SECRETS, PATH=f"{bin_dir}:{os.environ['PATH']}")
@@ -270,6 +271,7 @@ def test_launch_refuses_when_srun_has_no_pyxis(tmp_path, monkeypatch):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     _fake(bin_dir, "srun", "echo 'Usage: srun [OPTIONS(0)...]'\n")
+    _fake(bin_dir, "sinfo", "echo debug\n")  # a controller that answers, with or without the devcluster
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     cfg = _cfg(tmp_path)
     with pytest.raises(PlanError) as err:

@@ -89,9 +89,9 @@ def test_process_alive(monkeypatch):
 
 def test_local_state_of_a_live_process_owned_by_someone_else(monkeypatch, tmp_path):
     entry = {"job_id": "1", "folder": str(tmp_path), "state_dir": str(tmp_path)}  # no results, no markers
-    monkeypatch.setattr(queue, "process_alive", lambda pid: True)
+    monkeypatch.setattr(queue, "local_job_alive", lambda pid, folder: True)
     assert queue.local_state(entry) == "RUNNING"
-    monkeypatch.setattr(queue, "process_alive", lambda pid: False)
+    monkeypatch.setattr(queue, "local_job_alive", lambda pid, folder: False)
     assert queue.local_state(entry) == "ENDED"
     assert queue.category("ENDED") == "failed"
 

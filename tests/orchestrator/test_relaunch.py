@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator import queue
 from orchestrator.__main__ import main as status_main
 from orchestrator.flow import launch
 from orchestrator.launches import all_jobs, current, history
 from orchestrator.problems import PlanError
 from orchestrator.status import launch_notes
 from tests.orchestrator.conftest import REPO, compose_cfg
-from tests.orchestrator.devcluster_helpers import TINY_MODEL, newest_job_id, wait_for
+from tests.orchestrator.devcluster_helpers import TINY_MODEL, wait_for
 from tests.seam import hook_env
 from tests.slurm_cli import slurm
 
@@ -97,7 +98,17 @@ def _history_case(tmp_path, run, capsys):
     assert [p.code for p in res.plan.problems] == ["run_active"]
     assert f"train job {jobs_1['train'][-1]['job_id']}" in str(res.plan.problems[0])
 
-    _cancel(run)
+    # `python -m orchestrator cancel RUN`: every queued job of the run, in one scancel, recorded.
+    capsys.readouterr()
+    assert status_main(["cancel", str(run)]) == 0
+    said = capsys.readouterr().out
+    for stage, entries in jobs_1.items():
+        assert f"run hist: {stage} job {entries[-1]['job_id']} cancelled (scancel)" in said, said
+    wait_for(lambda: not _queued(run), 60, "the cancelled jobs to leave the queue")
+    marked = current(json.loads((run / "run.json").read_text()))["cancelled"]
+    assert marked == sorted(str(es[-1]["job_id"]) for es in jobs_1.values()), marked
+    assert status_main(["cancel", str(run)]) == 0
+    assert "nothing to cancel" in capsys.readouterr().out
     second = _overrides(tmp_path, run_id, "train.iters=7")
     launch(compose_cfg(second), out=io.StringIO(), overrides=tuple(second))
     _cancel(run)
@@ -105,8 +116,9 @@ def _history_case(tmp_path, run, capsys):
     after = json.loads((run / "run.json").read_text())
     runs = history(after)
     assert [r["n"] for r in runs] == [1, 2]
-    old = {k: v for k, v in runs[0].items() if k not in ("outcome",)}
-    assert old == current(before)  # launch 1's record as it wrote it: only its outcome was added
+    old = {k: v for k, v in runs[0].items() if k not in ("outcome", "cancelled")}
+    assert old == current(before)  # launch 1's record as it wrote it: only its outcome (and what
+    # `cancel` cancelled) were added
     assert runs[0]["outcome"] == {"corpus": "CANCELLED", "preprocess": "CANCELLED", "train": "CANCELLED"}
     assert "train.iters=5" in runs[0]["overrides"] and "train.iters=7" in runs[1]["overrides"]
     assert runs[1]["jobs"]["train"][-1]["job_id"] != jobs_1["train"][-1]["job_id"]
@@ -122,43 +134,95 @@ def _history_case(tmp_path, run, capsys):
     assert "train=CANCELLED" in text
 
 
-STEPS = ["recorded", "before_sbatch:corpus", "before_sbatch:train", "after_sbatch:train",
-         "after_record:train", "submitted"]
+STAGES = ("corpus", "preprocess", "train")
+# Every step boundary of a submission: each stage's intent, its sbatch, its record; before and after all.
+STEPS = ["recorded", *(f"{w}:{stage}" for stage in STAGES for w in ("before_sbatch", "after_sbatch",
+                                                                    "after_record")), "submitted"]
 
 
-@pytest.mark.parametrize("step", STEPS)
-def test_a_launcher_killed_at_a_step_boundary_never_doubles_or_loses_a_job(tmp_path, step):
+def _crash(tmp_path: Path, step: str) -> tuple[Path, list[str], dict]:
+    """launch.py SIGKILLed by the failpoint at ``step``; (run dir, overrides, the dead launch's run.json)."""
     run_id = "crash"
     run = tmp_path / "runs" / "codeparrot_smoke" / run_id
     over = _overrides(tmp_path, run_id)
     env = dict(os.environ, **hook_env(LAUNCH_FAILPOINT=step))
     res = subprocess.run([sys.executable, "launch.py", *over], cwd=REPO, capture_output=True, text=True,
                          timeout=300, env=env)
-    try:
-        assert res.returncode == -9, res.stdout + res.stderr[-3000:]
-        dead = json.loads((run / "run.json").read_text())
-        if step != "submitted":
-            assert launch_notes(str(run))[-1].startswith("LAUNCH INCOMPLETE: run crash launch 1")
-        queued_by_dead = _queued(run)
-        newest = newest_job_id()
+    assert res.returncode == -9, res.stdout + res.stderr[-3000:]
+    return run, over, json.loads((run / "run.json").read_text())
 
-        try:
-            launch(compose_cfg(over), out=io.StringIO(), overrides=tuple(over))
-            refused = None
-        except PlanError as err:
-            refused = str(err)
-        queued = _queued(run)
-        assert all(len(ids) == 1 for ids in queued.values()), queued  # never two live jobs for a stage
-        recorded = {str(e["job_id"]) for _, _, e in all_jobs(json.loads((run / "run.json").read_text()))}
-        assert {j for ids in queued.values() for j in ids} <= recorded  # never an unrecorded one
-        if queued_by_dead:  # the dead launch's jobs are live: refused, naming them, nothing submitted
+
+def _only_the_unrecorded_job_live(run: Path, dead: dict) -> None:
+    """Let the jobs the dead launch recorded run to completion, so the job it submitted without recording
+    is the only live one (still held by its begin time): then nothing but the adoption of that job stands
+    between a relaunch and a second copy of it."""
+    recorded = [str(es[-1]["job_id"]) for es in current(dead).get("jobs", {}).values() if es]
+    if not recorded:
+        return
+    for jid in recorded:
+        slurm("scontrol", "update", f"JobId={jid}", "StartTime=now")
+
+    def finished() -> bool:
+        acct = slurm("sacct", "-n", "-X", "-P", "-j", ",".join(recorded), "-o", "JobIDRaw,State")
+        states = dict(line.split("|", 1) for line in acct.splitlines() if "|" in line)
+        assert not any(s.startswith(("FAILED", "CANCELLED")) for s in states.values()), states
+        return len(states) == len(recorded) and all(s == "COMPLETED" for s in states.values())
+
+    wait_for(finished, what=f"the dead launch's recorded jobs {recorded} to complete")
+
+
+def _relaunch_after_crash(tmp_path: Path, step: str) -> tuple[Path, dict, dict[str, list[str]], str | None]:
+    """Crash at ``step``, then relaunch in this process; (run, the dead record, live jobs by stage before
+    the relaunch, the relaunch's refusal or None)."""
+    run, over, dead = _crash(tmp_path, step)
+    if step != "submitted":
+        assert launch_notes(str(run))[-1].startswith("LAUNCH INCOMPLETE: run crash launch 1")
+    if step.startswith("after_sbatch:"):
+        _only_the_unrecorded_job_live(run, dead)
+    before = _queued(run)
+    try:
+        launch(compose_cfg(over), out=io.StringIO(), overrides=tuple(over))
+        refused = None
+    except PlanError as err:
+        refused = str(err)
+    return run, dead, before, refused
+
+
+def _violations(run: Path) -> list[str]:
+    """What breaks "never two live jobs for a stage, never an unrecorded one" (empty: nothing)."""
+    queued = _queued(run)
+    recorded = {str(e["job_id"]) for _, _, e in all_jobs(json.loads((run / "run.json").read_text()))}
+    return ([f"two live {s} jobs: {ids}" for s, ids in queued.items() if len(ids) > 1]
+            + [f"unrecorded live job {j}" for ids in queued.values() for j in ids if j not in recorded])
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_a_launcher_killed_at_a_step_boundary_never_doubles_or_loses_a_job(tmp_path, step):
+    try:
+        run, dead, before, refused = _relaunch_after_crash(tmp_path, step)
+        assert _violations(run) == []
+        if before:  # the dead launch's jobs are live: refused, naming them, nothing submitted
             assert refused and "[run_active]" in refused, refused
-            assert all(j in refused for ids in queued_by_dead.values() for j in ids), refused
-            assert newest_job_id() == newest
-        else:  # nothing reached the queue: the relaunch submits the whole graph
-            assert refused is None and set(queued) == {"corpus", "preprocess", "train"}
+            assert all(j in refused for ids in before.values() for j in ids), refused
+            assert _queued(run) == before
+        else:  # nothing of it reached the queue: the relaunch submits the whole graph
+            assert refused is None and set(_queued(run)) == set(STAGES)
         if step != "submitted":
             assert history(json.loads((run / "run.json").read_text()))[0]["state"] == "incomplete"
         assert len(current(dead).get("pending", {})) <= 1
     finally:
-        _cancel(run)
+        _cancel(tmp_path / "runs" / "codeparrot_smoke" / "crash")
+
+
+@pytest.mark.parametrize("step", [f"after_sbatch:{stage}" for stage in STAGES])
+def test_the_crash_test_fails_without_the_adoption_of_a_dead_launchs_job(tmp_path, step, monkeypatch):
+    """The same case with the relaunch blind to the dead launch's queued job (the queue asked by comment
+    finds nothing): a second live job, exactly what the test above guards against, at every sbatch."""
+    monkeypatch.setattr(queue, "jobs_by_comment", lambda comments: {})
+    try:
+        run, _, before, refused = _relaunch_after_crash(tmp_path, step)
+        stage = step.split(":")[1]
+        assert refused is None and len(before.get(stage, [])) == 1, (refused, before)
+        assert f"two live {stage} jobs" in " ".join(_violations(run)), _queued(run)
+    finally:
+        _cancel(tmp_path / "runs" / "codeparrot_smoke" / "crash")

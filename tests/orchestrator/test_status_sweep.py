@@ -146,6 +146,12 @@ def test_local_sweep_shares_preprocessing(tmp_path):
     from orchestrator.stages import TrainStage  # noqa: F401  (the pickles hold the train stage callable)
 
     _wait_ended(runs)
+    # status of the sweep: each point's row carries its overrides beside its state and its failure
+    table = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(tmp_path / "sweep")],
+                           cwd=REPO, capture_output=True, text=True, timeout=120).stdout
+    for run, lr in zip(runs, ("optim.lr=0.001", "optim.lr=0.002"), strict=True):
+        row = next(line for line in table.splitlines() if line.startswith(run.name) and " train " in line)
+        assert lr in row and "FAILED" in row, table
     import pickle
 
     groups = set()

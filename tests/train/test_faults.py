@@ -200,6 +200,7 @@ def test_nan_in_fp32_stops_and_keeps_last_good_checkpoint(tmp_path, reference):
     inject = _Inject({8}, math.nan)
     r = run_cfg(d, inject.hooks())
     assert r.exit_code == EXIT_NONFINITE and r.iteration == 7
+    assert r.reason.startswith("training diverged at iteration 8: gradient norm is not finite"), r.reason
     ckpt_dir = str(tmp_path / "run" / "checkpoints")
     assert ckpt.read_tracker(ckpt_dir) == 5 and ckpt.list_iterations(ckpt_dir) == [5]
     shard = ckpt.load_file(ckpt.shard_path(ckpt_dir, 5, 0, 0, 1))

@@ -152,3 +152,51 @@ def test_a_wandb_error_never_turns_a_clean_stop_into_a_failure(tmp_path, monkeyp
     assert r.exit_code == EXIT_REQUEUE and r.iteration == 8
     assert any("finishing the run failed (ConnectionResetError" in x for x in capture.lines), capture.lines
     assert any("logging step" in x and "training continues" in x for x in capture.lines), capture.lines
+
+
+def test_a_relaunch_from_an_earlier_checkpoint_says_what_wandb_keeps(tmp_path):
+    """A run logged to 12, then resumed from its checkpoint at 4 with another learning rate (checkpoint.load=
+    4): the metrics file holds the new values of 5..12. An offline W&B run cannot be rewound, so the job
+    says which steps keep the earlier values and where the new ones are; W&B's history has no step twice."""
+    import json
+
+    import wandb
+
+    data = write_dataset(str(tmp_path / "data"))
+    run = tmp_path / "run"
+    base = dict(train={"iters": 12, "save_interval": 4, "log_interval": 2},
+                logging={"wandb": {"mode": "offline", "project": "p"}})
+    run_cfg(tiny_config(str(run), data, run_id="w1", checkpoint={"keep": None}, **base))
+    capture = LogLines()
+    logging.getLogger("slipway.trainer.run.metrics").addHandler(capture)
+    try:
+        r = run_cfg(tiny_config(str(run), data, run_id="w1", checkpoint={"keep": None, "load": 4},
+                                optim={"lr": 3e-3}, **base))
+    finally:
+        logging.getLogger("slipway.trainer.run.metrics").removeHandler(capture)
+    wandb.teardown()
+    assert r.exit_code == EXIT_OK
+    said = [x for x in capture.lines if "already holds steps" in x]
+    assert len(said) == 1 and "steps 5..12, logged by an earlier job" in said[0], capture.lines
+    assert "an offline run cannot be rewound" in said[0] and "train_metrics.jsonl" in said[0], said
+    rows = [json.loads(x) for x in (run / "train_metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows if "train/lm_loss" in row] == [2, 4, 6, 8, 10, 12]
+    files = wandb_reader.run_files(str(run))
+    steps = [row["_step"] for f in files for row in wandb_reader.history(f) if "train/lm_loss" in row]
+    assert steps == [2, 4, 6, 8, 10, 12]
+
+
+def test_online_resumes_behind_the_logged_step_by_rewinding_in_wandbs_own_spelling(tmp_path):
+    """Online, the run is rewound to the job's checkpoint (wandb.init(resume_from=...)): the argument is
+    parsed by the installed wandb's own Settings into the run, the metric and the step."""
+    import wandb
+
+    from trainer.run.metrics import _resume, can_rewind
+
+    assert can_rewind()  # wandb >= 0.17.1 (the project's floor is higher)
+    how, skip_to = _resume("abc123", last=25, start=20, mode="online", run_dir=str(tmp_path))
+    assert skip_to == 20 and set(how) == {"resume_from"}  # wandb refuses resume= together with it
+    moment = wandb.Settings(resume_from=how["resume_from"]).resume_from
+    assert (moment.run, moment.metric, moment.value) == ("abc123", "_step", 20)
+    assert _resume("abc123", last=25, start=25, mode="online", run_dir=str(tmp_path)) == (
+        {"id": "abc123", "resume": "allow"}, 25)

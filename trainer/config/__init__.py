@@ -24,7 +24,15 @@ from typing import Any
 
 from trainer.checks import ConfigIssue, Section, choice, issue, positive
 from trainer.config.model import ATTENTION_BACKENDS, ModelConfig, ParallelConfig
-from trainer.config.train import DECAY_STYLES, OPTIM_IMPLS, PRECISIONS, OptimConfig, TrainConfig
+from trainer.config.train import (
+    DECAY_STYLES,
+    OPTIM_IMPLS,
+    PRECISION_RECIPES,
+    PRECISIONS,
+    OptimConfig,
+    TrainConfig,
+    precision_recipe,
+)
 from trainer.data.blend import Blend, BlendError, blend_paths, parse_blend
 from trainer.data.corpus_config import CorpusConfig
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE, TOKENIZER_TYPES
@@ -41,7 +49,7 @@ __all__ = ["CheckpointConfig", "CorpusConfig", "DataConfig", "LoggingConfig", "M
 
 WANDB_MODES = ("online", "offline", "disabled")
 CHECKPOINT_FORMATS = ("legacy", "mcore", "torch_dist")
-KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile")
+KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile", "compile_layer")
 # The settings that mean the compiled kernels: a CUDA run with one of them refuses to start without them
 # (trainer/run/kernels.py), and the plan checks a GPU run's image has them (orchestrator/checks/container.py).
 COMPILED_KERNEL_SETS = ("auto", "csrc", "apex")
@@ -231,7 +239,7 @@ class LoggingConfig(Section):
             self.wandb = _build(WandbConfig, self.wandb, "logging.wandb")
 
     def problems(self) -> list[ConfigIssue]:
-        return positive("logging.peak_tflops", self.peak_tflops, allow_none=True)
+        return self.wandb.problems() + positive("logging.peak_tflops", self.peak_tflops, allow_none=True)
 
 
 @dataclass
@@ -256,7 +264,10 @@ class RunConfig(Section):
     """Experiment tracking."""
     kernels: str = "auto"
     """Kernel implementation: auto (per op: apex on CUDA when importable, else Slipway's compiled csrc ops,
-    else eager), csrc, apex, eager (reference PyTorch compositions) or compile (torch.compile of those)."""
+    else eager), csrc, apex, eager (reference PyTorch compositions), compile (torch.compile of each of
+    those alone) or compile_layer (each transformer layer compiled whole by torch.compile from the
+    reference ops, so Inductor fuses across them; the embedding, final norm, loss and AdamW stay csrc;
+    the first step pays the compilation; not with train.recompute_granularity=selective)."""
     run_dir: str | None = None
     """This run's directory; null: <runs_root>/<experiment>/<run_id> under launch.py, runs/local for the
     standalone trainer."""
@@ -275,6 +286,12 @@ class RunConfig(Section):
         """Every broken rule of every section (each section also raises its own when built)."""
         out = [i for name in _SECTIONS for i in getattr(self, name).problems()]
         out += self.model.pp_issues(self.parallel.pp_size)  # needs two sections
+        out += recipe_issues(self.train, self.optim)
+        if self.kernels == "compile_layer" and self.train.recompute_granularity == "selective":
+            out.append(issue("compile_layer", "train.recompute_granularity", "selective",
+                             "kernels=compile_layer compiles the whole layer, attention included (its "
+                             "partitioner chooses what to recompute)",
+                             "set train.recompute_granularity to none or full, or choose other kernels"))
         return out + choice("kernels", self.kernels, KERNEL_SETS)
 
     @classmethod
@@ -299,6 +316,25 @@ class RunConfig(Section):
     def to_dict(self) -> dict:
         """Plain nested dict (JSON/YAML-safe); ``from_dict(to_dict())`` round-trips."""
         return dataclasses.asdict(self)
+
+
+def recipe_issues(train: TrainConfig, optim: OptimConfig) -> list[ConfigIssue]:
+    """train.precision_recipe against the optimizer section (the recipe's rules that need both)."""
+    t, o = train, optim
+    if t.precision == "fp32" or t.precision_recipe not in PRECISION_RECIPES:
+        return []
+    if o.distributed and t.precision_recipe == "autocast":
+        return [issue("recipe", "train.precision_recipe", t.precision_recipe, "the distributed "
+                      "optimizer (optim.distributed=true) keeps 16-bit parameters with fp32 masters "
+                      "(Megatron's layout)",
+                      "set train.precision_recipe=master_weights (or auto), or optim.distributed=false")]
+    if precision_recipe(t.precision, t.precision_recipe, o.distributed) == "master_weights" \
+            and not o.distributed and o.impl in ("apex", "torch_fused"):
+        return [issue("recipe_impl", "optim.impl", o.impl, "steps whole parameters and cannot step the fp32 "
+                      "master weights of train.precision_recipe=master_weights (the distributed optimizer's "
+                      "flat buffers)", "set optim.impl to auto, csrc, foreach or for_loop, or "
+                      "train.precision_recipe=autocast")]
+    return []
 
 
 def _unknown(key: str, known: list[str], where: str) -> None:

@@ -13,6 +13,7 @@ from trainer.checks import ConfigIssue, Section, choice, issue, positive
 from trainer.formulas import padded_vocab_size
 
 ATTENTION_BACKENDS = ("sdpa", "softmax")
+SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
 POSITION_EMBEDDINGS = ("learned", "rope")
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 ACTIVATIONS = ("gelu", "swiglu")
@@ -45,7 +46,9 @@ class ModelConfig(Section):
     hidden_dropout: float = 0.1
     """Dropout probability on the embeddings and the residual branches (attention and MLP outputs)."""
     attention_dropout: float = 0.1
-    """Dropout probability on the attention weights."""
+    """Dropout probability on the attention weights: a recipe choice. 0.1 is GPT-2's and Megatron's
+    default; on Hopper it keeps SDPA off cuDNN attention (which refuses dropout) on flash, about twice the
+    attention time (../shared/design/performance.md); 0 is what llm.c and nanoGPT-style runs use."""
     init_std: float = 0.02
     """Standard deviation of the normal weight initialisation (output projections are scaled by
     1/sqrt(2·num_layers), as in Megatron)."""
@@ -77,8 +80,14 @@ class ModelConfig(Section):
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padding unit, multiplied by parallel.tp_size (Megatron's --make-vocab-size-divisible-by)."""
     attention_backend: str = "sdpa"
-    """sdpa: torch scaled_dot_product_attention (flash/efficient on GPU); softmax: explicit QK^T → the
+    """sdpa: torch scaled_dot_product_attention (the kernel: sdpa_backend); softmax: explicit QK^T → the
     scaled causal softmax kernel → dropout → ·V (Megatron's fused scale-mask-softmax path)."""
+    sdpa_backend: str = "auto"
+    """The SDPA kernel (attention_backend=sdpa): auto ranks cuDNN > flash > memory-efficient > math on CUDA
+    and takes the first that supports the call (cuDNN refuses attention dropout: with attention_dropout > 0
+    training runs flash, evaluation cuDNN), and leaves the choice to torch on CPU (its flash kernel without
+    dropout, else math); cudnn, flash, efficient or math allow only that kernel (a call it cannot serve
+    fails). The job's first log lines name the kernel training and evaluation run."""
 
     def _normalise(self) -> None:
         if self.max_position_embeddings is None:
@@ -124,7 +133,8 @@ class ModelConfig(Section):
         for key, value, allowed in (("position_embedding", self.position_embedding, POSITION_EMBEDDINGS),
                                     ("normalization", self.normalization, NORMALIZATIONS),
                                     ("activation", self.activation, ACTIVATIONS),
-                                    ("attention_backend", self.attention_backend, ATTENTION_BACKENDS)):
+                                    ("attention_backend", self.attention_backend, ATTENTION_BACKENDS),
+                                    ("sdpa_backend", self.sdpa_backend, SDPA_BACKENDS)):
             out += choice(f"model.{key}", value, allowed)
         return out
 

@@ -15,6 +15,32 @@ DEVICES = ("auto", "cpu", "cuda")
 RECOMPUTE_GRANULARITIES = ("none", "selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 KERNEL_CHECK_POLICIES = ("fallback", "fail", "off")
+PRECISION_RECIPES = ("auto", "autocast", "master_weights")
+DEFAULT_RECIPE = "autocast"
+"""What ``train.precision_recipe=auto`` runs without the distributed optimizer. Stays autocast until an
+H200 measurement (bench/gpu_check.sh, recipe rows) shows master_weights faster at equal loss."""
+
+
+def precision_recipe(precision: str, recipe: str, distributed: bool) -> str:
+    """The recipe a run uses: ``fp32`` (every tensor fp32), ``autocast`` or ``master_weights``
+    (``train.precision_recipe`` resolved; the distributed optimizer always keeps 16-bit parameters)."""
+    if precision == "fp32":
+        return "fp32"
+    if recipe == "auto":
+        return "master_weights" if distributed else DEFAULT_RECIPE
+    return recipe
+
+
+def recipe_line(precision: str, recipe: str, distributed: bool) -> str:
+    """One line naming the recipe (the plan and the trainer's start-up log print it)."""
+    chosen = precision_recipe(precision, recipe, distributed)
+    why = " (auto)" if recipe == "auto" and chosen != "fp32" else ""
+    return {"fp32": "fp32 (parameters, activations and gradients in fp32)",
+            "autocast": f"{precision} autocast{why}: fp32 parameters, gradients and optimizer; forward in "
+                        f"{precision}",
+            "master_weights": f"{precision} master_weights{why}: {precision} parameters and activations, "
+                              "fp32 master weights and gradient accumulation in the optimizer (Megatron's "
+                              f"--{precision})"}[chosen]
 
 
 @dataclass
@@ -29,8 +55,18 @@ class TrainConfig(HealthConfig):
     iters: int = 1000
     """Optimizer steps in the whole run (requeues and retries included)."""
     precision: str = "fp32"
-    """fp32, bf16 (autocast; fp32 weights and optimizer) or fp16 (autocast with dynamic loss scaling;
-    needs GPUs)."""
+    """fp32, bf16 or fp16 (dynamic loss scaling; needs GPUs); how bf16/fp16 are applied is
+    precision_recipe."""
+    precision_recipe: str = "auto"
+    """bf16/fp16 only (fp32 ignores it). autocast: fp32 parameters, gradients and optimizer, the forward
+    under torch.autocast, every activation (the residual stream included) in bf16/fp16. master_weights:
+    Megatron's --bf16/--fp16 — bf16/fp16 parameters and activations, no autocast, fp32 master weights and
+    fp32 gradient accumulation in the optimizer; it uses the distributed optimizer's layout (ZeRO-1 over
+    the data-parallel ranks, whole-model at dp 1; checkpoints hold 16-bit weights and distrib_optim.pt),
+    so optim.impl must be auto, csrc, foreach or for_loop; 2 + 4 + 12/dp bytes of state per parameter
+    instead of 16. auto: master_weights under optim.distributed, else autocast (bench/gpu_check.sh
+    measures both on one H200; the faster at equal loss becomes auto's choice). The plan and the job's
+    first log lines name the recipe."""
     seed: int = 1234
     """Seed of the initialisation, the data order and dropout; the same seed gives the same model under
     every (tp, pp) layout."""
@@ -84,6 +120,7 @@ class TrainConfig(HealthConfig):
             out.append(issue("positive", "train.eval_iters", self.eval_iters, "must be 0 or more",
                              "set train.eval_iters to 0 or more"))
         out += choice("train.precision", self.precision, PRECISIONS)
+        out += choice("train.precision_recipe", self.precision_recipe, PRECISION_RECIPES)
         out += choice("train.device", self.device, DEVICES)
         out += choice("train.recompute_granularity", self.recompute_granularity, RECOMPUTE_GRANULARITIES)
         out += choice("train.recompute_method", self.recompute_method, RECOMPUTE_METHODS)

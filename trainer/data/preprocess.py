@@ -90,11 +90,13 @@ def _check_not_empty(run: _Run, config: PreprocessConfig, files: list[str]) -> N
 
 
 class PreprocessError(ValueError):
-    """A bad input line stopped the run (``on_error="fail"``); ``bad`` says where and why."""
+    """A bad input line stopped the run (``on_error="fail"``); ``bad`` says where and why. ``skip``: how the
+    caller's user asks to drop bad lines (this tool's flag; launch.py's key when the preprocess stage
+    re-raises it)."""
 
-    def __init__(self, bad: BadLine) -> None:
+    def __init__(self, bad: BadLine, skip: str = "--on-error skip") -> None:
         super().__init__(f"{bad.message()}. Nothing was written. Fix the line, or rerun with "
-                         "--on-error skip to drop bad lines (they are counted in the summary).")
+                         f"{skip} to drop bad lines (they are counted in the summary).")
         self.bad = bad
 
 

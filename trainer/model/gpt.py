@@ -41,10 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config.model import ModelConfig
-from trainer.model.layers import EmbeddingTable, Linear, RotaryTable, make_norm
+from trainer.model.attention import sdpa_context
+from trainer.model.layers import EmbeddingTable, Linear, RotaryTable, autocast_dtype, make_norm
 from trainer.model.names import renumber
 from trainer.model.recompute import Recompute, recomputed
-from trainer.ops import KernelSet, resolve
+from trainer.ops import KernelSet, reference_set, resolve
 
 Tensor = torch.Tensor
 
@@ -85,8 +86,9 @@ class LMHead(nn.Module):
         logits = F.linear(x, weight)                           # [s, b, V_pad]
         if labels is None:
             return logits.transpose(0, 1)
-        # Loss in [s, b] order: the vocab slice keeps unit stride, so no copy of the logits is made.
-        losses = self.kernels.cross_entropy(logits[..., : self.vocab_size], labels.t().contiguous())
+        # Loss in [s, b] order over the true vocabulary: the kernel leaves the padded columns out itself
+        # (a slice here would zero-fill a [tokens, V] gradient in backward).
+        losses = self.kernels.cross_entropy(logits, labels.t().contiguous(), vocab_size=self.vocab_size)
         return losses.t()                                      # [b, s]
 
 
@@ -106,7 +108,7 @@ class SelfAttention(nn.Module):
         self.head_dim, self.heads_per_group = d, heads // groups
         self.rotary = RotaryTable(cfg.rotary_dim, cfg.rotary_base) if cfg.rotary_dim else None
         self.dropout_p = cfg.attention_dropout
-        self.backend = cfg.attention_backend
+        self.backend, self.sdpa_backend = cfg.attention_backend, cfg.sdpa_backend
         self.kernels = kernels
         # Attention probabilities are sharded by head under TP, so TP sets this to the RNG tracker's fork.
         self.dropout_rng = contextlib.nullcontext
@@ -116,13 +118,15 @@ class SelfAttention(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
         qkv, qkv_bias = self.query_key_value(x)                # [s, b, (np + 2ng)·d / tp]
         s, b, _ = qkv.shape  # not x's: under sequence parallelism x holds s/tp positions
-        if qkv_bias is not None:
-            qkv = qkv + qkv_bias
+        if qkv_bias is not None:  # in the activations' dtype: an fp32 bias (autocast) must not promote
+            qkv = qkv + qkv_bias.to(qkv.dtype)
         npg = self.heads_per_group
         qkv = qkv.view(s, b, -1, npg + 2, self.head_dim)       # [s, b, groups_local, npg + 2, d]
-        qkv = qkv.permute(1, 2, 3, 0, 4)                       # [b, groups_local, npg + 2, s, d]
-        q = qkv[:, :, :npg].flatten(1, 2)                      # [b, heads_local, s, d]
-        k, v = qkv[:, :, npg], qkv[:, :, npg + 1]              # [b, groups_local, s, d]
+        # One split, not a slice and two selects: split's backward is a single cat into the QKV
+        # gradient, where slice/select backwards would each zero-fill a full-size copy and add them.
+        q, k, v = qkv.split([npg, 1, 1], dim=3)
+        q = q.permute(1, 2, 3, 0, 4).flatten(1, 2)             # [b, heads_local, s, d]
+        k, v = (t.squeeze(3).permute(1, 2, 0, 3) for t in (k, v))  # [b, groups_local, s, d]
         if self.rotary is not None:
             cos, sin = self.rotary(s, x.device)
             q, k = self.kernels.rotary(q, cos, sin), self.kernels.rotary(k, cos, sin)
@@ -141,7 +145,8 @@ class SelfAttention(nn.Module):
         scale = self.head_dim ** -0.5
         with self.dropout_rng():
             if self.backend == "sdpa":
-                return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
+                with sdpa_context(self.sdpa_backend, q.device.type):
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=scale)
             probs = self.kernels.scaled_causal_softmax(q @ k.transpose(-2, -1), scale)  # [b, n, s, s]
             return F.dropout(probs, p=p, training=self.training) @ v
 
@@ -167,10 +172,17 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x)))."""
+    """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
+
+    With ``kernels.compile_layers`` (kernels=compile_layer) the block runs the reference ops inside one
+    ``torch.compile`` region, shared by every layer (one graph: parameters are its inputs; static shapes,
+    so evaluation and a new micro-batch size compile once more each)."""
 
     def __init__(self, cfg: ModelConfig, kernels: KernelSet) -> None:
         super().__init__()
+        self.compiled = kernels.compile_layers
+        if self.compiled:
+            kernels = reference_set()
         norm = (cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, kernels)
         self.input_layernorm = make_norm(*norm)
         self.self_attention = SelfAttention(cfg, kernels)
@@ -182,6 +194,9 @@ class TransformerLayer(nn.Module):
         self.dropout_rng = contextlib.nullcontext
 
     def forward(self, x: Tensor) -> Tensor:                    # x: [s, b, h] (s/tp under SP)
+        return compiled_layer()(self, x) if self.compiled else self.block(x)
+
+    def block(self, x: Tensor) -> Tensor:
         bda = self.kernels.bias_dropout_add
         out, bias = self.self_attention(self.input_layernorm(x))
         with self.dropout_rng():
@@ -190,6 +205,13 @@ class TransformerLayer(nn.Module):
         with self.dropout_rng():
             x = bda(out, bias, x, self.dropout_p, self.training)
         return x
+
+
+@functools.cache
+def compiled_layer():
+    """``TransformerLayer.block`` under torch.compile, one for every layer of every model (dynamo guards on
+    the layer's structure, not its identity: the layers share one graph)."""
+    return torch.compile(TransformerLayer.block, dynamic=False)
 
 
 class Embedding(nn.Module):
@@ -205,9 +227,12 @@ class Embedding(nn.Module):
         self.dropout_rng = contextlib.nullcontext
 
     def forward(self, tokens: Tensor) -> Tensor:
-        x = self.word_embeddings(tokens)                                        # [b, s, h]
+        # Under autocast the rows come out in the compute dtype (the tables are cast, not the gathered
+        # rows): the residual stream starts, and stays, in bf16/fp16 (trainer/optim/precision.py).
+        dtype = autocast_dtype(tokens.device)
+        x = self.word_embeddings(tokens, dtype)                                 # [b, s, h]
         if hasattr(self, "position_embeddings"):
-            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+            x = x + self.position_embeddings(torch.arange(tokens.shape[1], device=tokens.device), dtype)
         x = self.sequence_scatter(x.transpose(0, 1).contiguous())               # [s, b, h]
         with self.dropout_rng():
             return F.dropout(x, p=self.dropout_p, training=self.training)

@@ -37,8 +37,17 @@ class EmbeddingTable(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
 
-    def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight)
+    def forward(self, ids: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """Rows of the table, in ``dtype`` (the table is cast first: one cast of [V, h] instead of an
+        fp32 [tokens, h] gather and its cast) or in the table's own dtype."""
+        return F.embedding(ids, self.weight if dtype is None else self.weight.to(dtype))
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype autocast computes in on ``device`` when it is on, else None."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
 
 
 class LayerNorm(nn.Module):

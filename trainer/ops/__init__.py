@@ -8,6 +8,9 @@
 - ``apex``: apex's kernel where apex has one for the op (LayerNorm, masked softmax), else csrc.
 - ``compile``: ``torch.compile`` of each reference composition.
 - ``auto``: per op, apex when importable on CUDA, else csrc, else eager.
+- ``compile_layer``: csrc's set (else eager) with ``compile_layers`` on: each transformer layer runs the
+  reference ops inside one ``torch.compile`` region (trainer.model.gpt), so Inductor fuses across them;
+  the ops outside a layer (final norm, loss, AdamW) are csrc's.
 
 A missing extension (or one built without CUDA kernels, used on CUDA) falls back to eager with one
 clear warning; ``tests/ops/test_dispatch.py`` asserts the extension is built and chosen so the fallback
@@ -42,8 +45,9 @@ class KernelSet:
 
     Signatures are those of :mod:`trainer.ops.reference`: ``bias_gelu(x, bias)``,
     ``bias_dropout_add(x, bias, residual, p, training)``, ``scaled_causal_softmax(scores, scale)``,
-    ``layer_norm(x, weight, bias, eps)``, ``cross_entropy(logits, target)`` (per-token fp32 loss of
-    unsharded logits; the vocab-parallel primitives are in :mod:`trainer.ops.cross_entropy`),
+    ``layer_norm(x, weight, bias, eps)``, ``cross_entropy(logits, target, vocab_size=None)`` (per-token
+    fp32 loss of unsharded logits, the padded columns past ``vocab_size`` left out; the csrc loss writes
+    its gradient over the logits; the vocab-parallel primitives are in :mod:`trainer.ops.cross_entropy`),
     ``adamw_step(tensors, hyper, step)`` (:mod:`trainer.ops.adamw`), and for Llama-style models
     ``rms_norm(x, weight, eps)``, ``swiglu(x)`` and ``rotary(x, cos, sin)``.
     """
@@ -58,6 +62,13 @@ class KernelSet:
     swiglu: Callable = reference.swiglu
     rotary: Callable = reference.rotary
     names: dict = field(default_factory=dict)
+    compile_layers: bool = False
+    """kernels=compile_layer: the transformer layers run :func:`reference_set`'s ops, compiled whole."""
+
+
+def reference_set() -> KernelSet:
+    """Every op the eager reference (what a compiled region traces and fuses)."""
+    return KernelSet(names=dict.fromkeys(OPS, "eager"), **{op: getattr(reference, op) for op in OPS})
 
 
 def csrc_available(device_type: str) -> bool:
@@ -75,7 +86,7 @@ def _csrc_table() -> dict[str, Callable]:
 
     return {"bias_gelu": fused.bias_gelu, "bias_dropout_add": fused.bias_dropout_add,
             "scaled_causal_softmax": fused.scaled_causal_softmax, "layer_norm": fused.layer_norm,
-            "cross_entropy": cross_entropy.cross_entropy, "adamw_step": adamw.adamw_step,
+            "cross_entropy": cross_entropy.head_loss, "adamw_step": adamw.adamw_step,
             "rms_norm": fused.rms_norm, "swiglu": fused.swiglu, "rotary": fused.rotary}
 
 
@@ -107,6 +118,8 @@ def _choose(mode: str, device_type: str) -> tuple[dict[str, Callable], dict[str,
         for op, fn in _compile_table().items():
             table[op], names[op] = fn, "compile"
         return table, names
+    if mode == "compile_layer":  # outside the compiled layers: csrc's ops (no apex)
+        mode = "csrc"
     if csrc_available(device_type):
         for op, fn in _csrc_table().items():
             table[op], names[op] = fn, "csrc"
@@ -132,8 +145,10 @@ def resolve(mode: str = "auto", device_type: str | None = None) -> KernelSet:
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"resolve: device_type must be 'cpu' or 'cuda', got {device_type!r}")
     table, names = _choose(mode, device_type)
+    layers = mode == "compile_layer"
     if (mode, device_type) not in _LOGGED:
         _LOGGED.add((mode, device_type))
-        log.info("kernels=%s on %s: %s; attention uses SDPA (scaled_causal_softmax only on the explicit-"
-                 "softmax path)", mode, device_type, ", ".join(f"{op}={names[op]}" for op in OPS))
-    return KernelSet(names=names, **table)
+        log.info("kernels=%s on %s: %s%s; attention uses SDPA (scaled_causal_softmax only on the explicit-"
+                 "softmax path)", mode, device_type, ", ".join(f"{op}={names[op]}" for op in OPS),
+                 "; transformer layers compiled whole from the reference ops" if layers else "")
+    return KernelSet(names=names, compile_layers=layers, **table)

@@ -75,14 +75,20 @@ def _global_lse(stats, group) -> torch.Tensor:
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
-    """Per-token loss from the local-shard ops; the all-reduces sit between them, hence a Python Function."""
+    """Per-token loss from the local-shard ops; the all-reduces sit between them, hence a Python Function.
+
+    ``valid``: the leading local columns that are real vocabulary (the rest is padding: excluded from the
+    softmax, zero gradient). The padding is cut inside the Function, so autograd records no slice, whose
+    backward would zero-fill a [tokens, V] tensor and copy the gradient into it."""
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, group, inplace_grad):
-        stats = torch.ops.slipway.ce_local_stats(logits, target, vocab_start)
+    def forward(ctx, logits, target, vocab_start, group, inplace_grad, valid):
+        view = logits[..., :valid] if valid < logits.shape[-1] else logits
+        stats = torch.ops.slipway.ce_local_stats(view, target, vocab_start)
         lse = _global_lse(stats, group)
         ctx.save_for_backward(logits, target, lse)
-        ctx.vocab_start = vocab_start
+        ctx.vocab_start, ctx.valid = vocab_start, valid
+        # In place needs the rows at one stride (contiguous logits, or a [..., :valid] slice of them).
         ctx.inplace_grad = inplace_grad and logits.is_contiguous()
         return lse - stats[2]
 
@@ -90,22 +96,43 @@ class _FusedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         logits, target, lse = ctx.saved_tensors
         g = grad_loss.contiguous()
+        valid, padded = ctx.valid, ctx.valid < logits.shape[-1]
         if ctx.inplace_grad:
-            torch.ops.slipway.ce_local_grad_(logits, target, ctx.vocab_start, lse, g)
-            return logits, None, None, None, None
-        grad = torch.ops.slipway.ce_local_grad(logits, target, ctx.vocab_start, lse, g)
-        return grad, None, None, None, None
+            rows = logits[..., :valid] if padded else logits
+            torch.ops.slipway.ce_local_grad_(rows, target, ctx.vocab_start, lse, g)
+            grad = logits
+        elif padded:
+            grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
+            grad[..., :valid] = torch.ops.slipway.ce_local_grad(logits[..., :valid], target, ctx.vocab_start,
+                                                                lse, g)
+        else:
+            return torch.ops.slipway.ce_local_grad(logits, target, ctx.vocab_start, lse, g), *(None,) * 5
+        if padded:
+            grad[..., valid:].zero_()  # padding columns only (a few per row)
+        return grad, None, None, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0,
-                  group: dist.ProcessGroup | None = None, inplace_grad: bool = False) -> torch.Tensor:
+                  group: dist.ProcessGroup | None = None, inplace_grad: bool = False,
+                  vocab_size: int | None = None) -> torch.Tensor:
     """Per-token cross-entropy (fp32, shaped like target), unreduced: the caller applies its loss mask.
 
     With ``group`` (the tensor-parallel group) ``logits`` is this rank's vocab shard starting at
     ``vocab_start``. ``inplace_grad=True`` writes the gradient into the logits' memory (Megatron's
     trick, saving one [tokens, V] buffer): only when nothing else saved those logits for backward.
+    ``vocab_size``: the true vocabulary; columns of global id >= it are padding, excluded from the loss
+    (their gradient is zero) without a slice of the logits (default: every column is real).
     """
     if not _ext.load():
         raise RuntimeError("trainer.ops.cross_entropy needs trainer._C; run `make install` or use "
                            "trainer.ops.reference.cross_entropy")
-    return _FusedCrossEntropy.apply(logits, target, int(vocab_start), group, bool(inplace_grad))
+    local = logits.shape[-1]
+    valid = local if vocab_size is None else max(0, min(local, int(vocab_size) - int(vocab_start)))
+    return _FusedCrossEntropy.apply(logits, target, int(vocab_start), group, bool(inplace_grad), valid)
+
+
+def head_loss(logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """The kernel set's loss (the LM head's): :func:`cross_entropy` with the gradient written over the
+    logits (Megatron's trick: one [tokens, V] buffer less at the peak of backward; the head's logits feed
+    nothing else that keeps them for backward)."""
+    return cross_entropy(logits, target, inplace_grad=True, vocab_size=vocab_size)

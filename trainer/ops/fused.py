@@ -49,10 +49,7 @@ def _bias_gelu_backward_fake(grad, x, bias):
 
 @torch.library.register_fake("slipway::bias_dropout_add")
 def _bias_dropout_add_fake(x, bias, residual, p, seed):
-    dtype = torch.promote_types(x.dtype, residual.dtype)
-    if bias is not None:
-        dtype = torch.promote_types(dtype, bias.dtype)
-    return x.new_empty(x.shape, dtype=dtype)
+    return x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))  # bias never promotes
 
 
 @torch.library.register_fake("slipway::dropout_backward")
@@ -151,7 +148,8 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
                      training: bool) -> torch.Tensor:
-    """residual + dropout(x + bias), in the promoted dtype of the three (as eager PyTorch)."""
+    """residual + dropout(x + bias), fp32 math, in the promoted dtype of x and the residual (an fp32
+    bias under autocast does not promote the residual stream to fp32)."""
     p = float(p) if training else 0.0
     seed = dropout_seed(x.device) if p > 0.0 else x.new_zeros(1, dtype=torch.int64)
     return _ops.bias_dropout_add(x, bias, residual, p, seed)

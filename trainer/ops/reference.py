@@ -18,8 +18,10 @@ def bias_gelu(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
 
 def bias_dropout_add(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor, p: float,
                      training: bool) -> torch.Tensor:
-    """residual + dropout(x + bias)."""
-    y = x if bias is None else x + bias
+    """residual + dropout(x + bias), in the promoted dtype of x and the residual: the bias is a parameter
+    (fp32 under autocast) cast to that dtype, as autocast casts a linear layer's bias, so it does not
+    promote the residual stream. (The fused kernels add it in fp32 and round once.)"""
+    y = x if bias is None else x + bias.to(torch.promote_types(x.dtype, residual.dtype))
     return residual + F.dropout(y, p=p, training=training)
 
 
@@ -69,8 +71,11 @@ def attention_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 
 
-def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-token cross-entropy in fp32 (fp64 stays fp64), unreduced: what the fused loss replaces."""
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
+    """Per-token cross-entropy in fp32 (fp64 stays fp64), unreduced: what the fused loss replaces.
+    ``vocab_size``: the true vocabulary; the padded columns past it are left out."""
+    if vocab_size is not None and vocab_size < logits.shape[-1]:
+        logits = logits[..., :vocab_size]
     flat = logits.reshape(-1, logits.shape[-1])
     flat = flat.to(torch.promote_types(flat.dtype, torch.float32))  # fp32 math; fp64 stays fp64
     return F.cross_entropy(flat, target.reshape(-1), reduction="none").view(target.shape)

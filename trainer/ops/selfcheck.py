@@ -174,7 +174,7 @@ def _check_dropout(fn, inp: Inputs, result: OpResult, shapes: CheckShapes) -> No
     n = inp.act(ROWS * 16, shapes.hidden, dtype=torch.float32)
     x = (n.sign() * (0.5 + n.abs())).to(inp.dtype).requires_grad_()
     bias = torch.zeros(shapes.hidden, device=inp.device, dtype=inp.param_dtype)
-    out = fn(x, bias, torch.zeros_like(x, dtype=inp.param_dtype), DROPOUT_P, True)
+    out = fn(x, bias, torch.zeros_like(x), DROPOUT_P, True)
     dy = out.detach().double()
     kept_value = x.detach().double() / (1 - DROPOUT_P)
     kept = (dy - kept_value).abs() < dy.abs()

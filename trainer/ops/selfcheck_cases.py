@@ -4,8 +4,8 @@ eager reference in fp32 (trainer.ops.selfcheck runs them and decides).
 A case holds the op's arguments in the run's dtypes and says which get gradients; the reference sees the
 same values upcast to fp32 (fp64 stays fp64), so the comparison measures the fused op's error against the
 exact composition, as tests/ops does. Arguments are laid out as the model lays them out (a rotary input
-that is a permuted view, logits sliced to the true vocabulary out of the padded width), so a kernel that
-is wrong only for strided input or for the model's widths is caught. Shapes come from
+that is a permuted view, padded logits with the true vocabulary passed, as the head calls the loss), so a
+kernel that is wrong only for strided input or for the model's widths is caught. Shapes come from
 :class:`CheckShapes`; only a few rows are used, so the check costs milliseconds.
 """
 
@@ -98,7 +98,7 @@ def _rotary_call(fn: Callable, x: torch.Tensor, cos: torch.Tensor, sin: torch.Te
 
 def _loss_call(vocab: int) -> Callable:
     def call(fn: Callable, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return fn(logits[..., :vocab], target)  # the padded columns sliced off, as LMHead does
+        return fn(logits, target, vocab_size=vocab)  # the padded columns left out, as LMHead calls it
 
     return call
 
@@ -114,9 +114,8 @@ def op_cases(op: str, s: CheckShapes, inp: Inputs) -> list[Case]:
     r, h = ROWS, s.hidden
     if op == "bias_gelu":
         return [Case([inp.act(r, s.ffn), inp.param(s.ffn)], grad=(0, 1), param=(1,))]
-    if op == "bias_dropout_add":  # the residual stream is in the parameters' dtype (autocast promotes)
-        residual = inp.act(r, h, dtype=inp.param_dtype)
-        return [Case([inp.act(r, h), inp.param(h), residual, 0.0, False], grad=(0, 1, 2), param=(1,))]
+    if op == "bias_dropout_add":  # the residual stream is in the activations' dtype, the bias a parameter
+        return [Case([inp.act(r, h), inp.param(h), inp.act(r, h), 0.0, False], grad=(0, 1, 2), param=(1,))]
     if op == "scaled_causal_softmax":  # the model's key length; a few query rows (the last ones)
         q = min(r, s.seq)
         return [Case([inp.act(1, 1, q, s.seq), s.head_dim ** -0.5], grad=(0,))]

@@ -1,13 +1,22 @@
-"""Mixed precision: autocast contexts and Megatron's dynamic loss scaler.
+"""Mixed precision: the two bf16/fp16 recipes (``train.precision_recipe``) and Megatron's dynamic loss
+scaler.
 
-Design choice (bf16 and fp16): parameters, gradients and optimizer state stay fp32 (the master weights
-*are* the parameters), and the forward/backward run under ``torch.autocast`` in the low-precision dtype.
-Why autocast rather than Megatron's bf16 parameters + separate fp32 ``main_grad`` buffers: gradients
-accumulate in fp32 over micro-batches for free (autocast casts weights per use, their grads land in the
-fp32 ``.grad``), the optimizer needs no master-weight copy, the parallel layer's gradient all-reduce and
-norm computation work unchanged, and checkpoints hold fp32 weights directly. The cost is one cast of each
-weight per micro-batch (small next to the matmuls for models of CodeParrot's size) and fp32 parameter
-memory (which the fp32 master copy would need anyway).
+``autocast``: parameters, gradients and optimizer state stay fp32 (the master weights *are* the
+parameters) and the forward runs under ``torch.autocast`` in the low-precision dtype. Every activation
+is in that dtype, the residual stream included: the embedding casts its tables (trainer.model.layers),
+the fused bias-dropout-add keeps x's and the residual's dtype (an fp32 bias does not promote it), the QKV
+bias is added in the activations' dtype, and LayerNorm returns its (bf16) input's dtype with fp32
+statistics. Only per-token statistics, the loss and the fp32 parameter gradients are fp32
+(tests/model/test_dtype_flow.py holds that list). Gradients accumulate in fp32 over micro-batches for
+free (autocast casts weights per use, their grads land in the fp32 ``.grad``) and checkpoints hold fp32
+weights directly. Costs: one cast of each weight per micro-batch and fp32 parameter memory.
+
+``master_weights`` (Megatron's ``--bf16``/``--fp16``): 16-bit parameters and activations, no autocast,
+fp32 master weights and fp32 gradient accumulation in the optimizer. It is the distributed optimizer's
+layout (trainer.parallel.dist_optimizer: fp32 gradient buckets fed by a hook per micro-batch, the fp32
+masters and moments sharded over dp — at dp 1 the whole model), so it checkpoints as that does: 16-bit
+weights in ``model`` and the fp32 masters in ``distrib_optim.pt``. Saves the per-use weight casts and
+2 bytes per parameter of weights; the GPU measurement in bench/gpu_check.sh decides which is faster.
 
 fp16 additionally needs loss scaling: ``DynamicLossScaler`` is Megatron's ``DynamicGradScaler``
 (initial 2^32, growth window 1000, hysteresis 2, backoff 0.5, growth 2, minimum 1). A step whose
@@ -22,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.config.train import precision_recipe
 from trainer.ops.dtypes import DTYPES
 
 
@@ -30,10 +40,20 @@ def compute_dtype(precision: str) -> torch.dtype:
     return DTYPES[precision]
 
 
-def param_dtype(precision: str, distributed: bool) -> torch.dtype:
-    """The parameters' dtype: fp32 (autocast casts per use), except under the distributed optimizer,
-    which keeps 16-bit parameters for bf16/fp16 (Megatron's layout; trainer.parallel.dist_optimizer)."""
-    return DTYPES[precision] if distributed else torch.float32
+def param_dtype(precision: str, master_weights: bool) -> torch.dtype:
+    """The parameters' dtype: 16-bit for bf16/fp16 under the master_weights recipe (the distributed
+    optimizer's layout), fp32 otherwise (autocast casts per use)."""
+    return DTYPES[precision] if master_weights else torch.float32
+
+
+def uses_master_weights(precision: str, recipe: str, distributed: bool) -> bool:
+    """Whether the run keeps 16-bit parameters with fp32 masters (``train.precision_recipe`` resolved)."""
+    return precision_recipe(precision, recipe, distributed) == "master_weights"
+
+
+def autocast_dtype(precision: str, recipe: str, distributed: bool) -> torch.dtype | None:
+    """The dtype the forward runs under ``torch.autocast`` in: the autocast recipe's, else None."""
+    return DTYPES[precision] if precision_recipe(precision, recipe, distributed) == "autocast" else None
 
 
 def autocast(precision: str, device_type: str) -> contextlib.AbstractContextManager:

@@ -237,4 +237,4 @@ def build_distributed_optimizer(model: ParallelModel, optim, precision: str, ker
     from trainer.optim.precision import param_dtype
 
     impl = resolve_impl(optim.impl, model.pstate.device.type, kernels)
-    return DistributedOptimizer(model, optim, impl, param_dtype(precision, distributed=True)), impl
+    return DistributedOptimizer(model, optim, impl, param_dtype(precision, True)), impl

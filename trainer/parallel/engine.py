@@ -90,8 +90,8 @@ class ParallelModel:
         """The pipeline's point-to-point exchange (a subclass can instrument it, as bench/pipeline.py);
         interleaving needs the ring (``RingP2P``)."""
         self.activation_dtype = next(self.chunks[0].parameters()).dtype
-        """dtype of the hidden states passed between pipeline stages: the parameters' dtype (under
-        autocast the residual stream stays in it too)."""
+        """dtype of the hidden states passed between pipeline stages without autocast: the parameters'
+        (under ``autocast`` the stages pass the autocast dtype: the residual stream is in it)."""
 
     @property
     def module(self) -> GPT:
@@ -192,7 +192,9 @@ def _p2p(model: ParallelModel, batches: Sequence[Batch]) -> P2P:
     b, s = batches[0]["tokens"].shape
     if model.pcfg.sequence_parallel and model.pstate.tp_size > 1:
         s //= model.pstate.tp_size
-    return model.p2p_class(model.pstate, (s, b, model.chunks[0].cfg.hidden_size), model.activation_dtype)
+    # Under autocast the residual stream, hence every stage's output, is in the autocast dtype.
+    dtype = model.autocast or model.activation_dtype
+    return model.p2p_class(model.pstate, (s, b, model.chunks[0].cfg.hidden_size), dtype)
 
 
 def _mean_loss(model: ParallelModel, losses: list[Tensor]) -> Tensor:

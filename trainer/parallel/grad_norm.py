@@ -31,23 +31,28 @@ def _counted_here(model: ParallelModel, name: str) -> bool:
     return model.partition_dims[name] is not None or ps.tp_rank == 0
 
 
+def _counted(model: ParallelModel) -> list[torch.Tensor]:
+    """The gradient pieces this rank counts in the global norm (see the module docstring)."""
+    grads = model.grads
+    if grads.shard:
+        name_of = {id(p): n for n, p in model.named_parameters()}
+        return [b.buffer[start:end] for b in grads.buckets for p, start, end in grads.shard_segments(b)
+                if _counted_here(model, name_of[id(p)])]
+    return [grads.main_grad(p) for name, p in model.named_parameters() if _counted_here(model, name)]
+
+
 @torch.no_grad()
 def grad_norm(model: ParallelModel) -> torch.Tensor:
-    """The L2 norm (fp32 scalar on the model's device) of the whole model's gradient, on every rank."""
+    """The L2 norm (fp32 scalar on the model's device) of the whole model's gradient, on every rank.
+    Multi-tensor (``torch._foreach_norm``) and never read on the host: no synchronisation."""
     ps = model.pstate
-    sq = torch.zeros((), dtype=torch.float32, device=ps.device)
-    if model.grads.shard:
-        name_of = {id(p): n for n, p in model.named_parameters()}
-        for bucket in model.grads.buckets:
-            for p, start, end in model.grads.shard_segments(bucket):
-                if _counted_here(model, name_of[id(p)]):
-                    sq += bucket.buffer[start:end].float().pow(2).sum()
-        comm.all_reduce(sq, ps.dp_group)
+    pieces = _counted(model)
+    if pieces:
+        sq = torch.stack(torch._foreach_norm(pieces, 2, dtype=torch.float32)).pow(2).sum()
     else:
-        grads = [p.grad for name, p in model.named_parameters()
-                 if p.grad is not None and _counted_here(model, name)]
-        for g in grads:
-            sq += g.float().pow(2).sum()
+        sq = torch.zeros((), dtype=torch.float32, device=ps.device)
+    if model.grads.shard:
+        comm.all_reduce(sq, ps.dp_group)
     comm.all_reduce(sq, ps.tp_group)
     comm.all_reduce(sq, ps.pp_group)
     return sq.sqrt()
@@ -68,15 +73,19 @@ def unscale_main_grads_(model: ParallelModel, scale: float) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(model: ParallelModel, max_norm: float) -> float:
-    """Scale all gradients so that the global norm is at most ``max_norm`` (Megatron: coefficient
-    max_norm / (norm + 1e-6), applied only when below 1); returns the norm before clipping."""
+def clip_by_global_norm(model: ParallelModel, max_norm: float) -> torch.Tensor:
+    """Scale all gradients so that the global norm is at most ``max_norm`` and return the norm before
+    clipping, as a device tensor: nothing is read on the host. Megatron's coefficient max_norm /
+    (norm + 1e-6), applied only below 1: here min(coefficient, 1) multiplies every gradient buffer in one
+    multi-tensor op (multiplying by exactly 1 changes nothing), instead of a host-side comparison."""
     norm = grad_norm(model)
-    coeff = max_norm / (norm.item() + 1e-6)
-    if max_norm > 0 and coeff < 1.0 and model.grads.shard:
+    if max_norm > 0:
+        coeff = (max_norm / (norm.double() + 1e-6)).clamp(max=1.0)  # fp64 as Megatron's Python float
         torch._foreach_mul_(_shards(model), coeff)
-    elif max_norm > 0 and coeff < 1.0:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(coeff)
-    return norm.item()
+    return norm
+
+
+@torch.no_grad()
+def clip_grad_norm(model: ParallelModel, max_norm: float) -> float:
+    """:func:`clip_by_global_norm`, with the norm read back as a float (one host synchronisation)."""
+    return float(clip_by_global_norm(model, max_norm))

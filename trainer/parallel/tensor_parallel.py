@@ -116,12 +116,13 @@ class VocabParallelEmbedding(_Sharded):
         self.vocab_end = self.vocab_start + per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))
 
-    def forward(self, tokens: Tensor) -> Tensor:            # tokens: [b, s] → [b, s, h]
+    def forward(self, tokens: Tensor, dtype: torch.dtype | None = None) -> Tensor:  # [b, s] → [b, s, h]
+        weight = self.weight if dtype is None else self.weight.to(dtype)  # as EmbeddingTable
         if self.group.size == 1:
-            return F.embedding(tokens, self.weight)
+            return F.embedding(tokens, weight)
         outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
         local = (tokens - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return comm.reduce_from_region(out, self.group)
 
 

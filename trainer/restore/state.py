@@ -43,7 +43,7 @@ from trainer.convert.shards import load_merged
 from trainer.log import get_logger
 from trainer.model.names import nest
 from trainer.optim.lr import OptimizerParamScheduler
-from trainer.optim.precision import LossScaler
+from trainer.optim.precision import LossScaler, uses_master_weights
 from trainer.parallel import ParallelModel
 from trainer.restore import reshard
 from trainer.restore.distrib_optim import DistribSource, is_distributed, load_optimizer, load_resharded
@@ -83,6 +83,8 @@ def checkpoint_args(gpt: ModelConfig, model: ParallelModel, facts: RunFacts,
     """Megatron-named ``args`` (plain values; see the module docstring)."""
     c, ps = facts.config, model.pstate
     t, o, tok = c["train"], c["optim"], c["tokenizer"]
+    master = uses_master_weights(t["precision"], t.get("precision_recipe", "auto"),
+                                 bool(o.get("distributed")))
     return megatron_args({
         "num_layers": gpt.num_layers, "hidden_size": gpt.hidden_size, "ffn_hidden_size": gpt.ffn_hidden_size,
         "num_attention_heads": gpt.num_attention_heads, "kv_channels": gpt.head_dim,
@@ -108,10 +110,11 @@ def checkpoint_args(gpt: ModelConfig, model: ParallelModel, facts: RunFacts,
         "data_path": list(c["data"]["paths"]), "split": c["data"]["split"], "kernels": c["kernels"],
         "attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
         "slipway_version": trainer.__version__,
-        "use_distributed_optimizer": bool(o.get("distributed", False)),
-        # The distributed optimizer keeps 16-bit weights (the fp32 masters are in distrib_optim.pt).
+        # The distributed optimizer (also the master_weights recipe's layout) keeps 16-bit weights; the
+        # fp32 masters are in distrib_optim.pt.
+        "use_distributed_optimizer": master or bool(o.get("distributed", False)),
         "params_dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(t["precision"], "float32")
-        if o.get("distributed") else "float32",
+        if master else "float32",
         **_format_args(c["checkpoint"].get("format", "legacy")),
     })
 

@@ -35,16 +35,19 @@ from trainer.checkpoint.chunks import virtual_size
 from trainer.checkpoint.files import config_differences
 from trainer.checks import ConfigError
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig
+from trainer.config.train import precision_recipe, recipe_line
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.shard_io import load_shard
 from trainer.convert.spec import unsupported_options
 from trainer.log import get_logger
 from trainer.metrics_file import metrics_path, truncate_after
+from trainer.model import attention
 from trainer.model.recompute import Recompute
+from trainer.ops.dtypes import DTYPES
 from trainer.ops.selfcheck import KernelCheck
 from trainer.optim.lr import LRSchedule, OptimizerParamScheduler
 from trainer.optim.optimizer import build_optimizer
-from trainer.optim.precision import ScalerSettings, make_scaler
+from trainer.optim.precision import ScalerSettings, autocast_dtype, make_scaler
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed
 from trainer.parallel.dist_optimizer import build_distributed_optimizer
 from trainer.parallel.interleaved import check_microbatches
@@ -63,6 +66,7 @@ from trainer.restore.state import (
 )
 from trainer.run import metrics
 from trainer.run.data import DataShape, build_data, resolve_vocab
+from trainer.run.host import host_group
 from trainer.run.kernels import checked_kernels, optimizer_after_check
 from trainer.run.loop import Cadence, Loop, NonFiniteError, Throughput, train
 from trainer.signals import (
@@ -97,6 +101,7 @@ class RunResult:
     skipped_iters: int = 0
     wandb_run_id: str | None = None
     kernel_check: dict | None = None  # the start-up self-check's record (trainer.ops.selfcheck)
+    reason: str = ""  # why a run that did not reach train.iters stopped, in one line (status shows it)
 
 
 def gpt_config(model: ModelConfig, vocab_size: int) -> ModelConfig:
@@ -104,16 +109,15 @@ def gpt_config(model: ModelConfig, vocab_size: int) -> ModelConfig:
     return dataclasses.replace(model, vocab_size=vocab_size)
 
 
-def _apply_autocast(model: ParallelModel, precision: str) -> None:
-    """bf16/fp16: run the forward under autocast (weights, grads and optimizer stay fp32; see
-    trainer.optim.precision for why); backward is outside it, as PyTorch recommends."""
-    if precision == "fp32":
-        return
-    from trainer.ops.dtypes import DTYPES
-
-    device_type = model.pstate.device.type
-    for chunk in model.chunks:
-        chunk.forward = torch.autocast(device_type, dtype=DTYPES[precision])(chunk.forward)
+def _apply_recipe(model: ParallelModel, t, distributed: bool) -> str:
+    """bf16/fp16 per ``train.precision_recipe``: autocast sets the forward's autocast dtype (weights, grads
+    and optimizer stay fp32; backward runs outside it, as PyTorch recommends); master_weights leaves the
+    model to the optimizer, which makes its parameters 16-bit. Returns the resolved recipe (logged)."""
+    dtype = autocast_dtype(t.precision, t.precision_recipe, distributed)
+    if dtype is not None:
+        model.autocast = dtype
+    log.info("precision: %s", recipe_line(t.precision, t.precision_recipe, distributed))
+    return precision_recipe(t.precision, t.precision_recipe, distributed)
 
 
 def _configure_determinism(deterministic: bool) -> None:
@@ -251,9 +255,12 @@ def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int
     check = checked_kernels(cfg, gpt, pstate, start_iteration)  # before the model: it takes the checked set
     recompute = Recompute(t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
     model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=check.kernels, recompute=recompute)
-    _apply_autocast(model, t.precision)
+    log.info("%s", attention.describe(gpt, pstate.device, DTYPES[t.precision], t.micro_batch_size,
+                                      pstate.tp_size))  # raises when a named SDPA kernel cannot serve it
+    recipe = _apply_recipe(model, t, cfg.optim.distributed)
     optim, opt_kernels = optimizer_after_check(cfg.optim, cfg.kernels, check)
-    if optim.distributed:  # re-lays the model's parameters and gradient buckets (ZeRO-1)
+    if optim.distributed or recipe == "master_weights":  # re-lays the parameters and gradient buckets:
+        # 16-bit parameters, fp32 gradient buckets and masters (ZeRO-1 over dp; all of them at dp 1)
         optimizer, _ = build_distributed_optimizer(model, optim, t.precision, opt_kernels)
     else:
         optimizer, _ = build_optimizer(model.named_parameters(), optim, pstate.device.type, opt_kernels)
@@ -276,7 +283,8 @@ def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, fac
                                                  "num_microbatches": m,
                                                  "kernel_check": b.kernel_check.record() if b.kernel_check
                                                  else None}}
-    logger = metrics.WandbLogger(cfg.logging.wandb, cfg.run_dir, cfg.run_id, wandb_config, ps.rank == 0)
+    logger = metrics.WandbLogger(cfg.logging.wandb, cfg.run_dir, cfg.run_id, wandb_config, ps.rank == 0,
+                                 state.iteration)
     padded = b.gpt.padded_vocab_size(ps.tp_size)
     flops = formulas.model_flops_per_iteration(b.gpt, b.global_batch_size, padded)
     peak = metrics.detect_peak_tflops(ps.device, cfg.logging.peak_tflops)
@@ -288,7 +296,8 @@ def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, fac
         cadence=Cadence(t.log_interval, t.eval_interval, t.eval_iters, t.save_interval),
         throughput=Throughput(flops, b.global_batch_size * b.gpt.seq_length, ps.world_size, peak),
         metrics_file=metrics_path(cfg.run_dir), on_step=hooks.on_step, monitor=monitor,
-        kernel_fallbacks=tuple(b.kernel_check.fallbacks) if b.kernel_check else ())
+        kernel_fallbacks=tuple(b.kernel_check.fallbacks) if b.kernel_check else (),
+        stop_group=host_group())  # collective: every rank builds its loop
 
 
 def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | None = None) -> RunResult:
@@ -319,16 +328,19 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
         facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id)
         hb.iteration = state.iteration
         loop = _loop(cfg, b, state, hooks, facts, hb)  # the loop's progress ticks arm the hang watchdog
+        reason = ""
         try:
             code = train(loop, state, stop)
-        except NonFiniteError as e:
+        except NonFiniteError as e:  # raised before the failing iteration was counted
+            reason = f"training diverged at iteration {state.iteration + 1}: {e}"
             log.error("%s. Stopping without saving: the last good checkpoint in %s is intact. Lower "
-                      "optim.lr, check the data, or resume from an earlier iteration.", e, cfg.checkpoint.dir)
+                      "optim.lr, check the data, or resume from an earlier iteration.", reason,
+                      cfg.checkpoint.dir)
             code = EXIT_NONFINITE
     loop.wandb.finish(0 if code in (EXIT_OK, EXIT_REQUEUE) else code)
     check = b.kernel_check.record() if b.kernel_check and b.kernel_check.results else None
     return RunResult(code, state.iteration, loop.losses, loop.eval_losses, state.skipped_iters,
-                     loop.wandb.run_id, check)
+                     loop.wandb.run_id, check, reason)
 
 
 def _override(d: dict, item: str) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import torch.distributed as dist
 
@@ -23,11 +24,13 @@ from trainer.ops.selfcheck import (
     CheckShapes,
     KernelCheck,
     KernelCheckError,
+    agree,
     fail_message,
     run_check,
 )
-from trainer.optim.precision import param_dtype
+from trainer.optim.precision import param_dtype, uses_master_weights
 from trainer.parallel import ParallelState
+from trainer.run.layer_check import check_compiled_layer
 
 log = get_logger(__name__)
 
@@ -65,9 +68,11 @@ def record_builds(run_dir: str, rank: int, start_iteration: int) -> list[dict]:
 
 def check_setup(cfg: RunConfig, gpt: ModelConfig, pstate: ParallelState) -> CheckSetup:
     """The device, the dtypes the kernels see and the shapes of this rank's shard: activations in the
-    compute dtype (matmul outputs) and in the parameters' dtype (the residual stream autocast promotes)."""
+    compute dtype, parameters in theirs (fp32 under autocast, so the ops see bf16 activations with fp32
+    weights and biases); the parameters' dtype is checked as an activation dtype too (eval and fp32 paths)."""
     t = cfg.train
-    params = param_dtype(t.precision, cfg.optim.distributed)
+    params = param_dtype(t.precision, uses_master_weights(t.precision, t.precision_recipe,
+                                                          cfg.optim.distributed))
     shapes = CheckShapes.for_model(gpt, pstate.tp_size, gpt.padded_vocab_size(pstate.tp_size))
     return CheckSetup(pstate.device, tuple(dict.fromkeys((DTYPES[t.precision], params))), params, shapes)
 
@@ -80,7 +85,10 @@ def checked_kernels(cfg: RunConfig, gpt: ModelConfig, pstate: ParallelState, sta
     if cfg.kernels in COMPILED_KERNEL_SETS:  # eager/compile load no build: nothing to record
         record_builds(cfg.run_dir, pstate.rank, start_iteration)
     kernels = testing_hooks.with_faults(resolve(cfg.kernels, pstate.device.type))  # a test hook, if on
-    check = run_check(kernels, check_setup(cfg, gpt, pstate), cfg.train.kernel_check)
+    setup = check_setup(cfg, gpt, pstate)
+    check = run_check(kernels, setup, cfg.train.kernel_check)
+    if kernels.compile_layers and check.policy != "off":
+        _check_layer(check, gpt, setup)
     if check.results and pstate.rank == 0:
         os.makedirs(cfg.run_dir, exist_ok=True)
         append_record(metrics_path(cfg.run_dir), {"iteration": start_iteration, KERNEL_CHECK: check.record()})
@@ -88,6 +96,23 @@ def checked_kernels(cfg: RunConfig, gpt: ModelConfig, pstate: ParallelState, sta
         raise KernelCheckError(f"{fail_message(check)}. train.kernel_check=fail: nothing was trained "
                                "(train.kernel_check=fallback trains with the eager ops instead)")
     return check
+
+
+def _check_layer(check: KernelCheck, gpt: ModelConfig, setup) -> None:
+    """kernels=compile_layer: the compiled layer against eager (trainer.run.layer_check), agreed over the
+    ranks and recorded with the ops; a failure under ``fallback`` keeps the per-op set for this run."""
+    t0 = time.perf_counter()
+    layer = agree([check_compiled_layer(gpt, setup.device, setup.dtypes[0], setup.param_dtype)])[0]
+    check.seconds += time.perf_counter() - t0
+    check.results.append(layer)
+    if layer.ok:
+        log.info("kernel self-check: the compiled transformer layer agrees with the eager one (max error "
+                 "%.3g, allowed %.3g) in %.1f s", layer.max_error, layer.tolerance, time.perf_counter() - t0)
+    elif check.policy == "fallback":
+        log.warning("kernel self-check: %s; the layers run the per-op kernels for this run "
+                    "(train.kernel_check=fallback). Fix: kernels=csrc, or a torch/compiler that compiles "
+                    "this model correctly", layer.describe())
+        check.kernels = dataclasses.replace(check.kernels, compile_layers=False)
 
 
 def optimizer_after_check(optim: OptimConfig, kernels: str, check: KernelCheck) -> tuple[OptimConfig, str]:

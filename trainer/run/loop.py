@@ -6,27 +6,36 @@ unscale (fp16), global gradient norm and clipping, the overflow/NaN decision, th
 LR scheduler step (in samples). Every decision that ends or skips a step is taken from values that are
 identical on all ranks (the loss and gradient norm are all-reduced; the stop flag is all-reduced at the
 step boundary), so ranks never diverge in control flow.
+
+No host synchronisation on an iteration that does not log, evaluate, save or stop (trainer.run.host):
+the loss and gradient norm stay on the device until the next such point and are read back together;
+clipping is one multi-tensor multiply by min(1, max_norm / norm) computed on the device; the stop flag is
+agreed on the host; the next step's batches are read, pinned and copied (non-blocking) while the device
+runs this one. So in fp32/bf16 a NaN/inf loss or gradient norm is found at the next synchronisation point
+(at most ``log_interval`` iterations later; never after a save, which is one): the run stops there,
+naming the first bad iteration, with nothing saved past it. fp16 reads the overflow decision every step
+(its loss scaler must skip the update on the host). A caller's ``on_step`` hook, which takes the loss as a
+float, makes every iteration a synchronisation point (tests, profiling; ``trainer.run.main`` sets none).
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from trainer.health import Monitor
 from trainer.log import get_logger
 from trainer.metrics_file import append_record
 from trainer.optim.lr import OptimizerParamScheduler
 from trainer.optim.precision import LossScaler
-from trainer.parallel import ParallelModel, clip_grad_norm, eval_step, train_step
-from trainer.parallel.grad_norm import unscale_main_grads_
+from trainer.parallel import ParallelModel, eval_step, train_step
+from trainer.parallel.grad_norm import clip_by_global_norm, unscale_main_grads_
 from trainer.restore.state import TrainState
 from trainer.run import metrics
+from trainer.run.host import Clock, Pending, StopAgreement, to_device
 from trainer.signals import EXIT_OK, EXIT_REQUEUE, StopRequest
 
 log = get_logger(__name__)
@@ -38,9 +47,21 @@ class NonFiniteError(RuntimeError):
 
 @dataclass
 class StepOutcome:
-    loss: float
-    grad_norm: float
+    """One step's loss and gradient norm as device scalars (``loss`` / ``grad_norm`` read them back: a
+    host synchronisation each). ``applied``: fp16 decides on the host every step; fp32/bf16 always apply
+    (a non-finite value stops the run at the next synchronisation point)."""
+
+    loss_t: torch.Tensor
+    norm_t: torch.Tensor
     applied: bool
+
+    @property
+    def loss(self) -> float:
+        return float(self.loss_t)
+
+    @property
+    def grad_norm(self) -> float:
+        return float(self.norm_t)
 
 
 @dataclass(frozen=True)
@@ -87,37 +108,37 @@ class Loop:
     on_step: Callable[[int, float], None] | None = None
     monitor: Monitor | None = None
     kernel_fallbacks: tuple[str, ...] = ()  # named in every log line (trainer.ops.selfcheck)
+    stop_group: object = None  # where the ranks agree on a stop (trainer.run.host.host_group)
     losses: dict[int, float] = field(default_factory=dict)
     eval_losses: dict[int, float] = field(default_factory=dict)
 
 
 def step(loop: Loop, batches: list[dict]) -> StepOutcome:
-    """One optimizer step over this rank's micro-batches."""
+    """One optimizer step over this rank's micro-batches, queued on the device without reading anything
+    back (except fp16's overflow decision)."""
     model = loop.model
     model.loss_scale = loop.scaler.scale
-    loss = train_step(model, batches).item()
+    loss = train_step(model, batches)
     unscale_main_grads_(model, loop.scaler.scale)  # the distributed optimizer's are its shards
-    norm = clip_grad_norm(model, loop.clip_grad)
-    finite = math.isfinite(norm) and math.isfinite(loss)
-    if loop.scaler.dynamic:
-        loop.scaler.update(not finite)
-    elif not finite:
-        raise NonFiniteError(f"{'loss' if not math.isfinite(loss) else 'gradient norm'} is not finite "
-                             f"(loss={loss}, grad norm={norm}) in {loop.precision}; the step was not applied")
-    if finite:
+    norm = clip_by_global_norm(model, loop.clip_grad)
+    applied = True
+    if loop.scaler.dynamic:  # fp16: skip the update on overflow, decided now (one read per step)
+        applied = bool(torch.isfinite(norm) & torch.isfinite(loss))
+        loop.scaler.update(not applied)
+    if applied:
         loop.optimizer.step()
     loop.scheduler.step(loop.global_batch_size)  # Megatron advances the schedule on skipped steps too
-    return StepOutcome(loss, norm, finite)
+    return StepOutcome(loss, norm, applied)
 
 
 def evaluate(loop: Loop, state: TrainState) -> float:
     """Mean validation loss over ``eval_iters`` global batches (the validation stream continues)."""
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float32, device=loop.model.pstate.device)
     for _ in range(loop.cadence.eval_iters):
         batches = next_batches(loop, loop.valid_data, "eval")
-        total += eval_step(loop.model, batches).item()
+        total += eval_step(loop.model, batches).float()
         state.consumed_valid_samples += loop.global_batch_size
-    return total / max(loop.cadence.eval_iters, 1)
+    return float(total) / max(loop.cadence.eval_iters, 1)  # one read for the whole evaluation
 
 
 def next_batches(loop: Loop, stream: Iterator | None, phase: str) -> list[dict]:
@@ -127,7 +148,7 @@ def next_batches(loop: Loop, stream: Iterator | None, phase: str) -> list[dict]:
     for _ in range(loop.num_microbatches):
         if loop.monitor is not None:
             loop.monitor.tick(phase=phase, arm=phase == "train")
-        out.append(next(stream))  # type: ignore[arg-type]
+        out.append(to_device(next(stream), loop.model.pstate.device))  # type: ignore[arg-type]
         if loop.monitor is not None:
             loop.monitor.tick()
     return out
@@ -141,14 +162,6 @@ def _save(loop: Loop, state: TrainState) -> None:
     loop.save(state)
     if loop.monitor is not None:
         loop.monitor.tick(phase=previous)
-
-
-def _stop_agreed(stop: StopRequest, device: torch.device) -> bool:
-    """All ranks stop together if any rank received a stop signal (one tiny all-reduce per step)."""
-    flag = torch.tensor([1.0 if stop.requested else 0.0], device=device)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
 
 
 def _log_interval(loop: Loop, state: TrainState, stats: metrics.IntervalStats) -> None:
@@ -174,7 +187,10 @@ def _append_metrics(loop: Loop, row: dict) -> None:
 
 
 def _run_eval(loop: Loop, state: TrainState) -> None:
+    previous = loop.monitor.phase if loop.monitor is not None else None
     loss = evaluate(loop, state)
+    if loop.monitor is not None:  # the next training batches may already be read (prefetched)
+        loop.monitor.tick(phase=previous)
     loop.eval_losses[state.iteration] = loss
     log.info("-" * 100)
     log.info(metrics.format_eval_line(state.iteration, loss))
@@ -184,34 +200,66 @@ def _run_eval(loop: Loop, state: TrainState) -> None:
     _append_metrics(loop, {"iteration": state.iteration, "valid/lm_loss": loss, "valid/ppl": ppl})
 
 
+def _read_back(loop: Loop, state: TrainState, stats: metrics.IntervalStats, pending: Pending,
+               clock: Clock) -> None:
+    """A synchronisation point: the pending iterations' losses and norms come back in one transfer, each
+    counted as before; the interval's wall time is shared among them. A non-finite value in fp32/bf16
+    stops the run (NonFiniteError) with ``state.iteration`` at the last good iteration."""
+    if not len(pending):
+        return
+    rows = pending.take()
+    seconds = clock.lap() / len(rows)
+    for iteration, loss, norm, applied in rows:
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if applied and not finite:  # fp32/bf16 (fp16's overflow steps were not applied)
+            state.iteration = iteration - 1
+            found = state.iteration + len(rows)
+            raise NonFiniteError(
+                f"{'loss' if not math.isfinite(loss) else 'gradient norm'} is not finite at iteration "
+                f"{iteration} (loss={loss}, grad norm={norm}) in {loop.precision}; found at iteration "
+                f"{found}, the next synchronisation point")
+        if not applied:
+            state.skipped_iters += 1
+            state.nan_iters += 0 if math.isfinite(loss) else 1
+        stats.add(loss, applied, norm if applied else None, seconds)
+        loop.losses[iteration] = loss
+        if loop.on_step is not None:
+            loop.on_step(iteration, loss)
+
+
 def train(loop: Loop, state: TrainState, stop: StopRequest) -> int:
     """Iterate until ``train_iters`` or an agreed stop; returns the exit code (signals module)."""
     c = loop.cadence
     stats = metrics.IntervalStats(**state.log_window)
+    pending, clock = Pending(), Clock(loop.model.pstate.device)
+    agree = StopAgreement(loop.stop_group)
+    batches = next_batches(loop, loop.train_data, "train") if state.iteration < loop.train_iters else []
     while state.iteration < loop.train_iters:
-        t0 = time.perf_counter()
-        out = step(loop, next_batches(loop, loop.train_data, "train"))
+        out = step(loop, batches)
         state.iteration += 1
         state.consumed_train_samples += loop.global_batch_size
-        if not out.applied:
-            state.skipped_iters += 1
-            state.nan_iters += 0 if math.isfinite(out.loss) else 1
-        stats.add(out.loss, out.applied, out.grad_norm if out.applied else None, time.perf_counter() - t0)
-        loop.losses[state.iteration] = out.loss
+        pending.add(state.iteration, out.loss_t, out.norm_t, out.applied)
+        if state.iteration < loop.train_iters:  # read while the device runs this step
+            batches = next_batches(loop, loop.train_data, "train")
         if loop.monitor is not None:
             loop.monitor.tick(state.iteration)
-        if loop.on_step is not None:
-            loop.on_step(state.iteration, out.loss)
-        if state.iteration % c.log_interval == 0:
+        logs = state.iteration % c.log_interval == 0
+        evals = bool(c.eval_interval and state.iteration % c.eval_interval == 0 and c.eval_iters)
+        if logs or evals or loop.on_step is not None:
+            _read_back(loop, state, stats, pending, clock)
+        if logs:
             _log_interval(loop, state, stats)
             stats = metrics.IntervalStats()
-        if c.eval_interval and state.iteration % c.eval_interval == 0 and c.eval_iters:
+        if evals:
             _run_eval(loop, state)
-        stopping = _stop_agreed(stop, loop.model.pstate.device)
+        stopping = agree(stop.requested)
         periodic = c.save_interval and state.iteration % c.save_interval == 0
         if stopping or periodic or state.iteration == loop.train_iters:
+            _read_back(loop, state, stats, pending, clock)  # nothing non-finite is ever saved
             state.log_window = asdict(stats) if stats.iters else {}
             _save(loop, state)
+        if evals or stopping or periodic:
+            clock.restart()  # evaluation and saving are not training time
         if stopping and state.iteration < loop.train_iters:
             why = stop.describe() if stop.requested else "signal on another rank"
             log.warning("stop requested (%s): checkpoint saved at iteration %d; exiting with code %d "

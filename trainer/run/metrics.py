@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer.devices import find_gpu, known_names
 from trainer.log import get_logger
 from trainer.run_files import METRICS, RunDir
 from trainer.wandb_key import has_wandb_key, missing_key_message
@@ -28,22 +29,18 @@ from trainer.wandb_online import FALLBACK_KEY, WandbError, base_url, probe, unre
 
 log = get_logger(__name__)
 
-# Dense bf16 peak TFLOP/s by GPU name fragment (first match wins; specific names first).
-PEAK_TFLOPS = (("H200", 989.0), ("H100", 989.0), ("GH200", 989.0), ("A100", 312.0), ("A800", 312.0),
-               ("L40S", 362.0), ("A10G", 70.0), ("V100", 125.0), ("B200", 2250.0))
-
-
 def detect_peak_tflops(device: torch.device, configured: float | None) -> float | None:
-    """The configured peak, else the GPU's dense bf16 peak by name, else None (CPU: no MFU)."""
+    """The configured peak, else the GPU's dense bf16 peak from the device table (trainer/devices.py), else
+    None (CPU: no MFU)."""
     if configured:
         return float(configured)
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for fragment, peak in PEAK_TFLOPS:
-        if fragment in name:
-            return peak
-    log.warning("unknown GPU %r: MFU not reported (set logging.peak_tflops)", name)
+    gpu = find_gpu(name)
+    if gpu is not None:
+        return gpu.tflops_16bit
+    log.warning("unknown GPU %r: MFU not reported (set logging.peak_tflops; known: %s)", name, known_names())
     return None
 
 
@@ -188,7 +185,9 @@ def online_or_offline(wandb_cfg) -> tuple[str, str | None]:
 class WandbLogger:
     """The W&B face of the trainer (a no-op on ranks other than 0 or when disabled)."""
 
-    def __init__(self, wandb_cfg, run_dir: str, run_id: str | None, config: dict, enabled: bool) -> None:
+    def __init__(self, wandb_cfg, run_dir: str, run_id: str | None, config: dict, enabled: bool,
+                 start: int = 0) -> None:
+        """``start``: the iteration this job resumes from (its checkpoint's)."""
         self.run = None
         self.id: str | None = None
         self.state_path = str(RunDir(run_dir).wandb_run)
@@ -199,13 +198,13 @@ class WandbLogger:
 
         state = _read_json(self.state_path)
         wid = state.get("id") or run_id or _new_run_id()
-        self.resume_after = int(state.get("last_step", -1))
         os.makedirs(run_dir, exist_ok=True)
         mode, fallback = online_or_offline(wandb_cfg)
+        resume, self.resume_after = _resume(wid, int(state.get("last_step", -1)), start, mode, run_dir)
         try:
             self.run = wandb.init(
                 mode=mode, project=wandb_cfg.project, entity=wandb_cfg.entity, group=wandb_cfg.group,
-                name=wandb_cfg.name, tags=wandb_cfg.tags or None, id=wid, resume="allow", dir=run_dir,
+                name=wandb_cfg.name, tags=wandb_cfg.tags or None, dir=run_dir, **resume,
                 config=config, settings=wandb.Settings(silent=True, console="off"))
         except Exception as e:  # noqa: BLE001 - W&B's own errors have no common base class
             raise WandbError(f"W&B could not start ({mode} mode, {type(e).__name__}: {e}); set "
@@ -261,6 +260,35 @@ class WandbLogger:
             except (Exception, SystemExit) as e:  # noqa: BLE001 - see above; teardown may sys.exit
                 log.warning("W&B: %s failed (%s: %s); the run's exit code stands (%d). Upload what was "
                             "written with `wandb sync`", what, type(e).__name__, e, exit_code)
+
+
+def can_rewind() -> bool:
+    """Whether the installed wandb can rewind a run (``wandb.init(resume_from="<id>?_step=<n>")``, beta
+    since wandb 0.17.1); only a W&B server applies it, so only online runs use it."""
+    import inspect
+
+    import wandb
+
+    return "resume_from" in inspect.signature(wandb.init).parameters
+
+
+def _resume(wid: str, last: int, start: int, mode: str, run_dir: str) -> tuple[dict, int]:
+    """How this job continues W&B run ``wid`` (wandb.init's arguments) and the last step it must not log
+    again. An earlier job may have logged past this job's checkpoint (a crash after logging, or a relaunch
+    from an earlier checkpoint): online, the run is rewound to ``start`` so W&B's history is what the
+    metrics file holds; otherwise those steps keep their earlier values, and the log says so."""
+    if start >= last:
+        return {"id": wid, "resume": "allow"}, last
+    if mode == "online" and can_rewind():
+        log.info("W&B: rewinding run %s to step %d: steps %d..%d logged by an earlier job are replaced by "
+                 "this job's", wid, start, start + 1, last)
+        return {"resume_from": f"{wid}?_step={start}"}, start
+    why = "an offline run cannot be rewound" if mode == "offline" else "this wandb cannot rewind a run"
+    log.warning("W&B: run %s already holds steps %d..%d, logged by an earlier job; this job resumes from "
+                "iteration %d and %s, so W&B keeps the earlier values of those steps and logs from step %d "
+                "on. %s holds this job's values for every step", wid, start + 1, last, start, why, last + 1,
+                RunDir(run_dir).metrics)
+    return {"id": wid, "resume": "allow"}, last
 
 
 def _new_run_id() -> str:

@@ -1,0 +1,107 @@
+"""The site's hardware as the plan uses it, each value with where it came from (pure).
+
+The site file (``hydra_conf/cluster/<site>.yaml``) is the one place for a site's hardware
+(:data:`HARDWARE`); an experiment asks for a layout (:data:`LAYOUT`) and never changes it.
+orchestrator/site.py, which knows Hydra, records where each value came from in
+``cluster.hardware_sources``; this module adds what the device table (trainer/devices.py) and the measured
+figures (orchestrator/measured.py) fill in for the values the site leaves null, so the plan can print
+every figure it used and its source.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.measured import MeasuredMfu, measured_figures
+from orchestrator.schema import ClusterConfig, SlipwayConfig
+from trainer.devices import Gpu, find_gpu
+
+# The site's facts: only the site file sets them (an experiment's value is not used; a command line's must
+# not exceed the site's, orchestrator/checks/cluster.py).
+HARDWARE = ("max_nodes", "gpus_per_node", "cpus_per_node", "mem_per_node_gb", "device_name",
+            "device_memory_gb", "device_peak_tflops", "device_bf16", "bus_bandwidth_gbps")
+# What a run asks of the site: an experiment may set these.
+LAYOUT = ("gpus", "nodes", "tasks_per_node", "cpus_per_task", "mem_gb", "mfu")
+# Figures for the values a CPU site leaves null: a few cores, no measurement (the plan's ETA is a rough
+# guide there; the local and devcluster files set their own).
+CPU_PEAK_TFLOPS = 0.05
+CPU_MFU = 0.3
+
+
+@dataclass(frozen=True)
+class Fact:
+    value: Any  # None: unknown
+    source: str
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the plan uses of one device: its table entry, memory, peak, bf16 and the MFU for the ETA."""
+
+    gpu: Gpu | None
+    memory_gb: Fact  # 0: unknown
+    peak_tflops: Fact  # None: unknown (a GPU the table does not know, without a peak)
+    bf16: Fact
+    mfu: Fact
+
+
+def source(c: ClusterConfig, key: str) -> str:
+    """Where ``cluster.<key>`` came from, as launch.py recorded it ("config" when built without it)."""
+    return c.hardware_sources.get(key, "config")
+
+
+def is_cpu(c: ClusterConfig) -> bool:
+    return c.device_name.strip().lower() == "cpu"
+
+
+def _from_table(c: ClusterConfig, key: str, value: Any, gpu: Gpu | None, table: Any) -> Fact:
+    """A site value when set, else the device table's (None when the table does not know the device)."""
+    if value is not None:
+        return Fact(value, source(c, key))
+    overruled = source(c, key) if "not used" in source(c, key) else ""  # an experiment's value (site.py)
+    if gpu is None:
+        return Fact(None, f"not set ({c.device_name} is not in the device table){overruled and '; '}"
+                          f"{overruled}")
+    return Fact(table, f"device table: {gpu.source}" + (f" ({overruled})" if overruled else ""))
+
+
+def plan_mfu(c: ClusterConfig, gpu: Gpu | None, precision: str,
+             figures: tuple[MeasuredMfu, ...] | None = None) -> Fact:
+    """The MFU of the ETA: the configured one, else the figure measured on this GPU (in this precision
+    first), else the one measured on another GPU (named), else :data:`CPU_MFU` on CPUs."""
+    if c.mfu is not None:
+        return Fact(c.mfu, source(c, "mfu"))
+    if is_cpu(c):
+        return Fact(CPU_MFU, "assumed for CPUs (none measured)")
+    figures = measured_figures() if figures is None else figures
+    name = gpu.name if gpu else c.device_name
+    ranked = sorted(figures, key=lambda f: (f.gpu != name, f.precision != precision))
+    if not ranked:
+        return Fact(CPU_MFU, f"assumed: no MFU measured on any GPU in bench/ (set cluster.mfu for {name})")
+    f = ranked[0]
+    where = f"measured on {f.gpu}" if f.gpu == name else f"measured on {f.gpu}, none yet on {name}"
+    return Fact(f.mfu, f"{where} ({f.what}; {f.source})")
+
+
+def hardware(cfg: SlipwayConfig, figures: tuple[MeasuredMfu, ...] | None = None) -> Hardware:
+    c, precision = cfg.cluster, cfg.train.precision
+    if is_cpu(c):
+        mem = Fact(c.device_memory_gb or 0.0,
+                   source(c, "device_memory_gb") if c.device_memory_gb else "not checked on CPUs")
+        peak = Fact(c.device_peak_tflops or CPU_PEAK_TFLOPS, source(c, "device_peak_tflops")
+                    if c.device_peak_tflops else "assumed for CPUs")
+        bf16 = Fact(True if c.device_bf16 is None else c.device_bf16, source(c, "device_bf16"))
+        return Hardware(None, mem, peak, bf16, plan_mfu(c, None, precision, figures))
+    gpu = find_gpu(c.device_name)
+    memory = _from_table(c, "device_memory_gb", c.device_memory_gb, gpu, gpu and gpu.memory_gb)
+    if memory.value is None:
+        memory = Fact(0.0, memory.source)
+    peak = _from_table(c, "device_peak_tflops", c.device_peak_tflops, gpu,
+                       gpu and gpu.peak_tflops(precision))
+    if peak.value is None and gpu is not None:
+        peak = Fact(None, f"{gpu.name} has no {precision} unit (device table: {gpu.source})")
+    bf16 = _from_table(c, "device_bf16", c.device_bf16, gpu, gpu and gpu.bf16)
+    if bf16.value is None:
+        bf16 = Fact(True, f"assumed ({c.device_name} is not in the device table)")
+    return Hardware(gpu, memory, peak, bf16, plan_mfu(c, gpu, precision, figures))

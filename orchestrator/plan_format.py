@@ -1,0 +1,105 @@
+"""The plan's text sections that say what the run will be: the layout, the training recipe, the hardware
+with the source of every value, and the time estimate with the figures it used (flow.format_plan puts
+them together with the memory table, the stages and the problems)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from orchestrator.estimate import NO_MEMORY, NO_TIME, fmt_duration, memory_table, options_table
+from orchestrator.hardware import hardware, is_cpu, source
+from orchestrator.layout import Layout
+from orchestrator.schema import SlipwayConfig
+
+if TYPE_CHECKING:
+    from orchestrator.plan import Plan
+
+
+def layout_line(cfg: SlipwayConfig, lay: Layout) -> str:
+    head = (f"  layout: {lay.nodes} node(s) × {lay.tasks_per_node} task(s) = world {lay.world} = "
+            f"tp {lay.tp} × pp {lay.pp} × dp {lay.dp}")
+    if not lay.dp:
+        return f"{head}: no valid split of the world (see PROBLEMS)"
+    if not lay.num_microbatches:
+        return f"{head}: the global batch {lay.global_batch} does not split into micro-batches (see PROBLEMS)"
+    return f"{head}; {lay.num_microbatches} micro-batch(es) of {cfg.train.micro_batch_size} per step"
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M" if n >= 1e6 else f"{n:,.0f}"
+
+
+def recipe_lines(cfg: SlipwayConfig, lay: Layout, vocab: int) -> list[str]:
+    """The training recipe the run will follow, so a wrong one is seen before the queue."""
+    o, t, m = cfg.optim, cfg.train, cfg.model
+    decay = o.decay_iters if o.decay_iters is not None else t.iters
+    tokens_per_step = lay.global_batch * m.seq_length
+    return [
+        f"  recipe: lr {o.lr:g} → min_lr {o.min_lr:g}, {o.warmup_iters} warm-up iterations, {o.decay_style} "
+        f"decay to iteration {decay}; AdamW β {o.adam_beta1:g}/{o.adam_beta2:g}, weight decay "
+        f"{o.weight_decay:g}, clip {o.clip_grad:g}",
+        f"          global batch {lay.global_batch} × seq {m.seq_length} = {tokens_per_step:,} tokens per "
+        f"step, {t.iters} iterations = {_count(tokens_per_step * t.iters)} tokens, precision "
+        f"{t.precision}, vocab {vocab}",
+    ]
+
+
+def _row(name: str, value: str, where: str) -> str:
+    return f"  {name:<18}{value:<26}{where}"
+
+
+def hardware_lines(cfg: SlipwayConfig) -> list[str]:
+    """Each hardware value the plan used and where it came from (site file, experiment, command line,
+    default, the device table, the measured MFU)."""
+    c, hw = cfg.cluster, hardware(cfg)
+    site = c.hardware_sources.get("site", f"cluster {c.name}")
+    nodes = f"{c.nodes}" + (f" (of {c.max_nodes})" if c.max_nodes is not None else "")
+    lines = [f"Hardware ({site}; an experiment asks for a size, the site file states the hardware):",
+             _row("nodes", nodes, source(c, "nodes"))]
+    if c.gpus_per_node:
+        lines.append(_row("GPUs per node", str(c.gpus_per_node), source(c, "gpus_per_node")))
+    for key, name, unit in (("cpus_per_node", "CPUs per node", ""), ("mem_per_node_gb", "memory per node",
+                                                                       " GB")):
+        if getattr(c, key) is not None:
+            lines.append(_row(name, f"{getattr(c, key):g}{unit}", source(c, key)))
+    device = c.device_name + (f" = {hw.gpu.name}" if hw.gpu and hw.gpu.name != c.device_name else "")
+    memory = f"{hw.memory_gb.value:g} GB" if hw.memory_gb.value else "unknown"
+    peak = f"{hw.peak_tflops.value:g} TFLOP/s" if hw.peak_tflops.value else "unknown"
+    lines += [_row("device", device, source(c, "device_name")),
+              _row("device memory", memory, hw.memory_gb.source),
+              _row(f"peak ({cfg.train.precision})", peak, hw.peak_tflops.source)]
+    if not is_cpu(c):
+        lines += [_row("bf16", "yes" if hw.bf16.value else "no", hw.bf16.source),
+                  _row("bus bandwidth", f"{c.bus_bandwidth_gbps:g} GB/s", source(c, "bus_bandwidth_gbps"))]
+    lines.append(_row("MFU for the ETA", f"{hw.mfu.value:.1%}", hw.mfu.source))
+    return lines
+
+
+def memory_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
+    """The memory table and the options beside it, or why there is none (the model's sizes are broken)."""
+    if plan.memory is NO_MEMORY:
+        return ["Memory: not estimated: the model or layout has problems (see PROBLEMS)"]
+    table = memory_table(plan.memory, cfg.cluster.device_name)
+    return ["Memory per device (the busiest pipeline stage):", table,
+            *options_table(plan.memory, plan.memory_options)]
+
+
+def time_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
+    """The time estimate, or why there is none (a layout or device problem): never an ETA from nonsense."""
+    lay, t, hw = plan.layout, plan.time, hardware(cfg)
+    if not lay.dp or not lay.num_microbatches or plan.time is NO_TIME:
+        return ["Time: not estimated: the model or layout has problems (see PROBLEMS)"]
+    if not t.known:
+        return [f"Time: not estimated: the device's peak is unknown ({hw.peak_tflops.source}; see PROBLEMS)"]
+    unit = "GPU" if cfg.cluster.gpus_per_node else "CPU-task"
+    exchange = ""
+    if t.exchange_s:
+        exchange = (f", data-parallel exchange {t.exchange_s:.3f} s ({t.exposed_s:.3f} s of it not hidden "
+                    f"behind backward, at {cfg.cluster.bus_bandwidth_gbps:g} GB/s)")
+    return [
+        f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {hw.mfu.value:.1%} MFU of "
+        f"{hw.peak_tflops.value:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}{exchange}: "
+        f"{t.step_s:.3f} s/iteration",
+        f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {unit}-hours ({cfg.cluster.device_name} × "
+        f"{lay.world}); first checkpoint after {fmt_duration(t.first_checkpoint_s)}",
+    ]

@@ -1,0 +1,69 @@
+"""docs/cluster.md's walkthrough, followed literally (issue 37): its example site file (2 nodes of 4 H100s)
+written where the page says a site folder may be, and every launch command of the page and of the README's
+summary run as a dry run through launch.py. Each must plan what the site can run: 4 GPUs per node on at
+most 2 nodes, the CPU stages on the site's CPU partition with slurm.yaml's stage time limit and NCCL
+settings kept, and no problem but what this machine cannot have (the input files, pyxis in srun, the
+site's Slurm controller). Sweeps (``-m``) are left out: their dry run is another issue's (37, item 3)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tests.orchestrator.conftest import REPO
+from tests.orchestrator.sites import docs_site, site_file
+
+# What a dry run on this machine cannot have: the CodeParrot data, the tokenizer and the image are the
+# user's; pyxis is a plugin of the site's srun; the site's Slurm controller answers on the site only.
+ELSEWHERE = {"file_missing", "pyxis_missing", "slurm_unreachable"}
+
+
+def _commands() -> list[str]:
+    """Every single-run ``python launch.py ... cluster=mysite ...`` line of the walkthrough, in order."""
+    out: list[str] = []
+    for page in (REPO / "docs" / "cluster.md", REPO / "README.md"):
+        for block in re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
+            for line in block.splitlines():
+                line = line.split("#")[0].strip()
+                if line.startswith("python launch.py") and "cluster=mysite" in line and " -m " not in line:
+                    if line not in out:
+                        out.append(line)
+    return out
+
+
+COMMANDS = _commands()
+
+
+def test_the_walkthrough_has_its_commands():
+    assert len(COMMANDS) >= 3 and any("container=pyxis" in c for c in COMMANDS), COMMANDS
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_each_command_plans_what_the_site_can_run(tmp_path, command):
+    over = site_file(tmp_path, "mysite", docs_site())
+    argv = [a for a in shlex.split(command)[2:] if a != "dry_run=true"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPWAY_")}
+    env["WANDB_API_KEY"] = "k" * 40  # step 5 exports it
+    out = subprocess.run([sys.executable, "launch.py", *argv, *over[1:], "dry_run=true",
+                          f"runs_root={tmp_path}/runs"], cwd=REPO, capture_output=True, text=True,
+                         timeout=120, env=env)
+    text = out.stdout
+    assert "Slipway plan" in text, out.stderr
+    codes = set(re.findall(r"^  - \[(\w+)\]", text, re.M))
+    assert codes <= ELSEWHERE, text.split("PROBLEMS")[-1].split("-----")[0]
+    assert "Warnings:" not in text, text.split("Warnings:")[1].split("\n\n")[0]
+    scripts = dict(re.findall(r"----- (\w+) job script -----\n(.*?)(?=\n----- |\Z)", text, re.S))
+    train = scripts.pop("train")
+    nodes = int(re.search(r"#SBATCH --nodes=(\d+)", train)[1])
+    assert 1 <= nodes <= 2 and "#SBATCH --gpus-per-node=4" in train and "#SBATCH --ntasks-per-node=4" in train
+    assert "#SBATCH --partition=gpu" in train and "export NCCL_DEBUG=WARN" in train
+    assert "export NCCL_SOCKET_IFNAME=ib0" in train
+    for name, script in scripts.items():
+        if name in ("preprocess", "corpus", "convert"):
+            assert "#SBATCH --partition=cpu" in script and "#SBATCH --time=240" in script, name
+            assert "--gpus-per-node" not in script, name

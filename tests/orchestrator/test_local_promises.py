@@ -1,0 +1,227 @@
+"""The embedded default (submitit's local executor) keeps Slurm's promises across a run's launches: a stage
+waits for *this launch's* upstream job (never an older marker), a relaunch runs only what is missing and
+refuses what would train nothing, the summary names the iteration the HF model holds, a divergence says
+where, and a damaged run.json is one problem line (status still answers).
+
+One run, launched seven times in a row on one small model (tp1, no eval, W&B off), as a user would."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from orchestrator.flow import RunFailed, launch
+from orchestrator.launches import current_jobs
+from orchestrator.problems import PlanError
+from orchestrator.status import collect, format_rows
+from tests.orchestrator.conftest import REPO, compose_cfg
+from tests.orchestrator.devcluster_helpers import TINY_MODEL
+from tests.seam import hook_env
+from tests.waits import JOB_S, NEVER_S, wait_until
+from trainer.run_files import RunDir
+
+SMALL = [
+    "+experiment=codeparrot_smoke",
+    "data.corpus.max_files=12",
+    "data.corpus.max_bytes=200000",
+    "tokenizer.vocab_size=300",
+    *TINY_MODEL,
+    "parallel=tp1_pp1",
+    "eval=none",
+    "logging.wandb.mode=disabled",
+    "train.eval_interval=1000",
+    "train.save_interval=1000",  # one checkpoint, at the end: a stale conversion could only read the old one
+]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """The shared stages' outputs (corpus, tokenizer, preprocessed data), built once for the module."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def _launch(root: Path, cache: Path, *extra: str, out: io.StringIO | None = None):
+    cfg = compose_cfg([*SMALL, f"runs_root={root}/runs", f"cache_dir={cache}", "run_id=r", *extra])
+    return launch(cfg, out=out or io.StringIO())
+
+
+def _card_iteration(run: Path) -> int:
+    """The iteration the converted model holds, as its model card records it (trainer/convert/card.py)."""
+    m = re.search(r"^\| iteration \| (\d+) \|$", (run / "hf" / "README.md").read_text(), re.M)
+    assert m, (run / "hf" / "README.md").read_text()[:2000]
+    return int(m.group(1))
+
+
+def _states(run: Path) -> dict[str, str]:
+    return {r.stage: r.state for r in collect(str(run))}
+
+
+@pytest.mark.timeout(900)
+def test_relaunches_keep_afterok_and_do_only_what_is_missing(tmp_path, cache):
+    run = tmp_path / "runs" / "codeparrot_smoke" / "r"
+    out = io.StringIO()
+    _launch(tmp_path, cache, "train.iters=3", out=out)
+    assert re.search(r"HF model +\S+/hf \(iteration 3\)\n", out.getvalue()) and _card_iteration(run) == 3
+
+    # More iterations: convert waits for this launch's training, not the first launch's _COMPLETE.
+    out = io.StringIO()
+    res = _launch(tmp_path, cache, "train.iters=6", out=out)
+    assert {s.stage: s.action for s in res.submitted}["train"] == "submitted"
+    assert _card_iteration(run) == 6, "the HF model was converted from an earlier launch's checkpoint"
+    assert re.search(r"HF model +\S+/hf \(iteration 6\)\n", out.getvalue()), out.getvalue()
+
+    # hf/ deleted: only conversion runs again (no train job that would load iteration 6 and stop).
+    shutil.rmtree(run / "hf")
+    jobs_before = current_jobs(json.loads((run / "run.json").read_text()))
+    dry = io.StringIO()
+    _launch(tmp_path, cache, "train.iters=6", "dry_run=true", out=dry)  # says so before submitting
+    assert "no job: its checkpoint is at iteration 6 = train.iters: nothing to train" in dry.getvalue()
+    assert dry.getvalue().count("no job:") == 3  # corpus, preprocess, train: convert would run
+    res = _launch(tmp_path, cache, "train.iters=6")
+    actions = {s.stage: s.action for s in res.submitted}
+    assert actions == {"corpus": "reused", "preprocess": "reused", "train": "reused", "convert": "submitted"}
+    assert set(current_jobs(json.loads((run / "run.json").read_text()))) == {"convert"}
+    assert jobs_before["train"] and _card_iteration(run) == 6
+
+    # Fewer iterations than the checkpoint holds: refused, saying so, instead of "completing".
+    with pytest.raises(PlanError) as err:
+        _launch(tmp_path, cache, "train.iters=4")
+    assert [p.code for p in err.value.problems] == ["iters_below_checkpoint"]
+    assert "at iteration 6, past train.iters=4" in str(err.value) and "train.iters=10" in str(err.value)
+
+    # Training diverges: its failure names the iteration, and conversion never runs after it (afterok),
+    # although the previous launch's convert and train markers said COMPLETE.
+    with pytest.raises(RunFailed):
+        _launch(tmp_path, cache, "train.iters=9", "optim.lr=1e12", "optim.min_lr=1e11",
+                "optim.warmup_iters=0")
+    states = _states(run)
+    assert states == {"train": "FAILED", "convert": "FAILED"}, states
+    table = format_rows(collect(str(run)))
+    assert re.search(r"FAILED: run r stage train \(job \d+\): training diverged at iteration \d+: "
+                     r"(loss|gradient norm) is not finite .* \(exit 65\)", table), table
+    assert "upstream" in table and "afterok" in table  # convert's reason: it never ran
+    assert _card_iteration(run) == 6  # the model of the last good launch stays
+
+    # A damaged run.json: one problem line naming it and the way back, never a traceback; status answers.
+    record = run / "run.json"
+    record.write_text(record.read_text()[:100])
+    with pytest.raises(PlanError) as err:
+        _launch(tmp_path, cache, "train.iters=9")
+    assert [p.code for p in err.value.problems] == ["run_record"]
+    assert f"{record} is not a readable run record (not valid JSON" in str(err.value)
+    assert f"{run / 'launches'}/<n>/" in str(err.value) and f"mv {record} {record}.broken" in str(err.value)
+    status = subprocess.run([sys.executable, "-m", "orchestrator", "status", str(run)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+    assert f"RUN RECORD: run r: {record} is not a readable run record" in status.stdout, status.stdout
+
+
+def _alive(pid: int) -> bool:
+    """A process exists and is not a zombie (the test's own reading of /proc)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] not in "ZX"
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _launch_and_interrupt(over: list[str], run: Path, sig: int, stall: int) -> None:
+    """launch.py with every rank pausing after iteration ``stall``; ``sig`` to the launcher's pid alone
+    once the four ranks have paused; then every process of the run must be gone."""
+    env = dict(os.environ, **hook_env(STALL_TRAIN=str(stall)))
+    proc = subprocess.Popen([sys.executable, "launch.py", *over], cwd=REPO, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids: set[int] = set()
+    try:
+        stalled = run / "stages" / "train"
+        wait_until(lambda: len(list(stalled.glob(f"stalled_{stall}_rank*"))) == 4 or proc.poll() is not None,
+                   f"the four training ranks to pause after iteration {stall}", JOB_S, poll_s=0.5)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        pids = _descendants(proc.pid)
+        ranks = {int(p.read_text().split()[0]) for p in RunDir(run).pids.glob("*.pid")}
+        assert len(ranks) == 4 and ranks <= pids, (ranks, pids)
+        os.kill(proc.pid, sig)  # the launcher alone
+        _, err = proc.communicate(timeout=NEVER_S)
+        assert proc.returncode == 128 + sig, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        assert re.search(r"interrupted: \d local job\(s\) of run r cancelled", err), err[-3000:]
+        wait_until(lambda: not any(_alive(p) for p in pids), "every process of the run to end", NEVER_S)
+        assert _states(run)["train"] == "CANCELLED"
+    finally:  # on a failure, leave nothing running
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+@pytest.mark.timeout(900)
+def test_a_signal_to_the_launcher_alone_cancels_every_process_and_the_run_resumes(tmp_path, cache):
+    """SIGTERM, then SIGINT, sent to launch.py's pid only (not its process group: a scheduler's kill, a
+    closed ssh session, a parent that forwards Ctrl-C): every process of the run ends — the job
+    controllers, the four training ranks — the launcher says so and exits 128+signal, and the next
+    launch resumes from the last checkpoint."""
+    run = tmp_path / "runs" / "codeparrot_smoke" / "r"
+    extra = ["parallel=tp2_pp2", "train.iters=6", "train.save_interval=2"]
+    over = [*SMALL, f"runs_root={tmp_path}/runs", f"cache_dir={cache}", "run_id=r", *extra]
+    _launch_and_interrupt(over, run, signal.SIGTERM, stall=3)
+    _launch_and_interrupt(over, run, signal.SIGINT, stall=5)  # resumed from iteration 2, stopped after 5
+
+    res = _launch(tmp_path, cache, *extra)
+    train = next(s for s in res.submitted if s.stage == "train")
+    log = (run / "jobs" / "train" / f"{train.job_id}_0_log.err").read_text()
+    assert re.search(r"loaded \w+ from \S+ iteration 4 ", log), log[-3000:]
+    assert set(_states(run).values()) == {"COMPLETED"} and _card_iteration(run) == 6
+
+
+def test_a_pid_the_system_reused_is_not_the_runs_job(tmp_path):
+    """A local job id is a pid, and pids wrap (pid_max is 32768 here): after the job ended, another program
+    may hold its number. That program must not make the run look active (a relaunch refused forever), nor
+    its stage RUNNING, nor be cancelled."""
+    other = subprocess.Popen(["sleep", "600"])
+    try:
+        run = tmp_path / "runs" / "codeparrot_smoke" / "r"
+        folder = run / "jobs" / "train"
+        folder.mkdir(parents=True)
+        entry = {"job_id": str(other.pid), "executor": "local", "folder": str(folder),
+                 "state_dir": str(run / "stages" / "train")}
+        (run / "run.json").write_text(json.dumps({"run_id": "r", "format": 2, "launches": [
+            {"n": 1, "state": "submitted", "jobs": {"train": [entry]}}]}))
+        assert _states(run) == {"train": "ENDED"}
+        cfg = compose_cfg([*SMALL, f"runs_root={tmp_path}/runs", f"cache_dir={tmp_path}/c", "run_id=r",
+                           "dry_run=true"])
+        assert "run_active" not in [p.code for p in launch(cfg, out=io.StringIO()).plan.problems]
+        from orchestrator.__main__ import main as orchestrator_main
+
+        assert orchestrator_main(["cancel", str(run)]) == 0
+        assert other.poll() is None  # untouched
+    finally:
+        other.kill()
+        other.wait()
