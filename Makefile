@@ -33,7 +33,8 @@ CSRC := $(wildcard csrc/*.cpp csrc/*.h csrc/cuda/*.cu csrc/cuda/*.cpp csrc/cuda/
 DEVCLUSTER := slurm/devcluster
 PYTEST_ARGS ?=
 
-.PHONY: install mcore demo test test-fast test-stress lint bench cuda-check devcluster-up devcluster-down devcluster-status clean show-env
+.PHONY: install mcore demo test test-fast test-stress lint bench cuda-check dev-image devcluster-up devcluster-down \
+  devcluster-status clean show-env
 
 install: $(STAMP)
 
@@ -99,6 +100,12 @@ cuda-check: install
 	  done && echo "cuda-check: type-checked $$(ls csrc/cuda/*.cpp | wc -l) torch binding(s) against CUDA headers"; \
 	else echo "cuda-check: nvcc or CUDA sources absent, skipped"; fi
 
+# The CPU image the container tests run in (container=charliecloud): Debian's Python, the CPU torch and
+# Slipway's kernels built inside it (containers/dev_image.py). Cached in .make/images by its inputs: only
+# the first run after a change of them builds (a few minutes; csrc/ changes rebuild the kernel layer only).
+dev-image: install
+	TORCH_SPEC="$(TORCH_SPEC)" $(PYTHON) containers/dev_image.py build
+
 devcluster-up:
 	$(DEVCLUSTER) up
 
@@ -110,7 +117,7 @@ devcluster-status:
 
 # Brings the devcluster up around the suite and always down after it, keeping pytest's exit status.
 # A cluster that fails to come up fails the target at once (its error and log tail are on stderr).
-test: install mcore lint cuda-check
+test: install mcore lint cuda-check dev-image
 	@set -o pipefail; $(DEVCLUSTER) up | tail -n 5 || { $(DEVCLUSTER) down >/dev/null 2>&1; \
 	  echo "make test: slurm/devcluster up failed (see above)" >&2; exit 1; }; \
 	eval "$$($(DEVCLUSTER) env)"; \

@@ -9,6 +9,7 @@ toolkit and a CUDA build of torch are present.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 
 from setuptools import find_namespace_packages, find_packages, setup
@@ -84,8 +85,23 @@ def _extensions():
         )
     # ninja (when installed) compiles the translation units in parallel and tracks header dependencies,
     # so editing a csrc/*.h rebuilds what includes it; without it setuptools compiles serially.
-    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=cpp_extension.is_ninja_available())
-    return [ext], {"build_ext": build_ext}
+    base = cpp_extension.BuildExtension.with_options(use_ninja=cpp_extension.is_ninja_available())
+
+    class BuildWithStamp(base):
+        """Writes beside the library what it was built for (trainer/kernel_build.py): a job refuses a build
+        for another torch or from other csrc/ sources instead of loading it."""
+
+        def run(self):
+            super().run()
+            spec = importlib.util.spec_from_file_location(
+                "kernel_build", os.path.join(here, "trainer", "kernel_build.py"))
+            kernel_build = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(kernel_build)  # by path: the build need not find the package
+            for e in self.extensions:
+                library = self.get_ext_fullpath(e.name)
+                kernel_build.write_stamp(library, torch.__version__, torch.version.cuda, here)
+
+    return [ext], {"build_ext": BuildWithStamp}
 
 
 ext_modules, cmdclass = _extensions()

@@ -1,9 +1,9 @@
 """What a containerised job needs from the host, for both runtimes (pure): the folders it reads or writes,
 each with the config key it comes from, and what kind of reference ``container.image`` is.
 
-Apptainer binds these folders (container_render.render_container_wrapper) and pyxis mounts them
-(container_render.pyxis_srun_flags); checks/container.py checks them. One list, so a folder added here reaches
-both runtimes and the plan's checks.
+Apptainer and Charliecloud bind these folders (container_render.render_container_wrapper) and pyxis
+mounts them (container_render.pyxis_srun_flags); checks/container.py checks them. One list, so a folder
+added here reaches every runtime and the plan's checks.
 
 pyxis reads ``--container-image`` as a squashfs file when it starts with ``/`` or ``.`` and as an enroot
 registry reference otherwise (NVIDIA/pyxis ``pyxis_slurmstepd.c``); the documented form is
@@ -47,7 +47,16 @@ SYSTEM_DIRS = frozenset(
 MOUNT_UNSAFE = {
     "apptainer": (re.compile(r"[,:]"), "',' or ':'"),
     "pyxis": (re.compile(r"[,:\s]"), "',', ':' or white space"),
+    "charliecloud": (re.compile(r":"), "':'"),  # one ch-run -b SRC[:DST] per folder
 }
+# The runtimes a per-run wrapper script starts in each task (container_exec.sh); pyxis is srun's.
+WRAPPER_KINDS = ("apptainer", "charliecloud")
+# The files ch-run replaces with the host's, but only where the image has them: without them the node names
+# the jobs use (MASTER_ADDR) do not resolve in the image.
+CH_NAME_FILES = ("etc/hosts", "etc/resolv.conf")
+# Where ch-run binds the host's /tmp (its default; the wrapper unsets TMPDIR, which would move it): folders
+# below it need no mount point in the image.
+CH_HOST_TMP = "/tmp"
 # The srun options the rendered pyxis jobs use (container_render.pyxis_srun_flags), each listed by
 # `srun --help` once the plugin is loaded; --container-env needs pyxis 0.15 or later.
 PYXIS_OPTIONS = ("--container-image", "--container-mounts", "--container-workdir",
@@ -63,7 +72,9 @@ def job_image(container: ContainerConfig) -> str | None:
     image = container.image
     if not image:
         return None
-    return os.path.abspath(image) if container.kind == "apptainer" or image_is_file(image) else image
+    if container.kind in WRAPPER_KINDS or image_is_file(image):
+        return os.path.abspath(image)
+    return image
 
 
 def host_paths(cfg: SlipwayConfig) -> list[tuple[str, str]]:
@@ -82,10 +93,24 @@ def host_paths(cfg: SlipwayConfig) -> list[tuple[str, str]]:
 
 def mount_points(cfg: SlipwayConfig) -> list[tuple[str, str]]:
     """Everything the runtime binds, keyed for the plan's problems, in the renderers' order: the
-    repository, the job's folders, container.binds and (pyxis: the container's working directory) the
-    launch directory."""
+    repository, the job's folders, container.binds and (pyxis, charliecloud: the container's working
+    directory) the launch directory."""
     out = [("(the repository)", str(REPO_ROOT)), *host_paths(cfg)]
     out += [("container.binds", os.path.abspath(b)) for b in cfg.container.binds]
-    if cfg.container.kind == "pyxis":
+    if cfg.container.kind in ("pyxis", "charliecloud"):
         out.append(("(the launch directory)", os.getcwd()))
     return out
+
+
+def missing_mount_points(image: str, paths: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """charliecloud: the (key, folder) pairs ch-run could not bind because the image (a directory) has no
+    folder at that path to bind onto (ch-run does not create them in a read-only image). Folders under
+    the host /tmp it binds anyway are fine, and so is a folder inside another bound one."""
+    bound = [p for _, p in paths]
+
+    def covered(p: str) -> bool:
+        inside = (CH_HOST_TMP, *(q for q in bound if q != p))
+        return p == CH_HOST_TMP or any(p.startswith(q.rstrip("/") + "/") for q in inside)
+
+    return [(key, p) for key, p in paths
+            if not covered(p) and not os.path.isdir(os.path.join(image, p.lstrip("/")))]

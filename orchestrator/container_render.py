@@ -1,14 +1,18 @@
-"""The container half of the job scripts: Apptainer's wrapper (``--cleanenv``, the allowlisted variables
-forwarded per task, the binds) and pyxis's srun flags and preamble (mounts, ``--container-env`` names).
-Both runtimes bind the folders of :mod:`orchestrator.container` and put the launched repository first on
-PYTHONPATH; :mod:`orchestrator.render` puts these pieces into the sbatch script."""
+"""The container half of the job scripts: the per-task wrapper of Apptainer and Charliecloud (a clean
+environment, the allowlisted variables forwarded per task, the binds) and pyxis's srun flags and preamble
+(mounts, ``--container-env`` names). Every runtime binds the folders of :mod:`orchestrator.container`, puts
+the launched repository first on PYTHONPATH and names the image's own kernel build (``container.kernels_dir``,
+trainer/kernel_build.py), which the job loads instead of the repository's; :mod:`orchestrator.render` puts
+these pieces into the sbatch script."""
 
 from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
 
+from orchestrator.container import WRAPPER_KINDS
 from orchestrator.schema import ContainerConfig
+from trainer.kernel_build import KERNELS_DIR_ENV
 
 
 def container_binds(paths: list[str]) -> list[str]:
@@ -41,8 +45,22 @@ def _env_loop(container: ContainerConfig, allowed: str, indent: str = "") -> lis
     return [indent + line for line in lines]
 
 
-def render_container_wrapper(container: ContainerConfig, binds: list[str], code_dir: str, gpus: bool) -> str:
-    """``bash wrapper python ...`` runs python in the image, with only allowlisted variables inside."""
+def job_variables(container: ContainerConfig, code_dir: str) -> list[tuple[str, str]]:
+    """What every runtime sets inside the image beyond the allowlist: the launched repository on PYTHONPATH
+    and, when the image has its own kernel build, where it is."""
+    out = [("PYTHONPATH", code_dir)]
+    if container.kernels_dir:
+        out.append((KERNELS_DIR_ENV, container.kernels_dir))
+    return out
+
+
+def render_container_wrapper(container: ContainerConfig, binds: list[str], code_dir: str, gpus: bool,
+                             workdir: str = "") -> str:
+    """``bash wrapper python ...`` runs python in the image, with only allowlisted variables inside
+    (Apptainer, or Charliecloud, whose working directory ``workdir`` is bound too)."""
+    if container.kind == "charliecloud":
+        return _charliecloud_wrapper(container, _bind_list(container, binds, code_dir, workdir), code_dir,
+                                     workdir)
     nv = "--nv " if gpus else ""
     bind = ",".join(_bind_list(container, binds, code_dir))
     return "\n".join(
@@ -53,9 +71,44 @@ def render_container_wrapper(container: ContainerConfig, binds: list[str], code_
             "# Secret values (WANDB_API_KEY, HF_TOKEN) pass through the environment only, never this file.",
             "set -eu",
             *_env_loop(container, 'export "APPTAINERENV_${name}=${!name}"'),
-            f"export APPTAINERENV_PYTHONPATH={shlex.quote(code_dir)}",
+            *(f"export APPTAINERENV_{k}={shlex.quote(v)}" for k, v in job_variables(container, code_dir)),
             f"exec {shlex.quote(container.apptainer_bin)} exec {nv}--cleanenv --bind {shlex.quote(bind)} "
             f'{shlex.quote(str(container.image))} "$@"',
+            "",
+        ]
+    )
+
+
+def _charliecloud_wrapper(container: ContainerConfig, binds: list[str], code_dir: str, workdir: str) -> str:
+    image = shlex.quote(str(container.image))
+    flags = " ".join(f"-b {shlex.quote(b)}" for b in binds)
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            '# Runs "$@" inside the Slipway image with Charliecloud: --unset-env=\'*\' drops the host',
+            "# environment, then --set-env reads, in order, the image's own (/ch/environment) and the",
+            "# allowlisted variables below, per task (per-rank SLURM_PROCID/LOCALID arrive intact; the",
+            "# host's values win). They pass through a pipe: secret values (WANDB_API_KEY, HF_TOKEN) are",
+            "# never in this file or on a command line.",
+            "set -eu",
+            'export USER="${USER:-$(id -un)}"  # ch-run needs it',
+            "# ch-run binds $TMPDIR, if set, at /tmp in place of the host's /tmp, below which the job's",
+            "# folders need no mount point in the image.",
+            "unset TMPDIR",
+            f"image={image}",
+            "slipway_put() {",
+            '  local value="${!1}"',
+            "  if [[ \"$value\" == *$'\\n'* ]]; then echo \"container_exec.sh: $1 has a newline\" >&2",
+            "  else printf '%s=%s\\n' \"$1\" \"$value\"; fi",
+            "}",
+            "slipway_env() {",
+            '  if [ -r "$image/ch/environment" ]; then cat "$image/ch/environment"',
+            '  else echo "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"; fi',
+            *_env_loop(container, 'slipway_put "$name"', indent="  "),
+            *(f"  echo {shlex.quote(f'{k}={v}')}" for k, v in job_variables(container, code_dir)),
+            "}",
+            f"exec {shlex.quote(container.charliecloud_bin)} --unset-env='*' --env-no-expand "
+            f'--set-env=<(slipway_env) {flags} -c {shlex.quote(workdir)} "$image" -- "$@"',
             "",
         ]
     )
@@ -84,10 +137,10 @@ def pyxis_preamble(p: PyxisSpec) -> list[str]:
         "# the image also sets keeps the image's value unless named in --container-env, which gets the",
         "# allowlisted names from slipway_container_env (names only: values stay in the environment, so no",
         "# secret is written here). Denylisted variables name host files that are not mounted: unset.",
-        f"export PYTHONPATH={shlex.quote(p.code_dir)}",
+        *(f"export {k}={shlex.quote(v)}" for k, v in job_variables(p.container, p.code_dir)),
         f'for name in $(compgen -e); do case "$name" in {deny}) unset "$name" ;; esac; done',
         "slipway_container_env() {",
-        "  local name names=PYTHONPATH",
+        f"  local name names={','.join(k for k, _ in job_variables(p.container, p.code_dir))}",
         *_env_loop(p.container, 'names="$names,$name"', indent="  "),
         '  echo "$names"',
         "}",
@@ -109,7 +162,7 @@ def pyxis_srun_flags(p: PyxisSpec) -> str:
 
 def python_command(container: ContainerConfig, wrapper_path: str, python: str) -> str:
     """The interpreter string submitit puts before ``-u -m submitit.core._submit FOLDER``."""
-    if container.kind == "apptainer":
+    if container.kind in WRAPPER_KINDS:
         return f"bash {shlex.quote(wrapper_path)} python"
     if container.kind == "pyxis":
         return "python"  # the image's; srun's container flags put the task inside it

@@ -24,6 +24,9 @@ batch-level USR2. Ours:
   ``trainer.signals.permanent_reason``) leaves a ``fatal_<job>_r<restart>_a<attempt>`` marker and is
   not retried.
 - ``srun --kill-on-bad-exit=1`` ends all ranks when one dies, instead of the others hanging in a collective.
+- ``srun --cpus-per-task=N`` on every step: since Slurm 22.05 srun no longer takes the allocation's
+  ``--cpus-per-task`` (SLURM_CPUS_PER_TASK), so where tasks are bound (task/affinity, task/cgroup) each rank,
+  and the preprocessing workers, would run on one core.
 - Log names carry the restart count and the attempt: ``train_<jobid>_r<restart>_a<attempt>_<task>.out``.
 """
 
@@ -160,7 +163,7 @@ trap '[ -n "$step" ] && kill -USR2 "$step" 2>/dev/null' USR2
 attempt=0
 while true; do
   export {attempt_env}=$attempt
-  srun --unbuffered --kill-on-bad-exit=1 \
+  srun --unbuffered --kill-on-bad-exit=1 --cpus-per-task={cpus} \
     --output "$logs/{stage}_%j_r${{restart}}_a${{attempt}}_%t.out" \
     --error "$logs/{stage}_%j_r${{restart}}_a${{attempt}}_%t.err" \
 {container}    {command} &
@@ -277,7 +280,7 @@ def render_sbatch(spec: ScriptSpec) -> str:
         # CPU stage: one task, no requeue logic, plain srun (exit status is the job's).
         body += [
             "",
-            "srun --unbuffered --kill-on-bad-exit=1 "
+            f"srun --unbuffered --kill-on-bad-exit=1 --cpus-per-task={r.cpus_per_task} "
             f"--output {shlex.quote(f'{spec.log_dir}/{spec.stage}_%j_%t.out')} "
             f"--error {shlex.quote(f'{spec.log_dir}/{spec.stage}_%j_%t.err')} "
             + (f"{flags} " if flags else "") + spec.command,
@@ -293,6 +296,7 @@ def render_sbatch(spec: ScriptSpec) -> str:
                 state=shlex.quote(spec.state_dir),
                 log_dir=shlex.quote(spec.log_dir),
                 stage=spec.stage,
+                cpus=r.cpus_per_task,
                 command=spec.command,
                 container=f"    {flags} \\\n" if flags else "",
                 timeout_after_s=timeout_after,

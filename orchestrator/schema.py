@@ -28,7 +28,7 @@ from trainer.config import RunConfig
 from trainer.eval.config import EvalConfig
 
 EXECUTORS = ("local", "slurm")
-CONTAINER_KINDS = ("none", "apptainer", "pyxis")
+CONTAINER_KINDS = ("none", "apptainer", "pyxis", "charliecloud")
 
 
 @dataclass
@@ -150,18 +150,27 @@ class ContainerConfig(Section):
     """The image jobs run in (see containers/README.md)."""
 
     kind: str = "none"
-    """none (the submitting Python environment), apptainer (apptainer exec in each task) or pyxis (srun
-    --container-image: NVIDIA's pyxis/enroot Slurm plugin)."""
+    """none (the submitting Python environment), apptainer (apptainer exec in each task), pyxis (srun
+    --container-image: NVIDIA's pyxis/enroot Slurm plugin) or charliecloud (ch-run in each task)."""
     image: str | None = None
     """apptainer: path of the .sif image on shared storage (containers/build.sh builds one). pyxis: a
     squashfs file (containers/build_sqsh.sh builds one) or a registry reference to an image with
     Slipway's dependencies, as pyxis takes it: [USER@][REGISTRY#]IMAGE[:TAG], e.g.
-    registry.example.org#team/slipway:1.0."""
+    registry.example.org#team/slipway:1.0. charliecloud: the image's directory on shared storage
+    (ch-convert makes one; containers/dev_image.py builds the CPU one the devcluster tests use)."""
+    kernels_dir: str | None = "/opt/slipway/trainer"
+    """Where the image's own build of the compiled kernels (the trainer package's _C library) is, inside
+    the image: jobs load it and never the launched checkout's build, which was made on the host for
+    another Python or torch (containers/README.md). The images containers/ builds have it there; null: the
+    checkout's build, for an image whose Python and torch are the host's."""
     apptainer_bin: str = "apptainer"
     """The apptainer executable (a name on PATH or a path); pyxis needs none (it is srun's)."""
+    charliecloud_bin: str = "ch-run"
+    """The ch-run executable of the nodes (a name on PATH or a path)."""
     binds: list[str] = field(default_factory=list)
     """Extra host paths to bind (pyxis: mount); the code, runs_root, the cache, the data and tokenizer
-    folders and the checkpoint folders are bound already."""
+    folders and the checkpoint folders are bound already. charliecloud binds onto folders the image has
+    (the plan checks them; paths under /tmp need none)."""
     env_allowlist: list[str] = field(
         default_factory=lambda: [
             "NCCL_*",
@@ -177,8 +186,9 @@ class ContainerConfig(Section):
         ]
     )
     """Variables whose host values the jobs see inside the image (shell glob patterns). apptainer:
-    forwarded into the --cleanenv container via APPTAINERENV_. pyxis passes the whole host environment
-    but lets the image's own values win; these names go to --container-env, so the host's win."""
+    forwarded into the --cleanenv container via APPTAINERENV_; charliecloud: the same, through ch-run
+    --unset-env='*' and --set-env. pyxis passes the whole host environment but lets the image's own
+    values win; these names go to --container-env, so the host's win."""
     env_denylist: list[str] = field(default_factory=lambda: ["*_TOKEN_PATH", "*_KEY_FILE", "WANDB_DIR"])
     """Never forwarded (pyxis: unset before srun): variables naming files that hold secrets on the host
     (not bound in the image)."""

@@ -29,7 +29,7 @@ import submitit
 from submitit.core.utils import FailedJobError
 
 from orchestrator import container_render, render
-from orchestrator.container import host_paths, job_image
+from orchestrator.container import WRAPPER_KINDS, host_paths, job_image
 from orchestrator.launches import job_comment, launch_dir, next_launch, record_intent, record_job
 from orchestrator.layout import tasks_per_node
 from orchestrator.local_jobs import LocalExecutor
@@ -190,11 +190,13 @@ def _container(cfg: SlipwayConfig) -> tuple[ContainerConfig, list[str]]:
 
 
 def container_wrapper(cfg: SlipwayConfig, plan: Plan) -> str | None:
-    if cfg.container.kind != "apptainer":
+    """Apptainer and Charliecloud: the per-task wrapper (charliecloud's working directory is the launch
+    directory, where sbatch starts the job)."""
+    if cfg.container.kind not in WRAPPER_KINDS:
         return None
     container, binds = _container(cfg)
     gpus = cfg.cluster.gpus_per_node > 0
-    return container_render.render_container_wrapper(container, binds, str(REPO_ROOT), gpus)
+    return container_render.render_container_wrapper(container, binds, str(REPO_ROOT), gpus, os.getcwd())
 
 
 def pyxis_spec(cfg: SlipwayConfig) -> container_render.PyxisSpec | None:

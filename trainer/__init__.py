@@ -34,5 +34,5 @@ CONTRACT = (
     "trainer.data.blend", "trainer.data.splits", "trainer.data.hf_tokenizer",
     "trainer.metrics_file", "trainer.checkpoint.files", "trainer.checkpoint.verify", "trainer.health",
     "trainer.eval.results", "trainer.wandb_key", "trainer.wandb_online", "trainer.devices",
-    "trainer.measured",
+    "trainer.measured", "trainer.kernel_build",
 )

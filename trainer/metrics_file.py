@@ -23,6 +23,7 @@ TRAIN_LOSS = "train/lm_loss"
 VALID_LOSS = "valid/lm_loss"
 TOKENS_PER_S = "perf/tokens_per_s"
 KERNEL_CHECK = "kernel_check"  # the start-up kernel self-check's verdict (trainer/ops/selfcheck.py)
+KERNEL_BUILDS = "kernel_builds"  # which trainer._C each rank loaded, and its Python (trainer/run/kernels.py)
 
 
 def metrics_path(run_dir: str | os.PathLike) -> str:

@@ -1,15 +1,16 @@
 """Every configuration check of a launch, grouped by subject and tagged with its cost.
 
 One module per subject: ``run`` (each config section's own rules, warm-up, names), ``data``,
-``tokenizer``, ``layout`` (the parallel layout and the batch), ``memory``, ``container`` (pyxis included),
-``cluster`` (its devices and time limit), ``secrets`` (secrets, test hooks, the W&B key) and
-``checkpoints``. A check is a function ``(Context) -> list[Problem]``; :data:`CHECKS` lists them all,
-each with its subject and its cost:
+``tokenizer``, ``layout`` (the parallel layout and the batch), ``memory``, ``container`` (pyxis and
+Charliecloud included), ``cluster`` (its devices, hardware, Slurm partitions and time limit), ``secrets``
+(secrets, test hooks, the W&B key) and ``checkpoints``. A check is a function ``(Context) -> list[Problem]``;
+:data:`CHECKS` lists them all, each with its subject and its cost:
 
 - ``pure``: the config, the launching environment and the plan's estimates.
 - ``inputs``: reads the input files: whether they exist, and what they hold (documents, tokenizer files,
   the container image).
-- ``world``: reads the world: the cache, the run's checkpoints, the queue, ``srun``, the W&B key file.
+- ``world``: reads the world: the cache, the run's checkpoints, the queue, ``srun``, ``sinfo``, the W&B
+  key file.
 
 Each check also says when it runs (``at``): ``plan``, in :func:`orchestrator.plan.make_plan` (the pure
 ones, and the cheap ones a plan test answers through the injected ``exists`` or the environment), or
@@ -124,7 +125,10 @@ CHECKS: tuple[Check, ...] = (
     Check("data", "world", data.reused_data_problems, "launch"),
     Check("checkpoints", "world", checkpoints.checkpoint_problems, "launch"),
     Check("container", "world", container.pyxis_problems, "launch"),
+    Check("container", "inputs", container.charliecloud_image_problems, "launch"),
+    Check("container", "world", container.charliecloud_problems, "launch"),
     Check("cluster", "world", cluster.controller_problems, "launch"),
+    Check("cluster", "world", cluster.partition_problems, "launch"),
     Check("run", "world", run.storage_problems, "launch"),
     Check("checkpoints", "world", checkpoints.record_problems, "launch"),
     Check("checkpoints", "world", checkpoints.active_problems, "launch"),

@@ -1,16 +1,20 @@
 """The container the jobs run in: an image is set and is something the runtime starts (a squashfs file or
-a registry reference for pyxis, no credentials in it), the folders it binds can be bound, pyxis is not
-asked of the local executor, and the srun on this node has pyxis's options. What the binds and image
-references are: orchestrator/container.py."""
+a registry reference for pyxis, no credentials in it; a root file system folder for Charliecloud, with a
+folder for each bind), the folders it binds can be bound, pyxis is not asked of the local executor, the
+srun on this node has pyxis's options and ch-run is there, and a GPU run's image has the compiled kernels
+of the checkout it runs. What the binds and image references are: orchestrator/container.py."""
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import subprocess
 from typing import TYPE_CHECKING
 
 from orchestrator.checks.data import missing_files
 from orchestrator.container import (
+    CH_NAME_FILES,
     CREDENTIALS,
     MOUNT_UNSAFE,
     PYXIS_OPTIONS,
@@ -18,17 +22,23 @@ from orchestrator.container import (
     SQUASHFS_MAGIC,
     SYSTEM_DIRS,
     image_is_file,
+    missing_mount_points,
     mount_points,
 )
 from orchestrator.problems import Problem
 from orchestrator.schema import SlipwayConfig
+from trainer import kernel_build
+from trainer.config import COMPILED_KERNEL_SETS
 from trainer.run_files import RUN_JSON
 
 if TYPE_CHECKING:
     from orchestrator.checks import Context
 
 _BUILD = {"apptainer": "containers/build.sh and set container.image=/path/slipway-ngc.sif",
-          "pyxis": "containers/build_sqsh.sh and set container.image=/path/slipway-ngc.sqsh"}
+          "pyxis": "containers/build_sqsh.sh and set container.image=/path/slipway-ngc.sqsh",
+          "charliecloud": "ch-convert /path/slipway-ngc.sqsh /path/slipway-ngc (or containers/dev_image.py "
+                          "for a CPU image) and set container.image=/path/slipway-ngc"}
+
 
 
 def container_problems(ctx: Context) -> list[Problem]:
@@ -81,11 +91,69 @@ def _pyxis_config(cfg: SlipwayConfig) -> list[Problem]:
 
 
 def image_file_problems(ctx: Context) -> list[Problem]:
-    """An image file must exist now (a pyxis registry reference is pulled by the job)."""
+    """An image file (Charliecloud: folder) must exist now (a pyxis registry reference is pulled by the
+    job)."""
     c = ctx.cfg.container
-    if c.image and (c.kind == "apptainer" or (c.kind == "pyxis" and image_is_file(c.image))):
+    local = c.kind in ("apptainer", "charliecloud") or (c.kind == "pyxis" and image_is_file(c.image or ""))
+    if c.image and local:
         return missing_files(ctx, [("container.image", c.image)])
     return []
+
+
+def charliecloud_image_problems(ctx: Context) -> list[Problem]:
+    """A Charliecloud image is a root file system folder with a folder for every bind (ch-run binds onto
+    folders the image has and cannot make them in a read-only image), and on GPUs its kernel build is
+    there and made from this checkout's csrc/."""
+    cfg = ctx.cfg
+    c = cfg.container
+    if c.kind != "charliecloud" or not c.image or not os.path.isdir(c.image):
+        return []  # a missing image is file_missing's
+    image = os.path.abspath(c.image)
+    if not os.path.isdir(os.path.join(image, "usr")):
+        return [Problem("container_image_format", "container.image", c.image,
+                        "is not a root file system folder (no usr/), which is what ch-run starts",
+                        f"make one with {_BUILD['charliecloud']}")]
+    out = [Problem("container_name_files", "container.image", c.image, f"the image has no /{name}, onto "
+                   "which ch-run binds the host's: node names (torch.distributed's MASTER_ADDR) would not "
+                   "resolve", f"make it once: touch {os.path.join(image, name)}")
+           for name in CH_NAME_FILES if not os.path.isfile(os.path.join(image, name))]
+    out += [Problem("container_mount_point", key, path, f"the image {image} has no folder {path} to bind it "
+                    "onto (ch-run binds onto folders the image has; it cannot make one in a read-only image)",
+                    f"make it once: mkdir -p {os.path.join(image, path.lstrip('/'))} (or bind a parent "
+                    "folder the image has, through container.binds)")
+            for key, path in missing_mount_points(image, mount_points(cfg))]
+    if cfg.cluster.gpus_per_node and cfg.kernels in COMPILED_KERNEL_SETS and c.kernels_dir:
+        out += _image_kernel_problems(image, c.kernels_dir, cfg.kernels)
+    return out
+
+
+def _image_kernel_problems(image: str, kernels_dir: str, kernels: str) -> list[Problem]:
+    """A GPU run expects the image's kernel build in container.kernels_dir, from this checkout's csrc/."""
+    folder = os.path.join(image, kernels_dir.lstrip("/"))
+    builds = sorted(glob.glob(os.path.join(folder, "_C*.so")))
+    fix = (f"rebuild the image from this checkout (containers/README.md), point container.kernels_dir at "
+           f"its build, or set kernels=eager (kernels={kernels} expects the compiled kernels on GPUs)")
+    if not builds:
+        return [Problem("container_kernels", "container.kernels_dir", kernels_dir,
+                        f"the image {image} has no compiled kernels (trainer/_C*.so) there", fix)]
+    stamp = kernel_build.read_stamp(builds[0])
+    here = kernel_build.sources_digest(kernel_build.checkout_root())
+    if stamp and here and stamp.get("csrc") and stamp["csrc"] != here:
+        return [Problem("container_kernels", "container.kernels_dir", kernels_dir,
+                        f"the image's kernels were built from other csrc/ sources (digest {stamp['csrc']}) "
+                        f"than this checkout's ({here})", fix)]
+    return []
+
+
+def charliecloud_problems(ctx: Context) -> list[Problem]:
+    """container=charliecloud: ch-run is on this node's PATH (the jobs start it in every task)."""
+    c = ctx.cfg.container
+    if c.kind != "charliecloud" or shutil.which(c.charliecloud_bin):
+        return []
+    return [Problem("charliecloud_missing", "container.charliecloud_bin", c.charliecloud_bin,
+                    "is not on this node's PATH",
+                    "install Charliecloud (Debian/Ubuntu: charliecloud-runtime; or `module load "
+                    "charliecloud`), or set container.charliecloud_bin to ch-run's path")]
 
 
 def image_problems(ctx: Context) -> list[Problem]:

@@ -8,7 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from . import conf, daemons, install, procs
+from . import conf, daemons, install, machine, procs
 from .layout import NODES, Layout, ensure_settings, load_settings
 from .procs import DaemonError
 
@@ -43,7 +43,9 @@ def up(layout: Layout, say: Say) -> None:
     layout.make_dirs()
     settings = ensure_settings(layout)
     all_steps = daemons.steps(layout, settings)
-    if conf.write_all(layout, settings, hostname):
+    found = machine.detect(daemons.daemon_env(layout), layout.probe_name)
+    say(_binding_line(found))
+    if conf.write_all(layout, settings, hostname, found):
         restarted = [s.daemon.name for s in reversed(all_steps)
                      if s.slurm and procs.stop(layout, s.daemon.name)]
         if restarted:
@@ -67,6 +69,13 @@ def up(layout: Layout, say: Say) -> None:
         say(f"started {' '.join(launched)} in {time.monotonic() - started:.1f} s; state in {layout.root}")
     else:
         say(f"already up ({time.monotonic() - started:.1f} s); state in {layout.root}")
+
+
+def _binding_line(found: machine.Machine) -> str:
+    how = ("task/cgroup + task/affinity, proctrack/cgroup (cgroup v1: cpuset, memory)" if found.cgroups
+           else f"task/affinity, proctrack/linuxproc (no cgroups: {found.cgroup_problem})")
+    return (f"nodes of {found.cpus} CPUs ({found.sockets}x{found.cores_per_socket}x{found.threads_per_core}) "
+            f"and {found.memory_mb} MB each; binding: {how}")
 
 
 def _wait_nodes(layout: Layout, say: Say, timeout: float = 60.0) -> None:
@@ -152,6 +161,13 @@ def down(layout: Layout, say: Say) -> None:
     say(f"stopped {' '.join(stopped) or 'nothing (was not running)'}")
 
 
+def _conf_value(layout: Layout, key: str) -> str:
+    for line in layout.slurm_conf.read_text().splitlines() if layout.slurm_conf.exists() else []:
+        if line.startswith(f"{key}="):
+            return line.split("=", 1)[1]
+    return "?"
+
+
 def status(layout: Layout, out: Say) -> int:
     """Print daemon and node state; 0 when every daemon runs and both nodes are schedulable."""
     settings = load_settings(layout)
@@ -160,6 +176,7 @@ def status(layout: Layout, out: Say) -> int:
         return 1
     ok = True
     out(f"devcluster state {layout.root}  SLURM_CONF={layout.slurm_conf}  ports {settings.port_base}+")
+    out(f"  binding: {_conf_value(layout, 'TaskPlugin')}, {_conf_value(layout, 'ProctrackType')}")
     for step in daemons.steps(layout, settings):
         pid = procs.running_pid(layout, step.daemon.name)
         ok &= pid is not None

@@ -1,12 +1,20 @@
 """slurm.conf and slurmdbd.conf for the devcluster.
 
-Choices that matter (and why):
-- Two slurmd daemons on one host (``slurmd -N n1``/``-N n2``), each with its own port and spool; node names
+Choices that matter (and why). The cluster is as strict as a real site where that costs nothing:
+- Several slurmd daemons on one host (``slurmd -N <node>``), each with its own port and spool; node names
   resolve to 127.0.0.1 through /etc/hosts because torch.distributed uses the first node name as
   MASTER_ADDR.
-- CPUS_PER_NODE is declared above the real core count (``SlurmdParameters=config_overrides`` stops slurmd
-  from draining the node for it) so that a tp=2,pp=2 job (2 nodes x 2 tasks) fits, twice over.
-- proctrack/linuxproc and task/none: no cgroups needed, so it runs in containers and VMs.
+- Two partitions: ``cpu`` (default; n1, n2) and ``gpu`` (g1, g2), whose nodes carry ``gres/gpu`` on files
+  the cluster makes (``gres.conf File=``): Slurm counts and assigns them and sets CUDA_VISIBLE_DEVICES and
+  SLURM_JOB_GPUS, and refuses a request for more than a node has.
+- Every node declares this machine's real sockets, cores and threads (machine.py): tasks are bound to the
+  cores they were given (``task/affinity``, ``autobind=cores``; since Slurm 22.05 srun must be told
+  ``--cpus-per-task``, or each task gets one core).
+- Memory is a consumable resource (``CR_Core_Memory``, ``DefMemPerCPU``): a job gets what it asks for,
+  and a node's RealMemory caps what runs on it at once.
+- Where the machine allows cgroup v1 (machine.cgroup_problem), ``task/cgroup`` also confines each job to
+  its CPUs and memory and ``proctrack/cgroup`` tracks its processes; elsewhere ``task/affinity`` with
+  ``proctrack/linuxproc``, and ``status`` says why.
 - Short KillWait/MinJobAge/cred_expire and JobRequeue=1 so requeue/cancel tests are quick (a requeued
   job waits cred_expire seconds before it may start again).
 - ``--signal=SIG@T`` works as on any Slurm: slurmctld checks deadlines every 30 s and sends up to 30 s early.
@@ -17,13 +25,31 @@ from __future__ import annotations
 
 import os
 import pwd
+import stat
+from pathlib import Path
 
-from .layout import CLUSTER_NAME, CTLD, DBD, MYSQL, NODES, SLURMD0, Layout, Settings
+from .layout import (
+    CLUSTER_NAME,
+    CTLD,
+    DBD,
+    MYSQL,
+    NODE_SPECS,
+    PORT_RANGE,
+    PORT_STEP,
+    SLURMD0,
+    Layout,
+    Settings,
+)
+from .machine import Machine
 
-PARTITION = "debug"
-CPUS_PER_NODE = 4
 LOOPBACK = "127.0.0.1"
 CRED_EXPIRE_S = 10
+# Memory a job gets per allocated CPU when it does not say (--mem): real sites set one, and without it a
+# job would be given the whole node's memory.
+DEF_MEM_PER_CPU_MB = 2048
+NVIDIA_MAJOR = 195  # the character-device major of /dev/nvidia<N>
+# Job ids per cluster: 300 port blocks x 200000 stays below Slurm's largest job id (0x03ff0000).
+JOB_ID_BLOCK = 200_000
 
 
 def user() -> str:
@@ -31,16 +57,43 @@ def user() -> str:
     return pwd.getpwuid(os.geteuid()).pw_name
 
 
-def real_memory_mb() -> int:
-    """Memory each node declares: 90% of this machine's (nodes share it; CR_Core does not track memory)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(int(line.split()[1]) / 1024 * 0.9)
-    raise RuntimeError("MemTotal missing from /proc/meminfo")
+def binding(machine: Machine) -> list[str]:
+    """How jobs are confined: cgroups and affinity where the machine allows cgroups, affinity alone else.
+    Tasks are bound to cores by default (autobind=cores, as many sites set): a step that does not say how
+    many CPUs its tasks have (srun without --cpus-per-task, since Slurm 22.05) gets one core per task."""
+    bind = "TaskPluginParam=autobind=cores"
+    if machine.cgroups:
+        return ["ProctrackType=proctrack/cgroup", "TaskPlugin=task/cgroup,task/affinity", bind]
+    return ["ProctrackType=proctrack/linuxproc", "TaskPlugin=task/affinity", bind]
 
 
-def slurm_conf(layout: Layout, settings: Settings, hostname: str) -> str:
+def node_lines(settings: Settings, hostname: str, machine: Machine) -> list[str]:
+    shape = (f"CPUs={machine.cpus} Boards=1 SocketsPerBoard={machine.sockets} "
+             f"CoresPerSocket={machine.cores_per_socket} ThreadsPerCore={machine.threads_per_core} "
+             f"RealMemory={machine.memory_mb}")
+    lines = []
+    for i, node in enumerate(NODE_SPECS):
+        gres = f" Gres=gpu:{node.gpus}" if node.gpus else ""
+        lines.append(f"NodeName={node.name} NodeHostname={hostname} NodeAddr={LOOPBACK} "
+                     f"Port={settings.port(SLURMD0 + i)} {shape}{gres} State=UNKNOWN")
+    partitions = dict.fromkeys(n.partition for n in NODE_SPECS)
+    for k, part in enumerate(partitions):
+        members = ",".join(n.name for n in NODE_SPECS if n.partition == part)
+        lines.append(f"PartitionName={part} Nodes={members} Default={'YES' if k == 0 else 'NO'} "
+                     "MaxTime=INFINITE State=UP OverSubscribe=NO")
+    return lines
+
+
+def job_ids(settings: Settings) -> tuple[int, int]:
+    """(FirstJobId, MaxJobId): a range of its own per cluster (from its port block). Two clusters on one
+    machine both have a node n1, and Slurm 22.05 puts a job's cgroup at /slurm_n1/uid_<uid>/job_<id>
+    whatever the cluster: distinct job ids keep them apart."""
+    slot = (settings.port_base - PORT_RANGE[0]) // PORT_STEP
+    first = slot * JOB_ID_BLOCK + 1
+    return first, first + JOB_ID_BLOCK - 1
+
+
+def slurm_conf(layout: Layout, settings: Settings, hostname: str, machine: Machine) -> str:
     """The text of slurm.conf; ``hostname`` is this machine's short name (slurmctld checks it)."""
     # cred_expire also holds a requeued job back that long before it may start again (default 120 s).
     auth = f"socket={layout.munge_socket},cred_expire={CRED_EXPIRE_S}"
@@ -65,15 +118,17 @@ def slurm_conf(layout: Layout, settings: Settings, hostname: str) -> str:
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
         f"PlugStackConfig={layout.etc}/plugstack.conf",
-        "ProctrackType=proctrack/linuxproc",
-        "TaskPlugin=task/none",
+        *binding(machine),
         "MpiDefault=none",
         "SwitchType=switch/none",
-        "SlurmdParameters=config_overrides",
+        "GresTypes=gpu",
         "SchedulerType=sched/backfill",
         "SchedulerParameters=bf_interval=5,sched_interval=5",
         "SelectType=select/cons_tres",
-        "SelectTypeParameters=CR_Core",
+        "SelectTypeParameters=CR_Core_Memory",
+        f"DefMemPerCPU={DEF_MEM_PER_CPU_MB}",
+        f"FirstJobId={job_ids(settings)[0]}",
+        f"MaxJobId={job_ids(settings)[1]}",
         "JobRequeue=1",
         "KillWait=5",
         "MinJobAge=30",
@@ -86,21 +141,42 @@ def slurm_conf(layout: Layout, settings: Settings, hostname: str) -> str:
         "JobAcctGatherType=jobacct_gather/linux",
         "JobAcctGatherFrequency=30",
         "AccountingStorageType=accounting_storage/slurmdbd",
+        "AccountingStorageTRES=gres/gpu",
         f"AccountingStorageHost={LOOPBACK}",
         f"AccountingStoragePort={settings.port(DBD)}",
         # For auth/munge, the socket clients and slurmctld use to authenticate to slurmdbd (not AuthInfo).
         f"AccountingStoragePass={layout.munge_socket}",
         "JobCompType=jobcomp/none",
         f"TmpFS={layout.root}/tmp",
+        *([] if machine.cgroups else [f"# cgroups not used: {machine.cgroup_problem}"]),
+        *node_lines(settings, hostname, machine),
     ]
-    mem = real_memory_mb()
-    for i, node in enumerate(NODES):
-        lines.append(f"NodeName={node} NodeHostname={hostname} NodeAddr={LOOPBACK} "
-                     f"Port={settings.port(SLURMD0 + i)} CPUs={CPUS_PER_NODE} RealMemory={mem} State=UNKNOWN")
-    # OverSubscribe=YES lets a job that asks (--oversubscribe) share cores; others get their own.
-    lines.append(f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE "
-                 "State=UP OverSubscribe=YES")
     return "\n".join(lines) + "\n"
+
+
+def gres_conf(layout: Layout) -> str:
+    """Each GPU node's GPUs as files of its own (gres.conf ``File=``; Slurm reads the index from the name)."""
+    lines = ["# Generated by slurm/devcluster; edits are overwritten on the next `up`."]
+    for node in NODE_SPECS:
+        for path in layout.gpu_files(node.name, node.gpus):
+            lines.append(f"NodeName={node.name} Name=gpu File={path}")
+    return "\n".join(lines) + "\n"
+
+
+def cgroup_conf() -> str:
+    """cgroup v1: each job's cpuset is its CPUs, its memory limit what it asked for. Devices are not
+    constrained: the GPU files are not device nodes. (Slurm 22.05 names the cgroups /slurm_<node>/uid_<uid>/
+    job_<id>, not configurable: job_ids() keeps two clusters' jobs apart.)"""
+    return "\n".join([
+        "# Generated by slurm/devcluster; edits are overwritten on the next `up`.",
+        "CgroupPlugin=cgroup/v1",
+        "CgroupMountpoint=/sys/fs/cgroup",
+        "ConstrainCores=yes",
+        "ConstrainRAMSpace=yes",
+        "AllowedRAMSpace=100",
+        "ConstrainSwapSpace=no",
+        "ConstrainDevices=no",
+    ]) + "\n"
 
 
 def slurmdbd_conf(layout: Layout, settings: Settings, hostname: str) -> str:
@@ -136,9 +212,35 @@ def write_if_changed(path, text: str, mode: int = 0o644) -> bool:
     return True
 
 
-def write_all(layout: Layout, settings: Settings, hostname: str) -> bool:
-    """Write every config file; True when any changed (running daemons then need a restart)."""
-    changed = write_if_changed(layout.slurm_conf, slurm_conf(layout, settings, hostname))
+def make_gpu_file(path: Path, index: int) -> bool:
+    """A character device for gres.conf (Slurm refuses other files): NVIDIA's major number, the GPU's index
+    as minor, so opening it fails as a GPU without a driver would. Where device nodes cannot be made (no
+    CAP_MKNOD), a link named the same to /dev/null (Slurm stats through it; the index is in the name)."""
+    if path.is_char_device():
+        return False
+    path.unlink(missing_ok=True)
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, index))
+    except OSError:
+        path.symlink_to("/dev/null")
+    return True
+
+
+def write_all(layout: Layout, settings: Settings, hostname: str, machine: Machine) -> bool:
+    """Write every config file (and the GPU files); True when any changed (running daemons then need a
+    restart)."""
+    changed = False
+    for node in NODE_SPECS:
+        for index, path in enumerate(layout.gpu_files(node.name, node.gpus)):
+            changed |= make_gpu_file(path, index)
+    changed |= write_if_changed(layout.slurm_conf, slurm_conf(layout, settings, hostname, machine))
+    changed |= write_if_changed(layout.etc / "gres.conf", gres_conf(layout))
+    cgroup = layout.etc / "cgroup.conf"
+    if machine.cgroups:
+        changed |= write_if_changed(cgroup, cgroup_conf())
+    elif cgroup.exists():
+        cgroup.unlink()
+        changed = True
     changed |= write_if_changed(layout.slurmdbd_conf, slurmdbd_conf(layout, settings, hostname), 0o600)
     # An empty plugstack keeps the host's SPANK plugins (/etc/slurm/plugstack.conf.d) out of our jobs.
     changed |= write_if_changed(layout.etc / "plugstack.conf", "# no SPANK plugins in the devcluster\n")

@@ -11,13 +11,14 @@ from pathlib import Path
 
 from .layout import NODES
 
-PACKAGES = ("slurm-wlm", "slurmdbd", "munge", "mariadb-server")
+# charliecloud-runtime: ch-run, the container runtime of the nodes (container=charliecloud; containers/).
+PACKAGES = ("slurm-wlm", "slurmdbd", "munge", "mariadb-server", "charliecloud-runtime")
 # The programs up needs, and the package that provides each.
 PROGRAMS = {
     "slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "srun": "slurm-wlm", "sinfo": "slurm-wlm",
     "sacct": "slurm-wlm", "sacctmgr": "slurm-wlm", "scontrol": "slurm-wlm", "slurmdbd": "slurmdbd",
     "munged": "munge", "mariadbd": "mariadb-server", "mariadb-install-db": "mariadb-server",
-    "mariadb": "mariadb-server",
+    "mariadb": "mariadb-server", "ch-run": "charliecloud-runtime",
 }
 POLICY_RC = Path("/usr/sbin/policy-rc.d")
 HOSTS = Path("/etc/hosts")

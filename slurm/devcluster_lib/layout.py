@@ -15,7 +15,24 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-NODES = ("n1", "n2")
+
+@dataclass(frozen=True)
+class Node:
+    """One slurmd of the cluster: its name, its partition and the GPUs (gres/gpu) it declares."""
+
+    name: str
+    partition: str
+    gpus: int = 0
+
+
+# Two partitions, as on a real site: "cpu" (the default: CPU stages and the gloo training of the tests) and
+# "gpu", whose nodes carry gres/gpu on device files the cluster makes (no CUDA: Slurm counts, assigns and
+# exports them).
+CPU_PARTITION, GPU_PARTITION = "cpu", "gpu"
+GPUS_PER_GPU_NODE = 2
+NODE_SPECS = (Node("n1", CPU_PARTITION), Node("n2", CPU_PARTITION),
+              Node("g1", GPU_PARTITION, GPUS_PER_GPU_NODE), Node("g2", GPU_PARTITION, GPUS_PER_GPU_NODE))
+NODES = tuple(n.name for n in NODE_SPECS)
 CLUSTER_NAME = "devcluster"
 # Ports live below 20000: submitit's TorchDistributedEnvironment picks MASTER_PORT in [20000, 60000] and the
 # kernel's ephemeral range starts at 32768, so neither can collide with a daemon of ours.
@@ -125,13 +142,23 @@ class Layout:
     def spool(self, node: str) -> Path:
         return self.spool_root / node
 
+    def gpu_files(self, node: str, count: int) -> list[Path]:
+        """The files gres.conf names as ``node``'s GPUs (``File=``): Slurm takes a GPU's index from the
+        number its file name ends with, as it does for /dev/nvidia<N>."""
+        return [self.root / "dev" / node / f"nvidia{i}" for i in range(count)]
+
+    @property
+    def probe_name(self) -> str:
+        """A name of this cluster's own, for the cgroup it makes and removes to test cgroups are usable."""
+        return f"devcluster_{hashlib.sha256(str(self.root).encode()).hexdigest()[:8]}_probe"
+
     def log_file(self, name: str) -> Path:
         return self.log / f"{name}.log"
 
     def dirs(self) -> list[Path]:
         return [self.etc, self.log, self.pids, self.run, self.sock, self.munge_key.parent,
                 self.mysql_data.parent, self.ctld_state, self.root / "tmp",
-                *(self.spool(n) for n in NODES)]
+                *(self.spool(n) for n in NODES), *(self.root / "dev" / n for n in NODES)]
 
     def make_dirs(self) -> None:
         # 0700 everywhere: munged refuses sockets and keys in folders others can write to.

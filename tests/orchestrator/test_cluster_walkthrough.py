@@ -19,8 +19,11 @@ from tests.orchestrator.conftest import REPO
 from tests.orchestrator.sites import docs_site, site_file
 
 # What a dry run on this machine cannot have: the CodeParrot data, the tokenizer and the image are the
-# user's; pyxis is a plugin of the site's srun; the site's Slurm controller answers on the site only.
-ELSEWHERE = {"file_missing", "pyxis_missing", "slurm_unreachable"}
+# user's; pyxis is a plugin of the site's srun; the site's Slurm controller answers on the site only, and
+# the Slurm this machine does reach (the devcluster, under make test) has other partitions than the site's
+# (checks/cluster.py partition_problems: what sinfo says of them).
+ELSEWHERE = {"file_missing", "pyxis_missing", "slurm_unreachable", "partition_gpus", "partition_cpus",
+             "partition_memory", "partition_nodes", "partition_unknown"}
 
 
 def _commands() -> list[str]:

@@ -97,7 +97,7 @@ def test_smoke_is_tp2_pp2_world4_on_cpu():
     assert (c.parallel.tp_size, c.parallel.pp_size, c.cluster.gpus_per_node) == (2, 2, 0)
     assert layout_of(c).world == 4 and layout_of(c).tasks_per_node == 4  # local: 4 processes
     d = compose_cfg(["+experiment=codeparrot_smoke", "cluster=devcluster"])
-    assert (layout_of(d).nodes, layout_of(d).tasks_per_node, d.cluster.partition) == (2, 2, "debug")
+    assert (layout_of(d).nodes, layout_of(d).tasks_per_node, d.cluster.partition) == (2, 2, "cpu")
     assert c.data.corpus is not None and c.tokenizer.vocab_file is None
     assert c.logging.wandb.mode == "offline" and c.cluster.executor == "local"
 

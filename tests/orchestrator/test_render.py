@@ -26,7 +26,7 @@ from tests.orchestrator.conftest import compose_cfg, group_options
 GOLDEN = Path(__file__).parent / "golden"
 CLUSTERS = [c for c in ("local", "devcluster", "slurm") if c in group_options("cluster")]
 FIXED = ["runs_root=/shared/runs", "cache_dir=/shared/cache", "container.image=/shared/images/slipway.sif"]
-CASES = [(c, k) for c in CLUSTERS for k in ("none", "apptainer_ngc")] + [
+CASES = [(c, k) for c in CLUSTERS for k in ("none", "apptainer_ngc", "charliecloud")] + [
     (c, "pyxis") for c in CLUSTERS if c != "local"]
 
 
@@ -41,6 +41,8 @@ def _scripts(cluster: str, container: str, fixed: list[str] = FIXED, root: str =
     exp = "codeparrot" if cluster == "slurm" else "codeparrot_smoke"
     if container == "pyxis":
         fixed = [f.replace(".sif", ".sqsh") for f in fixed]
+    if container == "charliecloud":
+        fixed = [f.replace(".sif", "") for f in fixed]
     cfg = compose_cfg([f"+experiment={exp}", f"cluster={cluster}", f"container={container}", *fixed])
     facts = PlanInputs("20250101-000000-abcdef", f"{root}/x/20250101-000000-abcdef")
     plan = make_plan(cfg, facts, exists=lambda p: True)

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
 DEVCLUSTER = REPO / "slurm" / "devcluster"
-DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2")
+DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2", "slurmd-g1", "slurmd-g2")
 
 
 @pytest.fixture(scope="module")

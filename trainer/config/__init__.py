@@ -50,6 +50,9 @@ __all__ = ["CheckpointConfig", "CorpusConfig", "DataConfig", "LoggingConfig", "M
 WANDB_MODES = ("online", "offline", "disabled")
 CHECKPOINT_FORMATS = ("legacy", "mcore", "torch_dist")
 KERNEL_SETS = ("auto", "csrc", "apex", "eager", "compile", "compile_layer")
+# The settings that mean the compiled kernels: a CUDA run with one of them refuses to start without them
+# (trainer/run/kernels.py), and the plan checks a GPU run's image has them (orchestrator/checks/container.py).
+COMPILED_KERNEL_SETS = ("auto", "csrc", "apex")
 
 
 @dataclass

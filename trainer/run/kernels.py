@@ -1,6 +1,8 @@
-"""The kernel side of a run (``trainer.run``): resolve the ``kernels`` key, self-check the fused ops on
-this job's device and dtypes (trainer.ops.selfcheck, ``train.kernel_check``), record the verdict, and keep
-the optimizer off a csrc AdamW kernel that failed it. Glue only."""
+"""The kernel side of a run (``trainer.run``): resolve the ``kernels`` key, refuse a CUDA run whose kernel
+setting expects the compiled kernels when there are none (in a container: the image's build, see
+trainer/extension.py), record which build every rank loaded, self-check the fused ops on this job's
+device and dtypes (trainer.ops.selfcheck, ``train.kernel_check``), record the verdict, and keep the
+optimizer off a csrc AdamW kernel that failed it. Glue only."""
 
 from __future__ import annotations
 
@@ -8,12 +10,14 @@ import dataclasses
 import os
 import time
 
-from trainer import testing_hooks
-from trainer.config import OptimConfig, RunConfig
+import torch.distributed as dist
+
+from trainer import extension, testing_hooks
+from trainer.config import COMPILED_KERNEL_SETS, OptimConfig, RunConfig
 from trainer.config.model import ModelConfig
 from trainer.log import get_logger
-from trainer.metrics_file import KERNEL_CHECK, append_record, metrics_path
-from trainer.ops import resolve
+from trainer.metrics_file import KERNEL_BUILDS, KERNEL_CHECK, append_record, metrics_path
+from trainer.ops import csrc_available, resolve
 from trainer.ops.dtypes import DTYPES
 from trainer.ops.selfcheck import (
     CheckSetup,
@@ -31,6 +35,37 @@ from trainer.run.layer_check import check_compiled_layer
 log = get_logger(__name__)
 
 
+class KernelsMissingError(ValueError):
+    """A CUDA run expects the compiled kernels and has none (a ValueError: a retry would repeat it)."""
+
+
+def require_compiled(kernels: str, device_type: str) -> None:
+    """On CUDA, ``kernels`` in COMPILED_KERNEL_SETS needs a build with CUDA kernels (rather than training
+    on eager fallbacks); on CPU the fallbacks stay, with the warning extension.load gives."""
+    if device_type == "cuda" and kernels in COMPILED_KERNEL_SETS and not csrc_available("cuda"):
+        raise KernelsMissingError(f"kernels={kernels}: {extension.missing_message('cuda')}; nothing was "
+                                  "trained")
+
+
+def record_builds(run_dir: str, rank: int, start_iteration: int) -> list[dict]:
+    """Which build of trainer._C every rank loaded (gathered on rank 0, which appends it to the metrics
+    file and logs it): a container run shows its kernels came from the image, and a node whose image
+    differs from the others' shows up."""
+    mine = extension.origin()
+    builds = [mine]
+    if dist.is_available() and dist.is_initialized():
+        builds = [None] * dist.get_world_size()
+        dist.all_gather_object(builds, mine)
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        append_record(metrics_path(run_dir), {"iteration": start_iteration, KERNEL_BUILDS: builds})
+        paths = sorted({str(b.get("path")) for b in builds})
+        log.info("compiled kernels on %d rank(s): %s", len(builds), "; ".join(paths))
+        if len(paths) > 1:
+            log.warning("the ranks loaded different builds of trainer._C: %s", paths)
+    return builds
+
+
 def check_setup(cfg: RunConfig, gpt: ModelConfig, pstate: ParallelState) -> CheckSetup:
     """The device, the dtypes the kernels see and the shapes of this rank's shard: activations in the
     compute dtype, parameters in theirs (fp32 under autocast, so the ops see bf16 activations with fp32
@@ -46,6 +81,9 @@ def checked_kernels(cfg: RunConfig, gpt: ModelConfig, pstate: ParallelState, sta
                     ) -> KernelCheck:
     """The kernel set the run uses after the self-check; the verdict is appended to the metrics file
     (rank 0). Raises :class:`KernelCheckError` under ``train.kernel_check=fail`` when an op failed."""
+    require_compiled(cfg.kernels, pstate.device.type)
+    if cfg.kernels in COMPILED_KERNEL_SETS:  # eager/compile load no build: nothing to record
+        record_builds(cfg.run_dir, pstate.rank, start_iteration)
     kernels = testing_hooks.with_faults(resolve(cfg.kernels, pstate.device.type))  # a test hook, if on
     setup = check_setup(cfg, gpt, pstate)
     check = run_check(kernels, setup, cfg.train.kernel_check)

@@ -1,0 +1,46 @@
+"""The devcluster's configuration for either kind of machine (pure: no cluster is started). With cgroup v1
+usable, jobs are confined by task/cgroup and tracked by proctrack/cgroup; without (a container that mounts
+the cgroup tree read-only, cgroup v2 alone), binding is task/affinity's alone and slurm.conf says why. The
+machine this suite runs on takes one of the two; this test covers the other as well.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "slurm"))
+from devcluster_lib import conf  # noqa: E402
+from devcluster_lib.layout import NODE_SPECS, Layout, Settings  # noqa: E402
+from devcluster_lib.machine import Machine  # noqa: E402
+
+READ_ONLY = "cannot create a cgroup in /sys/fs/cgroup/memory (Read-only file system)"
+
+
+@pytest.mark.parametrize("problem", [None, READ_ONLY])
+def test_binding_follows_what_the_machine_allows(tmp_path, problem):
+    layout = Layout(tmp_path / "state")
+    layout.make_dirs()
+    machine = Machine(sockets=1, cores_per_socket=2, threads_per_core=1, memory_mb=4096,
+                      cgroup_problem=problem)
+    settings = Settings(port_base=17100, db_password="x")
+    conf.write_all(layout, settings, "host", machine)
+    text = layout.slurm_conf.read_text()
+    assert "TaskPluginParam=autobind=cores" in text and "SelectTypeParameters=CR_Core_Memory" in text
+    if problem is None:
+        assert "TaskPlugin=task/cgroup,task/affinity" in text and "ProctrackType=proctrack/cgroup" in text
+        assert "ConstrainRAMSpace=yes" in (layout.etc / "cgroup.conf").read_text()
+    else:
+        assert "TaskPlugin=task/affinity\n" in text and "ProctrackType=proctrack/linuxproc" in text
+        assert f"# cgroups not used: {problem}" in text and not (layout.etc / "cgroup.conf").exists()
+    # Every node is the machine (the CPU ids a task is bound to exist); the gpu nodes carry gres/gpu.
+    for node in NODE_SPECS:
+        line = next(x for x in text.splitlines() if x.startswith(f"NodeName={node.name} "))
+        assert "CPUs=2 " in line and "RealMemory=4096" in line
+        assert (f"Gres=gpu:{node.gpus}" in line) == bool(node.gpus)
+    gres = (layout.etc / "gres.conf").read_text()
+    assert gres.count("Name=gpu File=") == sum(n.gpus for n in NODE_SPECS)
+    first, last = conf.job_ids(settings)
+    assert f"FirstJobId={first}" in text and last - first + 1 == conf.JOB_ID_BLOCK
