@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import launches, queue, redaction
+from orchestrator.autolayout import proposal_lines
 from orchestrator.cancel import Stops, cancel_interrupted, ignoring_stops
 from orchestrator.checks import Context, run_checks
 from orchestrator.checks.secrets import known_secrets
@@ -123,6 +124,7 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         )
     lines += [
         layout_line(cfg, lay),
+        *(proposal_lines(cfg, plan.proposal) if plan.proposal is not None else []),
         *recipe_lines(cfg, lay, plan.vocab_size),
         *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
         "",
@@ -152,7 +154,8 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
 
 def scripts_of(cfg: SlipwayConfig, plan: Plan, launch_n: int | None = None) -> dict[str, str]:
     """Scripts as they will be submitted; upstream job ids are not known yet (<stage> placeholders)."""
-    out = {s.name: render_stage(cfg, plan, s, tuple(f"<{d}>" for d in s.depends_on), launch_n=launch_n)
+    out = {s.name: render_stage(cfg, plan, s, tuple(f"<{d}>" for d in s.depends_on if d not in s.after_any),
+                                launch_n=launch_n, deps_any=tuple(f"<{d}>" for d in s.after_any))
            for s in plan.stages}
     wrapper = container_wrapper(cfg, plan)
     if wrapper:
@@ -319,6 +322,7 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
     out, err = redaction.redacting(out), redaction.redacting(sys.stderr)
     facts = gather_facts(cfg, sweep)
     plan = make_plan(cfg, facts)
+    cfg = plan.config or cfg  # layout=auto: the plan's first choice applied (plan.py)
     plan.problems.extend(run_checks(Context(cfg, facts.environ, plan=plan), at="launch"))
     for warning in plan.warnings:
         err.write(f"warning: {warning}\n")

@@ -56,6 +56,7 @@ class JobRow:
     failure: str = ""  # a failed or cancelled stage: why (its error, the trainer's verdict, or Slurm's)
     hangs: list[str] = field(default_factory=list)  # every hang a watchdog recorded (kept across retries)
     overrides: str = ""  # a sweep point's overrides (lr ...): what tells the points apart
+    note: str = ""  # what a stage says below the table (the tune stage: its trials and the decision)
 
 
 def _failure(state: str, entry: dict, acct: dict) -> str:
@@ -129,7 +130,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
                 row.slurm_error = squeue_error
             definition = stage_def(stage)  # None: a stage this version does not know (an old run's record)
             if definition is not None:
-                look = StageLook(run_dir, e, data, sa.get(jid, {}), stale_after_s)
+                look = StageLook(run_dir, e, data, sa.get(jid, {}), stale_after_s, state)
                 row = dataclasses.replace(row, **definition.status(look))
             rows.append(row)
     return rows
@@ -212,12 +213,14 @@ def best_point(rows: list[JobRow]) -> list[str]:
 
 
 def rank_problems(rows: list[JobRow]) -> list[str]:
-    """One line per stage that failed or was cancelled, with its reason; per training rank that is stale,
+    """One line per stage that failed or was cancelled, with its reason, and per stage note (the tune
+    stage's trials); per training rank that is stale,
     stalled or hung, naming its host; per checkpoint skipped at load; per op the kernel self-check refused;
     per run whose online W&B fell back to offline."""
     out = []
     for r in rows:
         out += [f"{r.state}: run {r.run} stage {r.stage} (job {r.job_id}): {r.failure}"] if r.failure else []
+        out += [f"{r.stage.upper()}: run {r.run}: {r.note}"] if r.note else []
         for h in r.ranks:
             if h.state in ("ok", "exited"):
                 continue
