@@ -26,7 +26,7 @@ from orchestrator.checks.secrets import known_secrets
 from orchestrator.data_shares import corpus_shares, shares_table
 from orchestrator.facts import PlanInputs, SweepInfo
 from orchestrator.follow import LogFollower, failure_tails, log_path
-from orchestrator.plan import Plan, make_plan
+from orchestrator.plan import Plan, StagePlan, make_plan
 from orchestrator.plan_format import hardware_lines, layout_line, memory_lines, recipe_lines, time_lines
 from orchestrator.problems import PlanError
 from orchestrator.runs import (
@@ -49,6 +49,7 @@ from orchestrator.stages import preprocess
 from orchestrator.stages.train import NAME as TRAIN
 from orchestrator.stages.train import run_name
 from orchestrator.submit import (
+    After,
     Submitted,
     container_wrapper,
     render_stage,
@@ -154,9 +155,11 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
 
 def scripts_of(cfg: SlipwayConfig, plan: Plan, launch_n: int | None = None) -> dict[str, str]:
     """Scripts as they will be submitted; upstream job ids are not known yet (<stage> placeholders)."""
-    out = {s.name: render_stage(cfg, plan, s, tuple(f"<{d}>" for d in s.depends_on if d not in s.after_any),
-                                launch_n=launch_n, deps_any=tuple(f"<{d}>" for d in s.after_any))
-           for s in plan.stages}
+    def after(s: StagePlan) -> After:
+        return After(tuple(f"<{d}>" for d in s.depends_on if d not in s.after_any),
+                     tuple(f"<{d}>" for d in s.after_any))
+
+    out = {s.name: render_stage(cfg, plan, s, after(s), launch_n=launch_n) for s in plan.stages}
     wrapper = container_wrapper(cfg, plan)
     if wrapper:
         out["container_exec.sh"] = wrapper

@@ -134,6 +134,14 @@ def _abs(p: str) -> str:
 
 
 @dataclass(frozen=True)
+class After:
+    """The upstream job ids a job runs after: once they succeeded (afterok), once they ended (afterany)."""
+
+    ok: tuple[str, ...] = ()
+    ended: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class StageJob:
     """One stage's job description, built once: what the dry run prints and what submit hands submitit."""
 
@@ -143,12 +151,13 @@ class StageJob:
 
 
 def stage_job(
-    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None,
-    launch_n: int | None = None, deps_any: tuple[str, ...] = (),
+    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] | After = (),
+    python: str | None = None, launch_n: int | None = None,
 ) -> StageJob:
     """The one builder of a stage's job spec (Slurm: the sbatch script's; local: the executor's).
     ``launch_n``: the launch that submits it (default: the run's next one), named in the job's comment.
-    ``deps``/``deps_any``: the upstream job ids it runs after (afterok / afterany)."""
+    ``deps``: the upstream job ids it runs after (afterok), or an :class:`After` (afterok and afterany)."""
+    after = deps if isinstance(deps, After) else After(tuple(deps))
     res = _definition(stage).resources(cfg, tasks_per_node(cfg))
     if stage.array is not None and cfg.cluster.executor != "local":
         n, at_once = stage.array
@@ -168,8 +177,8 @@ def stage_job(
         stage.name,
         plan.run_id,
         _abs(stage.state_dir),
-        deps,
-        deps_any,
+        after.ok,
+        after.ended,
         env,
         tuple(cfg.cluster.setup),
         pyxis=pyxis_spec(cfg),
@@ -180,11 +189,11 @@ def stage_job(
 
 
 def render_stage(
-    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None,
-    launch_n: int | None = None, deps_any: tuple[str, ...] = (),
+    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] | After = (),
+    python: str | None = None, launch_n: int | None = None,
 ) -> str:
     """The script (Slurm) or parameter record (local) for one stage, as it would be submitted."""
-    job = stage_job(cfg, plan, stage, deps, python, launch_n, deps_any)
+    job = stage_job(cfg, plan, stage, deps, python, launch_n)
     if isinstance(job.spec, render.LocalSpec):
         return render.render_local(job.spec)
     return render.render_sbatch(job.spec)
@@ -308,7 +317,7 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted
             (Path(stage.state_dir) / marker).unlink(missing_ok=True)
         timeout = cfg.cluster.time_limit_min * 60.0 * 4 if local else 300.0
         fn = _definition(stage).node(stage.job, _abs(stage.state_dir), upstream, stage.key, timeout)
-        job_spec = stage_job(cfg, plan, stage, deps, launch_n=launch_n, deps_any=deps_any)
+        job_spec = stage_job(cfg, plan, stage, After(deps, deps_any), launch_n=launch_n)
         ex = _executor(job_spec)
         comment = getattr(job_spec.spec, "comment", "")
         record_intent(plan.run_dir, launch_n, stage.name, comment)

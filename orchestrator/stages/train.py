@@ -77,8 +77,8 @@ def decided_config(job: TrainJob, upstream: list[Upstream], rank: int) -> dict[s
         return queue.query_slurm([job_id])[1].get(job_id, {}).get("state") if slurm else None
 
     tcfg = job.trainer_config
-    table = tuning.decided(job.run_dir, job.candidates, str(job.tune_key), ran.job_id if ran else None, rank,
-                           slurm_state, tcfg["logging"]["wandb"], str(tcfg.get("run_id") or ""))
+    which = tuning.Tuning(job.run_dir, job.candidates, str(job.tune_key), ran.job_id if ran else None)
+    table = tuning.decided(which, rank, slurm_state, tcfg["logging"]["wandb"], str(tcfg.get("run_id") or ""))
     if rank == 0:
         log.info("layout=auto: training with %s (table: %s)", tuning.verdict(table),
                  RunDir(job.run_dir).layout_table_text)

@@ -18,6 +18,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,17 @@ from trainer.run_files import TRIAL_RECORD, TRIAL_SPEC, RunDir
 log = get_logger(__name__)
 
 MISSING = "missing"
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Which tuning a decision is for: the run, its candidates (index, name, overrides, the plan's
+    estimate), the tuning's key and the trial job (None: the tune stage was reused, any job's)."""
+
+    run_dir: str
+    candidates: list[dict[str, Any]]
+    key: str
+    job: str | None = None
 
 
 class NoLayoutMeasured(ValueError):
@@ -118,12 +130,12 @@ def spearman(x: list[float], y: list[float]) -> float | None:
     return sxy / math.sqrt(sxx * syy) if sxx and syy else None
 
 
-def decide(run_dir: str, candidates: list[dict[str, Any]], key: str, job: str | None,
-           slurm_state: Callable[[str], str | None] | None = None) -> dict[str, Any]:
+def decide(t: Tuning, slurm_state: Callable[[str], str | None] | None = None) -> dict[str, Any]:
     """The table: every candidate's row, measured ones first by tokens/s (ties: the plan's order), the
-    winner, its speed-up over the plan's first choice and the plan's rank correlation with the
-    measurement. Raises :class:`NoLayoutMeasured` when no trial measured anything."""
-    rows = [outcome(run_dir, c, key, job, slurm_state) for c in candidates]
+    winner (None when no trial measured anything), its speed-up over the plan's first choice and the
+    plan's rank correlation with the measurement."""
+    key, job = t.key, t.job
+    rows = [outcome(t.run_dir, c, key, job, slurm_state) for c in t.candidates]
     measured = sorted((r for r in rows if r["status"] == MEASURED),
                       key=lambda r: (-r["measured"]["tokens_per_s"], r["index"]))
     for rank, r in enumerate(measured, 1):
@@ -258,15 +270,15 @@ def log_wandb(table: dict[str, Any], wandb_cfg: dict[str, Any], run_dir: str, ru
         return None
 
 
-def decided(run_dir: str, candidates: list[dict[str, Any]], key: str, job: str | None, rank: int,
-            slurm_state: Callable[[str], str | None] | None = None,
+def decided(t: Tuning, rank: int, slurm_state: Callable[[str], str | None] | None = None,
             wandb_cfg: dict[str, Any] | None = None, run_id: str = "") -> dict[str, Any]:
     """The decision for this tuning: the stored one, else taken now from the trials' records (rank 0
     writes it and logs it to W&B). Every rank gets the same table. Raises :class:`NoLayoutMeasured`."""
-    table = stored(run_dir, key, job)
+    run_dir = t.run_dir
+    table = stored(run_dir, t.key, t.job)
     if table is not None:
         return table
-    table = decide(run_dir, candidates, key, job, slurm_state)
+    table = decide(t, slurm_state)
     if rank == 0:
         write_table(run_dir, table)
     if table["winner"] is None:

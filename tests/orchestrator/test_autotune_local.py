@@ -82,6 +82,9 @@ def test_trials_one_after_another_then_training_with_the_fastest(tmp_path, monke
     (wb,) = run.tune.glob("wandb/offline-run-*/files/media/table/layout/*.table.json")
     logged = json.loads(wb.read_text())
     assert len(logged["data"]) == 4 and "tokens_per_s" in logged["columns"]
+    summary = run.summary.read_text()  # what the waiting launch printed at the end
+    assert f"layout (auto)    {rows[table['winner']]['name']}" in summary
+    assert str(wb.parents[4]) in summary.split("wandb sync")[1]  # its offline run is uploaded too
 
     # A relaunch reuses the decision (no trials); tune=force measures again.
     again = launch(compose_cfg([*TINY, f"runs_root={tmp_path}", f"run_id={run.root.name}", "train.iters=8",

@@ -54,7 +54,7 @@ def test_the_decision_ranks_the_measured_and_keeps_why_the_others_failed(tmp_pat
     with open(RunDir(RunDir(run).trial(3)).root / "hangs.jsonl", "w") as f:
         f.write(json.dumps({"time": 4e9, "iteration": 2, "idle_s": 5.1, "reporter": 0}) + "\n")
     _measured(run, 4, 999.0, job="8")  # another tuning's job: not this one's
-    table = tuning.decide(run, _cands(5), KEY, "9")
+    table = tuning.decide(tuning.Tuning(run, _cands(5), KEY, "9"))
     rows = {r["index"]: r for r in table["rows"]}
     assert [r["index"] for r in table["rows"]] == [2, 0, 1, 3, 4]
     assert rows[1]["status"] == FAILED and rows[1]["reason"] == "out of memory: CUDA out of memory (rank 1)"
@@ -74,7 +74,7 @@ def test_the_decision_ranks_the_measured_and_keeps_why_the_others_failed(tmp_pat
 def test_the_slurm_array_element_writes_as_its_own_job(tmp_path):
     """On Slurm a trial's records name ``<array id>_<index>``; the decision knows the array id."""
     _measured(str(tmp_path), 1, 50.0, job="41_1")
-    table = tuning.decide(str(tmp_path), _cands(2), KEY, "41", slurm_state=lambda j: "TIMEOUT")
+    table = tuning.decide(tuning.Tuning(str(tmp_path), _cands(2), KEY, "41"), lambda j: "TIMEOUT")
     rows = {r["index"]: r for r in table["rows"]}
     assert rows[1]["status"] == MEASURED and table["winner"] == 1
     assert rows[0]["reason"] == "never started (cancelled, or its job never ran)"
@@ -88,14 +88,14 @@ def test_the_decision_is_stored_and_reused_until_another_tuning_job(tmp_path):
     run = str(tmp_path)
     _measured(run, 0, 100.0)
     _measured(run, 1, 120.0)
-    first = tuning.decided(run, _cands(2), KEY, "9", rank=0)
+    first = tuning.decided(tuning.Tuning(run, _cands(2), KEY, "9"), rank=0)
     assert first["winner"] == 1
     assert RunDir(run).layout_table_text.read_text().startswith("layout=auto: 2 trial")
     _measured(run, 0, 500.0)  # a record changes; the decision taken stays (a requeue, a relaunch)
-    assert tuning.decided(run, _cands(2), KEY, None, rank=0)["decided"] == first["decided"]
-    assert tuning.decided(run, _cands(2), KEY, "9", rank=1)["winner"] == 1
+    assert tuning.decided(tuning.Tuning(run, _cands(2), KEY, None), rank=0)["decided"] == first["decided"]
+    assert tuning.decided(tuning.Tuning(run, _cands(2), KEY, "9"), rank=1)["winner"] == 1
     _measured(run, 0, 300.0, job="10")  # tune=force: job 10 measured again; its trials decide
-    again = tuning.decided(run, _cands(2), KEY, "10", rank=0)
+    again = tuning.decided(tuning.Tuning(run, _cands(2), KEY, "10"), rank=0)
     assert again["winner"] == 0 and again["tune_job"] == "10" and [r["status"] for r in again["rows"]] == [
         MEASURED, "missing"]
 
@@ -106,7 +106,7 @@ def test_no_trial_measured_is_a_permanent_error_with_every_reason(tmp_path):
     begin(spec, "9")
     write_record(spec, "9", 0, FAILED, reason="out of memory: x")
     with pytest.raises(tuning.NoLayoutMeasured, match=r"layout0: out of memory: x; layout1: never started"):
-        tuning.decided(run, _cands(2), KEY, "9", rank=0)
+        tuning.decided(tuning.Tuning(run, _cands(2), KEY, "9"), rank=0)
     assert "no trial of 2 measured anything" in RunDir(run).layout_table_text.read_text()
     from trainer.signals import permanent_reason
 
