@@ -226,7 +226,7 @@ def proposal_lines(cfg: SlipwayConfig, p: Proposal) -> list[str]:
     if not p.ranked:
         dropped = ["  dropped:", *p.dropped_lines()] if p.dropped else []
         return [head, "    none fits (see PROBLEMS)", *dropped]
-    measured = len(p.trials(a.candidates)) if cfg.tune != "false" else 0
+    measured = len(p.trials(a.candidates)) if cfg.tune != "false" and len(p.ranked) > 1 else 0
     lines = [head, f"    {'#':>3}  {'layout':<28}{'dp':>4}{'memory/device':>15}{'est. step':>12}"
                    f"{'est. tok/s':>13}"]
     for i, r in enumerate(p.ranked[:max(a.show, measured)]):
@@ -238,7 +238,9 @@ def proposal_lines(cfg: SlipwayConfig, p: Proposal) -> list[str]:
     rest = len(p.ranked) - max(a.show, measured)
     if rest > 0:
         lines.append(f"    ... {rest} more that fit (ranked lower)")
-    if cfg.tune == "false":
+    if len(p.ranked) == 1:
+        lines.append("  one layout fits: training takes it (nothing to measure)")
+    elif cfg.tune == "false":
         lines.append("  training takes the first choice (tune=true measures the first "
                      f"{a.candidates} in short trial jobs and takes the fastest)")
     else:
