@@ -11,10 +11,9 @@ the measurement. A record names the job that wrote it, so a later tuning never r
 
 Where the ranks run: on Slurm every task of one job-array element runs its rank in-process
 (:func:`run_rank`, from orchestrator/stages/tune.py); on the local executor one job runs the trials one
-after another, each as ``world`` processes of ``python -m orchestrator.stages.trials SPEC JOB``
-(:func:`run_local`), and ends the others when one fails (as ``srun --kill-on-bad-exit`` does) or the
-trial's time is up.
-Nothing here imports torch at module level.
+after another, each as ``world`` processes running :func:`main` (``SPEC JOB``: the trial's spec file
+and the job; :func:`run_local`), and ends the others when one fails (as ``srun --kill-on-bad-exit``
+does) or the trial's time is up. Nothing here imports torch at module level.
 """
 
 from __future__ import annotations
@@ -228,7 +227,8 @@ def _start_ranks(spec: TrialSpec, world: int, job: str, spec_path: Path) -> list
     for rank in range(world):
         env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         with open(logs / f"rank{rank}.log", "w", encoding="utf-8") as out:
-            cmd = [sys.executable, "-u", "-m", "orchestrator.stages.trials", str(spec_path), job]
+            # -c, not -m: runpy would execute a second copy of this module, which the package has imported
+            cmd = [sys.executable, "-u", "-c", _RANK_MAIN, str(spec_path), job]
             procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
     return procs
 
@@ -302,13 +302,11 @@ def run_local(trials: list[TrialSpec], world: int, job: str, limit_s: float) -> 
     return out
 
 
+_RANK_MAIN = "import sys; from orchestrator.stages.trials import main; sys.exit(main())"
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m orchestrator.stages.trials SPEC JOB``: one rank of a local trial (run_local starts
-    them)."""
+    """One rank of a local trial, ``SPEC JOB`` on the command line (run_local starts them)."""
     args = sys.argv[1:] if argv is None else argv
     run_rank(load_spec(args[0]), args[1])
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
