@@ -188,7 +188,7 @@ def _num(x: float | None, fmt: str) -> str:
 def format_table(table: dict[str, Any]) -> str:
     """The table for people: estimate beside measurement for every candidate."""
     head = (f"{'rank':>4} {'plan':>4}  {'layout':<26}{'est. step':>11}{'est. tok/s':>12}{'est. mem':>11}"
-            f"{'step':>10}{'tok/s':>12}{'peak mem':>11}{'MFU':>7}  outcome")
+            f"{'step':>10}{'±':>6}{'tok/s':>12}{'peak mem':>11}{'MFU':>7}  outcome")
     lines = [f"layout=auto: {table['trials']} trial(s) (tuning {table['key']}, job {table.get('tune_job')})",
              head]
     for r in table["rows"]:
@@ -197,7 +197,11 @@ def format_table(table: dict[str, Any]) -> str:
                f"{fmt_bytes(e.get('memory_bytes', 0)).strip():>11}")
         peak = "—" if m.get("peak_mem_gb") is None else fmt_bytes(m["peak_mem_gb"] * 1e9).strip()
         mfu = "—" if m.get("mfu") is None else f"{m['mfu']:.1%}"
-        got = f"{_num(m.get('step_s'), '.4f'):>10}{_num(m.get('tokens_per_s'), ',.0f'):>12}{peak:>11}{mfu:>7}"
+        # ±: half the range of the measured intervals' step times, of their mean (how noisy the figure is)
+        spread = ((m["step_max_s"] - m["step_min_s"]) / 2 / m["step_s"]) if m.get("step_max_s") else None
+        pm = "—" if spread is None else f"{spread:.0%}"
+        got = (f"{_num(m.get('step_s'), '.4f'):>10}{pm:>6}"
+               f"{_num(m.get('tokens_per_s'), ',.0f'):>12}{peak:>11}{mfu:>7}")
         rank = str(r.get("measured_rank", "-"))
         what = "measured" if r["status"] == MEASURED else f"{r['status']}: {r['reason']}"
         lines.append(f"{rank:>4} {r['index'] + 1:>4}  {r['name']:<26}{est}{got}  {what}")
