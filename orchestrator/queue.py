@@ -22,6 +22,11 @@ States Slurm may requeue:
 Local jobs (submitit's LocalExecutor) are processes of this machine; their ids are pids. They report the
 same words: RUNNING while the process exists, COMPLETED / FAILED from their results and markers, and
 ENDED (failed) for a process that is gone without either.
+
+A job array (layout=auto's trials) is recorded under its array id ``A``; squeue and sacct list its
+elements (``A_0``, ``A_[2-3%1]``). Each element is answered under its own id, and the array under ``A``
+(:func:`array_state`): alive while any element is, else failed if any failed, cancelled if any was, else
+done.
 """
 
 from __future__ import annotations
@@ -156,24 +161,47 @@ def live_state(job_id: str, executor: str, folder: str | None = None) -> str | N
                              timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return "UNKNOWN"
-    state = out.stdout.strip()
-    return state if out.returncode == 0 and state and alive(state) else None
+    states = out.stdout.split()  # a job array: one line per element (or group of pending ones)
+    state = next((s for s in states if alive(s)), None)
+    return state if out.returncode == 0 else None
+
+
+def array_of(job_id: str) -> str | None:
+    """The array id of an array element's id (``123_4``, ``123_[5-7%2]``), None for any other job."""
+    head, sep, tail = job_id.partition("_")
+    return head if sep and head.isdigit() and tail else None
+
+
+def array_state(states: list[str]) -> str:
+    """One state for a whole job array from its elements' (module docstring)."""
+    for wanted in (RUNNING, PENDING, FAILED, CANCELLED):
+        found = next((s for s in states if category(s) == wanted), None)
+        if found is not None:
+            return found
+    return states[0] if states else "UNKNOWN"
 
 
 def parse_squeue(text: str) -> dict[str, tuple[str, str]]:
-    """``squeue -h -o %i|%T|%r`` → {job id: (state, reason)}."""
-    out = {}
+    """``squeue -h -o %i|%T|%r`` → {job id: (state, reason)}; an array also under its array id."""
+    out, arrays = {}, {}
     for line in text.splitlines():
         parts = line.strip().split("|")
         if len(parts) >= 3:
             out[parts[0]] = (parts[1], parts[2] if parts[2] not in ("None", "(null)") else "")
+            if (array := array_of(parts[0])) is not None:
+                arrays.setdefault(array, []).append(out[parts[0]])
+    for array, elements in arrays.items():
+        state = array_state([s for s, _ in elements])
+        out[array] = next(e for e in elements if e[0] == state)
     return out
 
 
 def parse_sacct(text: str) -> dict[str, dict[str, str]]:
-    """``sacct -n -P -X -o JobIDRaw,State,ExitCode,NodeList,Reason`` → {job id: fields} (last record wins:
-    with --duplicates a requeued job lists its earlier runs first)."""
+    """``sacct -n -P -X -o JobIDRaw,State,ExitCode,NodeList,Reason,JobID`` → {job id: fields} (last record
+    wins: with --duplicates a requeued job lists its earlier runs first). An array element (JobID
+    ``A_i``) is also answered under ``A_i``, and the array under ``A`` (:func:`array_state`)."""
     out: dict[str, dict[str, str]] = {}
+    arrays: dict[str, list[str]] = {}
     for line in text.splitlines():
         parts = line.strip().split("|")
         if len(parts) >= 4 and parts[0]:
@@ -185,6 +213,13 @@ def parse_sacct(text: str) -> dict[str, dict[str, str]]:
                 "reason": parts[4] if len(parts) > 4 else "",
                 "records": str(records),
             }
+            name = parts[5] if len(parts) > 5 else ""
+            if (array := array_of(name)) is not None:
+                out[name] = out[parts[0]]
+                arrays.setdefault(array, []).append(name)
+    for array, names in arrays.items():
+        state = array_state([out[n]["state"] for n in names])
+        out[array] = {**next(out[n] for n in names if out[n]["state"] == state), "records": "1"}
     return out
 
 
@@ -204,7 +239,7 @@ def query_slurm_checked(job_ids: list[str]) -> tuple[dict, dict, str]:
     ids = ",".join(sorted(set(job_ids)))
     out, squeue_error = _run(["squeue", "-h", "-j", ids, "-o", "%i|%T|%r"])
     sq = parse_squeue(out) if out is not None else {}
-    fields = "JobIDRaw,State,ExitCode,NodeList,Reason"
+    fields = "JobIDRaw,State,ExitCode,NodeList,Reason,JobID"
     out, _ = _run(["sacct", "-n", "-P", "-X", "-D", "-j", ids, "-o", fields])
     return sq, parse_sacct(out) if out is not None else {}, squeue_error
 
@@ -264,5 +299,5 @@ def jobs_by_comment(comments: list[str]) -> dict[str, tuple[str, str]]:
     for line in out.splitlines():
         parts = line.strip().split("|", 2)
         if len(parts) == 3 and parts[2] in wanted and alive(parts[1]):
-            found[parts[2]] = (parts[0], parts[1])
+            found[parts[2]] = (array_of(parts[0]) or parts[0], parts[1])
     return found

@@ -62,6 +62,12 @@ class JobResources:
     signal_delay_s: int | None = None  # training only: --signal=USR2@lead and the requeue logic
     max_retries: int = 0
     max_timeouts: int = 0
+    array: str | None = None  # a job array, sbatch --array (e.g. "0-3%1"); its logs are named %A_%a
+
+
+def job_tag(r: JobResources) -> str:
+    """The job's part of its log names: Slurm's job id, or an array element's array id and index."""
+    return "%A_%a" if r.array else "%j"
 
 
 def mem_flag(mem_gb: float | None) -> str | None:
@@ -82,6 +88,7 @@ class ScriptSpec:
     run_id: str
     state_dir: str  # where the requeue/timeout counters live
     dependency: tuple[str, ...] = ()  # job ids this job runs after (afterok)
+    dependency_any: tuple[str, ...] = ()  # job ids this job runs after whatever their outcome (afterany)
     env: tuple[tuple[str, str], ...] = ()
     setup: tuple[str, ...] = ()
     master_port_base: int = PORT_BASE
@@ -106,6 +113,8 @@ def sbatch_directives(spec: ScriptSpec) -> list[str]:
         ("nodes", r.nodes),
         ("ntasks-per-node", r.tasks_per_node),
     ]
+    if r.array:
+        d.append(("array", r.array))
     if spec.comment:
         d.append(("comment", spec.comment))
     if r.gpus_per_node:
@@ -126,10 +135,12 @@ def sbatch_directives(spec: ScriptSpec) -> list[str]:
         d += [("signal", f"USR2@{r.signal_delay_s}"), ("requeue", True)]
     else:
         d.append(("no-requeue", True))
-    if spec.dependency:
+    deps = [f"{kind}:" + ":".join(ids) for kind, ids in (("afterok", spec.dependency),
+                                                          ("afterany", spec.dependency_any)) if ids]
+    if deps:
         # kill-on-invalid-dep: a failed upstream removes this job instead of leaving it pending forever.
-        d += [("dependency", "afterok:" + ":".join(spec.dependency)), ("kill-on-invalid-dep", "yes")]
-    d += [("open-mode", "append"), ("output", f"{spec.log_dir}/{spec.stage}_%j_batch.out")]
+        d += [("dependency", ",".join(deps)), ("kill-on-invalid-dep", "yes")]
+    d += [("open-mode", "append"), ("output", f"{spec.log_dir}/{spec.stage}_{job_tag(r)}_batch.out")]
     d += list(r.extra)
     return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}" for k, v in d]
 
@@ -281,8 +292,8 @@ def render_sbatch(spec: ScriptSpec) -> str:
         body += [
             "",
             f"srun --unbuffered --kill-on-bad-exit=1 --cpus-per-task={r.cpus_per_task} "
-            f"--output {shlex.quote(f'{spec.log_dir}/{spec.stage}_%j_%t.out')} "
-            f"--error {shlex.quote(f'{spec.log_dir}/{spec.stage}_%j_%t.err')} "
+            f"--output {shlex.quote(f'{spec.log_dir}/{spec.stage}_{job_tag(r)}_%t.out')} "
+            f"--error {shlex.quote(f'{spec.log_dir}/{spec.stage}_{job_tag(r)}_%t.err')} "
             + (f"{flags} " if flags else "") + spec.command,
         ]
     else:

@@ -29,6 +29,9 @@ from trainer.eval.config import EvalConfig
 
 EXECUTORS = ("local", "slurm")
 CONTAINER_KINDS = ("none", "apptainer", "pyxis", "charliecloud")
+LAYOUT_MODES = ("manual", "auto")
+TUNE_MODES = ("false", "true", "force")
+RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
 @dataclass
@@ -208,6 +211,76 @@ class ConvertConfig:
 
 
 @dataclass
+class AutotuneConfig(Section):
+    """layout=auto: the space the plan searches for the parallel layout, and the short trial jobs that
+    measure its best candidates (tune=true; orchestrator/autolayout.py, orchestrator/stages/tune.py)."""
+
+    candidates: int = 4
+    """Trials: the layouts the plan ranks first are measured, this many (K of the Slurm job array
+    --array=0-K-1%C; one after another on the local executor)."""
+    concurrency: int = 1
+    """Trials that run at once on Slurm (C of --array=0-K-1%C); each takes the run's whole allocation
+    (cluster.nodes nodes), so raise it only where the partition has room for several."""
+    warmup_iters: int = 10
+    """Iterations of each trial before the measurement starts (compilation, allocator, caches); a
+    multiple of log_interval."""
+    iters: int = 20
+    """Measured iterations of each trial (after warmup_iters); a multiple of log_interval."""
+    log_interval: int = 5
+    """Iterations per measured interval of a trial (the trainer's log interval in the trial)."""
+    time_limit_min: int = 20
+    """Wall-clock limit of one trial in minutes (the array's --time; on the local executor, per trial):
+    a trial still running then is recorded as failed (time limit)."""
+    hang_timeout_s: float = 300.0
+    """A trial's train.hang_timeout_s: a trial that stops progressing this long is recorded as a hang."""
+    micro_batch_sizes: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64])
+    """train.micro_batch_size values searched (those that divide the global batch per data-parallel
+    rank)."""
+    recompute: list[str] = field(default_factory=lambda: list(RECOMPUTE_CHOICES))
+    """train.recompute_granularity values searched (full recomputes each layer: recompute_method
+    uniform, recompute_num_layers 1)."""
+    virtual_pp_sizes: list[int] = field(default_factory=lambda: [1, 2])
+    """parallel.virtual_pp_size values searched where pp_size > 1 (interleaved 1F1B)."""
+    distributed_optimizer: list[bool] = field(default_factory=lambda: [False, True])
+    """optim.distributed values searched where dp > 1."""
+    show: int = 10
+    """Ranked layouts the plan prints (the dry run's table)."""
+
+    def _normalise(self) -> None:
+        self.micro_batch_sizes = [int(x) for x in self.micro_batch_sizes or []]
+        self.recompute = [str(x) for x in self.recompute or []]
+        self.virtual_pp_sizes = [int(x) for x in self.virtual_pp_sizes or []]
+        self.distributed_optimizer = [bool(x) for x in self.distributed_optimizer or []]
+
+    def problems(self) -> list[ConfigIssue]:
+        out = []
+        for name in ("candidates", "concurrency", "warmup_iters", "iters", "log_interval", "time_limit_min",
+                     "hang_timeout_s", "show"):
+            out += positive(f"autotune.{name}", getattr(self, name))
+        if out:
+            return out
+        for name in ("warmup_iters", "iters"):
+            if getattr(self, name) % self.log_interval:
+                out.append(issue("interval", f"autotune.{name}", getattr(self, name),
+                                 f"is not a multiple of autotune.log_interval={self.log_interval}",
+                                 f"use a multiple of {self.log_interval}"))
+        for name in ("micro_batch_sizes", "virtual_pp_sizes"):
+            values = getattr(self, name)
+            if not values or any(v < 1 for v in values):
+                out.append(issue("positive", f"autotune.{name}", values, "must list integers >= 1",
+                                 f"e.g. autotune.{name}=[1,2]"))
+        bad = [r for r in self.recompute if r not in RECOMPUTE_CHOICES]
+        if not self.recompute or bad:
+            out.append(issue("choice", "autotune.recompute", self.recompute,
+                             f"must list values of {', '.join(RECOMPUTE_CHOICES)}",
+                             "autotune.recompute=[none,selective,full]"))
+        if not self.distributed_optimizer:
+            out.append(issue("choice", "autotune.distributed_optimizer", self.distributed_optimizer,
+                             "must list true and/or false", "autotune.distributed_optimizer=[false,true]"))
+        return out
+
+
+@dataclass
 class SlipwayConfig(RunConfig):
     """The root: the trainer's sections (trainer/config, the one definition of every trainer key) plus the
     orchestrator's own sections and launch switches."""
@@ -231,13 +304,29 @@ class SlipwayConfig(RunConfig):
     wait: bool | None = None
     """Block until the run ends; null: block for the local executor (its jobs are this machine's
     processes), return at once for Slurm and for sweeps."""
+    layout: str = "manual"
+    """manual: the parallel section's tp/pp/vpp, train.micro_batch_size, train.recompute_granularity and
+    optim.distributed as set; auto: the plan searches those (autotune) for the layouts that fit the
+    site's devices with the same world and global batch, ranks them by its step-time estimate and takes
+    the first (with tune=true: the fastest of its trials). docs/cluster.md, "Choosing the layout"."""
+    tune: str = "false"
+    """layout=auto: false (train with the plan's first choice); true (short trial jobs measure the
+    autotune.candidates best-ranked layouts after preprocessing, and training starts with the fastest;
+    a relaunch reuses that decision, <run_dir>/tune/); force (measure again even where a decision
+    exists)."""
+    autotune: AutotuneConfig = field(default_factory=AutotuneConfig)
+    """layout=auto's search space and trials."""
 
     def _normalise(self) -> None:
-        pass  # run_dir and checkpoint.dir stay null until the plan knows the run id (plan.py)
+        # run_dir and checkpoint.dir stay null until the plan knows the run id (plan.py). A command line's
+        # tune=true arrives as a YAML boolean, which the str field holds as "True".
+        self.tune = str(self.tune).lower()
 
     def problems(self) -> list[ConfigIssue]:
         return (super().problems() + self.cluster.problems() + self.container.problems()
-                + self.eval.problems())
+                + self.eval.problems() + self.autotune.problems()
+                + choice("layout", self.layout, LAYOUT_MODES)
+                + choice("tune", self.tune, TUNE_MODES))
 
 
 def register() -> None:

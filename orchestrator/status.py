@@ -57,6 +57,7 @@ class JobRow:
     hangs: list[str] = field(default_factory=list)  # every hang a watchdog recorded (kept across retries)
     overrides: str = ""  # a sweep point's overrides (lr ...): what tells the points apart
     bad_nodes: list[str] = field(default_factory=list)  # nodes a preflight/watchdog named, what was done
+    note: str = ""  # what a stage says below the table (the tune stage: its trials and the decision)
 
 
 def _failure(state: str, entry: dict, acct: dict) -> str:
@@ -136,7 +137,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
                 row.slurm_error = squeue_error
             definition = stage_def(stage)  # None: a stage this version does not know (an old run's record)
             if definition is not None:
-                look = StageLook(run_dir, e, data, sa.get(jid, {}), stale_after_s)
+                look = StageLook(run_dir, e, data, sa.get(jid, {}), stale_after_s, state)
                 row = dataclasses.replace(row, **definition.status(look))
             rows.append(row)
     return rows
@@ -231,12 +232,14 @@ def best_point(rows: list[JobRow]) -> list[str]:
 
 
 def rank_problems(rows: list[JobRow]) -> list[str]:
-    """One line per stage that failed or was cancelled, with its reason; per training rank that is stale,
+    """One line per stage that failed or was cancelled, with its reason, and per stage note (the tune
+    stage's trials); per training rank that is stale,
     stalled or hung, naming its host; per checkpoint skipped at load; per op the kernel self-check refused;
     per run whose online W&B fell back to offline."""
     out = []
     for r in rows:
         out += [f"{r.state}: run {r.run} stage {r.stage} (job {r.job_id}): {r.failure}"] if r.failure else []
+        out += [f"{r.stage.upper()}: run {r.run}: {r.note}"] if r.note else []
         for h in r.ranks:
             if h.state in ("ok", "exited"):
                 continue

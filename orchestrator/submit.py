@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import submitit
-from submitit.core.utils import FailedJobError
+from submitit.core.utils import DelayedSubmission, FailedJobError, JobPaths
+from submitit.slurm.slurm import SlurmJob
 
 from orchestrator import container_render, render
 from orchestrator.container import WRAPPER_KINDS, host_paths, job_image
@@ -75,6 +76,24 @@ class SlipwaySlurmExecutor(submitit.SlurmExecutor):
         self.script = render.render_sbatch(dataclasses.replace(self.spec, command=command))
         return self.script
 
+    def submit_array(self, fns: list[Any]) -> list[SlurmJob]:
+        """One sbatch of the job array the spec names (its ``--array``), element ``i`` running ``fns[i]``:
+        submitit's own array submission, which would render submitit's script instead of ours."""
+        folder = JobPaths.get_first_id_independent_folder(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        pickles = []
+        for i, fn in enumerate(fns):
+            delayed = DelayedSubmission(fn)
+            delayed.set_timeout(self.spec.resources.time_limit_min, self.max_num_timeout)
+            pickles.append(folder / f"array_{os.getpid()}_{i}.pkl")
+            delayed.dump(pickles[-1])
+        first = self._submit_command(self._submitit_command_str)
+        jobs = [SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}", tasks=list(range(first.num_tasks)))
+                for i in range(len(fns))]
+        for job, path in zip(jobs, pickles, strict=True):  # each element waits for its pickle (submitit)
+            job.paths.move_temporary_file(path, "submitted_pickle")
+        return jobs
+
 
 @dataclass
 class Submitted:
@@ -120,6 +139,14 @@ def _abs(p: str) -> str:
 
 
 @dataclass(frozen=True)
+class After:
+    """The upstream job ids a job runs after: once they succeeded (afterok), once they ended (afterany)."""
+
+    ok: tuple[str, ...] = ()
+    ended: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class StageJob:
     """One stage's job description, built once: what the dry run prints and what submit hands submitit."""
 
@@ -129,13 +156,18 @@ class StageJob:
 
 
 def stage_job(
-    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None,
-    launch_n: int | None = None,
+    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] | After = (),
+    python: str | None = None, launch_n: int | None = None,
 ) -> StageJob:
     """The one builder of a stage's job spec (Slurm: the sbatch script's; local: the executor's).
-    ``launch_n``: the launch that submits it (default: the run's next one), named in the job's comment."""
+    ``launch_n``: the launch that submits it (default: the run's next one), named in the job's comment.
+    ``deps``: the upstream job ids it runs after (afterok), or an :class:`After` (afterok and afterany)."""
+    after = deps if isinstance(deps, After) else After(tuple(deps))
     res = _definition(stage).resources(cfg, tasks_per_node(cfg))
     res = dataclasses.replace(res, name=job_name(cfg.experiment, plan.run_id, stage.name))
+    if stage.array is not None and cfg.cluster.executor != "local":
+        n, at_once = stage.array
+        res = dataclasses.replace(res, array=f"0-{n - 1}%{min(at_once, n)}")
     py = python or container_render.python_command(
         cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable
     )
@@ -151,7 +183,8 @@ def stage_job(
         stage.name,
         plan.run_id,
         _abs(stage.state_dir),
-        deps,
+        after.ok,
+        after.ended,
         env,
         tuple(cfg.cluster.setup),
         pyxis=pyxis_spec(cfg),
@@ -172,8 +205,8 @@ def _helper_flags(cfg: SlipwayConfig) -> tuple[tuple[str, str], ...]:
 
 
 def render_stage(
-    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] = (), python: str | None = None,
-    launch_n: int | None = None,
+    cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] | After = (),
+    python: str | None = None, launch_n: int | None = None,
 ) -> str:
     """The script (Slurm) or parameter record (local) for one stage, as it would be submitted."""
     job = stage_job(cfg, plan, stage, deps, python, launch_n)
@@ -228,6 +261,54 @@ def _executor(job: StageJob) -> Any:
     return SlipwaySlurmExecutor(job.folder, job.spec, job.python)
 
 
+def _upstream(plan: Plan, stage: StagePlan, done: dict[str, Submitted]
+              ) -> tuple[tuple[str, ...], tuple[str, ...], list[Upstream]]:
+    """(afterok ids, afterany ids, what the node callable waits for). A reused upstream is complete
+    already; every other is waited for by its job id: Slurm's afterok (afterany for ``stage.after_any``),
+    and the same rule for local jobs (stages/base.py wait_for: only that job's marker counts)."""
+    ups = [done[d] for d in stage.depends_on if d in done and done[d].action != "reused"]
+    slurm = [(u.job_id, u.stage in stage.after_any) for u in ups if u.job_id and u.executor == "slurm"]
+    upstream = [Upstream(_abs(plan.stage(u.stage).state_dir), u.job_id, u.executor,
+                         u.stage in stage.after_any) for u in ups]
+    return (tuple(j for j, anyhow in slurm if not anyhow), tuple(j for j, anyhow in slurm if anyhow),
+            upstream)
+
+
+def _submit_job(ex: Any, fn: Any, stage: StagePlan, local: bool) -> tuple[Any, str]:
+    """(the submitit job, the id recorded): one job, or on Slurm one array recorded under its array id
+    (scancel, squeue and sacct take it for all its elements)."""
+    if stage.array is not None and not local:
+        job = ex.submit_array([fn.array_task(i) for i in range(stage.array[0])])[0]
+        return job, str(job.job_id).split("_")[0]
+    job = ex.submit(fn)
+    return job, str(job.job_id)
+
+
+def _record(plan: Plan, launch_n: int, stage: StagePlan, sub: Submitted,
+            deps: tuple[tuple[str, ...], tuple[str, ...]], comment: str) -> None:
+    """The job's record (run.json, a shared stage's _JOB.json) and script; ``deps``: (afterok, afterany)."""
+    entry = {
+        "job_id": sub.job_id,
+        "executor": sub.executor,
+        "key": stage.key,
+        "depends_on": [*deps[0], *deps[1]],
+        "folder": stage_folder(plan, stage),
+        "state_dir": stage.state_dir,
+        "log_dir": _abs(stage_log_dir(plan, stage)),  # Slurm's job logs (orchestrator/logs.py)
+        **({"comment": comment} if comment else {}),
+    }
+    if stage.shared:
+        (Path(stage.state_dir) / JOB_FILE).write_text(json.dumps(entry))
+    record_job(plan.run_dir, launch_n, stage.name, entry)
+    if sub.script:
+        path = launch_dir(plan.run_dir, launch_n) / "scripts" / f"{stage.name}.sbatch"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(sub.script)
+    kinds = zip(("afterok", "afterany"), deps, strict=True)
+    after = ",".join(f"{kind}:{':'.join(ids)}" for kind, ids in kinds if ids)
+    log.info("%s: submitted job %s%s", stage.name, sub.job_id, f" ({after})" if after else "")
+
+
 def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted]:
     """Submit the stage graph in order for launch ``launch_n`` (launches.py: its record exists); shared
     stages are reused or depended on when possible. Each submission is recorded as an intent before
@@ -250,48 +331,25 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted
             )
             log.info("%s: same key already queued as job %s; depending on it", stage.name, queued["job_id"])
             continue
-        # A reused upstream is complete already; every other is waited for by its job id: Slurm's afterok,
-        # and the same rule for local jobs (stages/base.py wait_for: only that job's marker counts).
-        ups = [done[d] for d in stage.depends_on if d in done and done[d].action != "reused"]
-        deps = tuple(u.job_id for u in ups if u.job_id and u.executor == "slurm")
-        upstream = [Upstream(_abs(plan.stage(u.stage).state_dir), u.job_id, u.executor) for u in ups]
+        deps, deps_any, upstream = _upstream(plan, stage, done)
         for marker in (FAILED, COMPLETE):  # an earlier job's outcome is not this one's (status, summary)
             (Path(stage.state_dir) / marker).unlink(missing_ok=True)
         timeout = cfg.cluster.time_limit_min * 60.0 * 4 if local else 300.0
         fn = _definition(stage).node(stage.job, _abs(stage.state_dir), upstream, stage.key, timeout)
-        job_spec = stage_job(cfg, plan, stage, deps, launch_n=launch_n)
+        job_spec = stage_job(cfg, plan, stage, After(deps, deps_any), launch_n=launch_n)
         ex = _executor(job_spec)
         comment = getattr(job_spec.spec, "comment", "")
         record_intent(plan.run_dir, launch_n, stage.name, comment)
         launch_failpoint(f"before_sbatch:{stage.name}")
         try:
-            job = ex.submit(fn)
+            job, job_id = _submit_job(ex, fn, stage, local)
         except FailedJobError as err:  # sbatch said no: its own words are the message
             raise SubmitError(stage.name, [d.stage for d in done.values() if d.action == "submitted"],
                               plan.run_dir, str(err)) from err
         launch_failpoint(f"after_sbatch:{stage.name}")
         script = getattr(ex, "script", None)  # Slurm: the text submitit wrote and sbatch got
-        sub = Submitted(stage.name, "submitted", str(job.job_id), cfg.cluster.executor, script, job)
+        sub = Submitted(stage.name, "submitted", job_id, cfg.cluster.executor, script, job)
         done[stage.name] = sub
-        entry = {
-            "job_id": sub.job_id,
-            "executor": sub.executor,
-            "key": stage.key,
-            "depends_on": list(deps),
-            "folder": stage_folder(plan, stage),
-            "state_dir": stage.state_dir,
-            "log_dir": _abs(stage_log_dir(plan, stage)),  # Slurm's job logs (orchestrator/logs.py)
-            **({"comment": comment} if comment else {}),
-        }
-        if stage.shared:
-            (Path(stage.state_dir) / JOB_FILE).write_text(json.dumps(entry))
-        record_job(plan.run_dir, launch_n, stage.name, entry)
-        if script:
-            path = launch_dir(plan.run_dir, launch_n) / "scripts" / f"{stage.name}.sbatch"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(script)
-        log.info(
-            "%s: submitted job %s%s", stage.name, sub.job_id, f" (afterok:{':'.join(deps)})" if deps else ""
-        )
+        _record(plan, launch_n, stage, sub, (deps, deps_any), comment)
         launch_failpoint(f"after_record:{stage.name}")
     return list(done.values())

@@ -12,6 +12,7 @@ from orchestrator.launches import current
 from orchestrator.progress import checkpoint_iter, wandb_offline_dirs
 from orchestrator.runs import read_json
 from orchestrator.stages.convert import NAME as CONVERT
+from orchestrator.stages.tuning import verdict as verdict_of
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import describe, read_results, results_path
 from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, kernel_fallbacks, last_kernel_check, series
@@ -37,6 +38,8 @@ class RunOutcome:
     checkpoint_warnings: list[str] = field(default_factory=list)  # checkpoints skipped at load (damaged)
     evaluation: dict | None = None  # <run_dir>/eval/results.json (trainer/eval/results.py)
     kernel_check: dict | None = None  # the start-up kernel self-check (train_metrics.jsonl)
+    layout: str | None = None  # layout=auto tune=true: the decision training took (stages/tuning.py)
+    layout_wandb_dirs: list[str] = field(default_factory=list)  # its table's offline W&B run(s)
 
 
 def _losses(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -73,9 +76,11 @@ def outcome(run_dir: str) -> RunOutcome:
     hf, verdict, hf_iter = _convert_result(run, launch)
     sample, how = _sample(run)
     dirs = wandb_offline_dirs(run)
+    table = read_json(RunDir(run).layout_table) if RunDir(run).layout_table.exists() else None
     return RunOutcome(run_dir, train, valid, hf, verdict, hf_iter, checkpoint_iter(run, launch), sample, how,
                       dirs[-1] if dirs else None, dirs, read_warnings(run_dir), read_results(run_dir),
-                      last_kernel_check(run_dir))
+                      last_kernel_check(run_dir), verdict_of(table) if table else None,
+                      sorted(str(p) for p in RunDir(run).tune.glob("wandb/offline-run-*") if p.is_dir()))
 
 
 def plot_losses(o: RunOutcome, out: Path) -> Path | None:
@@ -145,6 +150,9 @@ def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = No
     ]
     if o.verification:
         lines.append(f"                   {o.verification}")
+    if o.layout:
+        table = RunDir(o.run_dir).layout_table_text
+        lines += [f"  layout (auto)    {o.layout}", f"                   ({table})"]
     lines += [f"  checkpoint       WARNING: {w}" for w in o.checkpoint_warnings]
     lines += _kernel_lines(o.kernel_check)
     if o.evaluation:
@@ -157,9 +165,10 @@ def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = No
         lines.append(f"  sample           {sample[0]}")
         lines += [f"                   {s}" for s in sample[1:]]
         lines.append(f"                   ({o.sample_how}; the model's text continues the prompt)")
-    if o.wandb_dir:
-        lines += [f"  W&B (offline)    {o.wandb_dir}",
-                  f"  upload to W&B    {sync_command(o.wandb_dirs or [o.wandb_dir])}"]
+    if o.wandb_dir or o.layout_wandb_dirs:
+        dirs = [*(o.wandb_dirs or ([o.wandb_dir] if o.wandb_dir else [])), *o.layout_wandb_dirs]
+        lines += [f"  W&B (offline)    {o.wandb_dir or o.layout_wandb_dirs[-1]}",
+                  f"  upload to W&B    {sync_command(dirs)}"]
     if o.hf_dir:
         # max_new_tokens: the pipeline's default (256) runs past a small model's positions.
         lines.append(

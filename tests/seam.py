@@ -3,6 +3,9 @@
 Nothing here runs in a real job.
 
 - ``SLIPWAY_FAIL_TRAIN=start``: the training stage raises at start (afterok, retries, failure reports).
+- ``SLIPWAY_FAIL_TRIAL=<i>[:oom|hang],...``: layout=auto's trial ``i`` fails at its iteration 2 on rank 0:
+  ``oom`` (the default) raises torch's OutOfMemoryError, as a layout too big for the device does; ``hang``
+  stops the rank there for good, as a deadlock would, until the trial's hang watchdog ends it.
 - ``SLIPWAY_STALL_TRAIN=N``: after iteration N every rank pauses until a signal arrives (at most 10 min), so
   fault tests preempt, time out or kill a job at a known point instead of racing a fast run.
 - ``SLIPWAY_KERNEL_FAULT=op[:kind],...``: a resolved op made wrong, as a miscompiled or mismatched kernel
@@ -19,6 +22,7 @@ import dataclasses
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -28,7 +32,7 @@ import torch
 from trainer import testing_hooks
 from trainer.log import get_logger
 from trainer.ops import OPS, KernelSet
-from trainer.testing_hooks import FAIL_TRAIN, KERNEL_FAULT, STALL_TRAIN
+from trainer.testing_hooks import FAIL_TRAIN, FAIL_TRIAL, KERNEL_FAULT, STALL_TRAIN
 
 log = get_logger(__name__)
 
@@ -59,6 +63,33 @@ def train_stage_start(environ: Mapping[str, str] | None = None) -> None:
     """``SLIPWAY_FAIL_TRAIN=start``: the training stage fails before the trainer starts."""
     if (os.environ if environ is None else environ).get(FAIL_TRAIN) == "start":
         raise RuntimeError(f"{FAIL_TRAIN}=start: training failed on purpose (test hook)")
+
+
+def trial_on_step(index: int, rank: int, environ: Mapping[str, str] | None = None
+                  ) -> Callable[[int, float], None] | None:
+    """The step hook of trial ``index`` under ``SLIPWAY_FAIL_TRIAL`` (None when it names other trials)."""
+    value = (os.environ if environ is None else environ).get(FAIL_TRIAL, "")
+    kinds = {}
+    for item in filter(None, value.split(",")):
+        which, _, kind = item.partition(":")
+        if not which.isdigit() or kind not in ("", "oom", "hang"):
+            raise ValueError(f"{FAIL_TRIAL}={value!r}: expected <trial>[:oom|hang],...; unset it "
+                             "(a test hook)")
+        kinds[int(which)] = kind
+    if index not in kinds or rank != 0:
+        return None
+    kind = kinds[index]
+
+    def on_step(iteration: int, loss: float) -> None:
+        if iteration != 2:
+            return
+        log.warning("%s=%s (test hook): trial %d fails on purpose", FAIL_TRIAL, value, index)
+        if kind == "hang":
+            threading.Event().wait()  # for good: the trial's watchdog ends the process
+        raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({FAIL_TRIAL} test "
+                                     "hook)")
+
+    return on_step
 
 
 def train_on_step(marker_dir: str, rank: int, environ: Mapping[str, str] | None = None

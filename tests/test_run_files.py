@@ -16,14 +16,15 @@ OWNER = ROOT / "trainer" / "run_files.py"
 # Names distinctive enough that any string holding them is a copy (a path, a message, a shell line).
 DISTINCT = [run_files.RUN_JSON, run_files.WANDB_RUN, run_files.METRICS, run_files.DATA_REPORT,
             run_files.SAMPLE, run_files.LOSS_PLOT, run_files.SUMMARY, run_files.COMPLETE, run_files.FAILED,
-            run_files.ATTEMPT_ENV, run_files.BAD_NODES]
+            run_files.ATTEMPT_ENV, run_files.BAD_NODES, run_files.LAYOUT_TABLE, run_files.LAYOUT_TABLE_TEXT,
+            run_files.TRIAL_SPEC, "trial_rank"]
 # The dataset-prefix rule: an f-string part that starts with it ("{prefix}_{key}_document").
 PREFIX_RULE = "_document"
 # Folder names that are also ordinary words (the "eval" stage, a "logs" key): a copy is one used as a
 # path component, ``x / "checkpoints"`` or ``os.path.join(x, "checkpoints")``.
 FOLDERS = {run_files.CHECKPOINTS, run_files.HF, run_files.EVAL, run_files.LOGS, run_files.JOBS,
            run_files.STAGES, run_files.LAUNCHES, run_files.REQUEUES, run_files.RETRIES, run_files.CONFIG,
-           run_files.PIDS, run_files.BAD_NODES_DIR, run_files.EXCLUSIONS}
+           run_files.PIDS, run_files.BAD_NODES_DIR, run_files.EXCLUSIONS, run_files.TUNE}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

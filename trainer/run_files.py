@@ -16,6 +16,9 @@ literal file name of a run anywhere else is a second copy (tests/test_run_files.
       wandb_run.json           the W&B run id, so a restart resumes the same run
       train_metrics.jsonl      the trainer's log-line values, one JSON object per line
       data_report.json         the preprocessing summaries of the run's data
+      tune/                    layout=auto tune=true: layout_table.json/.txt (the measured ranking and the
+                               decision training took), trial_<i>/ (each trial's own run directory:
+                               trial.json spec, trial_rank<r>.json outcomes, its metrics, logs, heartbeats)
       sample.txt               the converted model's sample continuation
       loss.png                 the loss curve (``python -m orchestrator status RUN --plot``)
       summary.txt              what a finished local run printed (orchestrator/summary.py)
@@ -50,6 +53,13 @@ BAD_NODES = "bad_nodes.jsonl"  # one JSON line per node a preflight or watchdog 
 BAD_NODES_DIR = "bad_nodes"  # per attempt: "<node>\t<why>" lines (the batch script reads them)
 # A file of BAD_NODES_DIR: one per job attempt and reporting process (no two ranks write the same file).
 BAD_NODES_MARKER = "{job}_r{restart}_a{attempt}.{reporter}"
+
+# layout=auto's trials (orchestrator/stages/tune.py) and the decision (orchestrator/tuning.py).
+TUNE = "tune"
+LAYOUT_TABLE = "layout_table.json"  # the ranked trials and the layout training took (kept: a relaunch
+LAYOUT_TABLE_TEXT = "layout_table.txt"  # reuses the decision); the same table for people
+TRIAL_SPEC = "trial.json"  # a trial's trainer config and what it measures
+TRIAL_RECORD = "trial_rank{rank}.json"  # what one rank of a trial ended with (measured, or why not)
 
 # Stage state (in stages/<stage>/, or a shared stage's output folder).
 COMPLETE = "_COMPLETE"  # the stage succeeded; its JSON holds the stage's result
@@ -123,6 +133,20 @@ class RunDir:
 
     def jobs(self, stage: str) -> Path:
         return self.root / JOBS / stage
+
+    tune = property(lambda self: self.root / TUNE)
+    layout_table = property(lambda self: self.root / TUNE / LAYOUT_TABLE)
+    layout_table_text = property(lambda self: self.root / TUNE / LAYOUT_TABLE_TEXT)
+
+    def trial(self, index: int) -> Path:
+        """Trial ``index``'s own run directory (the trainer's run_dir in the trial)."""
+        return self.root / TUNE / f"trial_{index}"
+
+    def trial_spec(self, index: int) -> Path:
+        return self.trial(index) / TRIAL_SPEC
+
+    def trial_record(self, index: int, rank: int) -> Path:
+        return self.trial(index) / TRIAL_RECORD.format(rank=rank)
 
     def stage_state(self, stage: str) -> Path:
         return self.root / STAGES / stage

@@ -28,6 +28,7 @@ SWITCH = "SLIPWAY_TESTING"  # "1": the hooks are allowed (the tests that use the
 SEAM_MODULE = "tests.seam"  # the hooks' implementation, loaded only under the switch
 
 FAIL_TRAIN = "SLIPWAY_FAIL_TRAIN"  # tests/seam.py
+FAIL_TRIAL = "SLIPWAY_FAIL_TRIAL"  # tests/seam.py
 STALL_TRAIN = "SLIPWAY_STALL_TRAIN"  # tests/seam.py
 KERNEL_FAULT = "SLIPWAY_KERNEL_FAULT"  # tests/seam.py
 CKPT_FAILPOINT = "SLIPWAY_CKPT_FAILPOINT"  # trainer/checkpoint/protocol.py
@@ -39,6 +40,7 @@ LAUNCH_FAILPOINT = "SLIPWAY_LAUNCH_FAILPOINT"  # orchestrator/flow.py, submit.py
 # Environment variables → what they do.
 ENV_HOOKS = {
     FAIL_TRAIN: "start: the training stage raises at start on purpose",
+    FAIL_TRIAL: "<trial>[:oom|hang],...: those layout=auto trials run out of memory or hang on purpose",
     STALL_TRAIN: "every rank pauses after that iteration until a signal arrives",
     KERNEL_FAULT: "makes the named fused ops wrong on purpose (the kernel self-check's tests)",
     CKPT_FAILPOINT: "the process SIGKILLs itself at that point of a checkpoint save",

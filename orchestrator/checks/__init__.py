@@ -44,6 +44,7 @@ from orchestrator.problems import Problem
 from orchestrator.schema import SlipwayConfig
 
 if TYPE_CHECKING:
+    from orchestrator.autolayout import Proposal
     from orchestrator.plan import Plan
 
 Subject = Literal["run", "data", "tokenizer", "layout", "memory", "container", "cluster", "secrets",
@@ -69,14 +70,15 @@ class Estimates:
 @dataclass(frozen=True)
 class Context:
     """What a check may look at. make_plan fills the first four (``estimates`` only where the layout gives
-    one); launch() passes the plan to the checks that read the world (the directories they read are the
-    plan's)."""
+    one) and, for layout=auto, ``proposal``; launch() passes the plan to the checks that read the world
+    (the directories they read are the plan's)."""
 
     cfg: SlipwayConfig
     environ: Mapping[str, str] = field(default_factory=dict)  # the launching environment
     exists: Callable[[str], bool] = os.path.exists  # plan tests answer it themselves
     estimates: Estimates | None = None
     plan: Plan | None = None
+    proposal: Proposal | None = None  # layout=auto: the plan's search (orchestrator/autolayout.py)
 
     @cached_property
     def layout(self) -> Layout:
@@ -101,6 +103,7 @@ class Check:
 CHECKS: tuple[Check, ...] = (
     Check("run", "pure", run.section_problems),
     Check("layout", "pure", layout.layout_problems),
+    Check("layout", "pure", layout.auto_layout_problems),
     Check("run", "pure", run.warmup_problems),
     Check("cluster", "pure", cluster.precision_problems),
     Check("cluster", "pure", cluster.cluster_problems),

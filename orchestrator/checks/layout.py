@@ -15,6 +15,15 @@ if TYPE_CHECKING:
     from orchestrator.checks import Context
 
 
+def pipeline_split(cfg: SlipwayConfig, pp: int) -> str | None:
+    """Why ``pp`` pipeline stages cannot split this model's layers, or None when they can: the one
+    question the layout search (orchestrator/autolayout.py) asks of a pipeline size. Today's rule is the
+    model section's own (equal layers per stage, ``ModelConfig.pp_issues``); a config that allows an
+    uneven split answers it here."""
+    issues = cfg.model.pp_issues(pp)
+    return issues[0].message if issues else None
+
+
 def layout_problems(ctx: Context) -> list[Problem]:
     cfg, lay = ctx.cfg, ctx.layout
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -83,3 +92,27 @@ def _virtual_pipeline(cfg: SlipwayConfig, lay: Layout) -> list[Problem]:
                            f"use a multiple of micro_batch_size × dp × pp_size = {need}, e.g. "
                            f"{max(need, (lay.global_batch // need) * need)}, or parallel.virtual_pp_size=1"))
     return out
+
+
+def auto_layout_problems(ctx: Context) -> list[Problem]:
+    """layout=auto and tune: the search found a layout that fits (the plan's proposal, orchestrator/
+    autolayout.py), and tune measures only such a search."""
+    cfg, out = ctx.cfg, []
+    if cfg.tune != "false" and cfg.layout != "auto":
+        out.append(Problem("tune_manual", "tune", cfg.tune, "measures the candidate layouts of layout=auto; "
+                           "this run's layout is manual (the parallel section as set)",
+                           "add layout=auto, or drop tune"))
+    p = ctx.proposal
+    if cfg.layout != "auto" or p is None or p.ranked:
+        return out
+    if not p.global_batch:
+        return out + [Problem("auto_batch", "train.global_batch_size", None, "layout=auto keeps the global "
+                              "batch and searches the rest, but none is set and the configured layout gives "
+                              "none", "set train.global_batch_size")]
+    if not p.searched:
+        return out  # the model's own problems say why nothing could be searched
+    why = "; ".join(line.strip() for line in p.dropped_lines(examples=1))
+    return out + [Problem("auto_layout", "layout", "auto", f"none of the {p.searched} layouts of world "
+                          f"{p.world} and global batch {p.global_batch} is accepted: {why}",
+                          "give the run more devices (cluster.gpus or cluster.nodes), widen the search "
+                          "(autotune.micro_batch_sizes, autotune.recompute), or shorten model.seq_length")]

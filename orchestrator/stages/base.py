@@ -43,6 +43,11 @@ class StagePlan:
     shared: bool  # output reusable across runs (content-addressed, in the cache)
     depends_on: tuple[str, ...]
     job: Any  # the stage's job spec, pickled into its node callable
+    # Slurm: a job array of this many elements, that many at once (the node callable's array_task(i) is
+    # element i); the local executor runs the stage's callable once.
+    array: tuple[int, int] | None = None
+    # Of depends_on, those this stage waits for to end, whatever their outcome (afterany), not to succeed.
+    after_any: tuple[str, ...] = ()
 
 
 @dataclass
@@ -53,6 +58,7 @@ class PlanContext:
     cfg: SlipwayConfig
     facts: PlanInputs
     planned: dict[str, StagePlan] = field(default_factory=dict)
+    proposal: Any = None  # layout=auto: the plan's ranked layouts (orchestrator.autolayout.Proposal)
 
     @property
     def cache_dir(self) -> str:
@@ -81,6 +87,7 @@ class StageLook:
     run: dict[str, Any]
     accounting: dict[str, Any]
     stale_after_s: float | None = None  # a training rank's heartbeat older than this is stale (status)
+    state: str = ""  # the job's state as the row shows it (queue.py's words)
 
 
 class StageDef:
@@ -102,7 +109,9 @@ class StageDef:
                             c.stage_partition or c.partition, **common_resources(cfg))
 
     def status(self, look: StageLook) -> dict[str, Any]:
-        """Fields of the status row beyond the job's state (``orchestrator.status.JobRow``)."""
+        """Fields of the status row beyond the job's state (``orchestrator.status.JobRow``); a stage whose
+        job's exit is not its outcome (the tune stage's array, where a failed trial is a result) may
+        restate the state."""
         return {}
 
     def complete(self, stage: StagePlan) -> str | None:
@@ -151,6 +160,7 @@ class Upstream:
     output_dir: str
     job_id: str | None = None
     executor: str = "slurm"
+    after_any: bool = False  # wait for it to end, whatever its outcome (StagePlan.after_any)
 
 
 def mark(output_dir: str, name: str, info: dict[str, Any]) -> None:
@@ -185,14 +195,28 @@ def _job_alive(up: Upstream) -> bool:
     return process_alive(up.job_id)
 
 
+def _ended(up: Upstream) -> bool:
+    """A local upstream job ended: it wrote its outcome, or its process is gone (a zombie its launcher has
+    not reaped yet still answers kill(pid, 0), so the markers are asked first)."""
+    return any(marker_of(up.output_dir, m, up.job_id) is not None for m in (COMPLETE, FAILED)) or \
+        not _job_alive(up)
+
+
 def wait_for(upstream: list[Upstream], timeout_s: float) -> None:
-    """Block until every upstream job completed its output; raise if it failed or ended without completing.
+    """Block until every upstream job completed its output; raise if it failed or ended without completing
+    (one marked ``after_any``: until it ended).
 
     This is Slurm's ``afterok`` for local jobs (and a guard against shared-storage lag under Slurm): an
     upstream with a job id is satisfied only by the marker *that job* wrote, never by one an earlier launch
     or attempt left (queue.marker_of); an upstream without one (a reused complete output) by any."""
     deadline = time.monotonic() + timeout_s
     for up in upstream:
+        if up.after_any:  # Slurm's afterany held this job until it ended; a local one is waited for here
+            while up.executor == "local" and not _ended(up):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"upstream job {up.job_id} still running after {timeout_s:.0f} s")
+                time.sleep(1.0)
+            continue
         while marker_of(up.output_dir, COMPLETE, up.job_id) is None:
             alive = _job_alive(up)  # read before the markers: a job that just ended has written them
             if marker_of(up.output_dir, FAILED, up.job_id) is not None:

@@ -5,7 +5,6 @@ checkpoint, restarts, heartbeats, hangs and W&B run."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -13,29 +12,29 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import progress
-from orchestrator.facts import PlanInputs
+from orchestrator import progress, queue
 from orchestrator.render import JobResources, mem_flag
 from orchestrator.schema import SlipwayConfig
-from orchestrator.stages import preprocess
+from orchestrator.stages import preprocess, tune, tuning
 from orchestrator.stages.base import (
     NodeStage,
     PlanContext,
     StageDef,
     StageLook,
     StagePlan,
+    Upstream,
     common_resources,
     job_of_task,
     stable_hash,
 )
+from orchestrator.stages.trainer_job import export_torch_env, run_name, trainer_config
 from trainer import testing_hooks
 from trainer.checkpoint.verify import read_warnings
 from trainer.config import RunConfig
-from trainer.data.blend import BlendError
 from trainer.health import read_heartbeats, summarize
 from trainer.log import get_logger
 from trainer.metrics_file import kernel_cell, kernel_fallbacks, last_kernel_check
-from trainer.run_files import ATTEMPT_ENV, RunDir, document_prefix
+from trainer.run_files import ATTEMPT_ENV, RunDir
 from trainer.signals import (
     EXIT_NONFINITE,
     EXIT_PERMANENT,
@@ -51,42 +50,38 @@ NAME = "train"
 LOCAL_REQUEUE = 144  # submitit's local controller restarts the tasks on this exit code
 
 
+__all__ = ["NAME", "STAGE", "TrainJob", "TrainStage", "run_name", "trainer_config", "write_data_report"]
+
+
 @dataclass
 class TrainJob:
     run_dir: str
     trainer_config: dict[str, Any]
     data_summaries: list[str] = field(default_factory=list)  # preprocessing summaries → data_report.json
+    # layout=auto tune=true: the tuning this job's layout comes from (its key, state dir and candidates);
+    # the trainer config above is the plan's first choice until the decision replaces its layout.
+    tune_key: str | None = None
+    tune_dir: str | None = None
+    candidates: list[dict[str, Any]] = field(default_factory=list)
 
 
-def run_name(cfg: SlipwayConfig, facts: PlanInputs) -> str:
-    if cfg.logging.wandb.name:
-        return cfg.logging.wandb.name
-    if facts.sweep and facts.sweep.overrides:
-        return f"{facts.run_id}:{','.join(facts.sweep.overrides)}"
-    return facts.run_id
+def decided_config(job: TrainJob, upstream: list[Upstream], rank: int) -> dict[str, Any]:
+    """The trainer config at the layout the tuning decided (orchestrator/stages/tuning.py): the stored
+    decision, else the one taken now from the trials that the tune job of this launch (an upstream)
+    measured."""
+    ran = next((u for u in upstream if u.output_dir == job.tune_dir and u.job_id), None)
+    slurm = ran is not None and ran.executor == "slurm"
 
+    def slurm_state(job_id: str) -> str | None:
+        return queue.query_slurm([job_id])[1].get(job_id, {}).get("state") if slurm else None
 
-def trainer_config(cfg: SlipwayConfig, facts: PlanInputs, prep: StagePlan) -> dict[str, Any]:
-    """The dict handed to ``trainer.config.RunConfig.from_dict``: every trainer section as the user set it
-    (the schema's root is RunConfig, so nothing is copied field by field), with what the plan derives put
-    in: the preprocessed dataset prefixes, the tokenizer files, the run's paths and W&B names."""
-    out = {f.name: dataclasses.asdict(getattr(cfg, f.name)) if dataclasses.is_dataclass(getattr(cfg, f.name))
-           else getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)}
-    # The files the data was tokenized with (no inputs at all is a plan problem: the config's, then).
-    tok = (prep.job[0].vocab_file, prep.job[0].merge_file) if prep.job else (
-        cfg.tokenizer.vocab_file, cfg.tokenizer.merge_file)
-    prefixes = [document_prefix(p, cfg.data.json_key) for p in preprocess.prefixes(prep.job)]
-    try:  # a blend's weights go with the prefixes of the same inputs (a broken blend is a plan problem)
-        out["data"]["paths"] = cfg.data.blend().with_paths(prefixes).spelled()
-    except BlendError:
-        out["data"]["paths"] = prefixes
-    out["tokenizer"].update(vocab_file=tok[0], merge_file=tok[1])
-    out["checkpoint"]["dir"] = cfg.checkpoint.dir or str(RunDir(facts.run_dir).checkpoints)
-    wandb = out["logging"]["wandb"]
-    wandb["group"] = wandb["group"] or (facts.sweep.sweep_id if facts.sweep else None)
-    wandb["name"] = run_name(cfg, facts)
-    out.update(run_dir=facts.run_dir, run_id=facts.run_id)
-    return out
+    tcfg = job.trainer_config
+    which = tuning.Tuning(job.run_dir, job.candidates, str(job.tune_key), ran.job_id if ran else None)
+    table = tuning.decided(which, rank, slurm_state, tcfg["logging"]["wandb"], str(tcfg.get("run_id") or ""))
+    if rank == 0:
+        log.info("layout=auto: training with %s (table: %s)", tuning.verdict(table),
+                 RunDir(job.run_dir).layout_table_text)
+    return tuning.apply_winner(tcfg, table)
 
 
 def write_data_report(summaries: list[str], run_dir: str) -> Path | None:
@@ -114,18 +109,6 @@ def write_data_report(summaries: list[str], run_dir: str) -> Path | None:
     return out
 
 
-def _export_torch_env() -> None:
-    """RANK/WORLD_SIZE/MASTER_* from the Slurm (or local) job; the sbatch script sets MASTER_ADDR/PORT."""
-    import submitit
-
-    env = submitit.helpers.TorchDistributedEnvironment()
-    local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if local else env.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(env.master_port))
-    os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
-                      LOCAL_WORLD_SIZE=str(env.local_world_size))
-
-
 class TrainStage(NodeStage):
     """Training: one task per device. Exits with the requeue code when the trainer stopped on a signal.
 
@@ -135,7 +118,7 @@ class TrainStage(NodeStage):
 
     def run(self) -> dict[str, Any]:
         job: TrainJob = self.job
-        _export_torch_env()
+        export_torch_env()
         rank = int(os.environ["RANK"])
         pid_file = RunDir(job.run_dir).rank_pid(rank)
         pid_file.parent.mkdir(parents=True, exist_ok=True)
@@ -148,6 +131,7 @@ class TrainStage(NodeStage):
             seam.train_stage_start()
         if rank == 0:
             write_data_report(job.data_summaries, job.run_dir)
+        config = decided_config(job, self.upstream, rank) if job.candidates else job.trainer_config
         from trainer.run import RunHooks, run
 
         on_step = seam.train_on_step(self.output_dir, rank) if seam is not None else None
@@ -155,7 +139,7 @@ class TrainStage(NodeStage):
         job_id = job_of_task()  # a relaunch (new job) never reads an old marker, local jobs included
         marker = Path(self.output_dir, FATAL_MARKER.format(job=job_id, restart=restart, attempt=attempt))
         try:
-            result = run(RunConfig.from_dict(job.trainer_config), hooks)
+            result = run(RunConfig.from_dict(config), hooks)
         except Exception as err:
             reason = permanent_reason(err)
             if reason is not None:  # the batch script reads the marker and stops instead of retrying
@@ -183,16 +167,23 @@ class TrainStage(NodeStage):
 
 class Train(StageDef):
     name = NAME
-    after = (preprocess.NAME,)
+    after = (preprocess.NAME, tune.NAME)
     node = TrainStage
 
     def plan(self, ctx: PlanContext) -> StagePlan:
-        prep = ctx.planned[preprocess.NAME]
+        """With tune=true it runs after the trials have ended, whatever their outcome (afterany: a failed
+        trial is a result), and takes the layout they decide when it starts."""
+        prep, tuned = ctx.planned[preprocess.NAME], ctx.planned.get(tune.NAME)
         tcfg = trainer_config(ctx.cfg, ctx.facts, prep)
         same = {k: v for k, v in tcfg.items() if k not in ("run_dir", "run_id", "logging")}
-        key = stable_hash({"trainer": same, "code": ctx.code("trainer")})
+        key = stable_hash({"trainer": same, "code": ctx.code("trainer"),
+                           **({"tune": tuned.key} if tuned else {})})
         job = TrainJob(ctx.facts.run_dir, tcfg, preprocess.summaries(prep.job))
-        return StagePlan(NAME, key, str(ctx.run.stage_state(NAME)), False, (preprocess.NAME,), job)
+        if tuned is None:
+            return StagePlan(NAME, key, str(ctx.run.stage_state(NAME)), False, (preprocess.NAME,), job)
+        job.tune_key, job.tune_dir, job.candidates = tuned.key, tuned.state_dir, tuned.job.candidates
+        return StagePlan(NAME, key, str(ctx.run.stage_state(NAME)), False, (preprocess.NAME, tune.NAME), job,
+                         after_any=(tune.NAME,))
 
     def resources(self, cfg: SlipwayConfig, tasks_per_node: int) -> JobResources:
         """The GPU layout, the run's time limit, and the requeue/retry policy (signal lead, max retries)."""

@@ -12,7 +12,10 @@ from tests.orchestrator.conftest import REPO
 
 # The same words meaning something else: a config section, a chart's legend.
 NOT_STAGES = {("orchestrator/plan.py", "train"): 1,  # MEMORY_OPTIONS: the train config section
-              ("orchestrator/summary.py", "train"): 1}  # the loss chart's "train" curve
+              ("orchestrator/summary.py", "train"): 1,  # the loss chart's "train" curve
+              ("orchestrator/autolayout.py", "train"): 3,  # a layout's fields of the train config section
+              ("orchestrator/schema.py", "tune"): 1,  # the launch switch tune=true|force, its choice
+              ("orchestrator/checks/layout.py", "tune"): 1}  # the same key, in its problem
 
 
 def spelled(names: set[str], root: Path = REPO) -> dict[tuple[str, str], int]:
@@ -42,7 +45,7 @@ def test_the_scan_sees_a_spelled_stage_name(tmp_path):
 
 def test_every_stage_comes_after_the_stages_it_names():
     order = [s.name for s in STAGES]
-    assert order == ["corpus", "preprocess", "train", "convert", "eval"]
+    assert order == ["corpus", "preprocess", "tune", "train", "convert", "eval"]
     for s in STAGES:
         assert all(order.index(a) < order.index(s.name) for a in s.after if a in order)
 

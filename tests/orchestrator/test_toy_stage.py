@@ -33,7 +33,7 @@ def registered():
 
 def test_the_toy_stage_is_planned_and_rendered(registered, tmp_path):
     names = [s.name for s in stages.STAGES]
-    assert names == ["corpus", "preprocess", "train", "convert", "eval", "tokencount"]
+    assert names == ["corpus", "preprocess", "tune", "train", "convert", "eval", "tokencount"]
     result = launch(compose_cfg(TINY + [f"runs_root={tmp_path}", "dry_run=true", "cluster=slurm"]),
                     out=io.StringIO())
     toy = result.plan.stage(toy_stage.NAME)

@@ -1,0 +1,148 @@
+"""layout=auto, the proposal (issue 41, item 1): the plan searches the layouts of the run's world and global
+batch, keeps those its own rules accept and its memory estimate fits, ranks them by its step-time
+estimate, prints the first few and why the others were dropped; ``dry_run=true`` submits nothing. Pure:
+no job runs (the trials are tests/orchestrator/test_autotune_local.py and test_autotune_devcluster.py)."""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+
+import pytest
+
+from orchestrator.autolayout import Candidate, apply
+from orchestrator.flow import launch
+from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.stages import get as stage_def
+from orchestrator.stages.tune import NAME as TUNE
+from orchestrator.stages.tuning import write_table
+from tests.orchestrator.conftest import compose_cfg
+from tests.orchestrator.sites import H100_X4, site_file
+
+KEY = {"WANDB_API_KEY": "k" * 40}
+H200_X1 = H100_X4.replace("gpus_per_node: 4", "gpus_per_node: 1").replace("H100-80GB", "H200")
+
+
+def _plan(overrides, run_dir="/runs/r"):
+    cfg = compose_cfg(overrides)
+    return cfg, make_plan(cfg, PlanInputs("r", run_dir, environ=KEY), exists=lambda p: True)
+
+
+def _manual(cfg, cand: Candidate, proposal):
+    """The candidate as a user would pin it (layout=manual), planned from scratch."""
+    alt = apply(cfg, cand, proposal.global_batch, proposal.tasks_per_node)
+    alt.layout = "manual"
+    return make_plan(alt, PlanInputs("r", "/runs/r", environ=KEY), exists=lambda p: True)
+
+
+@pytest.fixture
+def h100(tmp_path):
+    """CodeParrot on 2 nodes of 4 H100s (docs/cluster.md's walkthrough site): world 8, global batch 192."""
+    return site_file(tmp_path, "mysite", H100_X4)
+
+
+def test_the_search_keeps_the_math_and_judges_each_layout_by_the_plans_own_rules(h100):
+    cfg, plan = _plan(["+experiment=codeparrot", *h100, "layout=auto"])
+    p = plan.proposal
+    assert (p.world, p.tasks_per_node, p.global_batch) == (8, 4, 192) and not plan.problems
+    grid = {(c.tp, c.pp) for c in [r.candidate for r in p.ranked] + [d.candidate for d in p.dropped]}
+    assert {tp for tp, _ in grid} == {1, 2, 4}  # tp within a 4-GPU node: never 8
+    assert grid == {(tp, pp) for tp in (1, 2, 4) for pp in range(1, 9) if 8 % (tp * pp) == 0}
+    steps = [r.time.step_s for r in p.ranked]
+    assert steps == sorted(steps) and len(p.ranked) > 50
+    for r in p.ranked:
+        c = r.candidate
+        assert 12 % c.tp == 0 and 12 % (c.pp * c.vpp) == 0 and c.tp * c.pp * r.dp == 8
+        assert 192 % (c.micro_batch * r.dp) == 0 and r.memory.fits
+        assert c.sequence_parallel == (c.tp > 1) and (r.dp > 1 or not c.distributed)
+    # Each ranked layout, pinned by hand, is a plan without problems and the same estimates ...
+    for r in [*p.ranked[:6], p.ranked[-1]]:
+        manual = _manual(cfg, r.candidate, p)
+        assert manual.problems == [], (r.candidate.name, manual.problems)
+        assert manual.memory == r.memory and manual.time.step_s == r.time.step_s
+    # ... and each dropped one, pinned by hand, is refused for the reason the table gives.
+    reasons = Counter(d.code for d in p.dropped)
+    assert {"pp_layers", "batch", "vpp_layers"} <= set(reasons)
+    for code in reasons:
+        d = next(d for d in p.dropped if d.code == code)
+        assert code in {x.code for x in _manual(cfg, d.candidate, p).problems}, (code, d.candidate.name)
+    # The plan itself is the first choice's.
+    first = p.ranked[0].candidate
+    assert (plan.layout.tp, plan.layout.pp, plan.config.train.micro_batch_size) == (
+        first.tp, first.pp, first.micro_batch)
+
+
+def test_the_dry_run_prints_the_table_and_the_trial_array_and_submits_nothing(h100, tmp_path):
+    cfg = compose_cfg(["+experiment=codeparrot", *h100, "layout=auto", "tune=true", "autotune.concurrency=2",
+                       "dry_run=true", f"runs_root={tmp_path}/runs"])
+    text = launch(cfg, out=io.StringIO()).text
+    head = text[:text.index("Stages:")]
+    assert "Auto layout (layout=auto): world 8 = 2 node(s) × 4 task(s), global batch 192" in head
+    assert head.count("(trial)") == 4 and "← first choice" in head and "more that fit" in head
+    assert "× pp cannot split the layers: e.g. tp1 pp8 mb1" in head  # counted, with an example
+    tune = text.split("----- tune job script -----")[1].split("-----")[0]
+    assert "#SBATCH --array=0-3%2" in tune and "#SBATCH --gpus-per-node=4" in tune
+    assert "#SBATCH --nodes=2" in tune
+    assert "tune_%A_%a_%t.out" in tune and "--no-requeue" in tune
+    train = text.split("----- train job script -----")[1].split("-----")[0]
+    assert "#SBATCH --dependency='afterok:<preprocess>,afterany:<tune>'" in train
+    assert not (tmp_path / "runs").exists()
+
+
+def test_one_gpu_searches_micro_batches_and_recomputation_within_its_memory(tmp_path):
+    """The GPU case of the issue (1.3B on one H200): only micro-batch and recomputation vary; what does not
+    fit is dropped for memory; the estimate cannot tell micro-batches apart, so the largest comes first."""
+    over = site_file(tmp_path, "h200", H200_X1)
+    _, plan = _plan(["+experiment=gpt_1p3b", *over, "cluster.gpus=1", "layout=auto", "tune=true"])
+    p = plan.proposal
+    assert p.world == 1 and all((r.candidate.tp, r.candidate.pp, r.dp) == (1, 1, 1) for r in p.ranked)
+    assert {d.code for d in p.dropped} == {"memory"} and max(d.candidate.micro_batch for d in p.dropped) == 64
+    trials = [r.candidate for r in p.trials(4)]
+    assert [c.recompute for c in trials] == ["none"] * 4
+    assert [c.micro_batch for c in trials] == sorted((c.micro_batch for c in trials), reverse=True)
+    fits = max(r.candidate.micro_batch for r in p.ranked if r.candidate.recompute == "none")
+    assert trials[0].micro_batch == fits and plan.stage(TUNE).array == (4, 1)
+
+
+def test_nothing_that_fits_is_one_problem_naming_why(tmp_path):
+    over = site_file(tmp_path, "small", H100_X4 + "device_memory_gb: 1\n")
+    _, plan = _plan(["+experiment=codeparrot", *over, "layout=auto"])
+    (p,) = [x for x in plan.problems if x.code == "auto_layout"]
+    assert "none of the" in p.message and "does not fit in device memory" in p.message
+    assert "cluster.gpus" in p.fix
+
+
+def test_tune_measures_only_an_auto_layout_and_its_settings_are_checked():
+    _, plan = _plan(["+experiment=codeparrot_smoke", "tune=true"])
+    assert "tune_manual" in {p.code for p in plan.problems}
+    _, plan = _plan(["+experiment=codeparrot_smoke", "layout=auto", "tune=true", "autotune.iters=7"])
+    assert ("interval", "autotune.iters") in {(p.code, p.key) for p in plan.problems}
+
+
+def test_without_tune_training_takes_the_first_choice_and_the_local_world_stays():
+    """The smoke run (local, 4 processes for tp=2 × pp=2): every candidate keeps 4 ranks and the batch."""
+    cfg, plan = _plan(["+experiment=codeparrot_smoke", "layout=auto"])
+    p = plan.proposal
+    assert p.world == 4 and all(r.candidate.tp * r.candidate.pp * r.dp == 4 for r in p.ranked)
+    assert [s.name for s in plan.stages if s.name == TUNE] == []
+    tcfg = plan.stage("train").job.trainer_config
+    for section, values in p.ranked[0].candidate.overrides().items():
+        assert {k: tcfg[section][k] for k in values} == values
+    assert tcfg["train"]["global_batch_size"] == 16 and plan.config.cluster.tasks_per_node == 4
+
+
+def test_a_decision_for_this_tuning_is_reused_unless_forced(tmp_path):
+    over = ["+experiment=codeparrot_smoke", "layout=auto", "tune=true"]
+    _, plan = _plan(over, str(tmp_path))
+    tune, definition = plan.stage(TUNE), stage_def(TUNE)
+    assert definition.complete(tune) is None  # nothing decided yet
+    c = tune.job.candidates[1]
+    write_table(str(tmp_path), {"key": tune.key, "tune_job": "7", "trials": 1, "winner": 1, "speedup": None,
+                                "spearman": None, "spearman_n": 1,
+                                "rows": [{**c, "status": "measured", "reason": "", "measured_rank": 1,
+                                          "measured": {"tokens_per_s": 10.0, "step_s": 1.0}}]})
+    assert f"decided already: {c['name']}" in definition.complete(tune)
+    _, forced = _plan([*over, "tune=force"], str(tmp_path))
+    assert forced.stage(TUNE).key == tune.key and definition.complete(forced.stage(TUNE)) is None
+    _, other = _plan([*over, "autotune.iters=30"], str(tmp_path))  # another measurement: another tuning
+    assert definition.complete(other.stage(TUNE)) is None
