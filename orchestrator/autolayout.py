@@ -177,7 +177,8 @@ def _rule_broken(cfg: SlipwayConfig, cand: Candidate, alt: SlipwayConfig) -> tup
     split = pipeline_split(cfg, cand.pp)
     if split is not None:
         return "pp_layers", split
-    for issue in [*layout_problems(Context(alt)), *alt.parallel.problems(), *alt.train.problems(),
+    for issue in [*layout_problems(Context(alt)), *alt.parallel.problems(),
+                  *alt.parallel.layer_issues(alt.model.num_layers), *alt.train.problems(),
                   *alt.optim.problems()]:
         return issue.code, f"{issue.key}={issue.value}: {issue.message}"
     return None

@@ -5,6 +5,7 @@ ParallelConfig.layer_issues.)"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from orchestrator.layout import Layout
@@ -17,10 +18,13 @@ if TYPE_CHECKING:
 
 def pipeline_split(cfg: SlipwayConfig, pp: int) -> str | None:
     """Why ``pp`` pipeline stages cannot split this model's layers, or None when they can: the one
-    question the layout search (orchestrator/autolayout.py) asks of a pipeline size. Today's rule is the
-    model section's own (equal layers per stage, ``ModelConfig.pp_issues``); a config that allows an
-    uneven split answers it here."""
-    issues = cfg.model.pp_issues(pp)
+    question the layout search (orchestrator/autolayout.py) asks of a pipeline size. The rule is the
+    parallel section's own (``ParallelConfig.layer_issues``: equal shares, or the uneven split the config
+    asks for), asked before model chunks, which the search varies separately."""
+    parallel = replace(cfg.parallel, pp_size=pp, virtual_pp_size=1)
+    if pp < 2:
+        parallel = replace(parallel, first_stage_layers=None, last_stage_layers=None)
+    issues = parallel.layer_issues(cfg.model.num_layers)
     return issues[0].message if issues else None
 
 

@@ -29,7 +29,6 @@ from orchestrator.stages.base import (
     StageLook,
     StagePlan,
     common_resources,
-    job_name,
     job_of_task,
     stable_hash,
     wait_for,
@@ -138,9 +137,9 @@ class Tune(StageDef):
         controller, whose trials' ranks are its processes, one trial at a time."""
         c, a = cfg.cluster, cfg.autotune
         if c.executor == "local":
-            return JobResources(job_name(cfg, NAME), 1, 1, c.gpus_per_node, c.cpus_per_task,
+            return JobResources(NAME, 1, 1, c.gpus_per_node, c.cpus_per_task,
                                 a.time_limit_min * a.candidates + 5, c.partition, **common_resources(cfg))
-        return JobResources(job_name(cfg, NAME), c.nodes, tasks_per_node, c.gpus_per_node, c.cpus_per_task,
+        return JobResources(NAME, c.nodes, tasks_per_node, c.gpus_per_node, c.cpus_per_task,
                             a.time_limit_min, c.partition, mem=mem_flag(c.mem_gb), exclusive=c.exclusive,
                             **common_resources(cfg))
 

@@ -14,7 +14,8 @@ def test_trainer_warns_for_each_active_hook(tmp_path, monkeypatch):
               str(tmp_path / "once"), testing_hooks.PREFLIGHT_FAILPOINT: "slow@nowhere:1",
               testing_hooks.NODE_NAME: "node-under-test", testing_hooks.KERNEL_FAULT: "bias_gelu",
               testing_hooks.LAUNCH_FAILPOINT: "after_sbatch",  # launch- and stage-side: named, not acted on
-              testing_hooks.FAIL_TRAIN: "start", testing_hooks.STALL_TRAIN: "999"}
+              testing_hooks.FAIL_TRAIN: "start", testing_hooks.STALL_TRAIN: "999",
+              testing_hooks.FAIL_TRIAL: "99"}  # a trial index this run is not
     assert set(values) == set(testing_hooks.ENV_HOOKS)
     for k, v in values.items():
         monkeypatch.setenv(k, v)
