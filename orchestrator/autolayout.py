@@ -5,7 +5,9 @@ The search keeps what changes the math fixed — the model, the global batch, th
 the tasks per node) — and varies what does not (NeMo's AutoConfigurator varies the same knobs):
 
 - ``tp`` over the divisors of the tasks per node (a tensor-parallel group stays within a node);
-- ``pp`` over the divisors of world / tp (dp is the rest);
+- ``pp`` over the divisors of world / tp (dp is the rest); where pp does not divide the layers, Megatron's
+  uneven split (first and/or last stage holding other counts, parallel.first_stage_layers /
+  last_stage_layers) with the fewest layers on the busiest stage, every such split a candidate;
 - ``virtual_pp_size``, ``micro_batch_size``, ``recompute_granularity`` and ``optim.distributed`` over the
   lists in the ``autotune`` section (sequence parallelism is on wherever tp > 1 allows it: same math, less
   memory, Megatron's advice).
@@ -33,6 +35,7 @@ from orchestrator.estimate import MemoryEstimate, TimeEstimate, estimate_memory,
 from orchestrator.layout import layout_of, tasks_per_node
 from orchestrator.schema import RECOMPUTE_CHOICES, SlipwayConfig
 from trainer.checks import deferred
+from trainer.formulas import PipelineSplit
 
 # Why a candidate was dropped, by the code of the rule it broke (the plan's problem codes), for people.
 _REASONS = {
@@ -59,6 +62,9 @@ class Candidate:
     recompute: str
     distributed: bool
     sequence_parallel: bool
+    first: int | None = None  # parallel.first_stage_layers (an uneven split), else None
+    last: int | None = None  # parallel.last_stage_layers
+    stages: tuple[int, ...] = ()  # an uneven split's layers per stage (for people)
 
     def overrides(self) -> dict[str, dict[str, Any]]:
         """The trainer sections' fields this layout sets (the same keys in the config and the trainer's
@@ -68,13 +74,18 @@ class Candidate:
         if self.recompute == "full":
             train.update(recompute_method="uniform", recompute_num_layers=1)
         return {"parallel": {"tp_size": self.tp, "pp_size": self.pp, "virtual_pp_size": self.vpp,
-                             "sequence_parallel": self.sequence_parallel},
+                             "sequence_parallel": self.sequence_parallel, "first_stage_layers": self.first,
+                             "last_stage_layers": self.last},
                 "train": train, "optim": {"distributed": self.distributed}}
 
     @property
     def name(self) -> str:
-        """Short, for tables: ``tp2 pp2 vpp2 mb4 sel dopt``."""
-        parts = [f"tp{self.tp}", f"pp{self.pp}"] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
+        """Short, for tables: ``tp2 pp2 vpp2 mb4 rc-sel dopt``; an uneven split shows the layers of each
+        stage, ``pp3[3+5+4]``, or of the first, the middle ones and the last, ``pp8[3+6×1+3]``."""
+        c, pp = self.stages, f"pp{self.pp}"
+        if c:
+            pp += f"[{'+'.join(map(str, c))}]" if len(c) <= 4 else f"[{c[0]}+{len(c) - 2}×{c[1]}+{c[-1]}]"
+        parts = [f"tp{self.tp}", pp] + ([f"vpp{self.vpp}"] if self.vpp > 1 else [])
         parts.append(f"mb{self.micro_batch}")
         parts += {"none": [], "selective": ["rc-sel"], "full": ["rc-full"]}[self.recompute]
         return " ".join(parts + (["dopt"] if self.distributed else []))
@@ -155,17 +166,39 @@ def apply(cfg: SlipwayConfig, cand: Candidate, global_batch: int, tasks: int) ->
         return dataclasses.replace(cfg, **sections)
 
 
+def _splits(num_layers: int, pp: int) -> list[tuple[int | None, int | None, tuple[int, ...]]]:
+    """(first_stage_layers, last_stage_layers, layers per stage) to try at ``pp`` stages: the even split
+    where pp divides the layers; otherwise every uneven split Megatron's rule allows whose busiest stage
+    holds the fewest layers (the one the schedule waits for), each spelled with the fewest fields. None
+    fits: the even split, which the pipeline rule then drops with its reason."""
+    if num_layers % pp == 0 or pp < 2:
+        return [(None, None, ())]
+    spellings = [(f, None) for f in range(1, num_layers)] + [(None, w) for w in range(1, num_layers)]
+    spellings += [(f, w) for f in range(1, num_layers) for w in range(1, num_layers)] if pp > 2 else []
+    found: dict[tuple[int, ...], tuple[int | None, int | None]] = {}
+    for first, last in spellings:
+        split = PipelineSplit(num_layers, pp, 1, first, last)
+        if split.problem() is None:
+            found.setdefault(tuple(split.stage_counts()), (first, last))
+    if not found:
+        return [(None, None, ())]
+    least = min(max(counts) for counts in found)
+    return [(*spelling, counts) for counts, spelling in found.items() if max(counts) == least]
+
+
 def _grid(cfg: SlipwayConfig, world: int, tasks: int) -> list[Candidate]:
     a, seq = cfg.autotune, cfg.model.seq_length
     out = []
     for tp in _divisors(tasks):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
-            for vpp in (sorted(set(a.virtual_pp_sizes)) if pp > 1 else [1]):
-                for mb in sorted(set(a.micro_batch_sizes)):
-                    for rc in [r for r in RECOMPUTE_CHOICES if r in a.recompute]:
-                        for dist in (sorted(set(a.distributed_optimizer)) if dp > 1 else [False]):
-                            out.append(Candidate(tp, pp, vpp, mb, rc, dist, tp > 1 and seq % tp == 0))
+            for first, last, stages in _splits(cfg.model.num_layers, pp):
+                for vpp in (sorted(set(a.virtual_pp_sizes)) if pp > 1 else [1]):
+                    for mb in sorted(set(a.micro_batch_sizes)):
+                        for rc in [r for r in RECOMPUTE_CHOICES if r in a.recompute]:
+                            for dist in (sorted(set(a.distributed_optimizer)) if dp > 1 else [False]):
+                                out.append(Candidate(tp, pp, vpp, mb, rc, dist, tp > 1 and seq % tp == 0,
+                                                     first, last, stages))
     return out
 
 
@@ -174,7 +207,7 @@ def _rule_broken(cfg: SlipwayConfig, cand: Candidate, alt: SlipwayConfig) -> tup
     tp = cfg.model.tp_issues(cand.tp)
     if tp:
         return tp[0].code, tp[0].message
-    split = pipeline_split(cfg, cand.pp)
+    split = pipeline_split(alt, cand.pp)
     if split is not None:
         return "pp_layers", split
     for issue in [*layout_problems(Context(alt)), *alt.parallel.problems(),

@@ -157,8 +157,11 @@ def decide(t: Tuning, slurm_state: Callable[[str], str | None] | None = None) ->
 
 def spelled(overrides: dict[str, dict[str, Any]]) -> str:
     """A layout's overrides as command-line words (to pin it with layout=manual)."""
-    return " ".join(f"{section}.{key}={str(value).lower() if isinstance(value, bool) else value}"
-                    for section, values in overrides.items() for key, value in values.items())
+    def word(value: Any) -> str:
+        return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+    return " ".join(f"{section}.{key}={word(value)}" for section, values in overrides.items()
+                    for key, value in values.items())
 
 
 def winner(table: dict[str, Any]) -> dict[str, Any] | None:

@@ -15,9 +15,10 @@ from orchestrator.flow import launch
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.stages import get as stage_def
 from orchestrator.stages.tune import NAME as TUNE
-from orchestrator.stages.tuning import write_table
+from orchestrator.stages.tuning import spelled, write_table
 from tests.orchestrator.conftest import compose_cfg
 from tests.orchestrator.sites import H100_X4, site_file
+from trainer.formulas import PipelineSplit
 
 KEY = {"WANDB_API_KEY": "k" * 40}
 H200_X1 = H100_X4.replace("gpus_per_node: 4", "gpus_per_node: 1").replace("H100-80GB", "H200")
@@ -52,7 +53,9 @@ def test_the_search_keeps_the_math_and_judges_each_layout_by_the_plans_own_rules
     assert steps == sorted(steps) and len(p.ranked) > 50
     for r in p.ranked:
         c = r.candidate
-        assert 12 % c.tp == 0 and 12 % (c.pp * c.vpp) == 0 and c.tp * c.pp * r.dp == 8
+        split = PipelineSplit(12, c.pp, c.vpp, c.first, c.last)
+        assert 12 % c.tp == 0 and split.problem() is None and c.tp * c.pp * r.dp == 8
+        assert (c.first, c.last) == (None, None) if 12 % c.pp == 0 else max(split.stage_counts()) == 3
         assert 192 % (c.micro_batch * r.dp) == 0 and r.memory.fits
         assert c.sequence_parallel == (c.tp > 1) and (r.dp > 1 or not c.distributed)
     # Each ranked layout, pinned by hand, is a plan without problems and the same estimates ...
@@ -62,7 +65,7 @@ def test_the_search_keeps_the_math_and_judges_each_layout_by_the_plans_own_rules
         assert manual.memory == r.memory and manual.time.step_s == r.time.step_s
     # ... and each dropped one, pinned by hand, is refused for the reason the table gives.
     reasons = Counter(d.code for d in p.dropped)
-    assert {"pp_layers", "batch", "vpp_layers"} <= set(reasons)
+    assert {"batch", "vpp_layers"} <= set(reasons)  # pp_layers: every pp splits 12 layers (evenly or not)
     for code in reasons:
         d = next(d for d in p.dropped if d.code == code)
         assert code in {x.code for x in _manual(cfg, d.candidate, p).problems}, (code, d.candidate.name)
@@ -72,6 +75,27 @@ def test_the_search_keeps_the_math_and_judges_each_layout_by_the_plans_own_rules
         first.tp, first.pp, first.micro_batch)
 
 
+def test_layers_that_pp_does_not_divide_are_split_unevenly_as_megatron_does():
+    """3 layers on the smoke run's 4 ranks: pp=2 is tried as Megatron's uneven splits (1+2 and 2+1, the
+    busiest stage holding 2), pp=4 cannot split 3 layers at all and is dropped for it; an uneven candidate
+    pinned by hand with the words the tuning table prints is the same plan, without problems."""
+    over = ["+experiment=codeparrot_smoke", "model.num_layers=3", "layout=auto"]
+    cfg, plan = _plan(over)
+    p = plan.proposal
+    assert not plan.problems and {d.candidate.pp for d in p.dropped if d.code == "pp_layers"} == {4}
+    two = {(c.first, c.last, c.stages) for c in [r.candidate for r in p.ranked] if c.pp == 2}
+    assert two == {(1, None, (1, 2)), (2, None, (2, 1))}  # with two stages the first count says it all
+    r = next(r for r in p.ranked if r.candidate.pp == 2)
+    assert f"pp2[{'+'.join(map(str, r.candidate.stages))}]" in r.candidate.name
+    manual = _manual(cfg, r.candidate, p)
+    assert manual.problems == [] and manual.memory == r.memory and manual.time.step_s == r.time.step_s
+    words = spelled(r.candidate.overrides()).split()
+    _, pinned = _plan([*over[:2], "layout=manual", *words])
+    assert pinned.problems == [] and pinned.time.step_s == r.time.step_s
+    tcfg = pinned.stage("train").job.trainer_config["parallel"]
+    assert (tcfg["first_stage_layers"], tcfg["last_stage_layers"]) == (r.candidate.first, r.candidate.last)
+
+
 def test_the_dry_run_prints_the_table_and_the_trial_array_and_submits_nothing(h100, tmp_path):
     cfg = compose_cfg(["+experiment=codeparrot", *h100, "layout=auto", "tune=true", "autotune.concurrency=2",
                        "dry_run=true", f"runs_root={tmp_path}/runs"])
@@ -79,7 +103,8 @@ def test_the_dry_run_prints_the_table_and_the_trial_array_and_submits_nothing(h1
     head = text[:text.index("Stages:")]
     assert "Auto layout (layout=auto): world 8 = 2 node(s) × 4 task(s), global batch 192" in head
     assert head.count("(trial)") == 4 and "← first choice" in head and "more that fit" in head
-    assert "× pp cannot split the layers: e.g. tp1 pp8 mb1" in head  # counted, with an example
+    # counted, with an example
+    assert "× pp × virtual_pp_size does not divide the layers: e.g. tp1 pp4 vpp2 mb1" in head
     tune = text.split("----- tune job script -----")[1].split("-----")[0]
     assert "#SBATCH --array=0-3%2" in tune and "#SBATCH --gpus-per-node=4" in tune
     assert "#SBATCH --nodes=2" in tune
