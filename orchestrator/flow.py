@@ -63,11 +63,11 @@ from orchestrator.submit import (
 )
 from orchestrator.summary import write_summary
 from orchestrator.writer_lock import record_writer, single_writer
+from trainer import faults
 from trainer.config.train import recipe_line
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
 from trainer.run_files import RunDir
-from trainer.testing_hooks import launch_failpoint
 
 log = get_logger(__name__)
 
@@ -294,12 +294,12 @@ def _submit(cfg: SlipwayConfig, plan: Plan, overrides: tuple[str, ...]) -> tuple
     with single_writer(plan):  # refuses while a job of this run (or of its checkpoint dir) is active
         n = launches.next_launch(plan.run_dir)
         _record(cfg, plan, scripts_of(cfg, plan, n), overrides)
-        launch_failpoint("recorded")
+        faults.at("launch:recorded")
         submitted = submit_plan(cfg, plan, n)
         train = next((s for s in submitted if s.stage == TRAIN), None)
         record_writer(plan, train.job_id if train else None, cfg.cluster.executor,
                       stage_folder(plan, plan.stage(TRAIN)))
-        launch_failpoint("submitted")
+        faults.at("launch:submitted")
         launches.set_state(plan.run_dir, n, launches.SUBMITTED)
     return n, submitted
 

@@ -41,9 +41,9 @@ from orchestrator.schema import ContainerConfig, SlipwayConfig
 from orchestrator.stages import get as stage_def
 from orchestrator.stages import preprocess
 from orchestrator.stages.base import StageDef, Upstream, job_name
+from trainer import faults
 from trainer.log import get_logger
 from trainer.run_files import COMPLETE, FAILED, JOBS, LOGS, RunDir
-from trainer.testing_hooks import launch_failpoint
 
 log = get_logger(__name__)
 JOB_FILE = "_JOB.json"
@@ -340,16 +340,16 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted
         ex = _executor(job_spec)
         comment = getattr(job_spec.spec, "comment", "")
         record_intent(plan.run_dir, launch_n, stage.name, comment)
-        launch_failpoint(f"before_sbatch:{stage.name}")
+        faults.at(f"launch:before_sbatch:{stage.name}")
         try:
             job, job_id = _submit_job(ex, fn, stage, local)
         except FailedJobError as err:  # sbatch said no: its own words are the message
             raise SubmitError(stage.name, [d.stage for d in done.values() if d.action == "submitted"],
                               plan.run_dir, str(err)) from err
-        launch_failpoint(f"after_sbatch:{stage.name}")
+        faults.at(f"launch:after_sbatch:{stage.name}")
         script = getattr(ex, "script", None)  # Slurm: the text submitit wrote and sbatch got
         sub = Submitted(stage.name, "submitted", job_id, cfg.cluster.executor, script, job)
         done[stage.name] = sub
         _record(plan, launch_n, stage, sub, (deps, deps_any), comment)
-        launch_failpoint(f"after_record:{stage.name}")
+        faults.at(f"launch:after_record:{stage.name}")
     return list(done.values())

@@ -1,6 +1,16 @@
-"""The test seam: the hooks that make a job misbehave on purpose, loaded by the product only when the switch
-``SLIPWAY_TESTING=1`` is on in the job (trainer.testing_hooks.seam; the plan refuses every hook without it).
-Nothing here runs in a real job.
+"""The test seam: the fault plugin (trainer/faults.py) that makes a job misbehave on purpose, loaded by the
+product only where ``SLIPWAY_FAULT_PLUGIN=tests.seam`` and the switch ``SLIPWAY_TESTING=1`` are on
+(:func:`hook_env` sets both; the plan refuses every hook without the switch). Nothing here runs in a real
+job.
+
+- :func:`at`, the fault points: ``SLIPWAY_CKPT_FAILPOINT=<step>@<iteration>`` SIGKILLs the process at that
+  step of a checkpoint save (with ``SLIPWAY_CKPT_FAILPOINT_ONCE=<path>`` only the first process to create
+  that file, so the retry of a killed job gets past it); ``SLIPWAY_LAUNCH_FAILPOINT=<step>`` SIGKILLs
+  launch.py at that step of a submission (``recorded``, ``before_sbatch:<stage>``,
+  ``after_sbatch:<stage>``, ``after_record:<stage>``, ``submitted``), as a login shell dying there would;
+  ``SLIPWAY_PREFLIGHT_FAILPOINT=stop@NODE`` SIGSTOPs NODE's leader after it checked in, ``slow@NODE:MS``
+  delays each of its sends by MS ms (a sick link); every training rank writes ``pids/rank<N>.pid`` (the
+  fault tests signal ranks).
 
 - ``SLIPWAY_FAIL_TRAIN=start``: the training stage raises at start (afterok, retries, failure reports).
 - ``SLIPWAY_FAIL_TRIAL=<i>[:oom|hang],...``: layout=auto's trial ``i`` fails at its iteration 2 on rank 0:
@@ -29,18 +39,29 @@ from pathlib import Path
 
 import torch
 
-from trainer import testing_hooks
+from trainer import faults
+from trainer.faults import (
+    CKPT_FAILPOINT,
+    CKPT_FAILPOINT_ONCE,
+    FAIL_TRAIN,
+    FAIL_TRIAL,
+    KERNEL_FAULT,
+    LAUNCH_FAILPOINT,
+    PREFLIGHT_FAILPOINT,
+    STALL_TRAIN,
+)
 from trainer.log import get_logger
 from trainer.ops import OPS, KernelSet
-from trainer.testing_hooks import FAIL_TRAIN, FAIL_TRIAL, KERNEL_FAULT, STALL_TRAIN
+from trainer.run_files import RunDir
 
 log = get_logger(__name__)
 
 
 def hook_env(**hooks: str) -> dict[str, str]:
-    """The environment variables that turn hooks on, switch included: ``hook_env(FAIL_TRAIN="start")``
-    (names as in trainer.testing_hooks)."""
-    return {testing_hooks.SWITCH: "1", **{getattr(testing_hooks, k): str(v) for k, v in hooks.items()}}
+    """The environment variables that turn hooks on, switch and plugin included:
+    ``hook_env(FAIL_TRAIN="start")`` (names as in trainer.faults)."""
+    return {faults.SWITCH: "1", faults.PLUGIN: __name__,
+            **{getattr(faults, k): str(v) for k, v in hooks.items()}}
 
 
 @contextlib.contextmanager
@@ -59,9 +80,45 @@ def enabled(**hooks: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def train_stage_start(environ: Mapping[str, str] | None = None) -> None:
-    """``SLIPWAY_FAIL_TRAIN=start``: the training stage fails before the trainer starts."""
-    if (os.environ if environ is None else environ).get(FAIL_TRAIN) == "start":
+def at(point: str, **where) -> float | None:
+    """trainer.faults.at: what the hooks set in this process's environment do at ``point``."""
+    kind, _, step = point.partition(":")
+    env = os.environ
+    if kind == "checkpoint" and env.get(CKPT_FAILPOINT) == f"{step}@{where['iteration']}":
+        once = env.get(CKPT_FAILPOINT_ONCE)
+        try:
+            if once:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return None
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "launch" and env.get(LAUNCH_FAILPOINT) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "preflight":
+        return _preflight(step, where["node"], env.get(PREFLIGHT_FAILPOINT, ""))
+    elif point == "train:start":
+        train_stage_start(**where)
+    return None
+
+
+def _preflight(kind: str, node: str, spec: str) -> float:
+    """Seconds of delay for 'slow' on this node; stops the process for 'stop' on this node."""
+    what, _, arg = spec.partition("@")
+    target, _, ms = arg.partition(":")
+    if what != kind or target != node:
+        return 0.0
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return float(ms or 0) / 1000.0
+
+
+def train_stage_start(run_dir: str, rank: int, restart: str, attempt: str) -> None:
+    """A training rank starts: it writes ``pids/rank<N>.pid`` (``<pid> <restart> <attempt>``), and with
+    ``SLIPWAY_FAIL_TRAIN=start`` the stage fails before the trainer starts."""
+    pid_file = RunDir(run_dir).rank_pid(rank)
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.write_text(f"{os.getpid()} {restart} {attempt}\n")
+    if os.environ.get(FAIL_TRAIN) == "start":
         raise RuntimeError(f"{FAIL_TRAIN}=start: training failed on purpose (test hook)")
 
 

@@ -48,7 +48,7 @@ DATA_REPORT = "data_report.json"
 SAMPLE = "sample.txt"
 LOSS_PLOT = "loss.png"
 SUMMARY = "summary.txt"
-PIDS = "pids"  # one file per training rank: "<pid> <restart> <attempt>" (the fault tests signal ranks)
+PIDS = "pids"  # the fault plugin's (trainer/faults.py): "<pid> <restart> <attempt>" per training rank
 BAD_NODES = "bad_nodes.jsonl"  # one JSON line per node a preflight or watchdog named (status reads it)
 BAD_NODES_DIR = "bad_nodes"  # per attempt: "<node>\t<why>" lines (the batch script reads them)
 # A file of BAD_NODES_DIR: one per job attempt and reporting process (no two ranks write the same file).

@@ -36,8 +36,8 @@ from trainer.metrics_file import KERNEL_BUILDS, read_records
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(1500)]
 
-CHECKOUT = ("launch.py", "setup.py", "pyproject.toml", "orchestrator", "trainer", "hydra_conf", "hydra_plugins",
-            "csrc")
+CHECKOUT = ("launch.py", "setup.py", "pyproject.toml", "orchestrator", "trainer", "hydra_conf",
+            "hydra_plugins", "csrc")
 IMAGE_BUILD = "/opt/slipway/trainer/_C.cpython-311-x86_64-linux-gnu.so"
 IMAGE_PYTHON = "/opt/venv/bin/python"
 

@@ -12,7 +12,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from trainer import testing_hooks
+from trainer.faults import NODE_NAME
 
 HEARTBEAT_DIR = "heartbeats"
 HANGS_FILE = "hangs.jsonl"  # one line per watchdog that fired: kept across retries (heartbeats are not)
@@ -22,7 +22,7 @@ def node_name() -> str:
     """This process's node: ``SLIPWAY_NODE_NAME``, else Slurm's node name, else the host name (Slurm node
     names are what an admin drains; several emulated nodes may share one host)."""
     env = os.environ
-    return env.get(testing_hooks.NODE_NAME) or env.get("SLURMD_NODENAME") or socket.gethostname()
+    return env.get(NODE_NAME) or env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def heartbeat_path(run_dir: str, rank: int) -> str:
