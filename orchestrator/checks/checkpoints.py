@@ -115,9 +115,10 @@ def active_problems(ctx: Context) -> list[Problem]:
     plan = ctx.require_plan()
     active: list[str] = []
     try:
-        active += active_jobs(plan)
+        record = launches.LaunchRecord.load(plan.run_dir)
+        active += active_jobs(plan, record.data)
         active += [f"{stage} job {jid} ({state}) submitted by launch {n}, which died before recording it"
-                   for n, stage, jid, state in launches.orphans(plan.run_dir) if jid]
+                   for n, stage, jid, state in record.orphans() if jid]
     except launches.RunRecordError:
         return []  # record_problems reports it
     except RuntimeError as err:
