@@ -67,7 +67,7 @@ from trainer import faults
 from trainer.config.train import recipe_line
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
-from trainer.run_files import RunDir
+from trainer.run_files import SLURM_LOGS, RunDir
 
 log = get_logger(__name__)
 
@@ -260,7 +260,7 @@ def _stage_log(plan: Plan, stage: str, job_id: str, executor: str) -> str:
     sp = plan.stage(stage)
     if executor == "local":
         return str(log_path(stage_folder(plan, sp), job_id))
-    return os.path.join(stage_log_dir(plan, sp), f"{stage}_{job_id}_*.err")
+    return os.path.join(stage_log_dir(plan, sp), SLURM_LOGS.format(stage=stage, job=job_id, stream="err"))
 
 
 def _failed(plan: Plan) -> list[tuple[str, str, str]]:

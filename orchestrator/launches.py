@@ -37,10 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.runs import read_json, write_json
-from trainer.run_files import CONFIG, RUN_JSON
+from trainer.run_files import CONFIG, RUN_JSON, RunDir
 
 FORMAT = 2
-LAUNCHES_DIR = "launches"
 # CONFIG (run_files): the resolved config: launches/<n>/config.yaml; the top-level one links the latest
 RECORDING, SUBMITTING, SUBMITTED = "recording", "submitting", "submitted"
 INCOMPLETE = "incomplete"  # what status calls a launch that stopped before SUBMITTED
@@ -77,7 +76,7 @@ def all_jobs(data: dict[str, Any]) -> list[tuple[int, str, dict[str, Any]]]:
 
 
 def launch_dir(run_dir: str, n: int) -> Path:
-    return Path(run_dir) / LAUNCHES_DIR / f"{n:03d}"
+    return RunDir(run_dir).launch(n)
 
 
 def job_comment(run_dir: str, n: int, stage: str) -> str:
@@ -96,7 +95,7 @@ class RunRecordError(ValueError):
         super().__init__(
             f"{path} is not a readable run record ({why}). Move it aside (mv {path} {path}.broken) and "
             f"launch the same run_id again: the run resumes from its checkpoints, and every earlier "
-            f"launch's config and job scripts stay in {path.parent / LAUNCHES_DIR}/<n>/; first make sure "
+            f"launch's config and job scripts stay in {RunDir(path.parent).launches}/<n>/; first make sure "
             "no job of the run is still queued or running (squeue --me; ps), since their ids were in it")
 
 

@@ -43,10 +43,9 @@ from orchestrator.stages import preprocess
 from orchestrator.stages.base import StageDef, Upstream, job_name
 from trainer import faults
 from trainer.log import get_logger
-from trainer.run_files import COMPLETE, FAILED, JOBS, LOGS, RunDir
+from trainer.run_files import COMPLETE, FAILED, JOB_RECORD, JOBS, LOGS, RunDir
 
 log = get_logger(__name__)
-JOB_FILE = "_JOB.json"
 
 
 class SubmitError(RuntimeError):
@@ -243,7 +242,7 @@ def pyxis_spec(cfg: SlipwayConfig) -> container_render.PyxisSpec | None:
 
 def _queued(stage: StagePlan) -> dict[str, Any] | None:
     """The job already producing this shared output, if it is still queued or running."""
-    path = Path(stage.state_dir) / JOB_FILE
+    path = Path(stage.state_dir) / JOB_RECORD
     if not path.exists():
         return None
     info = json.loads(path.read_text())
@@ -298,7 +297,7 @@ def _record(plan: Plan, record: LaunchRecord, stage: StagePlan, sub: Submitted,
         **({"comment": comment} if comment else {}),
     }
     if stage.shared:
-        (Path(stage.state_dir) / JOB_FILE).write_text(json.dumps(entry))
+        (Path(stage.state_dir) / JOB_RECORD).write_text(json.dumps(entry))
     record.record_job(record.n, stage.name, entry)
     if sub.script:
         path = launch_dir(plan.run_dir, record.n) / "scripts" / f"{stage.name}.sbatch"

@@ -21,12 +21,11 @@ from orchestrator.problems import PlanError, Problem
 from orchestrator.queue import ended, live_state, local_state, query_slurm
 from orchestrator.runs import write_json
 from orchestrator.stages.train import NAME as TRAIN
+from trainer.run_files import CKPT_WRITER, LAUNCH_LOCK
 
 if TYPE_CHECKING:
     from orchestrator.plan import Plan
 
-LOCK = ".slipway-launch.lock"
-WRITER = ".slipway-writer.json"
 
 
 def checkpoint_dir(plan: Plan) -> str:
@@ -60,7 +59,7 @@ def active_jobs(plan: Plan, data: dict[str, Any]) -> list[str]:
             by = "" if n == last and not e.get("adopted") else f" submitted by launch {n}"
             by += " (which died before recording it)" if e.get("adopted") else ""
             found.append(f"{stage} job {e['job_id']} ({state}){by}")
-    writer = _read(Path(checkpoint_dir(plan)) / WRITER)
+    writer = _read(Path(checkpoint_dir(plan)) / CKPT_WRITER)
     if writer and str(writer.get("job_id")) not in seen:
         state = live_state(str(writer["job_id"]), writer.get("executor", "slurm"), writer.get("folder"))
         if state:
@@ -98,7 +97,7 @@ def single_writer(plan: Plan) -> Iterator[launches.LaunchRecord]:
     with ExitStack() as stack:
         for d in sorted({plan.run_dir, checkpoint_dir(plan)}):  # one order everywhere: no deadlock
             os.makedirs(d, exist_ok=True)
-            f = stack.enter_context(open(os.path.join(d, LOCK), "a"))
+            f = stack.enter_context(open(os.path.join(d, LAUNCH_LOCK), "a"))
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
             record = launches.LaunchRecord.load(plan.run_dir)
@@ -108,7 +107,7 @@ def single_writer(plan: Plan) -> Iterator[launches.LaunchRecord]:
             active = [str(err)]
         if active:
             for d in created:  # a refused launch leaves nothing behind
-                Path(d, LOCK).unlink(missing_ok=True)
+                Path(d, LAUNCH_LOCK).unlink(missing_ok=True)
                 _rmdir(d)
             raise PlanError([run_active(plan, active)])
         if record.data["launches"]:
@@ -127,6 +126,6 @@ def record_writer(plan: Plan, job_id: str | None, executor: str, folder: str | N
     """Name the training job (and its submitit folder) as the checkpoint directory's writer (read by later
     launches)."""
     if job_id:
-        write_json(Path(checkpoint_dir(plan)) / WRITER,
+        write_json(Path(checkpoint_dir(plan)) / CKPT_WRITER,
                    {"run_id": plan.run_id, "run_dir": plan.run_dir, "job_id": job_id, "executor": executor,
                     "folder": folder})

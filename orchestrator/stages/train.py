@@ -34,13 +34,11 @@ from trainer.config import RunConfig
 from trainer.health import read_heartbeats, summarize
 from trainer.log import get_logger
 from trainer.metrics_file import kernel_cell, kernel_fallbacks, last_kernel_check
-from trainer.run_files import ATTEMPT_ENV, RunDir
+from trainer.run_files import ATTEMPT_ENV, FATAL_MARKER, STOPPED_MARKER, RunDir
 from trainer.signals import (
     EXIT_NONFINITE,
     EXIT_PERMANENT,
     EXIT_REQUEUE,
-    FATAL_MARKER,
-    STOPPED_MARKER,
     permanent_reason,
 )
 

@@ -23,10 +23,11 @@ from orchestrator.checks.data import reused_data_problems
 from orchestrator.flow import gather_facts, launch
 from orchestrator.plan import make_plan
 from orchestrator.problems import PlanError
-from orchestrator.writer_lock import WRITER, record_writer, single_writer
+from orchestrator.writer_lock import record_writer, single_writer
 from tests.orchestrator.conftest import compose_cfg
 from tests.waits import NEVER_S
 from trainer.data.indexed_dataset import IndexedDatasetBuilder
+from trainer.run_files import CKPT_WRITER
 
 
 def _plan(tmp_path: Path, *extra: str):
@@ -118,7 +119,7 @@ def test_concurrent_launches_of_one_run_let_exactly_one_through(tmp_path):
     t.join()
     assert [e[0] for e in sorted(events, key=lambda e: e[1])] == ["first done", "second refused"]
     ckpt = Path(plan.stage("train").job.trainer_config["checkpoint"]["dir"])
-    assert json.loads((ckpt / WRITER).read_text())["job_id"] == str(os.getpid())
+    assert json.loads((ckpt / CKPT_WRITER).read_text())["job_id"] == str(os.getpid())
     assert str(ckpt) in str(err.value)
 
 
