@@ -65,8 +65,8 @@ def _model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
     that a relaunch with a changed model section is refused before anything is submitted or recorded."""
     from trainer.checkpoint.files import CheckpointError, config_differences
     from trainer.checkpoint.protocol import saved_layout
-    from trainer.checks import ConfigError
     from trainer.config import ModelConfig
+    from trainer.config_issues import ConfigError
 
     try:
         args = saved_layout(ckpt_dir, iteration, mmap=True)[2]

@@ -33,9 +33,9 @@ from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import saved_split
 from trainer.checkpoint.files import config_differences
-from trainer.checks import ConfigError
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig
 from trainer.config.train import precision_recipe, recipe_line
+from trainer.config_issues import ConfigError
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.spec import unsupported_options
 from trainer.log import get_logger
