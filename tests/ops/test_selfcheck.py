@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from tests.ops.helpers import DEVICES
-from tests.seam import KINDS, hook_env, inject, parse
+from tests.seam import hook_env
+from tests.seam_kernels import KINDS, inject, parse
 from tests.train.harness import spawn
 from trainer import extension as _ext
 from trainer.config import ModelConfig
