@@ -4,9 +4,10 @@ point, a no-op unless a fault plugin is loaded (torch-free).
 The product marks each point a fault test must reach with :func:`at` (a step of a checkpoint save, of a
 submission, of the preflight; a training rank's start) and asks for optional behaviour with :func:`hook`
 (a step hook, a kernel set made wrong). Both go to the plugin: the importable module that
-``SLIPWAY_FAULT_PLUGIN`` names, loaded only where the switch ``SLIPWAY_TESTING=1`` is on too. Slipway's
-tests name theirs; the product names none, so a real job carries no test machinery and a stray hook
-variable does nothing.
+``SLIPWAY_FAULT_PLUGIN`` names, loaded only where the switch ``SLIPWAY_TESTING=1`` is on too. A plugin
+defines ``at(point, **where)``, ``inject(kernels, environ)`` and the hooks asked for by name
+(``train_on_step``, ``trial_on_step``); the product names none (Slipway's tests set theirs), so a real
+job carries no test machinery and a stray hook variable does nothing.
 
 The hooks are environment variables, never configuration keys: ``SLIPWAY_*`` is on the container
 allowlist and Slurm passes the launching shell's environment to the job, so a stray one would reach a real
