@@ -34,7 +34,7 @@ from orchestrator.checks.layout import layout_problems, pipeline_split
 from orchestrator.estimate import MemoryEstimate, TimeEstimate, estimate_memory, estimate_time, fmt_bytes
 from orchestrator.layout import layout_of, tasks_per_node
 from orchestrator.schema import RECOMPUTE_CHOICES, SlipwayConfig
-from trainer.checks import deferred
+from trainer.config_issues import deferred
 from trainer.formulas import PipelineSplit
 
 # Why a candidate was dropped, by the code of the rule it broke (the plan's problem codes), for people.

@@ -42,7 +42,8 @@ def cancel_run(run_dir: str, launch_n: int | None = None, started: dict[str, Any
         if pids:
             lines.append(f"{stage} job {jid} cancelled ({len(pids)} process(es) ended)")
             done.setdefault(n, []).append(jid)
-    launches.mark_cancelled(run_dir, done)
+    if done:
+        launches.LaunchRecord.load(run_dir).mark_cancelled(done)
     return lines
 
 

@@ -63,11 +63,11 @@ from orchestrator.submit import (
 )
 from orchestrator.summary import write_summary
 from orchestrator.writer_lock import record_writer, single_writer
+from trainer import faults
 from trainer.config.train import recipe_line
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
-from trainer.run_files import RunDir
-from trainer.testing_hooks import launch_failpoint
+from trainer.run_files import SLURM_LOGS, RunDir
 
 log = get_logger(__name__)
 
@@ -160,8 +160,9 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def scripts_of(cfg: SlipwayConfig, plan: Plan, launch_n: int | None = None) -> dict[str, str]:
-    """Scripts as they will be submitted; upstream job ids are not known yet (<stage> placeholders)."""
+def scripts_of(cfg: SlipwayConfig, plan: Plan, launch_n: int = 1) -> dict[str, str]:
+    """Scripts as launch ``launch_n`` will submit them; upstream job ids are not known yet (<stage>
+    placeholders)."""
     def after(s: StagePlan) -> After:
         return After(tuple(f"<{d}>" for d in s.depends_on if d not in s.after_any),
                      tuple(f"<{d}>" for d in s.after_any))
@@ -173,7 +174,8 @@ def scripts_of(cfg: SlipwayConfig, plan: Plan, launch_n: int | None = None) -> d
     return out
 
 
-def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str], overrides: tuple[str, ...]) -> int:
+def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str], overrides: tuple[str, ...],
+            record: launches.LaunchRecord) -> int:
     """Append this launch to the run's history (launches.py) and write its resolved config; its number."""
     from omegaconf import OmegaConf
 
@@ -183,7 +185,7 @@ def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str], overrides: 
     git = git_state()
     identity = {"run_id": plan.run_id, "experiment": plan.experiment, "name": run_name(cfg, _facts(plan)),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    n = launches.begin(plan.run_dir, identity, {
+    n = record.begin(identity, {
         "overrides": [redaction.redact(o) for o in overrides],
         "git": {"sha": git["sha"], "dirty": git["dirty"]},
         "config": redaction.REDACTOR.tree(OmegaConf.to_container(resolved)),
@@ -258,7 +260,7 @@ def _stage_log(plan: Plan, stage: str, job_id: str, executor: str) -> str:
     sp = plan.stage(stage)
     if executor == "local":
         return str(log_path(stage_folder(plan, sp), job_id))
-    return os.path.join(stage_log_dir(plan, sp), f"{stage}_{job_id}_*.err")
+    return os.path.join(stage_log_dir(plan, sp), SLURM_LOGS.format(stage=stage, job=job_id, stream="err"))
 
 
 def _failed(plan: Plan) -> list[tuple[str, str, str]]:
@@ -289,18 +291,20 @@ def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out, err
     out.write("\n" + write_summary(plan.run_dir, time.monotonic() - started))
 
 
-def _submit(cfg: SlipwayConfig, plan: Plan, overrides: tuple[str, ...]) -> tuple[int, list[Submitted]]:
+def _submit(p: Prepared, overrides: tuple[str, ...]) -> tuple[int, list[Submitted]]:
     """Record the launch and submit its stages under the run's writer lock; (launch number, outcomes)."""
-    with single_writer(plan):  # refuses while a job of this run (or of its checkpoint dir) is active
-        n = launches.next_launch(plan.run_dir)
-        _record(cfg, plan, scripts_of(cfg, plan, n), overrides)
-        launch_failpoint("recorded")
-        submitted = submit_plan(cfg, plan, n)
+    cfg, plan = p.cfg, p.plan
+    with single_writer(plan) as record:  # refuses while a job of this run (or its checkpoint dir) is active
+        n = record.next_launch()  # the scripts name it: rendered again only if a launch was recorded since
+        scripts = p.scripts if n == p.launch_n else scripts_of(cfg, plan, n)
+        _record(cfg, plan, scripts, overrides, record)
+        faults.at("launch:recorded")
+        submitted = submit_plan(cfg, plan, record)
         train = next((s for s in submitted if s.stage == TRAIN), None)
         record_writer(plan, train.job_id if train else None, cfg.cluster.executor,
                       stage_folder(plan, plan.stage(TRAIN)))
-        launch_failpoint("submitted")
-        launches.set_state(plan.run_dir, n, launches.SUBMITTED)
+        faults.at("launch:submitted")
+        record.set_state(n, launches.SUBMITTED)
     return n, submitted
 
 
@@ -329,6 +333,7 @@ class Prepared:
     plan: Plan
     scripts: dict[str, str]
     sweep: SweepInfo | None = None
+    launch_n: int = 1  # the launch the scripts name (the run's next one when prepared)
 
 
 def prepare(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> Prepared:
@@ -339,7 +344,11 @@ def prepare(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> Prepared:
     plan = make_plan(cfg, facts)
     cfg = plan.config or cfg  # layout=auto: the plan's first choice applied (plan.py)
     plan.problems.extend(run_checks(Context(cfg, facts.environ, plan=plan), at="launch"))
-    return Prepared(cfg, plan, scripts_of(cfg, plan), sweep)
+    try:
+        n = launches.LaunchRecord.load(plan.run_dir).next_launch()
+    except launches.RunRecordError:
+        n = 1  # the run_record check refuses the launch
+    return Prepared(cfg, plan, scripts_of(cfg, plan, n), sweep, n)
 
 
 def launch(cfg: SlipwayConfig, sweep: SweepInfo | None = None, out=sys.stdout,
@@ -374,7 +383,7 @@ def execute(p: Prepared, out=sys.stdout, overrides: tuple[str, ...] = (),
     with stops.installed() if do_wait and main else nullcontext():
         try:
             with stops.deferred() if do_wait and main else nullcontext():
-                n, submitted = _submit(cfg, plan, overrides)
+                n, submitted = _submit(p, overrides)
             text = _announce(plan, submitted, sweep, cfg.experiment)
             out.write(text)
             if do_wait:

@@ -15,12 +15,12 @@ from typing import TextIO
 
 from orchestrator.launches import current_jobs
 from orchestrator.runs import read_json
-from trainer.run_files import RUN_JSON
+from trainer.run_files import RUN_JSON, SUBMITIT_LOG
 
 
 def log_path(folder: str, job_id: str, task: int = 0, stream: str = "err") -> Path:
     """Where submitit's LocalExecutor (and SlurmExecutor) put a task's stdout/stderr."""
-    return Path(folder) / f"{job_id}_{task}_log.{stream}"
+    return Path(folder) / SUBMITIT_LOG.format(job=job_id, task=task, stream=stream)
 
 
 @dataclass
@@ -68,7 +68,8 @@ def failure_tails(run_dir: str, stages: list[str], lines: int = 15) -> str:
         entry = (jobs.get(stage) or [{}])[-1]
         if not entry.get("folder"):
             continue
-        for path in sorted(Path(entry["folder"]).glob(f"{entry['job_id']}_*_log.err")):
+        logs = SUBMITIT_LOG.format(job=entry["job_id"], task="*", stream="err")
+        for path in sorted(Path(entry["folder"]).glob(logs)):
             text = path.read_text(errors="replace").replace("\r", "\n").splitlines()
             if text:
                 parts.append(f"──── {stage}: last lines of {path} ────")

@@ -16,10 +16,11 @@ Submission is crash-consistent. Each launch moves through ``state``:
 - ``submitted``: every stage was submitted or reused.
 
 A launch whose process died before ``submitted`` is *incomplete* (``status`` says so). The next launch
-reconciles it first (flow.py → :func:`reconcile`): every pending intent is looked up in the queue by its
-comment (queue.py); a job found is recorded as ``adopted`` in the dead launch's ``jobs``, where the
+reconciles it first (:meth:`LaunchRecord.reconcile`): every pending intent is looked up in the queue by
+its comment (queue.py); a job found is recorded as ``adopted`` in the dead launch's ``jobs``, where the
 one-writer check (writer_lock.py) sees it and refuses while it is alive, naming its id. Nothing is ever
-submitted twice for one intent, and no submitted job goes unrecorded.
+submitted twice for one intent, and no submitted job goes unrecorded. A launch reads ``run.json`` once,
+under its lock, and passes that :class:`LaunchRecord` down.
 
 The previous format (one launch, its ``config``/``jobs``/``stages``/``scripts`` at the top level) reads as
 a history of one launch; a relaunch converts it.
@@ -31,14 +32,14 @@ import hashlib
 import os
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from orchestrator.runs import read_json, write_json
-from trainer.run_files import CONFIG, RUN_JSON
+from trainer.run_files import CONFIG, RUN_JSON, RunDir
 
 FORMAT = 2
-LAUNCHES_DIR = "launches"
 # CONFIG (run_files): the resolved config: launches/<n>/config.yaml; the top-level one links the latest
 RECORDING, SUBMITTING, SUBMITTED = "recording", "submitting", "submitted"
 INCOMPLETE = "incomplete"  # what status calls a launch that stopped before SUBMITTED
@@ -74,13 +75,8 @@ def all_jobs(data: dict[str, Any]) -> list[tuple[int, str, dict[str, Any]]]:
             for stage, entries in r.get("jobs", {}).items() for e in entries]
 
 
-def next_launch(run_dir: str) -> int:
-    """The number the run's next launch gets."""
-    return len(history(read(run_dir))) + 1
-
-
 def launch_dir(run_dir: str, n: int) -> Path:
-    return Path(run_dir) / LAUNCHES_DIR / f"{n:03d}"
+    return RunDir(run_dir).launch(n)
 
 
 def job_comment(run_dir: str, n: int, stage: str) -> str:
@@ -99,7 +95,7 @@ class RunRecordError(ValueError):
         super().__init__(
             f"{path} is not a readable run record ({why}). Move it aside (mv {path} {path}.broken) and "
             f"launch the same run_id again: the run resumes from its checkpoints, and every earlier "
-            f"launch's config and job scripts stay in {path.parent / LAUNCHES_DIR}/<n>/; first make sure "
+            f"launch's config and job scripts stay in {RunDir(path.parent).launches}/<n>/; first make sure "
             "no job of the run is still queued or running (squeue --me; ps), since their ids were in it")
 
 
@@ -129,59 +125,117 @@ def _upgraded(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def begin(run_dir: str, identity: dict[str, Any], record: dict[str, Any]) -> int:
-    """Append a new launch (state ``recording``); returns its number. Called under the run's launch lock.
-    Identity fields already recorded (the first launch's) are kept."""
-    data = _upgraded(read(run_dir))
-    for key in _IDENTITY:
-        if key in identity:
-            data.setdefault(key, identity[key])
-    data["format"] = FORMAT
-    n = len(data["launches"]) + 1
-    data["launches"].append({"n": n, "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "state": RECORDING,
-                             "host": socket.gethostname(), "pid": os.getpid(), **record, "jobs": {},
-                             "pending": {}})
-    write_json(Path(run_dir) / RUN_JSON, data)
-    return n
+@dataclass
+class LaunchRecord:
+    """The run's ``run.json`` read once: a launch loads it under its lock (writer_lock.single_writer) and
+    passes it down. Every change is written through at once: crash consistency needs each intent on disk
+    before its ``sbatch``. A launch writes only its own record (and settles dead ones: :meth:`reconcile`)."""
 
+    run_dir: str
+    data: dict[str, Any]
+    n: int | None = None  # this launch's number, once begun
 
-def _update(run_dir: str, n: int, change) -> None:
-    """Apply ``change`` to launch ``n``'s record only (a launch writes nothing of another's)."""
-    data = _upgraded(read(run_dir))
-    change(data["launches"][n - 1])
-    write_json(Path(run_dir) / RUN_JSON, data)
+    @classmethod
+    def load(cls, run_dir: str | Path) -> LaunchRecord:
+        return cls(str(run_dir), _upgraded(read(run_dir)))
 
+    def next_launch(self) -> int:
+        """The number the run's next launch gets."""
+        return len(self.data["launches"]) + 1
 
-def set_state(run_dir: str, n: int, state: str) -> None:
-    _update(run_dir, n, lambda r: r.update(state=state))
+    def _save(self) -> None:
+        write_json(Path(self.run_dir) / RUN_JSON, self.data)
 
+    def begin(self, identity: dict[str, Any], record: dict[str, Any]) -> int:
+        """Append a new launch (state ``recording``); returns its number. Called under the run's launch
+        lock. Identity fields already recorded (the first launch's) are kept."""
+        for key in _IDENTITY:
+            if key in identity:
+                self.data.setdefault(key, identity[key])
+        self.data["format"] = FORMAT
+        n = self.n = self.next_launch()
+        self.data["launches"].append({"n": n, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                      "state": RECORDING, "host": socket.gethostname(), "pid": os.getpid(),
+                                      **record, "jobs": {}, "pending": {}})
+        self._save()
+        return n
 
-def record_intent(run_dir: str, n: int, stage: str, comment: str) -> None:
-    """Before ``sbatch``: the stage about to be submitted and the comment its job will carry."""
-    def change(r: dict[str, Any]) -> None:
-        r["state"] = SUBMITTING
-        r.setdefault("pending", {})[stage] = {"comment": comment, "at": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    _update(run_dir, n, change)
+    def update(self, n: int, change) -> None:
+        """Apply ``change`` to launch ``n``'s record only (a launch writes nothing of another's)."""
+        change(self.data["launches"][n - 1])
+        self._save()
 
+    def set_state(self, n: int, state: str) -> None:
+        self.update(n, lambda r: r.update(state=state))
 
-def record_job(run_dir: str, n: int, stage: str, entry: dict[str, Any]) -> None:
-    """After ``sbatch``: the job id (and folder, dependency, key) replaces the stage's intent."""
-    def change(r: dict[str, Any]) -> None:
-        r.setdefault("jobs", {}).setdefault(stage, []).append(entry)
-        r.get("pending", {}).pop(stage, None)
-    _update(run_dir, n, change)
+    def record_intent(self, n: int, stage: str, comment: str) -> None:
+        """Before ``sbatch``: the stage about to be submitted and the comment its job will carry."""
+        def change(r: dict[str, Any]) -> None:
+            r["state"] = SUBMITTING
+            at = time.strftime("%Y-%m-%dT%H:%M:%S")
+            r.setdefault("pending", {})[stage] = {"comment": comment, "at": at}
+        self.update(n, change)
 
+    def record_job(self, n: int, stage: str, entry: dict[str, Any]) -> None:
+        """After ``sbatch``: the job id (and folder, dependency, key) replaces the stage's intent."""
+        def change(r: dict[str, Any]) -> None:
+            r.setdefault("jobs", {}).setdefault(stage, []).append(entry)
+            r.get("pending", {}).pop(stage, None)
+        self.update(n, change)
 
-def mark_cancelled(run_dir: str, jobs: dict[int, list[str]]) -> None:
-    """Record that Slipway cancelled these jobs ({launch: [job ids]}) in their launches' ``cancelled`` lists
-    (the job entries stay as submitted): a local job's process leaves no other trace of why it ended."""
-    if not jobs:
-        return
-    data = _upgraded(read(run_dir))
-    for r in data["launches"]:
-        if jobs.get(r.get("n")):
-            r["cancelled"] = sorted({*r.get("cancelled", ()), *map(str, jobs[r["n"]])})
-    write_json(Path(run_dir) / RUN_JSON, data)
+    def mark_cancelled(self, jobs: dict[int, list[str]]) -> None:
+        """Record that Slipway cancelled these jobs ({launch: [job ids]}) in their launches' ``cancelled``
+        lists (the job entries stay as submitted): a local job's process leaves no other trace of why it
+        ended."""
+        for r in self.data["launches"]:
+            if jobs.get(r.get("n")):
+                r["cancelled"] = sorted({*r.get("cancelled", ()), *map(str, jobs[r["n"]])})
+        self._save()
+
+    def add_outcomes(self, states: dict[str, str]) -> None:
+        """Record the final states of earlier launches' jobs ({job id: state}, ended jobs only) in their
+        ``outcome`` ({stage: state}), once: a relaunch keeps what the earlier launch produced."""
+        changed = False
+        for r in self.data["launches"]:
+            got = {stage: states[str(es[-1]["job_id"])] for stage, es in r.get("jobs", {}).items()
+                   if es and str(es[-1]["job_id"]) in states}
+            if not r.get("outcome") and got and len(got) == len(r.get("jobs", {})):
+                r["outcome"], changed = got, True
+        if changed:
+            self._save()
+
+    def orphans(self, find=None) -> list[tuple[int, str, str | None, str]]:
+        """(launch, stage, job id or None, state) for every intent a dead launch left pending: its job as
+        the queue knows it by comment (None: not queued or running). Reads only."""
+        from orchestrator.queue import jobs_by_comment
+
+        wanted = [(r["n"], stage, p["comment"]) for r in _stale(self.data)
+                  for stage, p in r.get("pending", {}).items()]
+        if not wanted:
+            return []
+        # a local job has no comment (and no queue to ask): its intent is settled as not found
+        comments = [c for _, _, c in wanted if c]
+        found = (find or jobs_by_comment)(comments) if comments else {}
+        return [(n, stage, *((c and found.get(c)) or (None, ""))) for n, stage, c in wanted]
+
+    def reconcile(self, find=None) -> list[str]:
+        """Settle every incomplete launch of the run: each pending intent's job found in the queue is
+        recorded (``adopted``) in that launch's ``jobs``; the launch is marked ``incomplete``. Returns one
+        line per intent settled. Called under the run's launch lock, before the one-writer check."""
+        lines = []
+        for n, stage, job_id, state in self.orphans(find):
+            if job_id:
+                self.record_job(n, stage, {"job_id": job_id, "executor": "slurm", "adopted": True,
+                                           "comment": job_comment(self.run_dir, n, stage)})
+                lines.append(f"launch {n} died after submitting {stage} as job {job_id} ({state}) without "
+                             "recording it: recorded now")
+            else:
+                self.update(n, lambda r, s=stage: r["pending"].pop(s, None))
+                lines.append(f"launch {n} died before recording its {stage} job, and no job of it is queued "
+                             "or running (never submitted, or already ended)")
+        for r in _stale(self.data):
+            self.update(r["n"], lambda x: x.update(state=INCOMPLETE))
+        return lines
 
 
 def cancelled_ids(data: dict[str, Any]) -> set[str]:
@@ -203,42 +257,6 @@ def _stale(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [r for r in history(data) if r.get("state") != INCOMPLETE and is_incomplete(r)]
 
 
-def orphans(run_dir: str, find=None) -> list[tuple[int, str, str | None, str]]:
-    """(launch, stage, job id or None, state) for every intent a dead launch left pending: its job as the
-    queue knows it by comment (None: not queued or running). Reads only."""
-    from orchestrator.queue import jobs_by_comment
-
-    stale = _stale(read(run_dir))
-    wanted = [(r["n"], stage, p["comment"]) for r in stale for stage, p in r.get("pending", {}).items()]
-    if not wanted:
-        return []
-    # a local job has no comment (and no queue to ask): its intent is settled as not found
-    comments = [c for _, _, c in wanted if c]
-    found = (find or jobs_by_comment)(comments) if comments else {}
-    return [(n, stage, *((c and found.get(c)) or (None, ""))) for n, stage, c in wanted]
-
-
-def reconcile(run_dir: str, find=None) -> list[str]:
-    """Settle every incomplete launch of the run: each pending intent's job found in the queue is recorded
-    (``adopted``) in that launch's ``jobs``; the launch is marked ``incomplete``. Returns one line per
-    intent settled. Called under the run's launch lock, before the one-writer check."""
-    lines = []
-    for n, stage, job_id, state in orphans(run_dir, find):
-        comment = job_comment(run_dir, n, stage)
-        if job_id:
-            record_job(run_dir, n, stage, {"job_id": job_id, "executor": "slurm", "adopted": True,
-                                           "comment": comment})
-            lines.append(f"launch {n} died after submitting {stage} as job {job_id} ({state}) without "
-                         "recording it: recorded now")
-        else:
-            _update(run_dir, n, lambda r, s=stage: r["pending"].pop(s, None))
-            lines.append(f"launch {n} died before recording its {stage} job, and no job of it is queued or "
-                         "running (never submitted, or already ended)")
-    for r in _stale(read(run_dir)):
-        _update(run_dir, r["n"], lambda x: x.update(state=INCOMPLETE))
-    return lines
-
-
 def link_config(run_dir: str, n: int) -> Path:
     """``launches/<n>/config.yaml``'s path; the top-level ``config.yaml`` becomes a link to it. A
     previous-format run's ``config.yaml`` (its one launch's) moves to ``launches/001`` first."""
@@ -253,17 +271,3 @@ def link_config(run_dir: str, n: int) -> Path:
     tmp.symlink_to(path.relative_to(run_dir))
     os.replace(tmp, top)
     return path
-
-
-def add_outcomes(run_dir: str, states: dict[str, str]) -> None:
-    """Record the final states of earlier launches' jobs ({job id: state}, ended jobs only) in their
-    ``outcome`` ({stage: state}), once: a relaunch keeps what the earlier launch produced."""
-    data = _upgraded(read(run_dir))
-    for r in data["launches"]:
-        if r.get("outcome"):
-            continue
-        got = {stage: states[str(es[-1]["job_id"])] for stage, es in r.get("jobs", {}).items()
-               if es and str(es[-1]["job_id"]) in states}
-        if got and len(got) == len(r.get("jobs", {})):
-            r["outcome"] = got
-    write_json(Path(run_dir) / RUN_JSON, data)

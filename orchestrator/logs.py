@@ -27,9 +27,8 @@ from orchestrator import launches
 from orchestrator.queue import CANCELLED, FAILED, PENDING, RUNNING, alive, category, live_state
 from orchestrator.runs import read_json
 from orchestrator.stages.train import NAME as TRAIN
-from trainer.run_files import LOGS, RunDir
+from trainer.run_files import JOB_RECORD, LOGS, SUBMITIT_LOG, RunDir
 
-JOB_RECORD = "_JOB.json"  # submit.JOB_FILE: a shared stage's queued job, in its output folder
 # A Slurm job's files after "<stage>_<job>_" (render.py), and a local job's (submitit's).
 _SLURM = re.compile(r"(?:r(?P<restart>\d+)_a(?P<attempt>\d+)_)?(?P<task>\d+|batch|exclude_\d+)\."
                     r"(?P<stream>out|err)")
@@ -85,7 +84,8 @@ def log_files(run_dir: Path, stage: str, entry: dict) -> list[LogFile]:
     job = str(entry["job_id"])
     out = []
     if entry.get("executor") == "local":
-        for p in sorted(Path(entry.get("folder", "")).glob(f"{job}_*_log.*")):
+        submitit = SUBMITIT_LOG.format(job=job, task="*", stream="*")
+        for p in sorted(Path(entry.get("folder", "")).glob(submitit)):
             if m := _LOCAL.fullmatch(p.name):
                 out.append(LogFile(p, job, m["task"], m["stream"]))
         return out

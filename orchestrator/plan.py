@@ -34,7 +34,7 @@ from orchestrator.problems import Problem
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import STAGES
 from orchestrator.stages.base import PlanContext, StagePlan
-from trainer.checks import deferred
+from trainer.config_issues import deferred
 from trainer.formulas import model_vocab_size
 
 __all__ = ["Plan", "PlanInputs", "StagePlan", "SweepInfo", "make_plan", "memory_options", "resolve_vocab"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from orchestrator.redaction import redact
-from trainer.checks import ConfigIssue
+from trainer.config_issues import ConfigIssue
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from orchestrator.runs import read_json
 from trainer.checkpoint.files import parse_tracker, tracker_text
 from trainer.health import read_bad_nodes, read_hangs
 from trainer.metrics_file import TOKENS_PER_S, TRAIN_LOSS, read_metrics
-from trainer.run_files import EXCLUSIONS, REQUEUES, RETRIES, RunDir
+from trainer.run_files import EXCLUSIONS, REQUEUES, RETRIES, SUBMITIT_LOG, RunDir
 from trainer.wandb_online import FALLBACK_KEY, offline_dirs, sync_command
 
 _ITER = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|")
@@ -32,8 +32,9 @@ def log_records(run_dir: Path, stage: str) -> list[tuple[int, float | None, floa
     if recs:
         return recs
     by_iter: dict[int, tuple[int, float | None, float | None]] = {}
+    submitit = SUBMITIT_LOG.format(job="*", task="*", stream="*")
     files = sorted(
-        list(RunDir(run_dir).logs.glob(f"{stage}_*")) + list(RunDir(run_dir).jobs(stage).glob("*_log.*")),
+        list(RunDir(run_dir).logs.glob(f"{stage}_*")) + list(RunDir(run_dir).jobs(stage).glob(submitit)),
         key=lambda p: p.stat().st_mtime,
     )
     for f in files:

@@ -38,8 +38,17 @@ from dataclasses import dataclass, field
 from orchestrator.container_render import PyxisSpec, pyxis_preamble, pyxis_srun_flags
 from orchestrator.redaction import is_secret_name
 from trainer.formulas import PORT_BASE, PORT_SPAN
-from trainer.run_files import ATTEMPT_ENV, BAD_NODES_DIR, BAD_NODES_MARKER, EXCLUSIONS, REQUEUES, RETRIES
-from trainer.signals import EXIT_REQUEUE, FATAL_MARKER, STOPPED_MARKER
+from trainer.run_files import (
+    ATTEMPT_ENV,
+    BAD_NODES_DIR,
+    BAD_NODES_MARKER,
+    EXCLUSIONS,
+    FATAL_MARKER,
+    REQUEUES,
+    RETRIES,
+    STOPPED_MARKER,
+)
+from trainer.signals import EXIT_REQUEUE
 
 
 @dataclass(frozen=True)

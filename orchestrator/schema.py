@@ -23,8 +23,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from orchestrator.problems import PlanError, Problem
-from trainer.checks import ConfigIssue, Section, choice, declared_defaults, deferred, issue, positive
 from trainer.config import RunConfig
+from trainer.config_issues import ConfigIssue, Section, choice, declared_defaults, deferred, issue, positive
 from trainer.eval.config import EvalConfig
 
 EXECUTORS = ("local", "slurm")

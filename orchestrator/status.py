@@ -29,7 +29,7 @@ from orchestrator.stages.base import StageLook
 from orchestrator.stages.train import NAME as TRAIN
 from trainer.health import RankHealth
 from trainer.run_files import FAILED as FAILED_MARKER
-from trainer.signals import FATAL_MARKER
+from trainer.run_files import FATAL_MARKER
 
 
 @dataclass

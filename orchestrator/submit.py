@@ -31,7 +31,7 @@ from submitit.slurm.slurm import SlurmJob
 
 from orchestrator import container_render, render
 from orchestrator.container import WRAPPER_KINDS, host_paths, job_image
-from orchestrator.launches import job_comment, launch_dir, next_launch, record_intent, record_job
+from orchestrator.launches import LaunchRecord, job_comment, launch_dir
 from orchestrator.layout import tasks_per_node
 from orchestrator.local_jobs import LocalExecutor
 from orchestrator.plan import Plan, StagePlan
@@ -41,12 +41,11 @@ from orchestrator.schema import ContainerConfig, SlipwayConfig
 from orchestrator.stages import get as stage_def
 from orchestrator.stages import preprocess
 from orchestrator.stages.base import StageDef, Upstream, job_name
+from trainer import faults
 from trainer.log import get_logger
-from trainer.run_files import COMPLETE, FAILED, JOBS, LOGS, RunDir
-from trainer.testing_hooks import launch_failpoint
+from trainer.run_files import COMPLETE, FAILED, JOB_RECORD, JOBS, LOGS, RunDir
 
 log = get_logger(__name__)
-JOB_FILE = "_JOB.json"
 
 
 class SubmitError(RuntimeError):
@@ -157,10 +156,10 @@ class StageJob:
 
 def stage_job(
     cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] | After = (),
-    python: str | None = None, launch_n: int | None = None,
+    python: str | None = None, launch_n: int = 1,
 ) -> StageJob:
     """The one builder of a stage's job spec (Slurm: the sbatch script's; local: the executor's).
-    ``launch_n``: the launch that submits it (default: the run's next one), named in the job's comment.
+    ``launch_n``: the launch that submits it (the run's next one: LaunchRecord), named in the job's comment.
     ``deps``: the upstream job ids it runs after (afterok), or an :class:`After` (afterok and afterany)."""
     after = deps if isinstance(deps, After) else After(tuple(deps))
     res = _definition(stage).resources(cfg, tasks_per_node(cfg))
@@ -188,7 +187,7 @@ def stage_job(
         env,
         tuple(cfg.cluster.setup),
         pyxis=pyxis_spec(cfg),
-        comment=job_comment(plan.run_dir, launch_n or next_launch(plan.run_dir), stage.name),
+        comment=job_comment(plan.run_dir, launch_n, stage.name),
         code_dir=str(REPO_ROOT),
         run_dir=_abs(plan.run_dir),
         helper=_helper_flags(cfg),
@@ -206,7 +205,7 @@ def _helper_flags(cfg: SlipwayConfig) -> tuple[tuple[str, str], ...]:
 
 def render_stage(
     cfg: SlipwayConfig, plan: Plan, stage: StagePlan, deps: tuple[str, ...] | After = (),
-    python: str | None = None, launch_n: int | None = None,
+    python: str | None = None, launch_n: int = 1,
 ) -> str:
     """The script (Slurm) or parameter record (local) for one stage, as it would be submitted."""
     job = stage_job(cfg, plan, stage, deps, python, launch_n)
@@ -243,7 +242,7 @@ def pyxis_spec(cfg: SlipwayConfig) -> container_render.PyxisSpec | None:
 
 def _queued(stage: StagePlan) -> dict[str, Any] | None:
     """The job already producing this shared output, if it is still queued or running."""
-    path = Path(stage.state_dir) / JOB_FILE
+    path = Path(stage.state_dir) / JOB_RECORD
     if not path.exists():
         return None
     info = json.loads(path.read_text())
@@ -284,7 +283,7 @@ def _submit_job(ex: Any, fn: Any, stage: StagePlan, local: bool) -> tuple[Any, s
     return job, str(job.job_id)
 
 
-def _record(plan: Plan, launch_n: int, stage: StagePlan, sub: Submitted,
+def _record(plan: Plan, record: LaunchRecord, stage: StagePlan, sub: Submitted,
             deps: tuple[tuple[str, ...], tuple[str, ...]], comment: str) -> None:
     """The job's record (run.json, a shared stage's _JOB.json) and script; ``deps``: (afterok, afterany)."""
     entry = {
@@ -298,10 +297,10 @@ def _record(plan: Plan, launch_n: int, stage: StagePlan, sub: Submitted,
         **({"comment": comment} if comment else {}),
     }
     if stage.shared:
-        (Path(stage.state_dir) / JOB_FILE).write_text(json.dumps(entry))
-    record_job(plan.run_dir, launch_n, stage.name, entry)
+        (Path(stage.state_dir) / JOB_RECORD).write_text(json.dumps(entry))
+    record.record_job(record.n, stage.name, entry)
     if sub.script:
-        path = launch_dir(plan.run_dir, launch_n) / "scripts" / f"{stage.name}.sbatch"
+        path = launch_dir(plan.run_dir, record.n) / "scripts" / f"{stage.name}.sbatch"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(sub.script)
     kinds = zip(("afterok", "afterany"), deps, strict=True)
@@ -309,8 +308,8 @@ def _record(plan: Plan, launch_n: int, stage: StagePlan, sub: Submitted,
     log.info("%s: submitted job %s%s", stage.name, sub.job_id, f" ({after})" if after else "")
 
 
-def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted]:
-    """Submit the stage graph in order for launch ``launch_n`` (launches.py: its record exists); shared
+def submit_plan(cfg: SlipwayConfig, plan: Plan, record: LaunchRecord) -> list[Submitted]:
+    """Submit the stage graph in order for the launch ``record`` has begun (launches.py); shared
     stages are reused or depended on when possible. Each submission is recorded as an intent before
     ``sbatch`` and as a job id after it (crash consistency: launches.py)."""
     done: dict[str, Submitted] = {}
@@ -336,20 +335,20 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, launch_n: int) -> list[Submitted
             (Path(stage.state_dir) / marker).unlink(missing_ok=True)
         timeout = cfg.cluster.time_limit_min * 60.0 * 4 if local else 300.0
         fn = _definition(stage).node(stage.job, _abs(stage.state_dir), upstream, stage.key, timeout)
-        job_spec = stage_job(cfg, plan, stage, After(deps, deps_any), launch_n=launch_n)
+        job_spec = stage_job(cfg, plan, stage, After(deps, deps_any), launch_n=record.n)
         ex = _executor(job_spec)
         comment = getattr(job_spec.spec, "comment", "")
-        record_intent(plan.run_dir, launch_n, stage.name, comment)
-        launch_failpoint(f"before_sbatch:{stage.name}")
+        record.record_intent(record.n, stage.name, comment)
+        faults.at(f"launch:before_sbatch:{stage.name}")
         try:
             job, job_id = _submit_job(ex, fn, stage, local)
         except FailedJobError as err:  # sbatch said no: its own words are the message
             raise SubmitError(stage.name, [d.stage for d in done.values() if d.action == "submitted"],
                               plan.run_dir, str(err)) from err
-        launch_failpoint(f"after_sbatch:{stage.name}")
+        faults.at(f"launch:after_sbatch:{stage.name}")
         script = getattr(ex, "script", None)  # Slurm: the text submitit wrote and sbatch got
         sub = Submitted(stage.name, "submitted", job_id, cfg.cluster.executor, script, job)
         done[stage.name] = sub
-        _record(plan, launch_n, stage, sub, (deps, deps_any), comment)
-        launch_failpoint(f"after_record:{stage.name}")
+        _record(plan, record, stage, sub, (deps, deps_any), comment)
+        faults.at(f"launch:after_record:{stage.name}")
     return list(done.values())

@@ -21,13 +21,11 @@ from orchestrator.problems import PlanError, Problem
 from orchestrator.queue import ended, live_state, local_state, query_slurm
 from orchestrator.runs import write_json
 from orchestrator.stages.train import NAME as TRAIN
-from trainer.run_files import RUN_JSON
+from trainer.run_files import CKPT_WRITER, LAUNCH_LOCK
 
 if TYPE_CHECKING:
     from orchestrator.plan import Plan
 
-LOCK = ".slipway-launch.lock"
-WRITER = ".slipway-writer.json"
 
 
 def checkpoint_dir(plan: Plan) -> str:
@@ -48,12 +46,11 @@ def _latest_entries(data: dict[str, Any]) -> list[tuple[int, str, dict[str, Any]
             for stage, es in r.get("jobs", {}).items() if es]
 
 
-def active_jobs(plan: Plan) -> list[str]:
-    """Descriptions of the queued/running jobs of this run (any launch) and of the checkpoint directory's
-    writer."""
+def active_jobs(plan: Plan, data: dict[str, Any]) -> list[str]:
+    """Descriptions of the queued/running jobs of this run (any launch; ``data``: its run.json) and of the
+    checkpoint directory's writer."""
     found: list[str] = []
     seen: set[str] = set()
-    data = launches.read(plan.run_dir)  # a damaged record is refused, never taken for an empty one
     last = len(launches.history(data))
     for n, stage, e in _latest_entries(data):
         state = live_state(str(e["job_id"]), e.get("executor", "slurm"), e.get("folder"))
@@ -62,7 +59,7 @@ def active_jobs(plan: Plan) -> list[str]:
             by = "" if n == last and not e.get("adopted") else f" submitted by launch {n}"
             by += " (which died before recording it)" if e.get("adopted") else ""
             found.append(f"{stage} job {e['job_id']} ({state}){by}")
-    writer = _read(Path(checkpoint_dir(plan)) / WRITER)
+    writer = _read(Path(checkpoint_dir(plan)) / CKPT_WRITER)
     if writer and str(writer.get("job_id")) not in seen:
         state = live_state(str(writer["job_id"]), writer.get("executor", "slurm"), writer.get("folder"))
         if state:
@@ -81,39 +78,41 @@ def run_active(plan: Plan, active: list[str]) -> Problem:
         f"ends or cancel it first (python -m orchestrator cancel {plan.run_dir})")
 
 
-def record_outcomes(run_dir: str) -> None:
+def record_outcomes(record: launches.LaunchRecord) -> None:
     """Before a new launch: the final job states of earlier launches (their jobs have all ended)."""
-    data = launches.read(run_dir)
+    data = record.data
     entries, cancelled = _latest_entries(data), launches.cancelled_ids(data)
     _, sa = query_slurm([str(e["job_id"]) for _, _, e in entries if e.get("executor", "slurm") == "slurm"])
     states = {str(e["job_id"]): local_state(e, str(e["job_id"]) in cancelled) if e.get("executor") == "local"
               else sa.get(str(e["job_id"]), {}).get("state", "UNKNOWN") for _, _, e in entries}
     # a state accounting does not know yet is left out: a later launch records it
-    launches.add_outcomes(run_dir, {j: st for j, st in states.items() if ended(st)})
+    record.add_outcomes({j: st for j, st in states.items() if ended(st)})
 
 
 @contextmanager
-def single_writer(plan: Plan) -> Iterator[None]:
-    """Hold the launch locks of the run and checkpoint directories; refuse while another writer is active."""
+def single_writer(plan: Plan) -> Iterator[launches.LaunchRecord]:
+    """Hold the launch locks of the run and checkpoint directories; refuse while another writer is active.
+    Yields the run's record, read once under the lock (a damaged one is refused, never taken for empty)."""
     created = [d for d in (checkpoint_dir(plan), plan.run_dir) if not os.path.isdir(d)]
     with ExitStack() as stack:
         for d in sorted({plan.run_dir, checkpoint_dir(plan)}):  # one order everywhere: no deadlock
             os.makedirs(d, exist_ok=True)
-            f = stack.enter_context(open(os.path.join(d, LOCK), "a"))
+            f = stack.enter_context(open(os.path.join(d, LAUNCH_LOCK), "a"))
             fcntl.flock(f, fcntl.LOCK_EX)
         try:
-            launches.reconcile(plan.run_dir)  # a dead launch's unrecorded job is recorded first
-            active = active_jobs(plan)
+            record = launches.LaunchRecord.load(plan.run_dir)
+            record.reconcile()  # a dead launch's unrecorded job is recorded first
+            active = active_jobs(plan, record.data)
         except RuntimeError as err:  # squeue cannot say whether a dead launch's job is queued
             active = [str(err)]
         if active:
             for d in created:  # a refused launch leaves nothing behind
-                Path(d, LOCK).unlink(missing_ok=True)
+                Path(d, LAUNCH_LOCK).unlink(missing_ok=True)
                 _rmdir(d)
             raise PlanError([run_active(plan, active)])
-        if os.path.exists(os.path.join(plan.run_dir, RUN_JSON)):
-            record_outcomes(plan.run_dir)
-        yield
+        if record.data["launches"]:
+            record_outcomes(record)
+        yield record
 
 
 def _rmdir(path: str) -> None:
@@ -127,6 +126,6 @@ def record_writer(plan: Plan, job_id: str | None, executor: str, folder: str | N
     """Name the training job (and its submitit folder) as the checkpoint directory's writer (read by later
     launches)."""
     if job_id:
-        write_json(Path(checkpoint_dir(plan)) / WRITER,
+        write_json(Path(checkpoint_dir(plan)) / CKPT_WRITER,
                    {"run_id": plan.run_id, "run_dir": plan.run_dir, "job_id": job_id, "executor": executor,
                     "folder": folder})

@@ -1,24 +1,30 @@
-"""The test seam: the hooks that make a job misbehave on purpose, loaded by the product only when the switch
-``SLIPWAY_TESTING=1`` is on in the job (trainer.testing_hooks.seam; the plan refuses every hook without it).
-Nothing here runs in a real job.
+"""The test seam: the fault plugin (trainer/faults.py) that makes a job misbehave on purpose, loaded by the
+product only where ``SLIPWAY_FAULT_PLUGIN=tests.seam`` and the switch ``SLIPWAY_TESTING=1`` are on
+(:func:`hook_env` sets both; the plan refuses every hook without the switch). Nothing here runs in a real
+job.
 
+- :func:`at`, the fault points: ``SLIPWAY_CKPT_FAILPOINT=<step>@<iteration>`` SIGKILLs the process at that
+  step of a checkpoint save (with ``SLIPWAY_CKPT_FAILPOINT_ONCE=<path>`` only the first process to create
+  that file, so the retry of a killed job gets past it); ``SLIPWAY_LAUNCH_FAILPOINT=<step>`` SIGKILLs
+  launch.py at that step of a submission (``recorded``, ``before_sbatch:<stage>``,
+  ``after_sbatch:<stage>``, ``after_record:<stage>``, ``submitted``), as a login shell dying there would;
+  ``SLIPWAY_PREFLIGHT_FAILPOINT=stop@NODE`` SIGSTOPs NODE's leader after it checked in, ``slow@NODE:MS``
+  delays each of its sends by MS ms (a sick link); every training rank writes ``pids/rank<N>.pid`` (the
+  fault tests signal ranks).
 - ``SLIPWAY_FAIL_TRAIN=start``: the training stage raises at start (afterok, retries, failure reports).
 - ``SLIPWAY_FAIL_TRIAL=<i>[:oom|hang],...``: layout=auto's trial ``i`` fails at its iteration 2 on rank 0:
   ``oom`` (the default) raises torch's OutOfMemoryError, as a layout too big for the device does; ``hang``
   stops the rank there for good, as a deadlock would, until the trial's hang watchdog ends it.
 - ``SLIPWAY_STALL_TRAIN=N``: after iteration N every rank pauses until a signal arrives (at most 10 min), so
   fault tests preempt, time out or kill a job at a known point instead of racing a fast run.
-- ``SLIPWAY_KERNEL_FAULT=op[:kind],...``: a resolved op made wrong, as a miscompiled or mismatched kernel
-  would be (the kernel self-check's tests). Kinds: ``value`` (default; the output 25 % too large, so its
-  gradients too; for ``adamw_step`` the updated weights), ``grad`` (the gradient flowing back 25 % too
-  large), ``raise`` (as a CUDA kernel built for another GPU does). The faulty op's implementation name
-  gains ``+fault``, so even a ``kernels=eager`` run has it checked.
+- ``SLIPWAY_KERNEL_FAULT=op[:kind],...``: a resolved op made wrong (tests/seam_kernels.py).
+
+The plugin loads no torch itself: the launcher loads it for its failpoints and stays torch-free.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import select
 import signal
@@ -27,20 +33,27 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-import torch
-
-from trainer import testing_hooks
+from trainer import faults
+from trainer.faults import (
+    CKPT_FAILPOINT,
+    CKPT_FAILPOINT_ONCE,
+    FAIL_TRAIN,
+    FAIL_TRIAL,
+    LAUNCH_FAILPOINT,
+    PREFLIGHT_FAILPOINT,
+    STALL_TRAIN,
+)
 from trainer.log import get_logger
-from trainer.ops import OPS, KernelSet
-from trainer.testing_hooks import FAIL_TRAIN, FAIL_TRIAL, KERNEL_FAULT, STALL_TRAIN
+from trainer.run_files import RunDir
 
 log = get_logger(__name__)
 
 
 def hook_env(**hooks: str) -> dict[str, str]:
-    """The environment variables that turn hooks on, switch included: ``hook_env(FAIL_TRAIN="start")``
-    (names as in trainer.testing_hooks)."""
-    return {testing_hooks.SWITCH: "1", **{getattr(testing_hooks, k): str(v) for k, v in hooks.items()}}
+    """The environment variables that turn hooks on, switch and plugin included:
+    ``hook_env(FAIL_TRAIN="start")`` (names as in trainer.faults)."""
+    return {faults.SWITCH: "1", faults.PLUGIN: __name__,
+            **{getattr(faults, k): str(v) for k, v in hooks.items()}}
 
 
 @contextlib.contextmanager
@@ -59,9 +72,45 @@ def enabled(**hooks: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def train_stage_start(environ: Mapping[str, str] | None = None) -> None:
-    """``SLIPWAY_FAIL_TRAIN=start``: the training stage fails before the trainer starts."""
-    if (os.environ if environ is None else environ).get(FAIL_TRAIN) == "start":
+def at(point: str, **where) -> float | None:
+    """trainer.faults.at: what the hooks set in this process's environment do at ``point``."""
+    kind, _, step = point.partition(":")
+    env = os.environ
+    if kind == "checkpoint" and env.get(CKPT_FAILPOINT) == f"{step}@{where['iteration']}":
+        once = env.get(CKPT_FAILPOINT_ONCE)
+        try:
+            if once:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return None
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "launch" and env.get(LAUNCH_FAILPOINT) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "preflight":
+        return _preflight(step, where["node"], env.get(PREFLIGHT_FAILPOINT, ""))
+    elif point == "train:start":
+        train_stage_start(**where)
+    return None
+
+
+def _preflight(kind: str, node: str, spec: str) -> float:
+    """Seconds of delay for 'slow' on this node; stops the process for 'stop' on this node."""
+    what, _, arg = spec.partition("@")
+    target, _, ms = arg.partition(":")
+    if what != kind or target != node:
+        return 0.0
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    return float(ms or 0) / 1000.0
+
+
+def train_stage_start(run_dir: str, rank: int, restart: str, attempt: str) -> None:
+    """A training rank starts: it writes ``pids/rank<N>.pid`` (``<pid> <restart> <attempt>``), and with
+    ``SLIPWAY_FAIL_TRAIN=start`` the stage fails before the trainer starts."""
+    pid_file = RunDir(run_dir).rank_pid(rank)
+    pid_file.parent.mkdir(parents=True, exist_ok=True)
+    pid_file.write_text(f"{os.getpid()} {restart} {attempt}\n")
+    if os.environ.get(FAIL_TRAIN) == "start":
         raise RuntimeError(f"{FAIL_TRAIN}=start: training failed on purpose (test hook)")
 
 
@@ -86,6 +135,8 @@ def trial_on_step(index: int, rank: int, environ: Mapping[str, str] | None = Non
         log.warning("%s=%s (test hook): trial %d fails on purpose", FAIL_TRIAL, value, index)
         if kind == "hang":
             threading.Event().wait()  # for good: the trial's watchdog ends the process
+        import torch
+
         raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate 2.00 GiB ({FAIL_TRIAL} test "
                                      "hook)")
 
@@ -135,55 +186,9 @@ def stall_hook(iteration: int, marker_dir: str, rank: int, max_s: float = 600.0
     return on_step
 
 
-KINDS = ("value", "grad", "raise")
-_FACTOR = 1.25
+def inject(kernels, environ: Mapping[str, str]):
+    """trainer.faults.with_faults: the kernel set made wrong (tests/seam_kernels.py, loaded only here, so a
+    launcher that loads this plugin does not load torch)."""
+    from tests.seam_kernels import inject as wrong
 
-
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad * _FACTOR
-
-
-def _wrong(op: str, fn: Callable, kind: str) -> Callable:
-    def wrong(*args, **kwargs):
-        if kind == "raise":
-            raise RuntimeError(f"CUDA error: no kernel image is available for execution on the device "
-                               f"({KERNEL_FAULT}: {op} made to raise)")
-        out = fn(*args, **kwargs)
-        if op == "adamw_step":  # in place: the updated masters are wrong
-            with torch.no_grad():
-                for p in args[0].params:
-                    p.mul_(_FACTOR)
-            return out
-        return out * _FACTOR if kind == "value" else _ScaleGrad.apply(out)
-
-    return wrong
-
-
-def parse(value: str) -> dict[str, str]:
-    """``op[:kind],...`` → {op: kind}; raises ValueError naming what is wrong."""
-    faults = {}
-    for item in filter(None, (x.strip() for x in value.split(","))):
-        op, _, kind = item.partition(":")
-        kind = kind or "value"
-        ops = OPS if op == "all" else (op,)
-        if op != "all" and op not in OPS or kind not in KINDS:
-            raise ValueError(f"{KERNEL_FAULT}={value!r}: {item!r} is not op[:kind] with op in {OPS} or 'all' "
-                             f"and kind in {KINDS}; unset {KERNEL_FAULT} (it is a test hook)")
-        faults.update(dict.fromkeys(ops, kind))
-    return faults
-
-
-def inject(kernels: KernelSet, environ: Mapping[str, str]) -> KernelSet:
-    """``kernels`` with the faults ``environ[KERNEL_FAULT]`` asks for (unchanged when it is unset)."""
-    faults = parse(environ.get(KERNEL_FAULT, ""))
-    if not faults:
-        return kernels
-    names = {**kernels.names, **{op: f"{kernels.names[op]}+fault" for op in faults}}
-    return dataclasses.replace(kernels, names=names,
-                               **{op: _wrong(op, getattr(kernels, op), kind) for op, kind in faults.items()})
+    return wrong(kernels, environ)

@@ -41,7 +41,7 @@ TIMING_SENSITIVE = [  # the one list: what each waits for is said in the test it
     "tests/train/test_cli.py",
     "tests/train/test_faults.py::test_signals_during_save_do_not_corrupt_it",
     "tests/train/test_kernel_check.py::test_a_clean_check_is_summarised",
-    "tests/orchestrator/test_preconditions.py::test_concurrent_launches_of_one_run_let_exactly_one_through",
+    "tests/orchestrator/test_writer_lock.py::test_concurrent_launches_of_one_run_let_exactly_one_through",
     "tests/train/test_wandb_offline.py",  # a bounded probe and a teardown under a cancel
     "tests/health/test_hang_slurm.py",  # slurm
 ]

@@ -17,14 +17,16 @@ OWNER = ROOT / "trainer" / "run_files.py"
 DISTINCT = [run_files.RUN_JSON, run_files.WANDB_RUN, run_files.METRICS, run_files.DATA_REPORT,
             run_files.SAMPLE, run_files.LOSS_PLOT, run_files.SUMMARY, run_files.COMPLETE, run_files.FAILED,
             run_files.ATTEMPT_ENV, run_files.BAD_NODES, run_files.LAYOUT_TABLE, run_files.LAYOUT_TABLE_TEXT,
-            run_files.TRIAL_SPEC, "trial_rank"]
+            run_files.TRIAL_SPEC, "trial_rank", run_files.JOB_RECORD, run_files.LAUNCH_LOCK,
+            run_files.CKPT_WRITER, run_files.HANGS, "_log.", "fatal_{", "stopped_{"]
 # The dataset-prefix rule: an f-string part that starts with it ("{prefix}_{key}_document").
 PREFIX_RULE = "_document"
 # Folder names that are also ordinary words (the "eval" stage, a "logs" key): a copy is one used as a
 # path component, ``x / "checkpoints"`` or ``os.path.join(x, "checkpoints")``.
 FOLDERS = {run_files.CHECKPOINTS, run_files.HF, run_files.EVAL, run_files.LOGS, run_files.JOBS,
            run_files.STAGES, run_files.LAUNCHES, run_files.REQUEUES, run_files.RETRIES, run_files.CONFIG,
-           run_files.PIDS, run_files.BAD_NODES_DIR, run_files.EXCLUSIONS, run_files.TUNE}
+           run_files.PIDS, run_files.BAD_NODES_DIR, run_files.EXCLUSIONS, run_files.TUNE,
+           run_files.HEARTBEATS}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -34,11 +36,18 @@ def _docstrings(tree: ast.AST) -> set[int]:
 
 
 def _path_parts(node: ast.AST) -> list[ast.AST]:
-    """The operands that a node joins into a path: ``a / b`` and ``os.path.join(a, b, ...)``."""
+    """The operands that a node joins into a path: ``a / b``, ``os.path.join(a, b, ...)``, ``Path(a, b)``,
+    ``p.joinpath(b, ...)``, and the literal pieces of an f-string, split at its slashes."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
         return [node.left, node.right]
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join" \
-            and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "path":
+    if isinstance(node, ast.JoinedStr):  # f"{run_dir}/checkpoints/...": a piece after a value, from a "/"
+        pieces = [b.value for a, b in zip(node.values, node.values[1:], strict=False)
+                  if isinstance(a, ast.FormattedValue) and isinstance(b, ast.Constant) and b.value[:1] == "/"]
+        return [ast.Constant(part) for piece in pieces for part in piece.split("/")]
+    if not isinstance(node, ast.Call):
+        return []
+    func = ast.unparse(node.func)
+    if func in ("os.path.join", "path.join", "Path", "pathlib.Path") or func.endswith(".joinpath"):
         return list(node.args)
     return []
 
@@ -61,7 +70,7 @@ def copies(source: str, name: str) -> list[str]:
 def test_no_module_but_run_files_names_a_file_of_a_run():
     offenders = []
     for path in sorted([*(ROOT / "trainer").rglob("*.py"), *(ROOT / "orchestrator").rglob("*.py"),
-                        ROOT / "launch.py"]):
+                        *(ROOT / "hydra_plugins").rglob("*.py"), ROOT / "launch.py"]):
         if path != OWNER:
             offenders += copies(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
     assert offenders == [], "name these through trainer.run_files (RunDir):\n" + "\n".join(offenders)
@@ -73,6 +82,11 @@ def test_the_check_sees_each_kind_of_copy():
     assert copies('p = os.path.join(run_dir, "logs")', "a.py")
     assert copies('p = f"{run}/wandb_run.json"', "a.py")
     assert copies('p = f"{prefix}_{key}_document"', "a.py")
+    assert copies('p = Path(run_dir, "checkpoints")', "a.py")
+    assert copies('p = run.joinpath("stages", stage)', "a.py")
+    assert copies('p = f"{run_dir}/heartbeats/rank_{r}.json"', "a.py")
+    assert copies('p = folder.glob(f"{job}_*_log.err")', "a.py")
+    assert not copies('words = f"the {stage} stage logs"; m = f"eval/{name}"', "a.py")
     assert not copies('"""run.json: what was launched"""\nstage = "eval"', "a.py")
 
 

@@ -20,8 +20,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-PRECISION_PEAK = ("bf16", "fp16", "fp32")
-
 # Datasheets (NVIDIA, as published on nvidia.com):
 A100_DS = "NVIDIA A100 Tensor Core GPU datasheet (nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf)"
 H100_DS = "NVIDIA H100 Tensor Core GPU datasheet (resources.nvidia.com, nvidia-tensor-core-gpu-datasheet)"

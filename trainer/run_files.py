@@ -7,12 +7,15 @@ literal file name of a run anywhere else is a second copy (tests/test_run_files.
       run.json                 what was launched: stages, jobs, config (orchestrator/runs.py)
       config.yaml              link to the latest launch's resolved config (launches/<n>/config.yaml)
       launches/<n>/            each launch: config.yaml, scripts/
+      .slipway-launch.lock     held while a launch records and submits (also in the checkpoint dir, with
+                               .slipway-writer.json: the job that writes it; orchestrator/writer_lock.py)
       checkpoints/             Megatron's layout: iter_XXXXXXX/, latest_checkpointed_iteration.txt
       hf/                      the converted Hugging Face model
       eval/                    results.json of the eval stage
       logs/                    job logs (train_<jobid>_r<restart>_a<attempt>_<rank>.err, ...)
-      jobs/<stage>/            submitit's pickles and local logs
+      jobs/<stage>/            submitit's pickles and local logs (<job>_<task>_log.err/.out)
       stages/<stage>/          stage state: _COMPLETE / _FAILED markers, requeues, retries, fatal_*
+      heartbeats/              rank_<rank>.json per training rank; hangs.jsonl beside it (trainer/health)
       wandb_run.json           the W&B run id, so a restart resumes the same run
       train_metrics.jsonl      the trainer's log-line values, one JSON object per line
       data_report.json         the preprocessing summaries of the run's data
@@ -35,6 +38,10 @@ from pathlib import Path
 RUN_JSON = "run.json"
 CONFIG = "config.yaml"
 LAUNCHES = "launches"
+LAUNCH_LOCK = ".slipway-launch.lock"  # in the run and checkpoint directories
+CKPT_WRITER = ".slipway-writer.json"  # in the checkpoint directory: the run and job writing it
+HEARTBEATS = "heartbeats"
+HANGS = "hangs.jsonl"  # one line per watchdog that fired: kept across retries (heartbeats are not)
 CHECKPOINTS = "checkpoints"
 HF = "hf"
 EVAL = "eval"
@@ -48,7 +55,7 @@ DATA_REPORT = "data_report.json"
 SAMPLE = "sample.txt"
 LOSS_PLOT = "loss.png"
 SUMMARY = "summary.txt"
-PIDS = "pids"  # one file per training rank: "<pid> <restart> <attempt>" (the fault tests signal ranks)
+PIDS = "pids"  # the fault plugin's (trainer/faults.py): "<pid> <restart> <attempt>" per training rank
 BAD_NODES = "bad_nodes.jsonl"  # one JSON line per node a preflight or watchdog named (status reads it)
 BAD_NODES_DIR = "bad_nodes"  # per attempt: "<node>\t<why>" lines (the batch script reads them)
 # A file of BAD_NODES_DIR: one per job attempt and reporting process (no two ranks write the same file).
@@ -67,6 +74,17 @@ FAILED = "_FAILED"  # the stage's callable raised; its JSON holds the error
 REQUEUES = "requeues"  # one line per requeue of the training job (Slipway's or Slurm's)
 RETRIES = "retries"  # one line per crashed attempt retried inside the allocation
 EXCLUSIONS = "exclusions"  # one line per bad-node decision of the batch script: excluded (or kept)
+JOB_RECORD = "_JOB.json"  # a shared stage's queued job, in its output folder (read by every run's launch)
+# Markers a training attempt leaves for the sbatch loop (orchestrator/render.py renders the same names
+# with shell variables): stopped after a checkpoint (requeue me), or failed in a way a retry would repeat
+# ("<exit code> <reason>"). Keyed by job id, so a relaunch never reads an old one.
+STOPPED_MARKER = "stopped_{job}_r{restart}_a{attempt}"
+FATAL_MARKER = "fatal_{job}_r{restart}_a{attempt}"
+
+# Job logs: a Slurm job's in logs/ (render.py names them <stage>_<job>_r<restart>_a<attempt>_<task>.err,
+# <stage>_<job>_batch.out, ...), submitit's per task in the job folder (its JobPaths names).
+SLURM_LOGS = "{stage}_{job}_*.{stream}"
+SUBMITIT_LOG = "{job}_{task}_log.{stream}"
 
 # The environment variable the training job script sets per attempt (0, 1, ...), read by the stage.
 ATTEMPT_ENV = "SLIPWAY_ATTEMPT"
@@ -124,9 +142,18 @@ class RunDir:
     loss_plot = property(lambda self: self.root / LOSS_PLOT)
     summary = property(lambda self: self.root / SUMMARY)
 
+    heartbeats = property(lambda self: self.root / HEARTBEATS)
+    hangs = property(lambda self: self.root / HANGS)
     pids = property(lambda self: self.root / PIDS)
     bad_nodes = property(lambda self: self.root / BAD_NODES)
     bad_nodes_dir = property(lambda self: self.root / BAD_NODES_DIR)
+
+    def heartbeat(self, rank: int) -> Path:
+        return self.heartbeats / f"rank_{rank:05d}.json"
+
+    def launch(self, n: int) -> Path:
+        """Launch ``n``'s folder: its config.yaml and scripts/."""
+        return self.launches / f"{n:03d}"
 
     def rank_pid(self, rank: int) -> Path:
         return self.pids / f"rank{rank}.pid"

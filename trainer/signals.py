@@ -39,11 +39,6 @@ EXIT_REQUEUE = 75
 EXIT_NONFINITE = 65
 EXIT_PERMANENT = 78
 EXIT_HANG = 70
-# Markers a training attempt leaves in its stage's state dir for the sbatch loop (orchestrator/render.py
-# renders the same names with shell variables): stopped after a checkpoint (requeue me), or failed in a way
-# a retry would repeat ("<exit code> <reason>"). Keyed by job id, so a relaunch never reads an old one.
-STOPPED_MARKER = "stopped_{job}_r{restart}_a{attempt}"
-FATAL_MARKER = "fatal_{job}_r{restart}_a{attempt}"
 # Errors a retry in the same allocation would repeat. Deliberately narrow: RuntimeError (collectives, NCCL,
 # CUDA) and OSError other than a missing file can be a sick node, and those are retried.
 _PERMANENT = (ValueError, KeyError, TypeError, FileNotFoundError)

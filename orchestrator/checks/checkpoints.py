@@ -65,8 +65,8 @@ def _model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
     that a relaunch with a changed model section is refused before anything is submitted or recorded."""
     from trainer.checkpoint.files import CheckpointError, config_differences
     from trainer.checkpoint.protocol import saved_layout
-    from trainer.checks import ConfigError
     from trainer.config import ModelConfig
+    from trainer.config_issues import ConfigError
 
     try:
         args = saved_layout(ckpt_dir, iteration, mmap=True)[2]
@@ -115,9 +115,10 @@ def active_problems(ctx: Context) -> list[Problem]:
     plan = ctx.require_plan()
     active: list[str] = []
     try:
-        active += active_jobs(plan)
+        record = launches.LaunchRecord.load(plan.run_dir)
+        active += active_jobs(plan, record.data)
         active += [f"{stage} job {jid} ({state}) submitted by launch {n}, which died before recording it"
-                   for n, stage, jid, state in launches.orphans(plan.run_dir) if jid]
+                   for n, stage, jid, state in record.orphans() if jid]
     except launches.RunRecordError:
         return []  # record_problems reports it
     except RuntimeError as err:

@@ -9,7 +9,7 @@ a key.
 - ``wandb_key``: ``logging.wandb.mode=online`` with no W&B API key in the launching environment or
   ``~/.netrc`` (the jobs get both); ``wandb_key_home``: the key only in a netrc file that a
   ``container=pyxis`` job does not mount.
-- ``test_hook``: a hook variable (trainer/testing_hooks.py) in ``cluster.env`` or the launching
+- ``test_hook``: a hook variable (trainer/faults.py) in ``cluster.env`` or the launching
   environment, without the switch ``SLIPWAY_TESTING=1`` in the launching environment.
 
 Checks of the typed config and the launching environment (``Context.environ``). :func:`known_secrets`
@@ -28,7 +28,7 @@ from orchestrator.container import mount_points
 from orchestrator.problems import Problem
 from orchestrator.redaction import HEX40, is_secret_name, secret_assignments, secret_kind
 from orchestrator.schema import SlipwayConfig
-from trainer import testing_hooks
+from trainer import faults
 from trainer.run_files import RUN_JSON
 from trainer.wandb_key import has_wandb_key, missing_key_message, wandb_host
 
@@ -95,15 +95,15 @@ def secret_problems(ctx: Context) -> list[Problem]:
 def hook_problems(ctx: Context) -> list[Problem]:
     """Test-only hooks set in ``cluster.env`` or the launching environment, unless the switch is on there."""
     cfg, environ = ctx.cfg, ctx.environ
-    if testing_hooks.switch_on(environ):
+    if faults.switch_on(environ):
         return []
-    fix = f"tests that need it set {testing_hooks.SWITCH}=1"
+    fix = f"tests that need it set {faults.SWITCH}=1"
     out: list[Problem] = []
     for where, env in (("cluster.env.", cfg.cluster.env), ("environment variable ", environ)):
-        for name, value in testing_hooks.active_env_hooks(env).items():
+        for name, value in faults.active_env_hooks(env).items():
             undo = f"unset {name} in the shell you launch from" if where.startswith("env") else "remove it"
             out.append(Problem("test_hook", where + name, value,
-                               f"a test-only hook: {testing_hooks.ENV_HOOKS[name]}", f"{undo}; {fix}"))
+                               f"a test-only hook: {faults.ENV_HOOKS[name]}", f"{undo}; {fix}"))
     return out
 
 

@@ -21,7 +21,7 @@ from orchestrator.stages.base import (
     common_resources,
     stable_hash,
 )
-from trainer.checks import deferred
+from trainer.config_issues import deferred
 from trainer.data.blend import blend_paths
 from trainer.eval.config import EvalConfig, EvalRun
 from trainer.eval.results import RESULTS_FILE, pass_at_1, read_results

@@ -9,7 +9,7 @@ from typing import Any
 
 from orchestrator.stages import corpus
 from orchestrator.stages.base import NodeStage, PlanContext, StageDef, StagePlan, stable_hash
-from trainer.checks import deferred
+from trainer.config_issues import deferred
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.data.preprocess import PreprocessConfig
 from trainer.run_files import CORPUS_FILE, MERGE_FILE, VOCAB_FILE, preprocess_prefixes, preprocess_summary

@@ -28,19 +28,17 @@ from orchestrator.stages.base import (
     stable_hash,
 )
 from orchestrator.stages.trainer_job import export_torch_env, run_name, trainer_config
-from trainer import testing_hooks
+from trainer import faults
 from trainer.checkpoint.verify import read_warnings
 from trainer.config import RunConfig
 from trainer.health import read_heartbeats, summarize
 from trainer.log import get_logger
 from trainer.metrics_file import kernel_cell, kernel_fallbacks, last_kernel_check
-from trainer.run_files import ATTEMPT_ENV, RunDir
+from trainer.run_files import ATTEMPT_ENV, FATAL_MARKER, STOPPED_MARKER, RunDir
 from trainer.signals import (
     EXIT_NONFINITE,
     EXIT_PERMANENT,
     EXIT_REQUEUE,
-    FATAL_MARKER,
-    STOPPED_MARKER,
     permanent_reason,
 )
 
@@ -120,21 +118,17 @@ class TrainStage(NodeStage):
         job: TrainJob = self.job
         export_torch_env()
         rank = int(os.environ["RANK"])
-        pid_file = RunDir(job.run_dir).rank_pid(rank)
-        pid_file.parent.mkdir(parents=True, exist_ok=True)
         attempt = os.environ.get(ATTEMPT_ENV, "0")
         restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-        pid_file.write_text(f"{os.getpid()} {restart} {attempt}\n")
-        seam = testing_hooks.seam()  # the test hooks, loaded only under the switch (tests/seam.py)
-        if seam is not None:
-            testing_hooks.warn_active(log, os.environ)
-            seam.train_stage_start()
+        if faults.plugin() is not None:
+            faults.warn_active(log, os.environ)
+        faults.at("train:start", run_dir=job.run_dir, rank=rank, restart=restart, attempt=attempt)
         if rank == 0:
             write_data_report(job.data_summaries, job.run_dir)
         config = decided_config(job, self.upstream, rank) if job.candidates else job.trainer_config
         from trainer.run import RunHooks, run
 
-        on_step = seam.train_on_step(self.output_dir, rank) if seam is not None else None
+        on_step = faults.hook("train_on_step", self.output_dir, rank)
         hooks = RunHooks(on_step=on_step) if on_step is not None else None
         job_id = job_of_task()  # a relaunch (new job) never reads an old marker, local jobs included
         marker = Path(self.output_dir, FATAL_MARKER.format(job=job_id, restart=restart, attempt=attempt))

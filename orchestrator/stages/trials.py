@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer import testing_hooks
+from trainer import faults
 from trainer.health import read_hangs
 from trainer.log import get_logger
 from trainer.metrics_file import read_metrics
@@ -163,8 +163,7 @@ def measure(spec: TrialSpec) -> dict[str, Any] | None:
 def _on_step(spec: TrialSpec, rank: int):
     """The trial's step hook: the test seam's (a trial made to fail on purpose), then the end of the
     measurement."""
-    hooks = testing_hooks.seam()
-    fault = hooks.trial_on_step(spec.index, rank) if hooks is not None else None
+    fault = faults.hook("trial_on_step", spec.index, rank)
 
     def on_step(iteration: int, loss: float) -> None:
         if fault is not None:
@@ -184,9 +183,8 @@ def run_rank(spec: TrialSpec, job: str) -> None:
     from trainer.run import RunHooks, run
 
     rank = int(os.environ.get("RANK", "0"))
-    hooks = testing_hooks.seam()
-    if hooks is not None:
-        testing_hooks.warn_active(log, os.environ)
+    if faults.plugin() is not None:
+        faults.warn_active(log, os.environ)
     try:
         result = run(RunConfig.from_dict(spec.trainer_config), RunHooks(on_step=_on_step(spec, rank)))
         if result.exit_code:

@@ -19,7 +19,6 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from orchestrator.estimate import fmt_bytes
@@ -306,7 +305,3 @@ def apply_winner(trainer_config: dict[str, Any], table: dict[str, Any]) -> dict[
     for section, values in (winner(table) or {}).get("overrides", {}).items():
         out[section].update(values)
     return out
-
-
-def table_path(run_dir: str | Path) -> Path:
-    return RunDir(run_dir).layout_table_text

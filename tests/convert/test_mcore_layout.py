@@ -3,12 +3,12 @@ with the genuine fixtures (../shared/fixtures/megatron/mcore_*), stage by stage,
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.fixtures import MEGATRON_FIXTURES as FIXTURES
 from trainer.checkpoint import pickles
 from trainer.config.model import ModelConfig
 from trainer.convert.mcore import gpt_flat, to_mcore_model
@@ -18,7 +18,6 @@ from trainer.parallel.apply import apply_tensor_parallel, stage_spec
 from trainer.parallel.random import RNGTracker
 from trainer.parallel.state import Group
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
 # The fixtures' model (their README): 2 layers, hidden 64, 4 heads, ffn 256, 64 positions, vocab 1024.
 CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, vocab_size=1024,
                 hidden_dropout=0.0, attention_dropout=0.0)

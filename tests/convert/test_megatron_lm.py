@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.convert.conftest import random_megatron_state, tiny_spec
+from tests.fixtures import MEGATRON_FIXTURES as FIXTURES
 from trainer.checkpoint import pickles
 from trainer.convert.mcore import normalise_names
 from trainer.convert.reference import MegatronReference, SlipwayGPTSource
@@ -30,7 +31,6 @@ from trainer.convert.shards import load_merged, write_checkpoint
 from trainer.convert.spec import spec_from_checkpoint
 from trainer.convert.to_hf import ToHFConfig, convert_checkpoint
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
 NAMES = ["legacy_tp1_pp1", "legacy_tp1_pp2", "legacy_tp2_pp1", "mcore_tp1_pp1", "mcore_tp2_pp1",
          "mcore_tp2_pp2", "mcore_torch_dist", "mcore_torch_dist_tp2"]
 LAYOUT = {"legacy_tp1_pp1": (1, 1), "legacy_tp1_pp2": (1, 2), "legacy_tp2_pp1": (2, 1),

@@ -14,8 +14,8 @@ import pytest
 
 from tests.data.test_gpt_dataset_indexed import write_pair
 from tests.mcore.harness import run_check
-from trainer.checks import deferred
 from trainer.config import DataConfig, TrainConfig
+from trainer.config_issues import deferred
 from trainer.data.blend import BlendError, parse_blend
 from trainer.data.blended_dataset import BlendRequest, build_blended_datasets
 from trainer.data.gpt_dataset import GPTDatasetConfig

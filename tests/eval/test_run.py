@@ -117,7 +117,7 @@ def test_left_padding_gives_each_row_its_own_continuation(hf_dir):
 
 
 def test_code_execution_is_refused_without_consent(hf_dir, tmp_path):
-    from trainer.checks import ConfigError
+    from trainer.config_issues import ConfigError
 
     consent = r"eval.allow_code_execution=False.*set eval.allow_code_execution=true"
     with pytest.raises(ConfigError, match=consent):

@@ -10,12 +10,12 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests.health.helpers import launch
+from tests.seam import hook_env
 from tests.train.harness import load_json, save_json
 from tests.waits import NEVER_S
 from trainer.health import HealthConfig
 from trainer.health.badnodes import read_bad_nodes
 from trainer.health.preflight import (
-    FAILPOINT_ENV,
     PREFLIGHT_JSON,
     _rounds,
     expand_hostlist,
@@ -46,7 +46,7 @@ def _preflight(rank: int, run_dir: str, failpoint: str, cfg: dict) -> None:
     import torch
 
     os.environ["SLIPWAY_NODE_NAME"] = NODES[rank]
-    os.environ[FAILPOINT_ENV] = failpoint
+    os.environ.update(hook_env(PREFLIGHT_FAILPOINT=failpoint))
     os.environ.update(SLURM_JOB_ID=JOB, SLURM_RESTART_COUNT="1", SLIPWAY_ATTEMPT="2")  # as in a job's retry
     if failpoint == f"absent@{rank}":
         import time
@@ -65,7 +65,7 @@ def _preflight_observed(rank: int, run_dir: str, cfg: dict, out_dir: str) -> Non
     from trainer.health import preflight
 
     os.environ["SLIPWAY_NODE_NAME"] = NODES[rank]
-    os.environ[FAILPOINT_ENV] = ""
+    os.environ.update(hook_env(PREFLIGHT_FAILPOINT=""))
     pings, allreduces = [], []
     ping_pong, time_allreduce = preflight._ping_pong, preflight._time_allreduce
 

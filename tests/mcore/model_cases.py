@@ -12,11 +12,11 @@ from pathlib import Path
 
 from packaging.version import Version
 
+from tests.fixtures import MEGATRON_FIXTURES as FIXTURES
 from tests.mcore.versions import EXPORT_FORMAT, HAS_TRAINING
 from tests.train.harness import VOCAB, run_cfg, tiny_config
 
 ITERS = 2
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
 TOKENIZER = FIXTURES / "tokenizer"
 # The args a genuine core_v0.8.0 Megatron-LM wrote; the exports put theirs on top.
 ARGS_FROM = FIXTURES / "mcore_torch_dist_tp2" / "iter_0000007" / "common.pt"

@@ -9,8 +9,8 @@ import pytest
 import torch
 import yaml
 
-from trainer.checks import ConfigError
 from trainer.config.model import ModelConfig
+from trainer.config_issues import ConfigError
 from trainer.model import GPT, build_gpt
 
 LLAMA = dict(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=24,

@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from tests.ops.helpers import DEVICES
-from tests.seam import KINDS, inject, parse
+from tests.seam import hook_env
+from tests.seam_kernels import KINDS, inject, parse
 from tests.train.harness import spawn
 from trainer import extension as _ext
 from trainer.config import ModelConfig
+from trainer.faults import KERNEL_FAULT
 from trainer.ops import OPS, reference, resolve
 from trainer.ops.selfcheck import CheckSetup, KernelCheckError, fail_message, run_check, with_eager
 from trainer.ops.selfcheck_cases import CheckShapes
-from trainer.testing_hooks import KERNEL_FAULT, SWITCH
 
 pytestmark = pytest.mark.skipif(not _ext.load(),
                                 reason="trainer._C not built (tests/ops/test_dispatch.py fails)")
@@ -153,8 +154,8 @@ def test_the_cli_exits_78_naming_the_failing_op(capsys, monkeypatch):
     assert main(["--kernels", "csrc", "--device", "cpu", "--precision", "fp32", "model.hidden_size=64",
                  "model.num_attention_heads=4", "model.seq_length=32"]) == 0
     assert json.loads(capsys.readouterr().out)["fallbacks"] == []
-    monkeypatch.setenv(KERNEL_FAULT, "rms_norm")
-    monkeypatch.setenv(SWITCH, "1")
+    for name, value in hook_env(KERNEL_FAULT="rms_norm").items():
+        monkeypatch.setenv(name, value)
     assert main(["--kernels", "csrc", "--device", "cpu", "--precision", "bf16",
                  "model.normalization=rmsnorm", "model.rotary_percent=0.5"]) == 78
     out = capsys.readouterr()

@@ -26,6 +26,24 @@ def compose_cfg(overrides: list[str]) -> SlipwayConfig:
         return to_typed(apply_site(cfg, choices, overrides), choices)
 
 
+def dry_plan(tmp_path: Path, *extra: str):
+    """The smoke run's config and plan (run r1 under ``tmp_path``, a dry run unless ``extra`` says not)."""
+    from orchestrator.flow import gather_facts
+    from orchestrator.plan import make_plan
+
+    cfg = compose_cfg(["+experiment=codeparrot_smoke", f"runs_root={tmp_path}/runs",
+                       f"cache_dir={tmp_path}/c", "run_id=r1", "dry_run=true", *extra])
+    return cfg, make_plan(cfg, gather_facts(cfg))
+
+
+def stage_names(*left_out: str) -> list[str]:
+    """The registered stages in order (orchestrator/stages: STAGES), but ``left_out``: a smoke run plans
+    every stage except ``tune`` (layout=auto tune=true only)."""
+    from orchestrator.stages import STAGES
+
+    return [s.name for s in STAGES if s.name not in left_out]
+
+
 def user_docs() -> str:
     """What users read: README.md and every page of docs/ (the runbook moved there from the README)."""
     pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

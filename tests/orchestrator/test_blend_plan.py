@@ -13,8 +13,8 @@ import pytest
 
 from orchestrator.flow import launch
 from orchestrator.problems import PlanError
+from tests.orchestrator.checks.test_data import _jsonl, _tokenizer
 from tests.orchestrator.conftest import compose_cfg
-from tests.orchestrator.test_input_checks import _jsonl, _tokenizer
 
 
 @pytest.fixture

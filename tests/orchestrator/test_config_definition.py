@@ -16,7 +16,7 @@ from orchestrator import schema
 from orchestrator.plan import PlanInputs, make_plan
 from tests.orchestrator.conftest import compose_cfg
 from trainer import config as tconfig
-from trainer.checks import ConfigError
+from trainer.config_issues import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 SECTIONS = [f.name for f in dataclasses.fields(tconfig.RunConfig)]

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.launches import current, current_jobs
-from tests.orchestrator.conftest import REPO
+from orchestrator.stages.tune import NAME as TUNE
+from tests.orchestrator.conftest import REPO, stage_names
 from tests.train.wandb_reader import history, run_files
 from trainer.run_files import LOSS_PLOT, SUMMARY
 
@@ -47,8 +48,8 @@ def demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
 def test_demo_runs_every_stage_at_tp2_pp2(demo):
     _, run = demo
     meta = json.loads((run / "run.json").read_text())
-    assert set(current_jobs(meta)) == {"corpus", "preprocess", "train", "convert", "eval"}
-    for stage in ("corpus", "preprocess", "train", "convert", "eval"):
+    assert set(current_jobs(meta)) == set(stage_names(TUNE))
+    for stage in stage_names(TUNE):
         state_dir = Path(current(meta)["stages"][stage]["dir"])
         assert (run / "stages" / stage / "_COMPLETE").exists() or (state_dir / "_COMPLETE").exists(), stage
     shards = sorted(p.name for p in (run / "checkpoints" / f"iter_{ITERS:07d}").iterdir())

@@ -43,8 +43,8 @@ from tests.orchestrator.devcluster_helpers import (
     wait_for,
     wait_states,
 )
+from tests.seam import hook_env
 from tests.slurm_cli import sacct_states, slurm
-from trainer import testing_hooks
 from trainer.run_files import RunDir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
@@ -168,7 +168,7 @@ def matrix(tmp_path_factory):
     driver = threading.Thread(target=_drive, args=(m,), daemon=True)
     key = os.environ.get("WANDB_API_KEY")
     os.environ["WANDB_API_KEY"] = FAKE_WANDB_KEY  # jobs get the launch's environment, as from a user's shell
-    os.environ[testing_hooks.SWITCH] = "1"  # the hooks are allowed for this module's launches and jobs
+    os.environ.update(hook_env())  # the hooks are allowed for this module's launches and jobs
     try:
         for name in RUNS:
             launch(compose_cfg(overrides[name]), out=io.StringIO())
@@ -176,7 +176,8 @@ def matrix(tmp_path_factory):
         yield m
     finally:
         os.environ.pop("WANDB_API_KEY") if key is None else os.environ.update(WANDB_API_KEY=key)
-        os.environ.pop(testing_hooks.SWITCH, None)
+        for name in hook_env():
+            os.environ.pop(name, None)
         m.stop.set()
         cancel_runs(list(runs.values()))
         subprocess.run(["umount", "-l", str(runs["diskfull"] / "checkpoints")], timeout=30, check=False)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from orchestrator.__main__ import main as status_main
-from orchestrator.launches import begin, current, current_jobs, history, link_config
+from orchestrator.launches import LaunchRecord, current, current_jobs, history, link_config
 
 
 def _old_run(run):
@@ -27,7 +27,7 @@ def test_previous_format_reads_as_one_launch_and_a_relaunch_keeps_it(tmp_path, c
     assert status_main(["status", str(run), "--history"]) == 0
     assert "launch 1  2026-01-01T00:00:00  submitted" in capsys.readouterr().out
 
-    n = begin(str(run), {"run_id": "r1", "created": "later"}, {"overrides": ["train.iters=7"]})
+    n = LaunchRecord.load(run).begin({"run_id": "r1", "created": "later"}, {"overrides": ["train.iters=7"]})
     link_config(str(run), n).write_text("train:\n  iters: 7\n")
     new = json.loads((run / "run.json").read_text())
     assert n == 2 and new["created"] == old["created"] and new["format"] == 2
@@ -45,12 +45,12 @@ def test_a_dead_local_launch_is_settled_without_asking_a_queue(tmp_path):
     import subprocess
     import sys
 
-    from orchestrator.launches import reconcile, record_intent
     from orchestrator.runs import write_json
 
     run = tmp_path / "r"
-    n = begin(str(run), {"run_id": "r"}, {})
-    record_intent(str(run), n, "corpus", "")
+    record = LaunchRecord.load(run)
+    n = record.begin({"run_id": "r"}, {})
+    record.record_intent(n, "corpus", "")
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a pid that no longer exists: the launcher that wrote the record
     data = json.loads((run / "run.json").read_text())
@@ -60,7 +60,7 @@ def test_a_dead_local_launch_is_settled_without_asking_a_queue(tmp_path):
     def no_queue(comments):
         raise AssertionError(f"asked the queue for {comments}")
 
-    lines = reconcile(str(run), find=no_queue)
+    lines = LaunchRecord.load(run).reconcile(find=no_queue)
     assert lines == ["launch 1 died before recording its corpus job, and no job of it is queued or running "
                      "(never submitted, or already ended)"]
     after = history(json.loads((run / "run.json").read_text()))[0]

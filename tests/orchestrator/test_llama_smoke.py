@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from orchestrator.launches import current, current_jobs
-from tests.orchestrator.conftest import REPO
+from orchestrator.stages.tune import NAME as TUNE
+from tests.orchestrator.conftest import REPO, stage_names
 from tests.orchestrator.test_demo import ITERS, SMALLER
 from trainer.checkpoint.protocol import load_file, shard_path
 
-STAGES = ("corpus", "preprocess", "train", "convert", "eval")
+STAGES = stage_names(TUNE)
 
 
 @pytest.fixture(scope="module")

@@ -11,9 +11,10 @@ import pytest
 
 from orchestrator.flow import launch
 from orchestrator.plan import PlanInputs, make_plan
+from tests.fixtures import MEGATRON_FIXTURES
 from tests.orchestrator.conftest import compose_cfg
 
-FIXTURE = "/work/shared/fixtures/megatron/legacy_tp1_pp1"  # 2 layers, hidden 64, 4 heads, ffn 256, pos 64
+FIXTURE = MEGATRON_FIXTURES / "legacy_tp1_pp1"  # 2 layers, hidden 64, 4 heads, ffn 256, pos 64
 SMOKE = ["+experiment=codeparrot_smoke", "logging.wandb.mode=disabled"]
 SAME_MODEL = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4",
               "model.ffn_hidden_size=256", "model.seq_length=64", "model.max_position_embeddings=64",

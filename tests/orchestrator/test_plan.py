@@ -16,8 +16,10 @@ from orchestrator.flow import format_plan, launch
 from orchestrator.hardware import hardware
 from orchestrator.layout import layout_of
 from orchestrator.plan import PlanInputs, SweepInfo, make_plan
+from orchestrator.stages.corpus import NAME as CORPUS
 from orchestrator.stages.train import trainer_config
-from tests.orchestrator.conftest import REPO, compose_cfg
+from orchestrator.stages.tune import NAME as TUNE
+from tests.orchestrator.conftest import REPO, compose_cfg, stage_names
 from tests.orchestrator.sites import site_file
 
 CP = ["+experiment=codeparrot"]
@@ -84,7 +86,7 @@ def test_pipeline_first_stage_holds_p_microbatches():
 
 def test_stage_graph_keys_and_sharing():
     cfg, plan = _plan(CP)
-    assert [s.name for s in plan.stages] == ["preprocess", "train", "convert", "eval"]
+    assert [s.name for s in plan.stages] == stage_names(CORPUS, TUNE)  # the data is given
     assert plan.stage("train").depends_on == ("preprocess",) and plan.stage("convert").depends_on == (
         "train",
     )
@@ -104,7 +106,7 @@ def test_stage_graph_keys_and_sharing():
 
 def test_smoke_graph_has_corpus_stage_feeding_tokenizer():
     cfg, plan = _plan(["+experiment=codeparrot_smoke"])
-    assert [s.name for s in plan.stages] == ["corpus", "preprocess", "train", "convert", "eval"]
+    assert [s.name for s in plan.stages] == stage_names(TUNE)
     corpus, prep = plan.stage("corpus"), plan.stage("preprocess")
     assert corpus.job.vocab_size == cfg.tokenizer.vocab_size
     assert prep.job[0].vocab_file == os.path.join(corpus.state_dir, "vocab.json")

@@ -21,8 +21,9 @@ from orchestrator.container import PYXIS_OPTIONS, REGISTRY_REF
 from orchestrator.flow import scripts_of
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.runs import REPO_ROOT
+from orchestrator.stages.tune import NAME as TUNE
 from orchestrator.submit import render_stage
-from tests.orchestrator.conftest import REPO, compose_cfg, user_docs
+from tests.orchestrator.conftest import REPO, compose_cfg, stage_names, user_docs
 from tests.orchestrator.test_secrets import ENV_SECRETS
 
 SQSH = b"hsqs" + bytes(60)  # a squashfs superblock's magic
@@ -70,7 +71,7 @@ def test_every_srun_runs_in_the_image_with_the_job_folders_mounted(tmp_path, mon
     launch.mkdir()
     monkeypatch.chdir(launch)
     cfg = _cfg(tmp_path, f"container.binds=[{tmp_path}/extra]")
-    for stage in ("corpus", "preprocess", "train", "convert"):
+    for stage in stage_names(TUNE):
         words = _srun_words(_script(cfg, tmp_path, stage))
         flags = _flags(words)
         assert flags["--container-image"] == str(tmp_path / "slipway.sqsh"), stage

@@ -8,10 +8,13 @@ import socket
 import pytest
 
 from orchestrator import status
+from orchestrator.stages.corpus import NAME as CORPUS
 from orchestrator.stages.preprocess import PreprocessStage
 from orchestrator.stages.train import TrainJob, TrainStage
+from orchestrator.stages.tune import NAME as TUNE
+from tests.orchestrator.conftest import stage_names
 from tests.train.harness import tiny_config, write_dataset
-from trainer.checks import deferred
+from trainer.config_issues import deferred
 from trainer.data.preprocess import PreprocessConfig
 from trainer.run_files import RUN_JSON
 
@@ -62,7 +65,7 @@ def test_every_failed_stage_gets_a_reason_line(tmp_path, monkeypatch):
     monkeypatch.setattr(status, "query_slurm_checked", lambda ids: ({}, acct, ""))
     text = status.format_rows(status.collect(str(run_dir)))
     lines = {ln.split(" stage ")[1].split(" ")[0]: ln for ln in text.splitlines() if ": run run stage " in ln}
-    assert set(lines) == {"preprocess", "train", "convert", "eval"}, text
+    assert set(lines) == set(stage_names(CORPUS, TUNE)), text
     assert "vocab.json" in lines["preprocess"] and lines["preprocess"].startswith("FAILED: run run"), text
     assert f"WandbError: W&B is unreachable from this node (http://127.0.0.1:{port}" in lines["train"], text
     assert "OUT_OF_MEMORY (exit code 0:125); no error was recorded" in lines["convert"], text

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from orchestrator.launches import begin, launch_dir
+from orchestrator.launches import LaunchRecord, launch_dir
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.submit import render_stage, stage_folder, submit_plan
 from tests.orchestrator.conftest import compose_cfg
@@ -30,8 +30,9 @@ def test_recorded_script_is_the_submitted_one(tmp_path, monkeypatch):
                        f"runs_root={tmp_path / 'runs'}", f"cache_dir={tmp_path / 'cache'}"])
     facts = PlanInputs("20250101-000000-abcdef", str(tmp_path / "runs" / "r"))
     plan = make_plan(cfg, facts, exists=lambda p: True)
-    n = begin(plan.run_dir, {"run_id": plan.run_id}, {})
-    submitted = submit_plan(cfg, plan, n)
+    record = LaunchRecord.load(plan.run_dir)
+    n = record.begin({"run_id": plan.run_id}, {})
+    submitted = submit_plan(cfg, plan, record)
     assert [s.action for s in submitted] == ["submitted"] * len(plan.stages)
     ids = {s.stage: s.job_id for s in submitted}
     for s in submitted:

@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.seam import hook_env
 from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
 from tests.waits import NEVER_S
+from trainer import faults
 from trainer.checkpoint import protocol as ckpt
 from trainer.run import RunHooks
 from trainer.signals import EXIT_NONFINITE, EXIT_OK, EXIT_REQUEUE
@@ -25,7 +27,7 @@ FAILPOINTS = ["before_write", "mid_write", "before_rename", "after_rename", "bef
 
 
 def _run_with_failpoint(rank: int, d: dict, failpoint: str) -> None:
-    os.environ[ckpt.FAILPOINT_ENV] = failpoint
+    os.environ.update(hook_env(CKPT_FAILPOINT=failpoint))
     run_cfg(d)
 
 
@@ -79,7 +81,7 @@ def _signal_storm(rank: int, d: dict, out: str) -> None:
     sent: list[int] = []
     in_write: list[int] = []  # the signals sent while the shard write was held open
     installed: list[StopRequest] = []
-    failpoint = ckpt._failpoint
+    failpoint = faults.at
 
     class _Recorded(StopRequest):
         def install(self) -> StopRequest:
@@ -94,9 +96,9 @@ def _signal_storm(rank: int, d: dict, out: str) -> None:
             sent.append(sig)
             done.wait(0.001)
 
-    def mid_write_hold(name: str, iteration: int) -> None:
-        failpoint(name, iteration)
-        if name != "mid_write" or iteration != 10:
+    def mid_write_hold(point: str, **where) -> None:
+        failpoint(point, **where)
+        if point != "checkpoint:mid_write" or where["iteration"] != 10:
             return
         start, deadline = len(sent), time.monotonic() + NEVER_S
         while time.monotonic() < deadline and min(sent[start:].count(s) for s in STORM) < 3:
@@ -110,7 +112,7 @@ def _signal_storm(rank: int, d: dict, out: str) -> None:
 
     for sig in STORM:  # after run() restores this, late signals are harmless
         signal.signal(sig, lambda *_: None)
-    trainer.run.entry.StopRequest, ckpt._failpoint = _Recorded, mid_write_hold
+    trainer.run.entry.StopRequest, faults.at = _Recorded, mid_write_hold
     r = run_cfg(d, RunHooks(on_step=on_step))
     done.set()
     received = [s for stop in installed for s in stop.received]

@@ -13,13 +13,13 @@ import torch
 from orchestrator.status import collect, format_rows
 from orchestrator.summary import format_summary, outcome
 from tests.logs import captured
+from tests.seam import hook_env
 from tests.train.harness import run_cfg, tiny_config, write_dataset
 from trainer.metrics_file import KERNEL_CHECK, read_records
 from trainer.ops import reference
 from trainer.ops.selfcheck import KernelCheckError
 from trainer.run import RunHooks
 from trainer.signals import permanent_reason
-from trainer.testing_hooks import KERNEL_FAULT, SWITCH
 
 ITERS = 10
 
@@ -45,8 +45,8 @@ def eager_losses(data, tmp_path_factory):
 
 def _run(tmp_path, data, monkeypatch, kernels: str, fault: str | None, policy: str = "fallback", hooks=None):
     if fault:
-        monkeypatch.setenv(KERNEL_FAULT, fault)
-        monkeypatch.setenv(SWITCH, "1")
+        for name, value in hook_env(KERNEL_FAULT=fault).items():
+            monkeypatch.setenv(name, value)
     cfg = tiny_config(str(tmp_path / "run"), data, kernels=kernels,
                       train={"iters": ITERS, "log_interval": 5, "kernel_check": policy})
     with captured() as lines:
@@ -148,7 +148,7 @@ def _tp2_worker(rank: int, cfg: dict, out: str, fault_rank: int | None) -> None:
     from tests.train.harness import save_json
 
     if rank == fault_rank:  # a kernel that is wrong on one node only (another GPU, another image)
-        os.environ.update({KERNEL_FAULT: "layer_norm", SWITCH: "1"})
+        os.environ.update(hook_env(KERNEL_FAULT="layer_norm"))
     result = run_cfg(cfg)
     save_json(f"{out}.{rank}", {"losses": result.losses, "check": result.kernel_check})
 

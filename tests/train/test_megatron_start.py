@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.fixtures import MEGATRON_FIXTURES as FIXTURES
 from tests.train.harness import run_cfg, spawn, tiny_config, write_dataset
 from trainer.convert.to_hf import ToHFConfig, convert_checkpoint
 from trainer.metrics_file import TRAIN_LOSS, series
 
-FIXTURES = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron"
 # Each fixture → a layout it was not saved at.
 TARGET = {"legacy_tp1_pp1": (2, 1), "legacy_tp1_pp2": (1, 1), "legacy_tp2_pp1": (1, 2),
           "mcore_tp1_pp1": (1, 2), "mcore_tp2_pp1": (1, 1), "mcore_tp2_pp2": (1, 1),

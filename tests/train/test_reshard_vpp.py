@@ -5,11 +5,11 @@ v=2, full resumes across v continue with the saved Adam moments (losses equal to
 own layout), and to_hf converts and verifies them (tp=1 and tp=2)."""
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.fixtures import MEGATRON_FIXTURES
 from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
 from trainer.checkpoint import protocol as ckpt
 from trainer.config import RunConfig
@@ -21,7 +21,7 @@ from trainer.run.entry import build_components, load_checkpoint, resolve_load
 pytestmark = pytest.mark.slow  # ~30 s on 2 cores: ten 2- or 4-process gloo runs of a 4-layer GPT
 
 ITERS, MORE = 6, 9
-TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "megatron" / "tokenizer"
+TOKENIZER = MEGATRON_FIXTURES / "tokenizer"
 
 
 def _probe_batch() -> list[dict]:

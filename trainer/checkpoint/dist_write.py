@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer import faults
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.files import DIST_COMMON, DIST_CONFIG, DIST_INFO, DIST_METADATA, iter_dir_name
@@ -132,13 +133,13 @@ def _commit(ckpt_dir: str, tmp: str, iteration: int, layout: ckpt.ShardLayout, k
         ckpt_verify.write_digest(tmp, name)
     ckpt_verify.write_manifest(tmp, iteration, layout.tp_size, layout.pp_size, None)
     ckpt.fsync_dir(tmp)
-    ckpt._failpoint("before_rename", iteration)
+    faults.at("checkpoint:before_rename", iteration=iteration)
     if os.path.exists(final):  # an uncommitted leftover of this iteration (see save_dist_checkpoint)
         ckpt._remove_aside(final)
     os.rename(tmp, final)
     ckpt.fsync_dir(ckpt_dir)
-    ckpt._failpoint("after_rename", iteration)
-    ckpt._failpoint("before_manifest_commit", iteration)
+    faults.at("checkpoint:after_rename", iteration=iteration)
+    faults.at("checkpoint:before_manifest_commit", iteration=iteration)
     ckpt._write_tracker(ckpt_dir, iteration)
     ckpt.prune(ckpt_dir, iteration, keep)
 
@@ -154,7 +155,7 @@ def save_dist_checkpoint(ckpt_dir: str, iteration: int, pieces: list[Piece], com
     mine = {"pieces": [p.data for p in pieces], "common": common if ckpt.global_rank() == 0 else {}}
     ckpt.check_space(ckpt_dir, iteration, mine, layout)
     tmp = _shared_tmp(ckpt_dir, iteration)
-    ckpt._failpoint("before_write", iteration)
+    faults.at("checkpoint:before_write", iteration=iteration)
     try:
         written = write_pieces(tmp, pieces)
         if ckpt.global_rank() == 0:
@@ -167,7 +168,7 @@ def save_dist_checkpoint(ckpt_dir: str, iteration: int, pieces: list[Piece], com
             f"no space left on the device of {ckpt_dir} while writing the torch_dist checkpoint of "
             f"iteration {iteration}. Nothing was committed: the latest checkpoint is unchanged. Free space, "
             "lower checkpoint.keep, or set checkpoint.dir elsewhere") from e
-    ckpt._failpoint("mid_write", iteration)
+    faults.at("checkpoint:mid_write", iteration=iteration)
     for name in written:  # hashed from what is on disk, by the rank that wrote it
         ckpt_verify.write_digest(tmp, name)
     ckpt._barrier()  # step 2: every rank's files are complete on disk

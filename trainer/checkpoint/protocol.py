@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer import testing_hooks
+from trainer import faults
 from trainer.checkpoint import dist_read, pickles
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.files import (  # noqa: F401 (the layout's names, re-exported for the trainer)
@@ -68,7 +67,6 @@ log = get_logger(__name__)
 
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
-FAILPOINT_ENV = testing_hooks.CKPT_FAILPOINT
 
 
 @dataclass(frozen=True)
@@ -89,21 +87,6 @@ class ShardLayout:
 
 
 _iter_dir = iter_path
-
-
-def _failpoint(name: str, iteration: int) -> None:
-    """Test hook for crash-consistency tests: ``SLIPWAY_CKPT_FAILPOINT=name@N`` makes this process SIGKILL
-    itself at that point of the save of iteration N (a real kill: no cleanup runs). With
-    ``SLIPWAY_CKPT_FAILPOINT_ONCE=<path>`` only the first process to create that file dies, so the retry
-    of a killed job (same environment) gets past the point."""
-    if os.environ.get(FAILPOINT_ENV) == f"{name}@{iteration}":
-        once = os.environ.get(testing_hooks.CKPT_FAILPOINT_ONCE)
-        if once:
-            try:
-                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _barrier() -> None:
@@ -153,13 +136,13 @@ def _write_shard(state: dict, final_dir: str, iteration: int, extra_files: dict[
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
-    _failpoint("before_write", iteration)
+    faults.at("checkpoint:before_write", iteration=iteration)
     files = {SHARD_FILE: state, **(extra_files or {})}
     try:
         for name, content in files.items():
             with open(os.path.join(tmp, name), "wb") as f:
                 torch.save(content, f)
-                _failpoint("mid_write", iteration)
+                faults.at("checkpoint:mid_write", iteration=iteration)
                 f.flush()
                 os.fsync(f.fileno())
     except (OSError, RuntimeError) as e:  # torch.save wraps the OSError in a RuntimeError
@@ -170,18 +153,19 @@ def _write_shard(state: dict, final_dir: str, iteration: int, extra_files: dict[
     for name in files:
         ckpt_verify.write_digest(tmp, name)  # for the manifest; hashed from what is on disk
     fsync_dir(tmp)
-    _failpoint("before_rename", iteration)
+    faults.at("checkpoint:before_rename", iteration=iteration)
     if os.path.exists(final_dir):  # an uncommitted leftover of this iteration (see save_checkpoint)
         _remove_aside(final_dir)
     os.rename(tmp, final_dir)
     fsync_dir(parent)
-    _failpoint("after_rename", iteration)
+    faults.at("checkpoint:after_rename", iteration=iteration)
 
 
 def _write_tracker(ckpt_dir: str, iteration: int) -> None:
     """Step 3: the commit point (layout.write_tracker, the one writer of the tracker)."""
-    write_tracker(ckpt_dir, iteration, before_commit=lambda: _failpoint("before_tracker", iteration))
-    _failpoint("after_tracker", iteration)
+    write_tracker(ckpt_dir, iteration,
+                  before_commit=lambda: faults.at("checkpoint:before_tracker", iteration=iteration))
+    faults.at("checkpoint:after_tracker", iteration=iteration)
 
 
 def _clean_temporaries(folder: str) -> None:
@@ -261,7 +245,7 @@ def save_checkpoint(ckpt_dir: str, iteration: int, state: dict, layout: ShardLay
                                   f"is {ckpt_dir} on a filesystem shared by all nodes?")
         ckpt_verify.write_manifest(_iter_dir(ckpt_dir, iteration), iteration, layout.tp_size,
                                    layout.pp_size, SHARD_FILE)
-        _failpoint("before_manifest_commit", iteration)
+        faults.at("checkpoint:before_manifest_commit", iteration=iteration)
         _write_tracker(ckpt_dir, iteration)
         prune(ckpt_dir, iteration, keep)
     _barrier()

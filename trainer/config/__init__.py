@@ -8,7 +8,7 @@ sections), users' YAML files use their names (``model.hidden_size``, ``optim.lr`
 ``python -m orchestrator.docs`` renders the string literal under each field (an attribute docstring) into
 ``docs/config.md``. The module imports no torch (the login node composes configs in a second).
 
-Each class lists its own invariants in ``problems()`` (:mod:`trainer.checks`) and ``__post_init__``
+Each class lists its own invariants in ``problems()`` (:mod:`trainer.config_issues`) and ``__post_init__``
 raises them all; checks that need several sections or the world size (heads % tp, batch divisibility)
 live in ``trainer.run`` and orchestrator/checks/. Functions receive the slice they need, never
 the root.
@@ -22,7 +22,6 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.checks import ConfigIssue, Section, choice, issue, positive
 from trainer.config.model import ATTENTION_BACKENDS, ModelConfig, ParallelConfig
 from trainer.config.train import (
     DECAY_STYLES,
@@ -33,6 +32,7 @@ from trainer.config.train import (
     TrainConfig,
     precision_recipe,
 )
+from trainer.config_issues import ConfigIssue, Section, choice, issue, positive
 from trainer.data.blend import Blend, BlendError, blend_paths, parse_blend
 from trainer.data.corpus_config import CorpusConfig
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE, TOKENIZER_TYPES

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.checks import ConfigIssue, Section, choice, issue, positive
+from trainer.config_issues import ConfigIssue, Section, choice, issue, positive
 from trainer.formulas import PipelineSplit, padded_vocab_size
 
 ATTENTION_BACKENDS = ("sdpa", "softmax")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from trainer.checks import ConfigIssue, Section, choice, issue, positive
+from trainer.config_issues import ConfigIssue, Section, choice, issue, positive
 from trainer.health.config import HealthConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.checks import ConfigIssue, Section, choice, positive
+from trainer.config_issues import ConfigIssue, Section, choice, positive
 
 
 @dataclass

@@ -28,8 +28,8 @@ from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from trainer.checks import checks_deferred
 from trainer.cli import Flags, add_dataclass_args, from_args
+from trainer.config_issues import checks_deferred
 from trainer.data.hf_tokenizer import (
     HF_TOKENIZER_TYPE,
     TOKENIZER_TYPES,

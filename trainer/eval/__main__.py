@@ -8,8 +8,8 @@ import argparse
 import json
 import sys
 
-from trainer.checks import ConfigError
 from trainer.cli import Flags, add_dataclass_args, from_args
+from trainer.config_issues import ConfigError
 from trainer.eval.config import EvalConfig, EvalRun
 from trainer.eval.run import run_eval
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.checks import ConfigIssue, Section, choice, issue, positive
+from trainer.config_issues import ConfigIssue, Section, choice, issue, positive
 from trainer.data.splits import DEFAULT_SPLIT
 from trainer.run_files import DEFAULT_JSON_KEY
 

@@ -50,7 +50,6 @@ from trainer.health.badnodes import WATCHDOG, read_bad_nodes, record_bad_nodes  
 from trainer.health.config import HealthConfig
 from trainer.health.heartbeat import (  # noqa: F401 (re-exported: the package's reading API)
     FINAL_PHASES,
-    HEARTBEAT_DIR,
     RankHealth,
     describe_rank,
     heartbeat_path,
@@ -63,6 +62,7 @@ from trainer.health.heartbeat import (  # noqa: F401 (re-exported: the package's
     summarize,
 )
 from trainer.log import get_logger
+from trainer.run_files import RunDir
 from trainer.signals import EXIT_HANG
 
 log = get_logger(__name__)
@@ -117,7 +117,7 @@ class Monitor:
         ``device``. Call once the process group (if any) exists. Rank 0 removes heartbeats of ranks
         beyond this world (an earlier, larger attempt of the run)."""
         self.rank, self.world_size = _world()
-        os.makedirs(os.path.join(self.run_dir, HEARTBEAT_DIR), exist_ok=True)
+        RunDir(self.run_dir).heartbeats.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             self._remove_extra_ranks()
         self.write()
@@ -133,7 +133,7 @@ class Monitor:
             self.tick(phase="startup")
 
     def _remove_extra_ranks(self) -> None:
-        folder = os.path.join(self.run_dir, HEARTBEAT_DIR)
+        folder = RunDir(self.run_dir).heartbeats
         for name in os.listdir(folder):
             stem = name.removeprefix("rank_").removesuffix(".json")
             if stem.isdigit() and int(stem) >= self.world_size:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.checks import ConfigIssue, Section, issue
+from trainer.config_issues import ConfigIssue, Section, issue
 
 
 @dataclass

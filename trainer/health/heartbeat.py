@@ -12,21 +12,20 @@ import socket
 import time
 from dataclasses import dataclass
 
-from trainer import testing_hooks
+from trainer.faults import NODE_NAME
+from trainer.run_files import RunDir
 
-HEARTBEAT_DIR = "heartbeats"
-HANGS_FILE = "hangs.jsonl"  # one line per watchdog that fired: kept across retries (heartbeats are not)
 FINAL_PHASES = ("exited", "failed", "hung")
 
 def node_name() -> str:
     """This process's node: ``SLIPWAY_NODE_NAME``, else Slurm's node name, else the host name (Slurm node
     names are what an admin drains; several emulated nodes may share one host)."""
     env = os.environ
-    return env.get(testing_hooks.NODE_NAME) or env.get("SLURMD_NODENAME") or socket.gethostname()
+    return env.get(NODE_NAME) or env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def heartbeat_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, HEARTBEAT_DIR, f"rank_{rank:05d}.json")
+    return str(RunDir(run_dir).heartbeat(rank))
 
 
 @dataclass
@@ -65,7 +64,7 @@ def judge(beat: dict, now: float, stale_after_s: float | None = None) -> RankHea
 def read_heartbeats(run_dir: str, now: float | None = None, stale_after_s: float | None = None
                     ) -> list[RankHealth]:
     """Every rank's judged heartbeat under ``run_dir`` (sorted by rank; unreadable files skipped)."""
-    folder = os.path.join(run_dir, HEARTBEAT_DIR)
+    folder = str(RunDir(run_dir).heartbeats)
     if not os.path.isdir(folder):
         return []
     now = time.time() if now is None else now
@@ -124,14 +123,14 @@ def describe_rank(r: RankHealth) -> str:
 def record_hang(run_dir: str, record: dict) -> None:
     """Append one watchdog report to ``{run_dir}/hangs.jsonl`` (one short line: O_APPEND keeps the lines of
     several reporting ranks whole)."""
-    with open(os.path.join(run_dir, HANGS_FILE), "a", encoding="utf-8") as f:
+    with open(RunDir(run_dir).hangs, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
 
 
 def read_hangs(run_dir: str) -> list[dict]:
     """Every recorded watchdog report, oldest first (unparsable lines skipped)."""
     try:
-        with open(os.path.join(run_dir, HANGS_FILE), encoding="utf-8", errors="replace") as f:
+        with open(RunDir(run_dir).hangs, encoding="utf-8", errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:
         return []

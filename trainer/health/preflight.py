@@ -25,7 +25,6 @@ import datetime
 import json
 import os
 import re
-import signal
 import statistics
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import testing_hooks
+from trainer import faults
 from trainer.health.badnodes import PREFLIGHT, record_bad_nodes
 from trainer.health.config import HealthConfig
 from trainer.health.heartbeat import node_name
@@ -43,9 +42,6 @@ from trainer.log import get_logger
 log = get_logger(__name__)
 
 PREFLIGHT_JSON = "preflight.json"
-# Test hook (like checkpoint's failpoints): "stop@NODE" makes NODE's leader SIGSTOP itself after checking
-# in; "slow@NODE:MS" delays each of its sends by MS milliseconds (a sick link).
-FAILPOINT_ENV = testing_hooks.PREFLIGHT_FAILPOINT
 _REPEATS = 3
 _runs = 0  # store keys are per preflight call (a process may run several in tests)
 
@@ -130,18 +126,6 @@ def _rounds(n: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
-def _failpoint(kind: str, node: str) -> float:
-    """Seconds of delay for 'slow' on this node; stops the process for 'stop' on this node."""
-    spec = os.environ.get(FAILPOINT_ENV, "")
-    what, _, arg = spec.partition("@")
-    target, _, ms = arg.partition(":")
-    if what != kind or target != node:
-        return 0.0
-    if kind == "stop":
-        os.kill(os.getpid(), signal.SIGSTOP)
-    return float(ms or 0) / 1000.0
-
-
 def _ping_pong(peer: int, first: bool, buf: torch.Tensor, group: Any, delay: float) -> float:
     """One round trip with ``peer``; the first side times it."""
     t0 = time.perf_counter()
@@ -169,7 +153,7 @@ def _links(world: _World, buf: torch.Tensor, group: Any) -> dict:
     """This leader's measured links: {peer node: GB/s} or {peer node: 'error: ...'}."""
     nodes, leaders = world.nodes, world.leaders
     me = leaders.index(world.rank)
-    delay = _failpoint("slow", nodes[me])
+    delay = faults.at("preflight:slow", node=nodes[me]) or 0.0  # a sick link, on purpose
     out: dict[str, Any] = {}
     for pairs in _rounds(len(nodes)):
         for a, b in pairs:
@@ -302,7 +286,7 @@ def run_preflight(cfg: HealthConfig, run_dir: str, device: torch.device) -> dict
     ranks_of = {n: [h["rank"] for h in hello if h["node"] == n] for n in nodes}
     world = _World(rank, size, nodes, [ranks_of[n][0] for n in nodes], ranks_of)
     group = dist.new_group(timeout=datetime.timedelta(seconds=timeout))
-    _failpoint("stop", node_name() if rank in world.leaders else "")
+    faults.at("preflight:stop", node=node_name() if rank in world.leaders else "")
     buf = torch.ones(max(int(cfg.preflight_mb * 2**20) // 4, 1), dtype=torch.float32, device=device)
     # Deadlines shared by all ranks (counted from the check-in), so they reach the verdict together and
     # none is killed (srun --kill-on-bad-exit) before rank 0 wrote the report. A leader loses at most one

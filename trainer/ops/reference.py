@@ -67,10 +67,6 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((out.to(x.dtype), rest), dim=-1)
 
 
-def attention_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
-
-
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int | None = None) -> torch.Tensor:
     """Per-token cross-entropy in fp32 (fp64 stays fp64), unreduced: what the fused loss replaces.
     ``vocab_size``: the true vocabulary; the padded columns past it are left out."""

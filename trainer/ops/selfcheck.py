@@ -364,10 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = tuple(dict.fromkeys((DTYPES[a.precision], torch.float32)))
     setup = CheckSetup(torch.device(a.device), dtypes, torch.float32,
                        CheckShapes.for_model(model, a.tp, model.padded_vocab_size(a.tp)))
-    from trainer import testing_hooks
+    from trainer import faults
 
-    testing_hooks.warn_active(log, os.environ)
-    kernels = testing_hooks.with_faults(resolve(a.kernels, torch.device(a.device).type))
+    faults.warn_active(log, os.environ)
+    kernels = faults.with_faults(resolve(a.kernels, torch.device(a.device).type))
     check = run_check(kernels, setup, "fail")
     sys.stdout.write(json.dumps(check.record(), indent=1) + "\n")
     if check.fallbacks:

@@ -35,11 +35,6 @@ from trainer.config.train import precision_recipe
 from trainer.ops.dtypes import DTYPES
 
 
-def compute_dtype(precision: str) -> torch.dtype:
-    """The activation dtype for a ``train.precision`` value."""
-    return DTYPES[precision]
-
-
 def param_dtype(precision: str, master_weights: bool) -> torch.dtype:
     """The parameters' dtype: 16-bit for bf16/fp16 under the master_weights recipe (the distributed
     optimizer's layout), fp32 otherwise (autocast casts per use)."""

@@ -28,14 +28,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer import formulas, health, testing_hooks
+from trainer import faults, formulas, health
 from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import saved_split
 from trainer.checkpoint.files import config_differences
-from trainer.checks import ConfigError
 from trainer.config import CheckpointConfig, ModelConfig, RunConfig
 from trainer.config.train import precision_recipe, recipe_line
+from trainer.config_issues import ConfigError
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.spec import unsupported_options
 from trainer.log import get_logger
@@ -301,7 +301,7 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
     group over the same ranks within one process would reuse its store keys.
     """
     hooks = hooks or RunHooks()
-    testing_hooks.warn_active(log, os.environ)  # a stray test hook must not go unnoticed in a real job
+    faults.warn_active(log, os.environ)  # a stray test hook must not go unnoticed in a real job
     metrics.check_wandb_credentials(cfg.logging.wandb.mode)  # before anything slow or collective
     _configure_determinism(cfg.train.deterministic)
     # StopRequest from the start: a signal during set-up stops at the first step boundary.

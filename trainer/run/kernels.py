@@ -12,7 +12,7 @@ import time
 
 import torch.distributed as dist
 
-from trainer import extension, testing_hooks
+from trainer import extension, faults
 from trainer.config import COMPILED_KERNEL_SETS, OptimConfig, RunConfig
 from trainer.config.model import ModelConfig
 from trainer.log import get_logger
@@ -84,7 +84,7 @@ def checked_kernels(cfg: RunConfig, gpt: ModelConfig, pstate: ParallelState, sta
     require_compiled(cfg.kernels, pstate.device.type)
     if cfg.kernels in COMPILED_KERNEL_SETS:  # eager/compile load no build: nothing to record
         record_builds(cfg.run_dir, pstate.rank, start_iteration)
-    kernels = testing_hooks.with_faults(resolve(cfg.kernels, pstate.device.type))  # a test hook, if on
+    kernels = faults.with_faults(resolve(cfg.kernels, pstate.device.type))  # a test hook, if on
     setup = check_setup(cfg, gpt, pstate)
     check = run_check(kernels, setup, cfg.train.kernel_check)
     if kernels.compile_layers and check.policy != "off":

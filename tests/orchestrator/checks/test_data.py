@@ -1,7 +1,8 @@
 """Bad inputs are refused at plan time with the key and the fix (orchestrator/checks/data.py and
 tokenizer.py, the checks that read the inputs), before any job exists: a directory or an empty file as
 data.paths, a JSONL whose documents are all empty, a corpus that leaves the validation split without a
-document, a merges file of another tokenizer."""
+document, a merges file of another tokenizer; and a corrupt cached dataset (the same case on the devcluster:
+test_fault_matrix.py, case 6)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,16 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from orchestrator.checks import Context
+from orchestrator.checks.data import reused_data_problems
 from orchestrator.flow import launch
 from orchestrator.problems import PlanError
 from tests.orchestrator.conftest import compose_cfg
+from tests.orchestrator.conftest import dry_plan as _plan
+from trainer.data.indexed_dataset import IndexedDatasetBuilder
 
 
 def _tokenizer(tmp_path: Path) -> list[str]:
@@ -98,3 +104,40 @@ def test_a_merges_file_of_another_tokenizer_names_both_files(tmp_path):
     p = next(p for p in err.value.problems if p.code == "tokenizer_invalid")
     assert p.key == "tokenizer.merge_file" and str(other / "merges.txt") in p.message
     assert "vocab.json" in p.message and "'qz'" in p.message
+
+
+def _complete_dataset(plan) -> Path:
+    """A valid .bin/.idx pair where the plan's preprocessing stage would find it complete."""
+    prep = plan.stage("preprocess")
+    Path(prep.state_dir).mkdir(parents=True)
+    prefix = f"{prep.job[0].output_prefix}_content_document"
+    builder = IndexedDatasetBuilder(prefix + ".bin", np.uint16)
+    for n in (5, 7, 3):
+        builder.add_document(np.arange(n, dtype=np.uint16))
+    builder.finalize(prefix + ".idx")
+    (Path(prep.state_dir) / "_COMPLETE").write_text("{}")
+    return Path(prefix)
+
+
+def test_truncated_cached_bin_is_a_plan_problem_naming_the_file(tmp_path):
+    cfg, plan = _plan(tmp_path)
+    prefix = _complete_dataset(plan)
+    assert reused_data_problems(Context(cfg, plan=plan)) == []
+    with open(f"{prefix}.bin", "r+b") as f:
+        f.truncate(20)
+    problems = reused_data_problems(Context(cfg, plan=plan))
+    assert [p.code for p in problems] == ["data_corrupt"]
+    assert f"{prefix}.bin: 20 bytes, but {prefix}.idx describes 30 bytes" in problems[0].message
+    out = io.StringIO()
+    launch(cfg, out=out)  # the dry run lists it
+    assert "[data_corrupt]" in out.getvalue() and "nothing would be submitted" in out.getvalue()
+
+
+def test_malformed_cached_idx_is_a_plan_problem(tmp_path):
+    cfg, plan = _plan(tmp_path)
+    prefix = _complete_dataset(plan)
+    idx = Path(f"{prefix}.idx")
+    idx.write_bytes(idx.read_bytes()[:-8])
+    (problem,) = reused_data_problems(Context(cfg, plan=plan))
+    assert f"{idx}: " in problem.message and "truncated or corrupt" in problem.message
+    assert f"rm -r {plan.stage('preprocess').state_dir}" in problem.fix

@@ -1,4 +1,4 @@
-"""A real job names every active test-only hook in a warning at start-up (trainer/testing_hooks.py)."""
+"""A real job names every active test-only hook in a warning at start-up (trainer/faults.py)."""
 
 from __future__ import annotations
 
@@ -6,17 +6,17 @@ import logging
 
 from tests.logs import LogLines
 from tests.train.harness import run_cfg, tiny_config, write_dataset
-from trainer import testing_hooks
+from trainer import faults
 
 
 def test_trainer_warns_for_each_active_hook(tmp_path, monkeypatch):
-    values = {testing_hooks.CKPT_FAILPOINT: "mid_write@999", testing_hooks.CKPT_FAILPOINT_ONCE:
-              str(tmp_path / "once"), testing_hooks.PREFLIGHT_FAILPOINT: "slow@nowhere:1",
-              testing_hooks.NODE_NAME: "node-under-test", testing_hooks.KERNEL_FAULT: "bias_gelu",
-              testing_hooks.LAUNCH_FAILPOINT: "after_sbatch",  # launch- and stage-side: named, not acted on
-              testing_hooks.FAIL_TRAIN: "start", testing_hooks.STALL_TRAIN: "999",
-              testing_hooks.FAIL_TRIAL: "99"}  # a trial index this run is not
-    assert set(values) == set(testing_hooks.ENV_HOOKS)
+    values = {faults.CKPT_FAILPOINT: "mid_write@999", faults.CKPT_FAILPOINT_ONCE:
+              str(tmp_path / "once"), faults.PREFLIGHT_FAILPOINT: "slow@nowhere:1",
+              faults.NODE_NAME: "node-under-test", faults.KERNEL_FAULT: "bias_gelu",
+              faults.LAUNCH_FAILPOINT: "after_sbatch",  # launch- and stage-side: named, not acted on
+              faults.FAIL_TRAIN: "start", faults.STALL_TRAIN: "999",
+              faults.FAIL_TRIAL: "99"}  # a trial index this run is not
+    assert set(values) == set(faults.ENV_HOOKS)
     for k, v in values.items():
         monkeypatch.setenv(k, v)
     records = LogLines()

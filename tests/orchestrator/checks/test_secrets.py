@@ -1,4 +1,4 @@
-"""Test-only hooks (trainer/testing_hooks.py, the one list) are refused by the plan unless the switch
+"""Test-only hooks (trainer/faults.py, the one list) are refused by the plan unless the switch
 SLIPWAY_TESTING=1 is on where launch.py runs: in cluster.env and in that environment (Slurm passes it to
 the job). They are never configuration keys, and without the switch a job does not load them."""
 
@@ -13,10 +13,11 @@ from orchestrator.flow import launch
 from orchestrator.plan import PlanInputs, make_plan
 from orchestrator.problems import PlanError
 from tests.orchestrator.conftest import compose_cfg
-from trainer import testing_hooks
+from tests.seam import hook_env
+from trainer import faults
 
 SMOKE = ["+experiment=codeparrot_smoke"]
-ON = {testing_hooks.SWITCH: "1"}
+ON = hook_env()  # the switch, and the plugin a job loads under it
 
 
 def _hook_problems(overrides: list[str], environ: dict[str, str] | None = None) -> list:
@@ -32,7 +33,7 @@ def test_the_public_config_has_no_test_keys():
     assert not fields & {"testing", "fail_train", "stall_train"}, fields
 
 
-@pytest.mark.parametrize("name", sorted(testing_hooks.ENV_HOOKS))
+@pytest.mark.parametrize("name", sorted(faults.ENV_HOOKS))
 def test_env_hook_is_refused_in_cluster_env_and_the_environment(name):
     hits = _hook_problems([f"+cluster.env.{name}=x@1"])
     assert [p.key for p in hits] == [f"cluster.env.{name}"], hits
@@ -43,11 +44,11 @@ def test_env_hook_is_refused_in_cluster_env_and_the_environment(name):
 
 
 def test_launch_reads_the_launching_environment(tmp_path, monkeypatch):
-    monkeypatch.setenv(testing_hooks.NODE_NAME, "n7")
+    monkeypatch.setenv(faults.NODE_NAME, "n7")
     result = launch(compose_cfg(SMOKE + [f"runs_root={tmp_path}", "dry_run=true"]), out=io.StringIO())
     assert "[test_hook] environment variable SLIPWAY_NODE_NAME='n7'" in result.text
-    monkeypatch.delenv(testing_hooks.NODE_NAME)
-    monkeypatch.setenv(testing_hooks.FAIL_TRAIN, "start")
+    monkeypatch.delenv(faults.NODE_NAME)
+    monkeypatch.setenv(faults.FAIL_TRAIN, "start")
     with pytest.raises(PlanError, match=r"\[test_hook\] environment variable SLIPWAY_FAIL_TRAIN='start'.*"
                                         r"SLIPWAY_TESTING=1"):
         launch(compose_cfg(SMOKE + [f"runs_root={tmp_path}"]), out=io.StringIO())
@@ -55,11 +56,11 @@ def test_launch_reads_the_launching_environment(tmp_path, monkeypatch):
 
 
 def test_without_the_switch_a_job_loads_no_hook():
-    """A stray hook that reached a job anyway (set after the launch) changes nothing there: the seam is
-    not imported, the kernels stay as resolved."""
+    """A stray hook that reached a job anyway (set after the launch) changes nothing there: no plugin is
+    loaded without the switch, even one named, and the kernels stay as resolved."""
     from trainer.ops import resolve
 
     kernels = resolve("eager", "cpu")
-    stray = {testing_hooks.KERNEL_FAULT: "all", testing_hooks.FAIL_TRAIN: "start"}
-    assert testing_hooks.seam(stray) is None and testing_hooks.with_faults(kernels, stray) is kernels
-    assert testing_hooks.with_faults(kernels, {**stray, **ON}).names["layer_norm"].endswith("+fault")
+    stray = {faults.KERNEL_FAULT: "all", faults.FAIL_TRAIN: "start", faults.PLUGIN: "tests.seam"}
+    assert faults.plugin(stray) is None and faults.with_faults(kernels, stray) is kernels
+    assert faults.with_faults(kernels, {**stray, **ON}).names["layer_norm"].endswith("+fault")
