@@ -29,10 +29,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.checks import Context
 from orchestrator.checks.layout import layout_problems, pipeline_split
 from orchestrator.estimate import MemoryEstimate, TimeEstimate, estimate_memory, estimate_time, fmt_bytes
 from orchestrator.layout import layout_of, tasks_per_node
+from orchestrator.plan_types import Context
 from orchestrator.schema import RECOMPUTE_CHOICES, SlipwayConfig
 from trainer.config_issues import deferred
 from trainer.formulas import PipelineSplit

@@ -25,13 +25,14 @@ from pathlib import Path
 from orchestrator import launches, queue, redaction
 from orchestrator.autolayout import proposal_lines
 from orchestrator.cancel import Stops, cancel_interrupted, ignoring_stops
-from orchestrator.checks import Context, run_checks
+from orchestrator.checks import run_checks
 from orchestrator.checks.secrets import known_secrets
 from orchestrator.data_shares import corpus_shares, shares_table
 from orchestrator.facts import PlanInputs, SweepInfo
 from orchestrator.follow import LogFollower, failure_tails, log_path
-from orchestrator.plan import Plan, StagePlan, make_plan
+from orchestrator.plan import make_plan
 from orchestrator.plan_format import hardware_lines, layout_line, memory_lines, recipe_lines, time_lines
+from orchestrator.plan_types import Context, Plan, StagePlan
 from orchestrator.problems import PlanError
 from orchestrator.runs import (
     RUN_JSON,

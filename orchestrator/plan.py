@@ -13,54 +13,28 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator import autolayout
-from orchestrator.checks import Context, Estimates, run_checks
+from orchestrator.checks import run_checks
 from orchestrator.checks.run import insane_values
 from orchestrator.estimate import (
     NO_MEMORY,
     NO_TIME,
-    MemoryEstimate,
     MemoryOption,
-    TimeEstimate,
     estimate_memory,
     estimate_time,
 )
 from orchestrator.facts import PlanInputs, SweepInfo
 from orchestrator.layout import Layout, layout_of
-from orchestrator.problems import Problem
+from orchestrator.plan_types import Context, Estimates, Plan
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import STAGES
-from orchestrator.stages.base import PlanContext, StagePlan
+from orchestrator.stages.base import PlanContext
 from trainer.config_issues import deferred
 from trainer.formulas import model_vocab_size
 
-__all__ = ["Plan", "PlanInputs", "StagePlan", "SweepInfo", "make_plan", "memory_options", "resolve_vocab"]
-
-@dataclass
-class Plan:
-    run_id: str
-    run_dir: str
-    experiment: str
-    layout: Layout
-    vocab_size: int
-    memory: MemoryEstimate
-    time: TimeEstimate
-    stages: list[StagePlan]
-    problems: list[Problem]
-    sweep: SweepInfo | None = None
-    warnings: list[str] = field(default_factory=list)  # said before submitting; nothing is refused
-    memory_options: list[MemoryOption] = field(default_factory=list)  # memory_options()
-    # The config the plan is for: the one given, or with layout=auto its first choice applied (what the
-    # launch prints, records and submits); the search itself (autolayout.Proposal) beside it.
-    config: SlipwayConfig | None = None
-    proposal: autolayout.Proposal | None = None
-
-    def stage(self, name: str) -> StagePlan:
-        return next(s for s in self.stages if s.name == name)
-
+__all__ = ["PlanInputs", "SweepInfo", "make_plan", "memory_options", "resolve_vocab"]
 
 def resolve_vocab(cfg: SlipwayConfig, facts: PlanInputs) -> int:
     """The vocabulary the trainer will build (trainer.formulas.model_vocab_size); 0 when unknown here."""

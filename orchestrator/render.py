@@ -36,6 +36,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from orchestrator.container_render import PyxisSpec, pyxis_preamble, pyxis_srun_flags
+from orchestrator.plan_types import JobResources
 from orchestrator.redaction import is_secret_name
 from trainer.formulas import PORT_BASE, PORT_SPAN
 from trainer.run_files import (
@@ -49,29 +50,6 @@ from trainer.run_files import (
     STOPPED_MARKER,
 )
 from trainer.signals import EXIT_REQUEUE
-
-
-@dataclass(frozen=True)
-class JobResources:
-    """What one stage asks the scheduler for (each stage's ``resources``: orchestrator/stages/)."""
-
-    name: str
-    nodes: int = 1
-    tasks_per_node: int = 1
-    gpus_per_node: int = 0
-    cpus_per_task: int = 1
-    time_limit_min: int = 60
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    mem: str | None = None
-    exclusive: bool = False
-    constraint: str | None = None
-    extra: tuple[tuple[str, str], ...] = ()
-    signal_delay_s: int | None = None  # training only: --signal=USR2@lead and the requeue logic
-    max_retries: int = 0
-    max_timeouts: int = 0
-    array: str | None = None  # a job array, sbatch --array (e.g. "0-3%1"); its logs are named %A_%a
 
 
 def job_tag(r: JobResources) -> str:

@@ -34,7 +34,7 @@ from orchestrator.container import WRAPPER_KINDS, host_paths, job_image
 from orchestrator.launches import LaunchRecord, job_comment, launch_dir
 from orchestrator.layout import tasks_per_node
 from orchestrator.local_jobs import LocalExecutor
-from orchestrator.plan import Plan, StagePlan
+from orchestrator.plan_types import Plan, StagePlan
 from orchestrator.queue import live_state
 from orchestrator.runs import REPO_ROOT
 from orchestrator.schema import ContainerConfig, SlipwayConfig

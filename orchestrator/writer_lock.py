@@ -14,18 +14,15 @@ import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from orchestrator import launches
+from orchestrator.plan_types import Plan
 from orchestrator.problems import PlanError, Problem
 from orchestrator.queue import ended, live_state, local_state, query_slurm
 from orchestrator.runs import write_json
 from orchestrator.stages.train import NAME as TRAIN
 from trainer.run_files import CKPT_WRITER, LAUNCH_LOCK
-
-if TYPE_CHECKING:
-    from orchestrator.plan import Plan
-
 
 
 def checkpoint_dir(plan: Plan) -> str:

@@ -191,6 +191,36 @@ def test_no_package_cycles():
     assert package_cycles(MODS) == []
 
 
+def folder_of(module: str) -> str:
+    """orchestrator's folders are its units (orchestrator.stages, orchestrator.checks, ...); a module left
+    at its root (an entry point, or one whose path job scripts print) is a unit of its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def folder_cycles(mods: dict[str, Module]) -> list[list[str]]:
+    """Cycles between orchestrator's folders over every import (function-level and TYPE_CHECKING too): the
+    folders are layers only if no folder needs one that needs it back."""
+    graph: dict[str, set[str]] = {}
+    for m, mod in mods.items():
+        if m.startswith("orchestrator."):
+            deps = {folder_of(n) for n in _internal(mods, mod.anywhere, m) if n.startswith("orchestrator.")}
+            graph.setdefault(folder_of(m), set()).update(deps - {folder_of(m)})
+    return cycles({f: Module(f, top=deps) for f, deps in graph.items()})
+
+
+def test_no_folder_cycles_in_the_orchestrator():
+    found = folder_cycles(MODS)
+    assert not found, "folder cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
+
+
+def test_folder_cycles_count_every_import():
+    mods = {"orchestrator.a.x": Module("orchestrator.a.x", anywhere={"orchestrator.b.y"}),
+            "orchestrator.b.y": Module("orchestrator.b.y", anywhere={"orchestrator.a.z"}),  # TYPE_CHECKING
+            "orchestrator.a.z": Module("orchestrator.a.z"), "orchestrator.c": Module("orchestrator.c"),
+            "orchestrator.d": Module("orchestrator.d", anywhere={"orchestrator.a.x", "orchestrator.c"})}
+    assert folder_cycles(mods) == [["orchestrator.a", "orchestrator.b"]]
+
+
 def test_package_cycles_count_function_level_imports():
     mods = {"trainer.a.x": Module("trainer.a.x", anywhere={"trainer.b.y"}),
             "trainer.b.y": Module("trainer.b.y", anywhere={"trainer.a.z"}),  # e.g. inside a function

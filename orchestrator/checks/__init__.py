@@ -21,11 +21,9 @@ and one row here.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING, Literal, get_args
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 from orchestrator.checks import (
     checkpoints,
@@ -38,14 +36,8 @@ from orchestrator.checks import (
     secrets,
     tokenizer,
 )
-from orchestrator.estimate import MemoryEstimate, MemoryOption, TimeEstimate
-from orchestrator.layout import Layout, layout_of
+from orchestrator.plan_types import Context
 from orchestrator.problems import Problem
-from orchestrator.schema import SlipwayConfig
-
-if TYPE_CHECKING:
-    from orchestrator.autolayout import Proposal
-    from orchestrator.plan import Plan
 
 Subject = Literal["run", "data", "tokenizer", "layout", "memory", "container", "cluster", "secrets",
                   "checkpoints"]
@@ -53,41 +45,6 @@ Cost = Literal["pure", "inputs", "world"]
 When = Literal["plan", "launch"]
 SUBJECTS: tuple[Subject, ...] = get_args(Subject)
 COSTS: tuple[Cost, ...] = get_args(Cost)
-
-
-@dataclass(frozen=True)
-class Estimates:
-    """The plan's per-device memory and step-time estimates, and the memory options it weighed."""
-
-    memory: MemoryEstimate
-    time: TimeEstimate
-    memory_options: list[MemoryOption]
-    # When nothing fits: the fewest GPUs (tp, pp) one model replica fits on with every memory saver
-    # (orchestrator.plan.smallest_replica); None when no split fits either or it was not needed.
-    smallest_replica: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class Context:
-    """What a check may look at. make_plan fills the first four (``estimates`` only where the layout gives
-    one) and, for layout=auto, ``proposal``; launch() passes the plan to the checks that read the world
-    (the directories they read are the plan's)."""
-
-    cfg: SlipwayConfig
-    environ: Mapping[str, str] = field(default_factory=dict)  # the launching environment
-    exists: Callable[[str], bool] = os.path.exists  # plan tests answer it themselves
-    estimates: Estimates | None = None
-    plan: Plan | None = None
-    proposal: Proposal | None = None  # layout=auto: the plan's search (orchestrator/autolayout.py)
-
-    @cached_property
-    def layout(self) -> Layout:
-        return layout_of(self.cfg)
-
-    def require_plan(self) -> Plan:
-        if self.plan is None:
-            raise ValueError("a world check reads the plan's directories: pass Context(..., plan=plan)")
-        return self.plan
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ other writer of its checkpoint directory) is active — the dry run's view of wh
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from orchestrator import launches
+from orchestrator.plan_types import Context, Plan
 from orchestrator.problems import Problem
 from orchestrator.runs import hf_vocab_entries, vocab_entries
 from orchestrator.stages.train import NAME as TRAIN
@@ -16,10 +16,6 @@ from orchestrator.writer_lock import active_jobs, run_active
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.formulas import model_vocab_size
-
-if TYPE_CHECKING:
-    from orchestrator.checks import Context
-    from orchestrator.plan import Plan
 
 
 def checkpoint_problems(ctx: Context) -> list[Problem]:

@@ -8,17 +8,15 @@ fix changes, is the cluster's time limit, beside the signal-lead rule on the sam
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from orchestrator import sinfo
 from orchestrator.hardware import HARDWARE, hardware, is_cpu, source
+from orchestrator.plan_types import Context
 from orchestrator.problems import Problem
 from orchestrator.queue import controller_unreachable
 from orchestrator.schema import ClusterConfig
 from trainer.devices import known_names
-
-if TYPE_CHECKING:
-    from orchestrator.checks import Context
 
 
 def precision_problems(ctx: Context) -> list[Problem]:

@@ -10,7 +10,6 @@ import glob
 import os
 import shutil
 import subprocess
-from typing import TYPE_CHECKING
 
 from orchestrator.checks.data import missing_files
 from orchestrator.container import (
@@ -25,14 +24,12 @@ from orchestrator.container import (
     missing_mount_points,
     mount_points,
 )
+from orchestrator.plan_types import Context
 from orchestrator.problems import Problem
 from orchestrator.schema import SlipwayConfig
 from trainer import kernel_build
 from trainer.config import COMPILED_KERNEL_SETS
 from trainer.run_files import RUN_JSON
-
-if TYPE_CHECKING:
-    from orchestrator.checks import Context
 
 _BUILD = {"apptainer": "containers/build.sh and set container.image=/path/slipway-ngc.sif",
           "pyxis": "containers/build_sqsh.sh and set container.image=/path/slipway-ngc.sqsh",

@@ -16,15 +16,12 @@ import gzip
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from orchestrator.plan_types import Context
 from orchestrator.problems import Problem
 from orchestrator.stages.preprocess import NAME as PREPROCESS
 from trainer.data.blend import BlendError
 from trainer.run_files import COMPLETE
-
-if TYPE_CHECKING:
-    from orchestrator.checks import Context
 
 SCAN_BYTES = 32 << 20  # per file; larger inputs are checked only for a first non-empty document
 

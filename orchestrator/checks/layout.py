@@ -6,14 +6,11 @@ ParallelConfig.layer_issues.)"""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from orchestrator.layout import Layout
+from orchestrator.plan_types import Context
 from orchestrator.problems import Problem
 from orchestrator.schema import SlipwayConfig
-
-if TYPE_CHECKING:
-    from orchestrator.checks import Context
 
 
 def pipeline_split(cfg: SlipwayConfig, pp: int) -> str | None:

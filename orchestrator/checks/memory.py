@@ -3,13 +3,9 @@ options that would lower it (plan.MEMORY_OPTIONS, each at the plan's own figure)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from orchestrator.estimate import GIB, MemoryEstimate, MemoryOption
+from orchestrator.plan_types import Context
 from orchestrator.problems import Problem
-
-if TYPE_CHECKING:
-    from orchestrator.checks import Context
 
 
 def _memory_advice(mem: MemoryEstimate, options: list[MemoryOption]) -> str:

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
 
+from orchestrator.plan_types import Context
 from orchestrator.problems import Problem
 from orchestrator.stages.train import NAME as TRAIN
-
-if TYPE_CHECKING:
-    from orchestrator.checks import Context
 
 
 def section_problems(ctx: Context) -> list[Problem]:

@@ -22,18 +22,15 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from orchestrator.container import mount_points
+from orchestrator.plan_types import Context
 from orchestrator.problems import Problem
 from orchestrator.redaction import HEX40, is_secret_name, secret_assignments, secret_kind
 from orchestrator.schema import SlipwayConfig
 from trainer import faults
 from trainer.run_files import RUN_JSON
 from trainer.wandb_key import has_wandb_key, missing_key_message, wandb_host
-
-if TYPE_CHECKING:
-    from orchestrator.checks import Context
 
 _REMOVE = "remove it from the config and export it in the environment you launch from (Slurm passes it on)"
 

@@ -6,14 +6,11 @@ TokenizerConfig.problems()."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from orchestrator.checks.data import missing_files
+from orchestrator.plan_types import Context
 from orchestrator.problems import Problem
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
-
-if TYPE_CHECKING:
-    from orchestrator.checks import Context
 
 
 def tokenizer_source_problems(ctx: Context) -> list[Problem]:

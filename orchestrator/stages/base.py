@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from orchestrator.facts import PlanInputs
+from orchestrator.plan_types import JobResources, StagePlan
 from orchestrator.queue import marker_of, process_alive
-from orchestrator.render import JobResources
 from orchestrator.runs import CACHE_DIR
 from orchestrator.schema import SlipwayConfig
 from trainer.run_files import COMPLETE, FAILED, RunDir
@@ -33,21 +33,6 @@ def stable_hash(obj: Any, n: int = 16) -> str:
     """Hash of a JSON-able object, independent of dict order."""
     blob = json.dumps(obj, sort_keys=True, default=str, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:n]
-
-
-@dataclass(frozen=True)
-class StagePlan:
-    name: str  # a StageDef's name
-    key: str
-    state_dir: str  # where _COMPLETE/_FAILED/_JOB.json go (the output dir for shared stages)
-    shared: bool  # output reusable across runs (content-addressed, in the cache)
-    depends_on: tuple[str, ...]
-    job: Any  # the stage's job spec, pickled into its node callable
-    # Slurm: a job array of this many elements, that many at once (the node callable's array_task(i) is
-    # element i); the local executor runs the stage's callable once.
-    array: tuple[int, int] | None = None
-    # Of depends_on, those this stage waits for to end, whatever their outcome (afterany), not to succeed.
-    after_any: tuple[str, ...] = ()
 
 
 @dataclass

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator.plan_types import StagePlan
 from orchestrator.stages import train
-from orchestrator.stages.base import NodeStage, PlanContext, StageDef, StagePlan, stable_hash
+from orchestrator.stages.base import NodeStage, PlanContext, StageDef, stable_hash
 from trainer.convert.run_config import ConvertRunConfig
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 

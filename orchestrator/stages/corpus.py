@@ -8,7 +8,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from orchestrator.stages.base import NodeStage, PlanContext, StageDef, StagePlan, stable_hash
+from orchestrator.plan_types import StagePlan
+from orchestrator.stages.base import NodeStage, PlanContext, StageDef, stable_hash
 from trainer.data.corpus_config import CorpusRun
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 

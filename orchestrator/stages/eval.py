@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from orchestrator.render import JobResources
+from orchestrator.plan_types import JobResources, StagePlan
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import convert, train
 from orchestrator.stages.base import (
@@ -17,7 +17,6 @@ from orchestrator.stages.base import (
     PlanContext,
     StageDef,
     StageLook,
-    StagePlan,
     common_resources,
     stable_hash,
 )

@@ -7,8 +7,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from orchestrator.plan_types import StagePlan
 from orchestrator.stages import corpus
-from orchestrator.stages.base import NodeStage, PlanContext, StageDef, StagePlan, stable_hash
+from orchestrator.stages.base import NodeStage, PlanContext, StageDef, stable_hash
 from trainer.config_issues import deferred
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.data.preprocess import PreprocessConfig

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import progress, queue
-from orchestrator.render import JobResources, mem_flag
+from orchestrator.plan_types import JobResources, StagePlan
+from orchestrator.render import mem_flag
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import preprocess, tune, tuning
 from orchestrator.stages.base import (
@@ -21,7 +22,6 @@ from orchestrator.stages.base import (
     PlanContext,
     StageDef,
     StageLook,
-    StagePlan,
     Upstream,
     common_resources,
     job_of_task,

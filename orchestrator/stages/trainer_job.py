@@ -9,9 +9,9 @@ import os
 from typing import Any
 
 from orchestrator.facts import PlanInputs
+from orchestrator.plan_types import StagePlan
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import preprocess
-from orchestrator.stages.base import StagePlan
 from trainer.config import RunConfig
 from trainer.data.blend import BlendError
 from trainer.run_files import RunDir, document_prefix

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator import queue
-from orchestrator.render import JobResources, mem_flag
+from orchestrator.plan_types import JobResources, StagePlan
+from orchestrator.render import mem_flag
 from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import preprocess
 from orchestrator.stages.base import (
@@ -27,7 +28,6 @@ from orchestrator.stages.base import (
     PlanContext,
     StageDef,
     StageLook,
-    StagePlan,
     common_resources,
     job_of_task,
     stable_hash,

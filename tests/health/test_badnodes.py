@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.plan_types import JobResources
 from orchestrator.progress import bad_nodes
-from orchestrator.render import JobResources, ScriptSpec, render_sbatch
+from orchestrator.render import ScriptSpec, render_sbatch
 from trainer.health.badnodes import WATCHDOG, read_bad_nodes, record_bad_nodes
 from trainer.run_files import BAD_NODES_DIR, EXCLUSIONS, REQUEUES
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.render import JobResources, ScriptSpec, render_sbatch
+from orchestrator.plan_types import JobResources
+from orchestrator.render import ScriptSpec, render_sbatch
 from orchestrator.runs import write_json
 from orchestrator.status import collect, format_rows
 from tests.slurm_cli import sacct_final_state

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from orchestrator.checks import Context, run_checks
+from orchestrator.checks import run_checks
 from orchestrator.checks.container import charliecloud_problems
 from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.plan_types import Context
 from orchestrator.runs import REPO_ROOT
 from orchestrator.submit import container_wrapper
 from tests.orchestrator.conftest import compose_cfg

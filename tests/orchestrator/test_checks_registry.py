@@ -10,8 +10,9 @@ import pathlib
 
 import pytest
 
-from orchestrator.checks import CHECKS, COSTS, SUBJECTS, Context
+from orchestrator.checks import CHECKS, COSTS, SUBJECTS
 from orchestrator.flow import launch
+from orchestrator.plan_types import Context
 from orchestrator.problems import PlanError
 from tests.orchestrator.conftest import REPO, compose_cfg
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.checks import Context
 from orchestrator.checks.cluster import partition_problems
+from orchestrator.plan_types import Context
 from orchestrator.problems import PlanError
 from orchestrator.sinfo import gpus_of, parse
 from tests.orchestrator.conftest import compose_cfg

@@ -254,7 +254,8 @@ def test_an_uneven_pipeline_split_plans_and_sizes_its_busiest_stage():
     in flight, so 4 + 3 + 3 + 3 holds 4 layers × 4 on the first stage (16 layer-micro-batches, vs 3 × 4 at
     the even 12-layer split), while with 1 + 4 + 4 + 4 the busiest is the second (4 × 3 = 12) and the
     last stage, not the first, holds the most parameters."""
-    from orchestrator.checks import Context, run_checks
+    from orchestrator.checks import run_checks
+    from orchestrator.plan_types import Context
 
     def cfg(*o: str):
         return compose_cfg(CP + ["parallel.pp_size=4", *o])

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.checks import Context, run_checks
+from orchestrator.checks import run_checks
 from orchestrator.checks.container import pyxis_problems
 from orchestrator.container import PYXIS_OPTIONS, REGISTRY_REF
 from orchestrator.flow import scripts_of
 from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.plan_types import Context
 from orchestrator.runs import REPO_ROOT
 from orchestrator.stages.tune import NAME as TUNE
 from orchestrator.submit import render_stage

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator import redaction
-from orchestrator.checks import Context
 from orchestrator.checks.secrets import known_secrets, secret_problems
 from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED
+from orchestrator.plan_types import Context
 from tests.orchestrator.conftest import REPO, compose_cfg, user_docs
 from tests.seam import hook_env
 

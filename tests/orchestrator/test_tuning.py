@@ -12,8 +12,9 @@ import random
 import pytest
 import scipy.stats
 
+from orchestrator.plan_types import JobResources
 from orchestrator.queue import parse_sacct, parse_squeue
-from orchestrator.render import JobResources, ScriptSpec, render_sbatch
+from orchestrator.render import ScriptSpec, render_sbatch
 from orchestrator.stages import trials, tuning
 from orchestrator.stages.trials import FAILED, MEASURED, TrialSpec, begin, measure, write_record
 from trainer.metrics_file import append_record, metrics_path

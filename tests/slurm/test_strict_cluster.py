@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.render import JobResources, ScriptSpec, render_sbatch
+from orchestrator.plan_types import JobResources
+from orchestrator.render import ScriptSpec, render_sbatch
 from tests.slurm_cli import sacct_final_state, slurm
 
 pytestmark = pytest.mark.slurm

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.checks import Context
 from orchestrator.flow import launch
+from orchestrator.plan_types import Context
 from orchestrator.problems import PlanError
 from tests.orchestrator.conftest import dry_plan as _plan
 
