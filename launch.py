@@ -7,7 +7,7 @@
 
 A multirun is all or nothing: Slipway's sweeper (hydra_plugins/slipway_sweeper) calls ``main`` for every
 point to plan and check it, prints one sweep summary, and only then calls it again for every point to
-submit it (orchestrator/sweep.py); points that need the same preprocessing share one job (content keys).
+submit it (orchestrator/launch/sweep.py); points needing the same preprocessing share one job (content keys).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from orchestrator import redaction
-from orchestrator import sweep as sweeps
-from orchestrator.facts import SweepInfo
-from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED, RunFailed, launch
-from orchestrator.launches import RunRecordError
-from orchestrator.problems import PlanError
-from orchestrator.schema import SlipwayConfig, register, to_typed
-from orchestrator.site import apply_site
-from orchestrator.submit import SubmitError
+from orchestrator.base import redaction
+from orchestrator.base.facts import SweepInfo
+from orchestrator.base.problems import PlanError
+from orchestrator.base.schema import SlipwayConfig, register, to_typed
+from orchestrator.base.site import apply_site
+from orchestrator.launch import sweep as sweeps
+from orchestrator.launch.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED, RunFailed, launch
+from orchestrator.launch.submit import SubmitError
+from orchestrator.record.launches import RunRecordError
 
 register()
 
@@ -53,8 +53,8 @@ def main(cfg: DictConfig) -> None:
         choices, task, sweep = dict(hc.runtime.choices), tuple(hc.overrides.task), _sweep_info()
 
         def typed_config() -> SlipwayConfig:
-            # The site file's hardware wins over an experiment's (orchestrator/site.py); keys the schema does
-            # not have are refused, +key=value included (to_typed).
+            # The site file's hardware wins over an experiment's (orchestrator/base/site.py); keys the schema
+            # does not have are refused, +key=value included (to_typed).
             return to_typed(apply_site(cfg, choices, (*hc.overrides.hydra, *task)), choices)
 
         collector = sweeps.active()
@@ -88,7 +88,7 @@ def main(cfg: DictConfig) -> None:
 
 if __name__ == "__main__":
     # Secrets from the environment and the command line are hidden from everything printed, Hydra's own
-    # errors included (orchestrator/redaction.py).
+    # errors included (orchestrator/base/redaction.py).
     redaction.REDACTOR.add(redaction.environ_secrets(os.environ) | redaction.argv_secrets(sys.argv[1:]))
     redaction.install()
     main()

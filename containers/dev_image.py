@@ -23,7 +23,7 @@ builds it), so a change rebuilds only what it touches:
 is built (exit 1 otherwise); ``key`` prints both keys. Needs root, debootstrap and ch-run (missing ones are
 installed with apt-get, as slurm/devcluster does). pip inside the image uses this machine's pip settings
 (index, find-links, constraints, certificates: ``pip config list`` and PIP_* variables), so it finds what
-the host's pip finds. Runs after ``make install`` (it reads orchestrator/container.py).
+the host's pip finds. Runs after ``make install`` (it reads orchestrator/world/container.py).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from orchestrator.container import CH_NAME_FILES as NAME_FILES  # noqa: E402  (ch-run binds onto them)
+from orchestrator.world.container import CH_NAME_FILES as NAME_FILES  # noqa: E402  (ch-run binds onto them)
 
 CACHE = REPO / ".make" / "images"
 SUITE = "bookworm"

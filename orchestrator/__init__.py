@@ -1,19 +1,23 @@
-"""Slipway orchestrator: what runs on the login node (Hydra, planning, job scripts, Slurm).
+"""Slipway orchestrator: what runs on the login node (Hydra, planning, job scripts, Slurm). Folders are
+layers; each imports only those before it (tests/test_imports.py checks the folder graph has no cycle):
 
-Pure (config → plan → scripts, golden-tested):
-- ``schema`` — the Hydra root: the trainer's sections (``trainer/config``, their one definition) plus
-  ``cluster``, ``container``, ``convert`` and the launch switches.
-- ``checks`` (every configuration check, one module per subject, each tagged pure/inputs/world; all
-  problems reported at once), ``problems`` (the problem record and the refusal), ``layout``
-  (world = tp·pp·dp), ``estimate`` (memory, ETA), ``plan`` (the stage graph), ``jobs`` (picklable job
-  specs, markers), ``render`` (sbatch and container text), ``container`` (the folders a containerised
-  job binds, image references), ``redaction`` (what a secret looks like).
-- ``docs`` — ``python -m orchestrator.docs`` writes docs/config.md; never imported at run time.
+1. ``base`` — the vocabulary: ``schema`` (the Hydra root over trainer/config's sections), ``site`` and
+   ``hardware``, ``layout`` (world = tp·pp·dp), ``estimate`` (memory, ETA), ``problems`` (the record and
+   the refusal), ``redaction``, ``facts`` and ``plan_types`` (Plan, StagePlan, JobResources, Context).
+2. ``world`` — what exists outside the process: ``queue`` (the one place that asks squeue/sacct or the OS
+   whether a job lives; the job-state vocabulary), ``sinfo``, ``runs`` (run and cache folders),
+   ``content_hash``, ``progress``, ``local_jobs``, ``container`` (the folders a containerised job binds).
+3. render: ``render`` and ``container_render`` (sbatch and container text, pure, golden-tested) stay at the
+   root: every job script names orchestrator/render.py.
+4. ``stages`` — one module per stage: its plan, resources, and what its job runs on the nodes.
+5. ``record`` — a run's launches: ``launches`` (run.json) and ``writer_lock`` (one writer per run).
+6. ``checks`` — every configuration check, one module per subject, tagged pure/inputs/world.
+7. ``planning`` — config → Plan (pure): ``plan`` (the stage graph), ``autolayout``, ``plan_format``,
+   ``data_shares``.
+8. ``readback`` — reading a run back: ``status``, ``summary``, ``logs``, ``follow``, ``listing``.
+9. ``launch`` — the side effects behind launch.py: ``flow`` (record, check, submit), ``submit`` (submitit
+   executors, afterok chains), ``sweep``, ``cancel``.
 
-Side effects (each named in ``submit``'s docstring): ``flow`` (the launch behind launch.py),
-the ``inputs`` and ``world`` checks (read inputs, the cache and the queue before submitting),
-``writer_lock`` (one writer per run and checkpoint directory),
-``submit`` (submitit executors, afterok chains), ``runs`` (run directories), ``queue`` (the one place
-that asks squeue/sacct or the OS whether a job lives, and the job-state vocabulary), ``stages`` (what
-the jobs run on the nodes), ``status``/``summary``/``follow`` (reading a run back).
+At the root: ``__main__`` (``python -m orchestrator``), ``docs`` (``python -m orchestrator.docs`` writes
+docs/config.md; never imported at run time), and ``jobs`` (the names old job pickles use).
 """

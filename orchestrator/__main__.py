@@ -19,7 +19,7 @@ from trainer.run_files import LOSS_PLOT, RUN_JSON, RunDir
 
 def _runs_root() -> str:
     """The config's default ``runs_root`` (what ``list`` lists without a path)."""
-    from orchestrator.schema import SlipwayConfig
+    from orchestrator.base.schema import SlipwayConfig
 
     return SlipwayConfig.runs_root
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from orchestrator.status import collect, format_history, format_rows, launch_notes, plot
+    from orchestrator.readback.status import collect, format_history, format_rows, launch_notes, plot
 
     try:
         rows = collect(args.path, args.stale_after)
@@ -88,7 +88,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _one_run(path: str) -> Path:
-    from orchestrator.runs import run_dirs_of
+    from orchestrator.world.runs import run_dirs_of
 
     runs = run_dirs_of(path)
     if len(runs) != 1:
@@ -98,9 +98,9 @@ def _one_run(path: str) -> Path:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    from orchestrator import logs
-    from orchestrator.launches import RunRecordError
-    from orchestrator.status import collect
+    from orchestrator.readback import logs
+    from orchestrator.readback.status import collect
+    from orchestrator.record.launches import RunRecordError
 
     try:
         run = _one_run(args.path)
@@ -127,7 +127,7 @@ def _logs(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from orchestrator.listing import collect_runs, format_runs
+    from orchestrator.readback.listing import collect_runs, format_runs
 
     try:
         lines, squeue_error = collect_runs(args.path)
@@ -139,9 +139,9 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _cancel(args: argparse.Namespace) -> int:
-    from orchestrator.cancel import cancel_run
-    from orchestrator.launches import RunRecordError
-    from orchestrator.runs import run_dirs_of
+    from orchestrator.launch.cancel import cancel_run
+    from orchestrator.record.launches import RunRecordError
+    from orchestrator.world.runs import run_dirs_of
 
     try:
         runs = run_dirs_of(args.path)

@@ -1,6 +1,6 @@
 """The container half of the job scripts: the per-task wrapper of Apptainer and Charliecloud (a clean
 environment, the allowlisted variables forwarded per task, the binds) and pyxis's srun flags and preamble
-(mounts, ``--container-env`` names). Every runtime binds the folders of :mod:`orchestrator.container`, puts
+(mounts, ``--container-env`` names). Each runtime binds the folders of :mod:`~orchestrator.world.container`,
 the launched repository first on PYTHONPATH and names the image's own kernel build (``container.kernels_dir``,
 trainer/kernel_build.py), which the job loads instead of the repository's; :mod:`orchestrator.render` puts
 these pieces into the sbatch script."""
@@ -10,8 +10,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from orchestrator.container import WRAPPER_KINDS
-from orchestrator.schema import ContainerConfig
+from orchestrator.base.schema import ContainerConfig
+from orchestrator.world.container import WRAPPER_KINDS
 from trainer.kernel_build import KERNELS_DIR_ENV
 
 

@@ -35,9 +35,9 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+from orchestrator.base.plan_types import JobResources
+from orchestrator.base.redaction import is_secret_name
 from orchestrator.container_render import PyxisSpec, pyxis_preamble, pyxis_srun_flags
-from orchestrator.plan_types import JobResources
-from orchestrator.redaction import is_secret_name
 from trainer.formulas import PORT_BASE, PORT_SPAN
 from trainer.run_files import (
     ATTEMPT_ENV,
@@ -80,7 +80,7 @@ class ScriptSpec:
     setup: tuple[str, ...] = ()
     master_port_base: int = PORT_BASE
     pyxis: PyxisSpec | None = None  # container.kind=pyxis: each srun runs its tasks in the image
-    comment: str = ""  # --comment: the run, launch and stage (orchestrator/launches.py job_comment)
+    comment: str = ""  # --comment: the run, launch and stage (orchestrator/record/launches.py job_comment)
     code_dir: str = ""  # the repository that was launched: first on PYTHONPATH (containers put it there too)
     run_dir: str = ""  # training: where the trainer names bad nodes (empty: no node exclusion)
     helper: tuple[tuple[str, str], ...] = ()  # the exclusion helper job's sbatch flags (partition, account)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import subprocess
 
-from orchestrator.queue import ENDED
+from orchestrator.world.queue import ENDED
 from tests.waits import NEVER_S, wait_until
 
-TERMINAL = ENDED  # the states in which a job has ended: orchestrator.queue's vocabulary, not a copy
+TERMINAL = ENDED  # the states in which a job has ended: orchestrator.world.queue's vocabulary, not a copy
 
 
 class SlurmCommandError(AssertionError):

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator import estimate
-from orchestrator.layout import layout_of
-from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.base import estimate
+from orchestrator.base.layout import layout_of
+from orchestrator.planning.plan import PlanInputs, make_plan
 from tests.orchestrator.conftest import compose_cfg
 from trainer import formulas
 from trainer.formulas import flops_per_iteration, padded_vocab_size

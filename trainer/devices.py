@@ -1,6 +1,6 @@
 """The GPUs Slipway knows, torch-free: memory and dense peak throughput, each figure from the vendor's
 datasheet (named beside each entry). One table for both sides: the plan reads it for a site file's
-``cluster.device_name`` (orchestrator/estimate.py), the trainer for the GPU it runs on (its MFU,
+``cluster.device_name`` (orchestrator/base/estimate.py), the trainer for the GPU it runs on (its MFU,
 trainer/run/metrics.py).
 
 Peaks are *dense* (NVIDIA's datasheets print the 16-bit and 8-bit tensor-core figures "with sparsity",

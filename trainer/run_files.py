@@ -4,11 +4,11 @@ table can import it. A module that needs a run's file asks :class:`RunDir` (or u
 literal file name of a run anywhere else is a second copy (tests/test_run_files.py fails on it).
 
     <run_dir>/
-      run.json                 what was launched: stages, jobs, config (orchestrator/runs.py)
+      run.json                 what was launched: stages, jobs, config (orchestrator/world/runs.py)
       config.yaml              link to the latest launch's resolved config (launches/<n>/config.yaml)
       launches/<n>/            each launch: config.yaml, scripts/
       .slipway-launch.lock     held while a launch records and submits (also in the checkpoint dir, with
-                               .slipway-writer.json: the job that writes it; orchestrator/writer_lock.py)
+                               .slipway-writer.json, the job writing it: orchestrator/record/writer_lock.py)
       checkpoints/             Megatron's layout: iter_XXXXXXX/, latest_checkpointed_iteration.txt
       hf/                      the converted Hugging Face model
       eval/                    results.json of the eval stage
@@ -24,7 +24,7 @@ literal file name of a run anywhere else is a second copy (tests/test_run_files.
                                trial.json spec, trial_rank<r>.json outcomes, its metrics, logs, heartbeats)
       sample.txt               the converted model's sample continuation
       loss.png                 the loss curve (``python -m orchestrator status RUN --plot``)
-      summary.txt              what a finished local run printed (orchestrator/summary.py)
+      summary.txt              what a finished local run printed (orchestrator/readback/summary.py)
       bad_nodes.jsonl          every node a preflight or hang watchdog named, and why (trainer/health)
       bad_nodes/               per attempt and reporter: the nodes the batch script keeps out of the next
 """

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 DEFAULT_BASE_URL = "https://api.wandb.ai"  # W&B's own default when WANDB_BASE_URL is unset
 PROBE_TIMEOUT_S = 5.0
-# Keys of {run_dir}/wandb_run.json (trainer.run.metrics.WandbLogger writes it; orchestrator.status reads it).
+# Keys of {run_dir}/wandb_run.json: trainer.run.metrics.WandbLogger writes it, orchestrator.readback.status
+# reads it.
 FALLBACK_KEY = "offline_fallback"
 
 

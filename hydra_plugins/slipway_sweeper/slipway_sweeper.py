@@ -1,11 +1,11 @@
 """Slipway's Hydra sweeper: a multirun (``python launch.py -m ...``) is planned whole before anything is
-submitted (orchestrator/sweep.py says how).
+submitted (orchestrator/launch/sweep.py says how).
 
 Hydra's basic sweeper writes ``multirun.yaml`` into the sweep folder and its basic launcher runs the task
 function once per point, each to its end: point 0 was submitted before point 1 was even checked, and a
 dry run left an empty sweep folder behind. This sweeper expands the same cartesian product (it is the
 basic sweeper's parsing), then runs the task function for every point twice inside
-``orchestrator.sweep.collecting``: once to plan, and — only when the verdict allows it — once to submit.
+``orchestrator.launch.sweep.collecting``: once to plan, and — only if the verdict allows it — once to submit.
 It creates no folder of its own (the task function's calls make only what the points' launches write).
 
 Hydra finds plugins in the ``hydra_plugins`` namespace package (this folder, next to ``launch.py``);
@@ -46,7 +46,7 @@ class SlipwaySweeper(BasicSweeper):
         self.task_function = task_function  # called here directly; the basic launcher is not used
 
     def sweep(self, arguments: list[str]) -> Any:
-        from orchestrator import sweep as sweeps
+        from orchestrator.launch import sweep as sweeps
 
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
         setup_globals()  # Hydra's resolvers (${now:...}), as its launchers register them

@@ -12,9 +12,9 @@ Charliecloud included), ``cluster`` (its devices, hardware, Slurm partitions and
 - ``world``: reads the world: the cache, the run's checkpoints, the queue, ``srun``, ``sinfo``, the W&B
   key file.
 
-Each check also says when it runs (``at``): ``plan``, in :func:`orchestrator.plan.make_plan` (the pure
+Each check also says when it runs (``at``): ``plan``, in :func:`~orchestrator.planning.plan.make_plan` (pure
 ones, and the cheap ones a plan test answers through the injected ``exists`` or the environment), or
-``launch``, in :func:`orchestrator.flow.launch` after the plan (those that open files or read the plan's
+``launch``, in :func:`orchestrator.launch.flow.launch` after the plan (those that open files or read its
 directories). Every problem is reported at once either way. A new check goes into its subject's module
 and one row here.
 """
@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import Problem
 from orchestrator.checks import (
     checkpoints,
     cluster,
@@ -36,8 +38,6 @@ from orchestrator.checks import (
     secrets,
     tokenizer,
 )
-from orchestrator.plan_types import Context
-from orchestrator.problems import Problem
 
 Subject = Literal["run", "data", "tokenizer", "layout", "memory", "container", "cluster", "secrets",
                   "checkpoints"]

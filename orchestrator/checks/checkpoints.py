@@ -1,18 +1,18 @@
 """The checkpoints the training job would resume from, read before anything is submitted: they verify
 (cheaply: sizes against each manifest), they are the configured model, and no other job of the run (or
 other writer of its checkpoint directory) is active — the dry run's view of what the launch's writer lock
-(orchestrator/writer_lock.py) refuses."""
+(orchestrator/record/writer_lock.py) refuses."""
 
 from __future__ import annotations
 
 import os
 
-from orchestrator import launches
-from orchestrator.plan_types import Context, Plan
-from orchestrator.problems import Problem
-from orchestrator.runs import hf_vocab_entries, vocab_entries
+from orchestrator.base.plan_types import Context, Plan
+from orchestrator.base.problems import Problem
+from orchestrator.record import launches
+from orchestrator.record.writer_lock import active_jobs, run_active
 from orchestrator.stages.train import NAME as TRAIN
-from orchestrator.writer_lock import active_jobs, run_active
+from orchestrator.world.runs import hf_vocab_entries, vocab_entries
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.formulas import model_vocab_size

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator import sinfo
-from orchestrator.hardware import HARDWARE, hardware, is_cpu, source
-from orchestrator.plan_types import Context
-from orchestrator.problems import Problem
-from orchestrator.queue import controller_unreachable
-from orchestrator.schema import ClusterConfig
+from orchestrator.base.hardware import HARDWARE, hardware, is_cpu, source
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import Problem
+from orchestrator.base.schema import ClusterConfig
+from orchestrator.world import sinfo
+from orchestrator.world.queue import controller_unreachable
 from trainer.devices import known_names
 
 
@@ -151,7 +151,7 @@ def _over_the_site(c: ClusterConfig, key: str, site: Any) -> Problem | None:
 
 
 def _size_problems(c: ClusterConfig) -> list[Problem]:
-    """The job's size in nodes and GPUs against the site's (cluster.gpus: orchestrator/site.py)."""
+    """The job's size in nodes and GPUs against the site's (cluster.gpus: orchestrator/base/site.py)."""
     out, per_node = [], c.gpus_per_node
     if c.gpus is not None:
         if not per_node:

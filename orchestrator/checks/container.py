@@ -2,7 +2,7 @@
 a registry reference for pyxis, no credentials in it; a root file system folder for Charliecloud, with a
 folder for each bind), the folders it binds can be bound, pyxis is not asked of the local executor, the
 srun on this node has pyxis's options and ch-run is there, and a GPU run's image has the compiled kernels
-of the checkout it runs. What the binds and image references are: orchestrator/container.py."""
+of the checkout it runs. What the binds and image references are: orchestrator/world/container.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,11 @@ import os
 import shutil
 import subprocess
 
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import Problem
+from orchestrator.base.schema import SlipwayConfig
 from orchestrator.checks.data import missing_files
-from orchestrator.container import (
+from orchestrator.world.container import (
     CH_NAME_FILES,
     CREDENTIALS,
     MOUNT_UNSAFE,
@@ -24,9 +27,6 @@ from orchestrator.container import (
     missing_mount_points,
     mount_points,
 )
-from orchestrator.plan_types import Context
-from orchestrator.problems import Problem
-from orchestrator.schema import SlipwayConfig
 from trainer import kernel_build
 from trainer.config import COMPILED_KERNEL_SETS
 from trainer.run_files import RUN_JSON

@@ -17,8 +17,8 @@ import json
 import os
 from pathlib import Path
 
-from orchestrator.plan_types import Context
-from orchestrator.problems import Problem
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import Problem
 from orchestrator.stages.preprocess import NAME as PREPROCESS
 from trainer.data.blend import BlendError
 from trainer.run_files import COMPLETE

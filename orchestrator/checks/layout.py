@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from orchestrator.layout import Layout
-from orchestrator.plan_types import Context
-from orchestrator.problems import Problem
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.layout import Layout
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import Problem
+from orchestrator.base.schema import SlipwayConfig
 
 
 def pipeline_split(cfg: SlipwayConfig, pp: int) -> str | None:
     """Why ``pp`` pipeline stages cannot split this model's layers, or None when they can: the one
-    question the layout search (orchestrator/autolayout.py) asks of a pipeline size. The rule is the
+    question the layout search (orchestrator/planning/autolayout.py) asks of a pipeline size. The rule is the
     parallel section's own (``ParallelConfig.layer_issues``: equal shares, or the uneven split the config
     asks for), asked before model chunks, which the search varies separately."""
     parallel = replace(cfg.parallel, pp_size=pp, virtual_pp_size=1)

@@ -1,11 +1,11 @@
-"""Device memory: the plan's per-device estimate (orchestrator/estimate.py) against the device, with the
+"""Device memory: the plan's per-device estimate (orchestrator/base/estimate.py) against the device, with the
 options that would lower it (plan.MEMORY_OPTIONS, each at the plan's own figure) in the fix."""
 
 from __future__ import annotations
 
-from orchestrator.estimate import GIB, MemoryEstimate, MemoryOption
-from orchestrator.plan_types import Context
-from orchestrator.problems import Problem
+from orchestrator.base.estimate import GIB, MemoryEstimate, MemoryOption
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import Problem
 
 
 def _memory_advice(mem: MemoryEstimate, options: list[MemoryOption]) -> str:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import re
 
-from orchestrator.plan_types import Context
-from orchestrator.problems import Problem
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import Problem
 from orchestrator.stages.train import NAME as TRAIN
 
 

@@ -3,7 +3,7 @@ a key.
 
 - ``secret_in_config``: a secret-named entry of ``cluster.env``/``cluster.sbatch_extra``, a secret
   assignment in ``cluster.setup``, a value that looks like a secret anywhere in the config (see
-  orchestrator/redaction.py, the one definition), or the value of a secret variable of the launching
+  orchestrator/base/redaction.py, the one definition), or the value of a secret variable of the launching
   environment copied into the config (``${oc.env:DB_PASSWD}``). Secrets belong in the environment one
   launches from; the value is never shown (``<redacted>``).
 - ``wandb_key``: ``logging.wandb.mode=online`` with no W&B API key in the launching environment or
@@ -23,11 +23,11 @@ import dataclasses
 import os
 from collections.abc import Iterator
 
-from orchestrator.container import mount_points
-from orchestrator.plan_types import Context
-from orchestrator.problems import Problem
-from orchestrator.redaction import HEX40, is_secret_name, secret_assignments, secret_kind
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import Problem
+from orchestrator.base.redaction import HEX40, is_secret_name, secret_assignments, secret_kind
+from orchestrator.base.schema import SlipwayConfig
+from orchestrator.world.container import mount_points
 from trainer import faults
 from trainer.run_files import RUN_JSON
 from trainer.wandb_key import has_wandb_key, missing_key_message, wandb_host

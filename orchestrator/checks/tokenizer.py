@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import Problem
 from orchestrator.checks.data import missing_files
-from orchestrator.plan_types import Context
-from orchestrator.problems import Problem
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from orchestrator.plan_types import StagePlan
+from orchestrator.base.plan_types import StagePlan
 from orchestrator.stages.base import NodeStage, StageDef, Upstream
 from orchestrator.stages.convert import ConvertJob, ConvertStage
 from orchestrator.stages.corpus import CorpusStage

@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from orchestrator.facts import PlanInputs
-from orchestrator.plan_types import JobResources, StagePlan
-from orchestrator.queue import marker_of, process_alive
-from orchestrator.runs import CACHE_DIR
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.facts import PlanInputs
+from orchestrator.base.plan_types import JobResources, StagePlan
+from orchestrator.base.schema import SlipwayConfig
+from orchestrator.world.queue import marker_of, process_alive
+from orchestrator.world.runs import CACHE_DIR
 from trainer.run_files import COMPLETE, FAILED, RunDir
 
 
@@ -43,7 +43,7 @@ class PlanContext:
     cfg: SlipwayConfig
     facts: PlanInputs
     planned: dict[str, StagePlan] = field(default_factory=dict)
-    proposal: Any = None  # layout=auto: the plan's ranked layouts (orchestrator.autolayout.Proposal)
+    proposal: Any = None  # layout=auto: the plan's ranked layouts (orchestrator.planning.autolayout.Proposal)
 
     @property
     def cache_dir(self) -> str:
@@ -94,7 +94,7 @@ class StageDef:
                             c.stage_partition or c.partition, **common_resources(cfg))
 
     def status(self, look: StageLook) -> dict[str, Any]:
-        """Fields of the status row beyond the job's state (``orchestrator.status.JobRow``); a stage whose
+        """Fields of the status row beyond the job's state (``readback.status.JobRow``); a stage whose
         job's exit is not its outcome (the tune stage's array, where a failed trial is a result) may
         restate the state."""
         return {}

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.plan_types import StagePlan
+from orchestrator.base.plan_types import StagePlan
 from orchestrator.stages import train
 from orchestrator.stages.base import NodeStage, PlanContext, StageDef, stable_hash
 from trainer.convert.run_config import ConvertRunConfig

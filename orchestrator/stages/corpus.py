@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from orchestrator.plan_types import StagePlan
+from orchestrator.base.plan_types import StagePlan
 from orchestrator.stages.base import NodeStage, PlanContext, StageDef, stable_hash
 from trainer.data.corpus_config import CorpusRun
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE

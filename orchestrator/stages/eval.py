@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from orchestrator.plan_types import JobResources, StagePlan
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.plan_types import JobResources, StagePlan
+from orchestrator.base.schema import SlipwayConfig
 from orchestrator.stages import convert, train
 from orchestrator.stages.base import (
     NodeStage,

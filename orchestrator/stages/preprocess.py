@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from orchestrator.plan_types import StagePlan
+from orchestrator.base.plan_types import StagePlan
 from orchestrator.stages import corpus
 from orchestrator.stages.base import NodeStage, PlanContext, StageDef, stable_hash
 from trainer.config_issues import deferred

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator import progress, queue
-from orchestrator.plan_types import JobResources, StagePlan
+from orchestrator.base.plan_types import JobResources, StagePlan
+from orchestrator.base.schema import SlipwayConfig
 from orchestrator.render import mem_flag
-from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import preprocess, tune, tuning
 from orchestrator.stages.base import (
     NodeStage,
@@ -28,6 +27,7 @@ from orchestrator.stages.base import (
     stable_hash,
 )
 from orchestrator.stages.trainer_job import export_torch_env, run_name, trainer_config
+from orchestrator.world import progress, queue
 from trainer import faults
 from trainer.checkpoint.verify import read_warnings
 from trainer.config import RunConfig

@@ -8,9 +8,9 @@ import dataclasses
 import os
 from typing import Any
 
-from orchestrator.facts import PlanInputs
-from orchestrator.plan_types import StagePlan
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.facts import PlanInputs
+from orchestrator.base.plan_types import StagePlan
+from orchestrator.base.schema import SlipwayConfig
 from orchestrator.stages import preprocess
 from trainer.config import RunConfig
 from trainer.data.blend import BlendError

@@ -38,7 +38,7 @@ from trainer.run_files import TRIAL_RECORD, RunDir
 from trainer.signals import EXIT_HANG
 
 if TYPE_CHECKING:
-    from orchestrator.schema import AutotuneConfig
+    from orchestrator.base.schema import AutotuneConfig
 
 log = get_logger(__name__)
 

@@ -1,5 +1,5 @@
 """The tune stage (layout=auto tune=true): short trial jobs of the plan's best-ranked layouts
-(orchestrator/autolayout.py), after preprocessing — they train on the run's own data — and before
+(orchestrator/planning/autolayout.py), after preprocessing — they train on the run's own data — and before
 training, which takes the fastest (orchestrator/stages/tuning.py decides when the train job starts).
 
 On Slurm the trials are one job array, ``--array=0-K-1%C`` (``autotune.candidates``,
@@ -18,10 +18,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator import queue
-from orchestrator.plan_types import JobResources, StagePlan
+from orchestrator.base.plan_types import JobResources, StagePlan
+from orchestrator.base.schema import SlipwayConfig
 from orchestrator.render import mem_flag
-from orchestrator.schema import SlipwayConfig
 from orchestrator.stages import preprocess
 from orchestrator.stages.base import (
     NodeStage,
@@ -45,6 +44,7 @@ from orchestrator.stages.trials import (
     trial_config,
 )
 from orchestrator.stages.tuning import outcomes_so_far, stored, verdict
+from orchestrator.world import queue
 from trainer.run_files import RunDir
 
 NAME = "tune"

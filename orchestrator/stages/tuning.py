@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.estimate import fmt_bytes
+from orchestrator.base.estimate import fmt_bytes
 from orchestrator.stages.trials import FAILED, MEASURED, read_json
 from trainer.health import read_hangs
 from trainer.log import get_logger

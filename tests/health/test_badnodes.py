@@ -1,6 +1,6 @@
 """Bad nodes: what the preflight and the watchdog record (trainer/health/badnodes.py), what the batch script
 decides with it (render.py's ``slipway_exclude``, run here by bash against stand-ins for Slurm's clients
-that record every call), and what ``status`` says (orchestrator/progress.py). The real thing on the
+that record every call), and what ``status`` says (orchestrator/world/progress.py). The real thing on the
 devcluster: tests/orchestrator/test_bad_node.py."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.plan_types import JobResources
-from orchestrator.progress import bad_nodes
+from orchestrator.base.plan_types import JobResources
 from orchestrator.render import ScriptSpec, render_sbatch
+from orchestrator.world.progress import bad_nodes
 from trainer.health.badnodes import WATCHDOG, read_bad_nodes, record_bad_nodes
 from trainer.run_files import BAD_NODES_DIR, EXCLUSIONS, REQUEUES
 

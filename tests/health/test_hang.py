@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.runs import write_json
-from orchestrator.status import collect, format_rows
+from orchestrator.readback.status import collect, format_rows
+from orchestrator.world.runs import write_json
 from tests.train.harness import tiny_config, write_dataset
 from tests.waits import NEVER_S, wait_until
 from trainer.signals import EXIT_HANG

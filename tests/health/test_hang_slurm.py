@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from orchestrator.plan_types import JobResources
+from orchestrator.base.plan_types import JobResources
+from orchestrator.readback.status import collect, format_rows
 from orchestrator.render import ScriptSpec, render_sbatch
-from orchestrator.runs import write_json
-from orchestrator.status import collect, format_rows
+from orchestrator.world.runs import write_json
 from tests.slurm_cli import sacct_final_state
 from tests.train.harness import tiny_config, write_dataset
 from tests.waits import JOB_S, wait_until

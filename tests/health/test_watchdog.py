@@ -190,7 +190,7 @@ def test_the_watchdog_blames_the_ranks_the_others_wait_for():
 
 def test_settable_from_launch_overrides():
     """``train.hang_timeout_s=...`` on the launch.py command line reaches the trainer's config."""
-    from orchestrator.plan import PlanInputs, make_plan
+    from orchestrator.planning.plan import PlanInputs, make_plan
     from tests.orchestrator.conftest import compose_cfg
     from trainer.config import RunConfig
 

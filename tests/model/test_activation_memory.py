@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from bench.counters import saved_activation_bytes
-from orchestrator.estimate import estimate_memory
-from orchestrator.layout import layout_of
+from orchestrator.base.estimate import estimate_memory
+from orchestrator.base.layout import layout_of
 from tests.orchestrator.conftest import compose_cfg
 from tests.parallel import harness as H
 from trainer import formulas

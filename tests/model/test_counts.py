@@ -107,7 +107,7 @@ def test_busiest_stage_parameters_equal_a_real_tp2_pp2_rank(tmp_path):
 
 def test_plan_memory_uses_the_architecture():
     """The plan's parameter count of the 1B Llama preset is the formula's (GQA, SwiGLU, no biases)."""
-    from orchestrator.estimate import stage_params
+    from orchestrator.base.estimate import stage_params
     from tests.orchestrator.conftest import compose_cfg
 
     cfg = compose_cfg(["model=llama_1b", "parallel.tp_size=1", "parallel.pp_size=1"])

@@ -1,5 +1,5 @@
 """Helpers: compose the shipped Hydra configs the way launch.py does (the site's hardware applied,
-orchestrator/site.py; unknown keys refused)."""
+orchestrator/base/site.py; unknown keys refused)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
 
-from orchestrator.schema import SlipwayConfig, register, to_typed
-from orchestrator.site import apply_site
+from orchestrator.base.schema import SlipwayConfig, register, to_typed
+from orchestrator.base.site import apply_site
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "hydra_conf"
@@ -28,8 +28,8 @@ def compose_cfg(overrides: list[str]) -> SlipwayConfig:
 
 def dry_plan(tmp_path: Path, *extra: str):
     """The smoke run's config and plan (run r1 under ``tmp_path``, a dry run unless ``extra`` says not)."""
-    from orchestrator.flow import gather_facts
-    from orchestrator.plan import make_plan
+    from orchestrator.launch.flow import gather_facts
+    from orchestrator.planning.plan import make_plan
 
     cfg = compose_cfg(["+experiment=codeparrot_smoke", f"runs_root={tmp_path}/runs",
                        f"cache_dir={tmp_path}/c", "run_id=r1", "dry_run=true", *extra])

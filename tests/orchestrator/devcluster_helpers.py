@@ -8,13 +8,13 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator.launches import current_jobs
-from orchestrator.queue import alive, ended
-from orchestrator.status import collect
+from orchestrator.readback.status import collect
+from orchestrator.record.launches import current_jobs
+from orchestrator.world.queue import alive, ended
 from tests.slurm_cli import slurm
 from tests.waits import JOB_S, wait_until
 
-# Whether a stage is still queued or running is orchestrator.queue's question (Slurm's vocabulary defined
+# Whether a stage is still queued or running is orchestrator.world.queue's (Slurm's vocabulary defined
 # once; a state not yet known to accounting counts as alive): a wait must not end on a transient state
 # such as SIGNALING (a time limit being signalled).
 
@@ -39,7 +39,7 @@ TINY_MODEL = [
 
 def my_jobs() -> dict[str, str]:
     """{job id: state} of every Slipway job in the queue (each carries a ``slipway:`` comment naming its
-    run, launch and stage: orchestrator/launches.py job_comment; its name is the run's)."""
+    run, launch and stage: orchestrator/record/launches.py job_comment; its name is the run's)."""
     jobs = {}
     for line in slurm("squeue", "-h", "-o", "%i|%T|%k").splitlines():
         jid, state, comment = line.split("|", 2)

@@ -10,9 +10,9 @@ from collections import Counter
 
 import pytest
 
-from orchestrator.autolayout import Candidate, apply
-from orchestrator.flow import launch
-from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.launch.flow import launch
+from orchestrator.planning.autolayout import Candidate, apply
+from orchestrator.planning.plan import PlanInputs, make_plan
 from orchestrator.stages import get as stage_def
 from orchestrator.stages.tune import NAME as TUNE
 from orchestrator.stages.tuning import spelled, write_table

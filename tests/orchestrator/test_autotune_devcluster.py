@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.flow import launch
-from orchestrator.launches import launch_dir
-from orchestrator.queue import query_slurm
+from orchestrator.launch.flow import launch
+from orchestrator.record.launches import launch_dir
 from orchestrator.stages.tune import NAME as TUNE
+from orchestrator.world.queue import query_slurm
 from tests.orchestrator.conftest import compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, job_ids, wait_states
 from tests.seam import enabled

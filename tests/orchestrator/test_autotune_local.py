@@ -12,9 +12,9 @@ import json
 
 import pytest
 
-from orchestrator.flow import launch
+from orchestrator.launch.flow import launch
+from orchestrator.readback.status import collect, format_rows
 from orchestrator.stages.tune import NAME as TUNE
-from orchestrator.status import collect, format_rows
 from tests.orchestrator.conftest import compose_cfg
 from tests.seam import hook_env
 from trainer.checkpoint.protocol import saved_layout

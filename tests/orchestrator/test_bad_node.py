@@ -1,5 +1,5 @@
 """A bad node is not retried into (orchestrator/render.py, trainer/health/badnodes.py), and ``logs``/``list``
-follow such a run (orchestrator/logs.py, listing.py), on the devcluster.
+follow such a run (orchestrator/readback/logs.py, listing.py), on the devcluster.
 
 A one-node training job (2 ranks, tp=2) stalls after iteration 3 (``SLIPWAY_STALL_TRAIN``: every rank
 pauses until a signal, so nothing races the run); the test SIGSTOPs rank 1. Rank 0's hang watchdog names
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.flow import launch
-from orchestrator.status import collect, format_rows
+from orchestrator.launch.flow import launch
+from orchestrator.readback.status import collect, format_rows
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, job_ids, wait_for, wait_states
 from tests.seam import enabled

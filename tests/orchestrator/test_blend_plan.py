@@ -11,8 +11,8 @@ import re
 
 import pytest
 
-from orchestrator.flow import launch
-from orchestrator.problems import PlanError
+from orchestrator.base.problems import PlanError
+from orchestrator.launch.flow import launch
 from tests.orchestrator.checks.test_data import _jsonl, _tokenizer
 from tests.orchestrator.conftest import compose_cfg
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from orchestrator.base.plan_types import Context
 from orchestrator.checks import run_checks
 from orchestrator.checks.container import charliecloud_problems
-from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.plan_types import Context
-from orchestrator.runs import REPO_ROOT
-from orchestrator.submit import container_wrapper
+from orchestrator.launch.submit import container_wrapper
+from orchestrator.planning.plan import PlanInputs, make_plan
+from orchestrator.world.runs import REPO_ROOT
 from tests.orchestrator.conftest import compose_cfg
 from tests.orchestrator.test_secrets import ENV_SECRETS
 from trainer import kernel_build

@@ -10,10 +10,10 @@ import pathlib
 
 import pytest
 
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import PlanError
 from orchestrator.checks import CHECKS, COSTS, SUBJECTS
-from orchestrator.flow import launch
-from orchestrator.plan_types import Context
-from orchestrator.problems import PlanError
+from orchestrator.launch.flow import launch
 from tests.orchestrator.conftest import REPO, compose_cfg
 
 FIXED_SUBJECTS = ("run", "data", "tokenizer", "layout", "memory", "container", "cluster", "secrets",
@@ -84,12 +84,13 @@ def test_no_check_function_lives_outside_the_checks_package():
 
 def test_the_scan_sees_a_check_outside(tmp_path):
     (tmp_path / "orchestrator" / "checks").mkdir(parents=True)
-    (tmp_path / "orchestrator" / "plan.py").write_text(
+    (tmp_path / "orchestrator" / "planning").mkdir()
+    (tmp_path / "orchestrator" / "planning" / "plan.py").write_text(
         "def _estimate_problems(cfg) -> list[Problem]:\n    return []\n\n"
         "def rank_problems(rows) -> list[str]:\n    return []\n\n"
         "def names_problems(cfg):\n    return []\n")
-    assert checks_outside(tmp_path) == ["orchestrator/plan.py:1 _estimate_problems",
-                                        "orchestrator/plan.py:7 names_problems"]
+    assert checks_outside(tmp_path) == ["orchestrator/planning/plan.py:1 _estimate_problems",
+                                        "orchestrator/planning/plan.py:7 names_problems"]
 
 
 def test_every_public_check_in_the_package_is_registered():

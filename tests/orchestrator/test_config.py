@@ -9,10 +9,10 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from orchestrator.base.layout import layout_of
+from orchestrator.base.plan_types import Context
 from orchestrator.checks import run_checks
-from orchestrator.layout import layout_of
-from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.plan_types import Context
+from orchestrator.planning.plan import PlanInputs, make_plan
 from tests.orchestrator.conftest import CONF, compose_cfg, group_options
 
 EXPERIMENTS = group_options("experiment")

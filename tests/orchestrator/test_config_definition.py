@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from orchestrator import schema
-from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.base import schema
+from orchestrator.planning.plan import PlanInputs, make_plan
 from tests.orchestrator.conftest import compose_cfg
 from trainer import config as tconfig
 from trainer.config_issues import ConfigError
@@ -105,6 +105,6 @@ def test_no_second_definition_of_a_section():
 
 
 def test_config_module_imports_no_torch():
-    code = ("import sys, trainer.config, orchestrator.schema; "
+    code = ("import sys, trainer.config, orchestrator.base.schema; "
             "assert 'torch' not in sys.modules, 'trainer.config pulled in torch'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

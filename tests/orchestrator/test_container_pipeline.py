@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.launches import current
+from orchestrator.record.launches import current
 from tests.ci import IN_CI
 from tests.orchestrator.conftest import REPO
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, wait_states

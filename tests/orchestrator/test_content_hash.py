@@ -3,9 +3,9 @@ whose timestamp was restored gets a new key; an unchanged input is not read agai
 
 import os
 
-from orchestrator import content_hash
-from orchestrator.flow import gather_facts
-from orchestrator.plan import make_plan
+from orchestrator.launch.flow import gather_facts
+from orchestrator.planning.plan import make_plan
+from orchestrator.world import content_hash
 from tests.orchestrator.conftest import compose_cfg
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.launches import current, current_jobs
+from orchestrator.record.launches import current, current_jobs
 from orchestrator.stages.tune import NAME as TUNE
 from tests.orchestrator.conftest import REPO, stage_names
 from tests.train.wandb_reader import history, run_files

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.flow import launch
-from orchestrator.launches import current, current_jobs
-from orchestrator.problems import PlanError
-from orchestrator.queue import query_slurm
+from orchestrator.base.problems import PlanError
+from orchestrator.launch.flow import launch
+from orchestrator.record.launches import current, current_jobs
+from orchestrator.world.queue import query_slurm
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, job_ids, my_jobs, wait_states
 from tests.seam import enabled

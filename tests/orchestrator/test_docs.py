@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import docs, schema
+from orchestrator import docs
+from orchestrator.base import schema
 from tests.orchestrator.conftest import REPO, user_docs
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.runs import write_json
+from orchestrator.planning.plan import PlanInputs, make_plan
+from orchestrator.readback.status import collect, format_rows
+from orchestrator.readback.summary import write_summary
 from orchestrator.stages import get as stage_def
-from orchestrator.status import collect, format_rows
-from orchestrator.summary import write_summary
+from orchestrator.world.runs import write_json
 from tests.orchestrator.conftest import compose_cfg
 from trainer.eval.results import results_path
 

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.flow import launch
-from orchestrator.launches import current
-from orchestrator.problems import PlanError
-from orchestrator.status import collect, format_rows
+from orchestrator.base.problems import PlanError
+from orchestrator.launch.flow import launch
+from orchestrator.readback.status import collect, format_rows
+from orchestrator.record.launches import current
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import (
     TINY_MODEL,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 import os
 
+from orchestrator.base.plan_types import Context
 from orchestrator.checks import run_checks
-from orchestrator.flow import gather_facts
-from orchestrator.plan import make_plan
-from orchestrator.plan_types import Context
+from orchestrator.launch.flow import gather_facts
+from orchestrator.planning.plan import make_plan
 from orchestrator.stages.train import trainer_config
 from tests.data.hf_fixtures import BOS, HFOracle, build_tokenizer_dir
 from tests.orchestrator.conftest import compose_cfg

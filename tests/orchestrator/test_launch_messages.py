@@ -106,7 +106,7 @@ def test_an_sbatch_refusal_is_one_line_naming_the_stage(tmp_path):
                                   "model.seq_length=0", "parallel.pp_size=0"])
 def test_a_size_of_zero_is_a_problem_line_not_a_division_by_zero(tmp_path, size):
     """The estimates divide by the model's sizes: with one at 0 the plan says so instead of crashing."""
-    from orchestrator.flow import launch
+    from orchestrator.launch.flow import launch
     from tests.orchestrator.conftest import compose_cfg
 
     out = io.StringIO()

@@ -15,7 +15,7 @@ import io
 import itertools
 import os
 
-from orchestrator import flow, submit
+from orchestrator.launch import flow, submit
 from tests.orchestrator.conftest import compose_cfg
 from trainer.run_files import RUN_JSON
 

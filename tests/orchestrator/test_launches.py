@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from orchestrator.__main__ import main as status_main
-from orchestrator.launches import LaunchRecord, current, current_jobs, history, link_config
+from orchestrator.record.launches import LaunchRecord, current, current_jobs, history, link_config
 
 
 def _old_run(run):
@@ -45,7 +45,7 @@ def test_a_dead_local_launch_is_settled_without_asking_a_queue(tmp_path):
     import subprocess
     import sys
 
-    from orchestrator.runs import write_json
+    from orchestrator.world.runs import write_json
 
     run = tmp_path / "r"
     record = LaunchRecord.load(run)

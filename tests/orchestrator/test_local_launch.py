@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.flow import launch
-from orchestrator.launches import current, current_jobs
+from orchestrator.launch.flow import launch
+from orchestrator.readback.status import collect
+from orchestrator.record.launches import current, current_jobs
 from orchestrator.stages.tune import NAME as TUNE
-from orchestrator.status import collect
 from tests.orchestrator.conftest import compose_cfg, stage_names
 from tests.seam import hook_env
 

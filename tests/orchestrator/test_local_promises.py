@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.flow import RunFailed, launch
-from orchestrator.launches import current_jobs
-from orchestrator.problems import PlanError
-from orchestrator.status import collect, format_rows
+from orchestrator.base.problems import PlanError
+from orchestrator.launch.flow import RunFailed, launch
+from orchestrator.readback.status import collect, format_rows
+from orchestrator.record.launches import current_jobs
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL
 from tests.seam import hook_env

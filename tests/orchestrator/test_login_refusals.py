@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 
-from orchestrator.flow import launch
-from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.launch.flow import launch
+from orchestrator.planning.plan import PlanInputs, make_plan
 from tests.fixtures import MEGATRON_FIXTURES
 from tests.orchestrator.conftest import compose_cfg
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.flow import RunFailed, launch
-from orchestrator.runs import write_json
+from orchestrator.launch.flow import RunFailed, launch
+from orchestrator.world.runs import write_json
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.seam import hook_env
 from tests.waits import NEVER_S

@@ -17,12 +17,13 @@ def _loaded(code: str) -> str:
 
 
 def test_planning_does_not_load_submitit():
-    assert _loaded("import sys, orchestrator.plan, orchestrator.stages, orchestrator.status, "
-                   "orchestrator.queue; print('submitit' in sys.modules)").strip() == "False"
+    code = ("import sys, orchestrator.planning.plan, orchestrator.stages, orchestrator.readback.status, "
+            "orchestrator.world.queue; print('submitit' in sys.modules)")
+    assert _loaded(code).strip() == "False"
 
 
 def test_runtime_does_not_load_the_docs_tool():
-    runtime = ["launch", "orchestrator.flow", "orchestrator.__main__", "orchestrator.status",
+    runtime = ["launch", "orchestrator.launch.flow", "orchestrator.__main__", "orchestrator.readback.status",
                "orchestrator.stages"]
     code = "import sys, importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in runtime)
     assert _loaded(code + "print('orchestrator.docs' in sys.modules)").strip() == "False"

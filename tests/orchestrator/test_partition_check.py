@@ -1,5 +1,5 @@
 """The plan refuses a job no node of its partition can hold, from sinfo, before anything is submitted
-(orchestrator/sinfo.py, checks/cluster.py partition_problems): more GPUs, CPUs or memory per node than a
+(orchestrator/world/sinfo.py, checks/cluster.py partition_problems): more GPUs, CPUs or memory per node than a
 node has, more nodes than can hold it, a partition Slurm does not have. Without it sbatch refuses the
 training job half-way through the launch (its corpus and preprocessing jobs already queued), or Slurm
 leaves it pending where the big nodes exist but are down.
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import PlanError
 from orchestrator.checks.cluster import partition_problems
-from orchestrator.plan_types import Context
-from orchestrator.problems import PlanError
-from orchestrator.sinfo import gpus_of, parse
+from orchestrator.world.sinfo import gpus_of, parse
 from tests.orchestrator.conftest import compose_cfg
 from tests.orchestrator.devcluster_helpers import my_jobs
 
@@ -90,7 +90,7 @@ def test_no_slurm_here_no_problem(tmp_path, monkeypatch):
 @pytest.mark.slurm
 def test_the_devcluster_refuses_more_gpus_per_node_than_its_nodes_have(tmp_path):
     """4 GPUs per node on the gpu partition, whose nodes have 2: refused at plan time, nothing queued."""
-    from orchestrator.flow import launch
+    from orchestrator.launch.flow import launch
 
     before = set(my_jobs())
     cfg = compose_cfg(["+experiment=codeparrot_smoke", "cluster=devcluster", "cluster.partition=gpu",

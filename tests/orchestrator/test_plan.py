@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.estimate import GIB, estimate_memory, stage_params
-from orchestrator.flow import format_plan, launch
-from orchestrator.hardware import hardware
-from orchestrator.layout import layout_of
-from orchestrator.plan import PlanInputs, SweepInfo, make_plan
+from orchestrator.base.estimate import GIB, estimate_memory, stage_params
+from orchestrator.base.hardware import hardware
+from orchestrator.base.layout import layout_of
+from orchestrator.launch.flow import format_plan, launch
+from orchestrator.planning.plan import PlanInputs, SweepInfo, make_plan
 from orchestrator.stages.corpus import NAME as CORPUS
 from orchestrator.stages.train import trainer_config
 from orchestrator.stages.tune import NAME as TUNE
@@ -254,8 +254,8 @@ def test_an_uneven_pipeline_split_plans_and_sizes_its_busiest_stage():
     in flight, so 4 + 3 + 3 + 3 holds 4 layers × 4 on the first stage (16 layer-micro-batches, vs 3 × 4 at
     the even 12-layer split), while with 1 + 4 + 4 + 4 the busiest is the second (4 × 3 = 12) and the
     last stage, not the first, holds the most parameters."""
+    from orchestrator.base.plan_types import Context
     from orchestrator.checks import run_checks
-    from orchestrator.plan_types import Context
 
     def cfg(*o: str):
         return compose_cfg(CP + ["parallel.pp_size=4", *o])

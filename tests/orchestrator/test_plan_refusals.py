@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from orchestrator.estimate import estimate_memory
-from orchestrator.flow import format_plan
-from orchestrator.layout import layout_of
-from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.problems import PlanError
+from orchestrator.base.estimate import estimate_memory
+from orchestrator.base.layout import layout_of
+from orchestrator.base.problems import PlanError
+from orchestrator.launch.flow import format_plan
+from orchestrator.planning.plan import PlanInputs, make_plan
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.sites import H100_X4, site_file
 

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from hydra.errors import ConfigCompositionException
 
-from orchestrator.estimate import GIB
-from orchestrator.flow import launch
-from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.problems import PlanError
+from orchestrator.base.estimate import GIB
+from orchestrator.base.problems import PlanError
+from orchestrator.launch.flow import launch
+from orchestrator.planning.plan import PlanInputs, make_plan
 from tests.orchestrator.conftest import compose_cfg
 
 SMOKE = ["+experiment=codeparrot_smoke"]

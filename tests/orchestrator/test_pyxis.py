@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.base.plan_types import Context
 from orchestrator.checks import run_checks
 from orchestrator.checks.container import pyxis_problems
-from orchestrator.container import PYXIS_OPTIONS, REGISTRY_REF
-from orchestrator.flow import scripts_of
-from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.plan_types import Context
-from orchestrator.runs import REPO_ROOT
+from orchestrator.launch.flow import scripts_of
+from orchestrator.launch.submit import render_stage
+from orchestrator.planning.plan import PlanInputs, make_plan
 from orchestrator.stages.tune import NAME as TUNE
-from orchestrator.submit import render_stage
+from orchestrator.world.container import PYXIS_OPTIONS, REGISTRY_REF
+from orchestrator.world.runs import REPO_ROOT
 from tests.orchestrator.conftest import REPO, compose_cfg, stage_names, user_docs
 from tests.orchestrator.test_secrets import ENV_SECRETS
 
@@ -267,8 +267,8 @@ def test_srun_must_list_the_pyxis_options(tmp_path, monkeypatch, help_text, mess
 
 def test_launch_refuses_when_srun_has_no_pyxis(tmp_path, monkeypatch):
     """The launch asks srun (flow.py), and refuses before anything is written or submitted."""
-    from orchestrator.flow import launch
-    from orchestrator.problems import PlanError
+    from orchestrator.base.problems import PlanError
+    from orchestrator.launch.flow import launch
 
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -1,5 +1,5 @@
-"""orchestrator/queue.py: every Slurm job state maps to one category, local liveness, and the blocking wait
-built on them."""
+"""orchestrator/world/queue.py: each Slurm job state maps to one category, local liveness, and the blocking
+wait built on them."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator import flow, queue
+from orchestrator.launch import flow
+from orchestrator.world import queue
 
 # Slurm's job states (squeue --help / sacct's JOB STATE CODES), each with the category it must have.
 SLURM_STATES = {
@@ -125,7 +126,7 @@ def test_wait_does_not_end_while_a_job_is_suspended_or_held(monkeypatch, held):
         seen.append(next(looks))
         return [SimpleNamespace(stage="train", state=seen[-1], job_id="1", loss=None)]
 
-    monkeypatch.setattr("orchestrator.status.collect", collect)
+    monkeypatch.setattr("orchestrator.readback.status.collect", collect)
     monkeypatch.setattr(flow.time, "sleep", lambda s: None)
     plan = SimpleNamespace(run_dir="unused")
     assert flow.wait(plan, poll_s=0, out=io.StringIO()) is True
@@ -133,6 +134,6 @@ def test_wait_does_not_end_while_a_job_is_suspended_or_held(monkeypatch, held):
 
 
 def test_wait_reports_a_failed_run(monkeypatch):
-    monkeypatch.setattr("orchestrator.status.collect", lambda run_dir: [
+    monkeypatch.setattr("orchestrator.readback.status.collect", lambda run_dir: [
         SimpleNamespace(stage="train", state="CANCELLED by 0", job_id="1", loss=None)])
     assert flow.wait(SimpleNamespace(run_dir="unused"), poll_s=0, out=io.StringIO()) is False

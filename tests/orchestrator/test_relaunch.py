@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import queue
 from orchestrator.__main__ import main as status_main
-from orchestrator.flow import launch
-from orchestrator.launches import all_jobs, current, history
-from orchestrator.problems import PlanError
-from orchestrator.status import launch_notes
+from orchestrator.base.problems import PlanError
+from orchestrator.launch.flow import launch
+from orchestrator.readback.status import launch_notes
+from orchestrator.record.launches import all_jobs, current, history
+from orchestrator.world import queue
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, wait_for
 from tests.seam import hook_env

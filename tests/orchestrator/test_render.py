@@ -16,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import container_render, redaction
-from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.runs import REPO_ROOT
-from orchestrator.schema import ContainerConfig
-from orchestrator.submit import container_wrapper, render_stage
+from orchestrator import container_render
+from orchestrator.base import redaction
+from orchestrator.base.schema import ContainerConfig
+from orchestrator.launch.submit import container_wrapper, render_stage
+from orchestrator.planning.plan import PlanInputs, make_plan
+from orchestrator.world.runs import REPO_ROOT
 from tests.orchestrator.conftest import compose_cfg, group_options
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -1,4 +1,4 @@
-"""One definition of a secret (orchestrator/redaction.py): no secret value reaches a file of the run, the
+"""One definition of a secret (orchestrator/base/redaction.py): no secret value reaches a file of the run, the
 cache or a sweep directory, nor anything a launch prints — dry run, refused launch, failed local run.
 
 Secrets are given under several spellings in ``cluster.env``, ``cluster.sbatch_extra`` and
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import redaction
+from orchestrator.base import redaction
+from orchestrator.base.plan_types import Context
 from orchestrator.checks.secrets import known_secrets, secret_problems
-from orchestrator.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED
-from orchestrator.plan_types import Context
+from orchestrator.launch.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED
 from tests.orchestrator.conftest import REPO, compose_cfg, user_docs
 from tests.seam import hook_env
 
@@ -132,7 +132,7 @@ def test_dry_run_and_refused_launch_show_and_write_no_secret(tmp_path: Path):
     assert real.stderr.count("[secret_in_config]") == len(CONFIG_SECRETS) + 3
     assert _leaks(tmp_path, dry.stdout, dry.stderr, real.stdout, real.stderr) == []
     # A sweep's dry run prints every point's plan and the sweep summary, and writes nothing (multirun.yaml,
-    # every override in it, is written, redacted, only when the sweep is submitted: orchestrator/sweep.py).
+    # every override in it, is written, redacted, only when the sweep is submitted: launch/sweep.py).
     sweep = _launch(["-m", "+experiment=codeparrot_smoke", "optim.lr=1e-3,2e-3", "dry_run=true",
                      f"hydra.sweep.dir={tmp_path / 'sweep'}", *_overrides(runs)], cwd=tmp_path)
     assert sweep.returncode == EXIT_PROBLEMS and not (tmp_path / "sweep").exists()

@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from orchestrator.estimate import GIB
-from orchestrator.flow import format_plan
-from orchestrator.plan import PlanInputs, make_plan
+from orchestrator.base.estimate import GIB
+from orchestrator.launch.flow import format_plan
+from orchestrator.planning.plan import PlanInputs, make_plan
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.sites import H100_X4, H100_X4_LIMITS, site_file
 
@@ -132,7 +132,7 @@ def test_without_a_view_of_the_site_file_nothing_is_overruled(tmp_path):
     config): the composition stands as it is, and every source says why there is no site view."""
     from hydra import compose, initialize_config_dir
 
-    from orchestrator.site import apply_site
+    from orchestrator.base.site import apply_site
 
     over = site_file(tmp_path, "mysite", H100_X4)
     with initialize_config_dir(config_dir=str(REPO / "hydra_conf"), version_base="1.3"):
@@ -202,7 +202,7 @@ def test_an_unknown_gpu_without_a_peak_is_a_problem_with_a_fix_not_an_eta(tmp_pa
 
 def test_the_eta_uses_the_mfu_measured_in_bench_and_says_which(tmp_path):
     """27.3 % MFU, CodeParrot-small bf16 on one H200 (bench/README.md), read from its results file."""
-    from orchestrator.measured import measured_figures
+    from orchestrator.base.measured import measured_figures
 
     (fig,) = measured_figures()
     assert (fig.gpu, fig.precision, fig.mfu) == ("H200-SXM-141GB", "bf16", 0.273)

@@ -11,10 +11,10 @@ from orchestrator.stages import STAGES
 from tests.orchestrator.conftest import REPO
 
 # The same words meaning something else: a config section, a chart's legend.
-NOT_STAGES = {("orchestrator/plan.py", "train"): 1,  # MEMORY_OPTIONS: the train config section
-              ("orchestrator/summary.py", "train"): 1,  # the loss chart's "train" curve
-              ("orchestrator/autolayout.py", "train"): 3,  # a layout's fields of the train config section
-              ("orchestrator/schema.py", "tune"): 1,  # the launch switch tune=true|force, its choice
+NOT_STAGES = {("orchestrator/planning/plan.py", "train"): 1,  # MEMORY_OPTIONS: the train config section
+              ("orchestrator/readback/summary.py", "train"): 1,  # the loss chart's "train" curve
+              ("orchestrator/planning/autolayout.py", "train"): 3,  # a layout's fields of the train section
+              ("orchestrator/base/schema.py", "tune"): 1,  # the launch switch tune=true|force, its choice
               ("orchestrator/checks/layout.py", "tune"): 1}  # the same key, in its problem
 
 
@@ -38,9 +38,11 @@ def test_stage_names_are_spelled_only_in_their_modules():
 def test_the_scan_sees_a_spelled_stage_name(tmp_path):
     (tmp_path / "orchestrator" / "stages").mkdir(parents=True)
     (tmp_path / "launch.py").write_text("")
-    (tmp_path / "orchestrator" / "status.py").write_text('def f(stage):\n    return stage == "eval"\n')
+    (tmp_path / "orchestrator" / "readback").mkdir()
+    status = 'def f(stage):\n    return stage == "eval"\n'
+    (tmp_path / "orchestrator" / "readback" / "status.py").write_text(status)
     (tmp_path / "orchestrator" / "stages" / "eval.py").write_text('NAME = "eval"\n')
-    assert spelled({"eval"}, tmp_path) == {("orchestrator/status.py", "eval"): 1}
+    assert spelled({"eval"}, tmp_path) == {("orchestrator/readback/status.py", "eval"): 1}
 
 
 def test_every_stage_comes_after_the_stages_it_names():

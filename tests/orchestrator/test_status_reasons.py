@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from orchestrator import status
+from orchestrator.readback import status
 from orchestrator.stages.corpus import NAME as CORPUS
 from orchestrator.stages.preprocess import PreprocessStage
 from orchestrator.stages.train import TrainJob, TrainStage

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.launches import current, current_jobs
-from orchestrator.progress import log_records
-from orchestrator.queue import parse_sacct, parse_squeue
-from orchestrator.runs import write_json
-from orchestrator.status import collect, format_rows, plot
+from orchestrator.readback.status import collect, format_rows, plot
+from orchestrator.record.launches import current, current_jobs
+from orchestrator.world.progress import log_records
+from orchestrator.world.queue import parse_sacct, parse_squeue
+from orchestrator.world.runs import write_json
 from tests.orchestrator.conftest import REPO
 from tests.seam import hook_env
 from tests.waits import JOB_S, wait_until
@@ -163,7 +163,7 @@ def test_local_sweep_shares_preprocessing(tmp_path):
 
 
 def test_restarts_count_slurms_requeues_and_slipways_retries(tmp_path):
-    from orchestrator.progress import restarts as _restarts
+    from orchestrator.world.progress import restarts as _restarts
 
     sa = parse_sacct("7|NODE_FAIL|0:0|n2|\n7|RUNNING|0:0|n1|\n8|COMPLETED|0:0|n1|\n")
     assert (sa["7"]["records"], sa["8"]["records"]) == ("2", "1")
@@ -204,7 +204,7 @@ def test_an_ended_job_shows_no_stale_pending_reason_and_its_ranks_as_a_fraction(
     it, a pending one must. Ended ranks read 'exited 2/2', never a bare 'exited 2' (an exit code?)."""
     import time
 
-    from orchestrator import status
+    from orchestrator.readback import status
     from trainer.health.heartbeat import heartbeat_path
 
     run = tmp_path / "run"

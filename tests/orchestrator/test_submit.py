@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from orchestrator.launches import LaunchRecord, launch_dir
-from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.submit import render_stage, stage_folder, submit_plan
+from orchestrator.launch.submit import render_stage, stage_folder, submit_plan
+from orchestrator.planning.plan import PlanInputs, make_plan
+from orchestrator.record.launches import LaunchRecord, launch_dir
 from tests.orchestrator.conftest import compose_cfg
 
 

@@ -6,8 +6,8 @@ import io
 import json
 from pathlib import Path
 
-from orchestrator.follow import LogFollower, failure_tails, log_path
-from orchestrator.summary import write_summary
+from orchestrator.readback.follow import LogFollower, failure_tails, log_path
+from orchestrator.readback.summary import write_summary
 from trainer.run_files import LOSS_PLOT, SUMMARY
 
 

@@ -1,5 +1,5 @@
-"""A sweep is all or nothing (orchestrator/sweep.py, hydra_plugins/slipway_sweeper): every point is planned
-and checked before any is submitted, one summary lists the points with their overrides, problems and
+"""A sweep is all or nothing (orchestrator/launch/sweep.py, hydra_plugins/slipway_sweeper): each point is
+planned and checked before any is submitted, one summary lists the points with their overrides, problems and
 device-hours, a dry run writes nothing, and each job's name carries its run so ``squeue`` tells the points
 apart.
 
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.flow import EXIT_PROBLEMS
+from orchestrator.launch.flow import EXIT_PROBLEMS
 from orchestrator.stages.base import JOB_NAME_MAX, job_name
 from tests.orchestrator.conftest import REPO
 from tests.orchestrator.devcluster_helpers import TINY_MODEL

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from orchestrator import stages
-from orchestrator.flow import launch
-from orchestrator.launches import current
-from orchestrator.status import collect, format_rows
+from orchestrator.launch.flow import launch
+from orchestrator.readback.status import collect, format_rows
+from orchestrator.record.launches import current
 from tests.orchestrator import toy_stage
 from tests.orchestrator.conftest import compose_cfg
 from tests.seam import hook_env

@@ -12,11 +12,11 @@ import random
 import pytest
 import scipy.stats
 
-from orchestrator.plan_types import JobResources
-from orchestrator.queue import parse_sacct, parse_squeue
+from orchestrator.base.plan_types import JobResources
 from orchestrator.render import ScriptSpec, render_sbatch
 from orchestrator.stages import trials, tuning
 from orchestrator.stages.trials import FAILED, MEASURED, TrialSpec, begin, measure, write_record
+from orchestrator.world.queue import parse_sacct, parse_squeue
 from trainer.metrics_file import append_record, metrics_path
 from trainer.run_files import RunDir
 

@@ -1,5 +1,5 @@
-"""The launch lock plus the writer record (orchestrator/writer_lock.py) keep a second launch from writing a
-run's checkpoint directory while a job of it lives.
+"""The launch lock and the writer record (orchestrator/record/writer_lock.py) keep a second launch from
+writing a run's checkpoint directory while a job of it lives.
 
 The same cases on the devcluster (real jobs, real launch.py) are in test_fault_matrix.py (case 8).
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.problems import PlanError
-from orchestrator.writer_lock import record_writer, single_writer
+from orchestrator.base.problems import PlanError
+from orchestrator.record.writer_lock import record_writer, single_writer
 from tests.orchestrator.conftest import dry_plan as _plan
 from tests.waits import NEVER_S
 from trainer.run_files import CKPT_WRITER

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.plan_types import StagePlan
+from orchestrator.base.plan_types import StagePlan
 from orchestrator.stages import preprocess
 from orchestrator.stages.base import NodeStage, PlanContext, StageDef, StageLook, stable_hash
 from trainer.run_files import RunDir

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.runs import write_json
-from orchestrator.status import collect, format_rows
+from orchestrator.readback.status import collect, format_rows
+from orchestrator.world.runs import write_json
 from tests.slurm_cli import TERMINAL, sacct_states, slurm
 from tests.waits import JOB_S, wait_until
 

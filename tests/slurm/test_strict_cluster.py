@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.plan_types import JobResources
+from orchestrator.base.plan_types import JobResources
 from orchestrator.render import ScriptSpec, render_sbatch
 from tests.slurm_cli import sacct_final_state, slurm
 

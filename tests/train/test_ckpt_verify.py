@@ -131,8 +131,8 @@ def test_a_run_resumes_from_the_previous_checkpoint_when_the_latest_is_truncated
 
 
 def test_skipped_checkpoints_are_named_in_status_and_the_summary(tmp_path):
-    from orchestrator.status import JobRow, format_rows
-    from orchestrator.summary import write_summary
+    from orchestrator.readback.status import JobRow, format_rows
+    from orchestrator.readback.summary import write_summary
 
     warning = "checkpoint iteration 15 in /x failed verification: /x/iter_0000015/mp_rank_00/..."
     (tmp_path / "run.json").write_text("{}")

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from orchestrator.status import collect, format_rows
-from orchestrator.summary import format_summary, outcome
+from orchestrator.readback.status import collect, format_rows
+from orchestrator.readback.summary import format_summary, outcome
 from tests.logs import captured
 from tests.seam import hook_env
 from tests.train.harness import run_cfg, tiny_config, write_dataset

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.status import collect, format_rows
-from orchestrator.summary import write_summary
+from orchestrator.readback.status import collect, format_rows
+from orchestrator.readback.summary import write_summary
 from tests.logs import captured
 from tests.train import wandb_reader
 from tests.train.harness import run_cfg, tiny_config, write_dataset

@@ -3,7 +3,7 @@
 ``RunConfig`` tying them.
 
 These classes are the single definition of every trainer setting, its type, its default and its rules.
-The Hydra schema (orchestrator/schema.py) is built from them (it adds only the orchestrator's own
+The Hydra schema (orchestrator/base/schema.py) is built from them (it adds only the orchestrator's own
 sections), users' YAML files use their names (``model.hidden_size``, ``optim.lr`` ...), and
 ``python -m orchestrator.docs`` renders the string literal under each field (an attribute docstring) into
 ``docs/config.md``. The module imports no torch (the login node composes configs in a second).
@@ -275,7 +275,7 @@ class RunConfig(Section):
     """Run id (names the W&B run); null: minted at submit time (date-time-random)."""
 
     def _normalise(self) -> None:
-        # The launcher resolves run_dir itself (orchestrator/schema.py overrides this); the standalone
+        # The launcher resolves run_dir itself (orchestrator/base/schema.py overrides this); the standalone
         # trainer needs a concrete folder for its checkpoints, heartbeats and metrics.
         if self.run_dir is None:
             self.run_dir = "runs/local"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.flow import launch
-from orchestrator.plan_types import Context
-from orchestrator.problems import PlanError
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import PlanError
+from orchestrator.launch.flow import launch
 from tests.orchestrator.conftest import dry_plan as _plan
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from orchestrator.base.plan_types import Context
+from orchestrator.base.problems import PlanError
 from orchestrator.checks.data import reused_data_problems
-from orchestrator.flow import launch
-from orchestrator.plan_types import Context
-from orchestrator.problems import PlanError
+from orchestrator.launch.flow import launch
 from tests.orchestrator.conftest import compose_cfg
 from tests.orchestrator.conftest import dry_plan as _plan
 from trainer.data.indexed_dataset import IndexedDatasetBuilder
@@ -80,8 +80,8 @@ def test_one_big_document_leaves_validation_without_data(tmp_path):
 
 
 def test_enough_documents_pass_the_split_check(tmp_path):
+    from orchestrator.base.plan_types import Context
     from orchestrator.checks.data import data_problems
-    from orchestrator.plan_types import Context
 
     path = _jsonl(tmp_path / "many.jsonl", [f"print({i})" for i in range(100)])
     cfg = compose_cfg(["+experiment=codeparrot_smoke", "data=codeparrot", f"data.paths=[{path}]",

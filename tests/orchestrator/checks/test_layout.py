@@ -3,8 +3,8 @@ once, each with its key, value and fix (orchestrator/checks/layout.py), and an i
 
 from __future__ import annotations
 
+from orchestrator.base.plan_types import Context
 from orchestrator.checks import run_checks
-from orchestrator.plan_types import Context
 from tests.orchestrator.conftest import compose_cfg
 
 SMOKE = ["+experiment=codeparrot_smoke"]  # 4 layers, tp=2 pp=2 on 4 ranks: dp=1, 16/8 = 2 micro-batches

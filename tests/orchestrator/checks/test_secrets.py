@@ -9,9 +9,9 @@ import io
 
 import pytest
 
-from orchestrator.flow import launch
-from orchestrator.plan import PlanInputs, make_plan
-from orchestrator.problems import PlanError
+from orchestrator.base.problems import PlanError
+from orchestrator.launch.flow import launch
+from orchestrator.planning.plan import PlanInputs, make_plan
 from tests.orchestrator.conftest import compose_cfg
 from tests.seam import hook_env
 from trainer import faults
@@ -27,7 +27,7 @@ def _hook_problems(overrides: list[str], environ: dict[str, str] | None = None) 
 
 
 def test_the_public_config_has_no_test_keys():
-    from orchestrator.schema import SlipwayConfig
+    from orchestrator.base.schema import SlipwayConfig
 
     fields = {f.name for f in dataclasses.fields(SlipwayConfig)}
     assert not fields & {"testing", "fail_train", "stall_train"}, fields

@@ -287,7 +287,7 @@ def local_state(entry: dict, cancelled: bool = False) -> str:
 def jobs_by_comment(comments: list[str]) -> dict[str, tuple[str, str]]:
     """{comment: (job id, state)} of the queued or running jobs carrying one of these ``--comment``s (one
     squeue call; squeue shows a job's comment without accounting). A dead launch's job is found this way
-    (orchestrator/launches.py). Raises RuntimeError when squeue cannot answer: a relaunch must not guess
+    (orchestrator/record/launches.py). Raises RuntimeError when squeue cannot answer: a relaunch mustn't guess
     that nothing is queued."""
     if not comments:
         return {}

@@ -30,17 +30,17 @@ from submitit.core.utils import DelayedSubmission, FailedJobError, JobPaths
 from submitit.slurm.slurm import SlurmJob
 
 from orchestrator import container_render, render
-from orchestrator.container import WRAPPER_KINDS, host_paths, job_image
-from orchestrator.launches import LaunchRecord, job_comment, launch_dir
-from orchestrator.layout import tasks_per_node
-from orchestrator.local_jobs import LocalExecutor
-from orchestrator.plan_types import Plan, StagePlan
-from orchestrator.queue import live_state
-from orchestrator.runs import REPO_ROOT
-from orchestrator.schema import ContainerConfig, SlipwayConfig
+from orchestrator.base.layout import tasks_per_node
+from orchestrator.base.plan_types import Plan, StagePlan
+from orchestrator.base.schema import ContainerConfig, SlipwayConfig
+from orchestrator.record.launches import LaunchRecord, job_comment, launch_dir
 from orchestrator.stages import get as stage_def
 from orchestrator.stages import preprocess
 from orchestrator.stages.base import StageDef, Upstream, job_name
+from orchestrator.world.container import WRAPPER_KINDS, host_paths, job_image
+from orchestrator.world.local_jobs import LocalExecutor
+from orchestrator.world.queue import live_state
+from orchestrator.world.runs import REPO_ROOT
 from trainer import faults
 from trainer.log import get_logger
 from trainer.run_files import COMPLETE, FAILED, JOB_RECORD, JOBS, LOGS, RunDir
@@ -293,7 +293,7 @@ def _record(plan: Plan, record: LaunchRecord, stage: StagePlan, sub: Submitted,
         "depends_on": [*deps[0], *deps[1]],
         "folder": stage_folder(plan, stage),
         "state_dir": stage.state_dir,
-        "log_dir": _abs(stage_log_dir(plan, stage)),  # Slurm's job logs (orchestrator/logs.py)
+        "log_dir": _abs(stage_log_dir(plan, stage)),  # Slurm's job logs (orchestrator/readback/logs.py)
         **({"comment": comment} if comment else {}),
     }
     if stage.shared:

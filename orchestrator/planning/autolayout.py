@@ -16,7 +16,7 @@ Each combination is checked by the plan's own rules — the model's tensor split
 the pipeline split (:func:`orchestrator.checks.layout.pipeline_split`), the layout and batch checks
 (:func:`orchestrator.checks.layout.layout_problems`), each section's rules — and then by the plan's memory
 estimate; the first rule it breaks is why it was dropped. What is left is ranked by the plan's estimated
-step time (orchestrator/estimate.py). The estimate has no term for tensor-parallel communication or for how
+step time (orchestrator/base/estimate.py), which has no term for tensor-parallel communication or for how
 a GEMM's efficiency grows with the micro-batch, so it ties where layouts differ only in those; ties go to
 the smaller tp × pp, then the larger micro-batch, then less recomputation, no distributed optimizer, no
 interleaving. Which of them is really fastest is what the trials measure (orchestrator/stages/tune.py).
@@ -29,11 +29,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator.base.estimate import MemoryEstimate, TimeEstimate, estimate_memory, estimate_time, fmt_bytes
+from orchestrator.base.layout import layout_of, tasks_per_node
+from orchestrator.base.plan_types import Context
+from orchestrator.base.schema import RECOMPUTE_CHOICES, SlipwayConfig
 from orchestrator.checks.layout import layout_problems, pipeline_split
-from orchestrator.estimate import MemoryEstimate, TimeEstimate, estimate_memory, estimate_time, fmt_bytes
-from orchestrator.layout import layout_of, tasks_per_node
-from orchestrator.plan_types import Context
-from orchestrator.schema import RECOMPUTE_CHOICES, SlipwayConfig
 from trainer.config_issues import deferred
 from trainer.formulas import PipelineSplit
 

@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from orchestrator import redaction
-from orchestrator.estimate import fmt_duration
-from orchestrator.facts import SweepInfo
-from orchestrator.flow import EXIT_PROBLEMS, LaunchResult, Prepared, execute, format_plan, prepare
-from orchestrator.launches import RunRecordError
-from orchestrator.problems import PlanError
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base import redaction
+from orchestrator.base.estimate import fmt_duration
+from orchestrator.base.facts import SweepInfo
+from orchestrator.base.problems import PlanError
+from orchestrator.base.schema import SlipwayConfig
+from orchestrator.launch.flow import EXIT_PROBLEMS, LaunchResult, Prepared, execute, format_plan, prepare
+from orchestrator.record.launches import RunRecordError
 
 MULTIRUN_YAML = "multirun.yaml"  # Hydra's record of a sweep's config, written once the sweep is submitted
 PLAN, SUBMIT = "plan", "submit"

@@ -4,11 +4,11 @@ them together with the memory table, the stages and the problems)."""
 
 from __future__ import annotations
 
-from orchestrator.estimate import NO_MEMORY, NO_TIME, fmt_duration, memory_table, options_table
-from orchestrator.hardware import hardware, is_cpu, source
-from orchestrator.layout import Layout
-from orchestrator.plan_types import Plan
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.estimate import NO_MEMORY, NO_TIME, fmt_duration, memory_table, options_table
+from orchestrator.base.hardware import hardware, is_cpu, source
+from orchestrator.base.layout import Layout
+from orchestrator.base.plan_types import Plan
+from orchestrator.base.schema import SlipwayConfig
 
 
 def layout_line(cfg: SlipwayConfig, lay: Layout) -> str:

@@ -10,7 +10,7 @@ group file is composed alone (same search path) and compared with the full compo
   (orchestrator/checks/cluster.py), against ``cluster.site_hardware``;
 - a key the site file sets and the composition holds unchanged comes from the site file;
 - anything else was set by the experiment (or is the schema default): for a layout key (an experiment's
-  ``cluster.gpus``) that is its right; for a hardware key (orchestrator/hardware.py HARDWARE) the site
+  ``cluster.gpus``) that is its right; for a hardware key (orchestrator/base/hardware.py HARDWARE) the site
   file's value (or the default) is put back and the source says whose value was not used.
 
 ``cluster.gpus`` then becomes nodes (gpus / gpus_per_node) unless ``cluster.nodes`` came from a later
@@ -29,8 +29,8 @@ from hydra import compose
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from orchestrator.hardware import HARDWARE, LAYOUT
-from orchestrator.schema import ClusterConfig
+from orchestrator.base.hardware import HARDWARE, LAYOUT
+from orchestrator.base.schema import ClusterConfig
 
 PROBE = "site_alone"  # hydra_conf/site_alone.yaml: the cluster group and nothing else
 _RANK = {"default": 0, "site": 1, "experiment": 2, "command line": 3}

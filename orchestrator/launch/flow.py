@@ -2,9 +2,9 @@
 
 :func:`prepare` (facts, plan, checks, scripts: writes nothing) and :func:`execute` (record, submit, wait)
 are the two halves of :func:`launch`; a sweep prepares every point before it executes any
-(orchestrator/sweep.py).
+(orchestrator/launch/sweep.py).
 
-Everything it prints or records passes through orchestrator/redaction.py's redactor, which knows the
+Everything it prints or records passes through orchestrator/base/redaction.py's redactor, which knows the
 launching environment's secrets and any the config holds (a config that holds one is refused anyway).
 ``launch.py`` turns the outcome into its exit code: :data:`EXIT_PROBLEMS` when configuration problems
 stopped the launch (or a dry run found some), :data:`EXIT_RUN_FAILED` when a waited-for run ended with a
@@ -22,19 +22,43 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import launches, queue, redaction
-from orchestrator.autolayout import proposal_lines
-from orchestrator.cancel import Stops, cancel_interrupted, ignoring_stops
+from orchestrator.base import redaction
+from orchestrator.base.facts import PlanInputs, SweepInfo
+from orchestrator.base.plan_types import Context, Plan, StagePlan
+from orchestrator.base.problems import PlanError
+from orchestrator.base.schema import SlipwayConfig
 from orchestrator.checks import run_checks
 from orchestrator.checks.secrets import known_secrets
-from orchestrator.data_shares import corpus_shares, shares_table
-from orchestrator.facts import PlanInputs, SweepInfo
-from orchestrator.follow import LogFollower, failure_tails, log_path
-from orchestrator.plan import make_plan
-from orchestrator.plan_format import hardware_lines, layout_line, memory_lines, recipe_lines, time_lines
-from orchestrator.plan_types import Context, Plan, StagePlan
-from orchestrator.problems import PlanError
-from orchestrator.runs import (
+from orchestrator.launch.cancel import Stops, cancel_interrupted, ignoring_stops
+from orchestrator.launch.submit import (
+    After,
+    Submitted,
+    container_wrapper,
+    render_stage,
+    stage_folder,
+    stage_log_dir,
+    submit_plan,
+)
+from orchestrator.planning.autolayout import proposal_lines
+from orchestrator.planning.data_shares import corpus_shares, shares_table
+from orchestrator.planning.plan import make_plan
+from orchestrator.planning.plan_format import (
+    hardware_lines,
+    layout_line,
+    memory_lines,
+    recipe_lines,
+    time_lines,
+)
+from orchestrator.readback.follow import LogFollower, failure_tails, log_path
+from orchestrator.readback.summary import write_summary
+from orchestrator.record import launches
+from orchestrator.record.writer_lock import record_writer, single_writer
+from orchestrator.stages import get as stage_def
+from orchestrator.stages import preprocess
+from orchestrator.stages.train import NAME as TRAIN
+from orchestrator.stages.train import run_name
+from orchestrator.world import queue
+from orchestrator.world.runs import (
     RUN_JSON,
     add_to_sweep,
     code_version,
@@ -48,22 +72,6 @@ from orchestrator.runs import (
     vocab_entries,
     write_json,
 )
-from orchestrator.schema import SlipwayConfig
-from orchestrator.stages import get as stage_def
-from orchestrator.stages import preprocess
-from orchestrator.stages.train import NAME as TRAIN
-from orchestrator.stages.train import run_name
-from orchestrator.submit import (
-    After,
-    Submitted,
-    container_wrapper,
-    render_stage,
-    stage_folder,
-    stage_log_dir,
-    submit_plan,
-)
-from orchestrator.summary import write_summary
-from orchestrator.writer_lock import record_writer, single_writer
 from trainer import faults
 from trainer.config.train import recipe_line
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
@@ -224,7 +232,7 @@ def wait(plan: Plan, poll_s: float = 5.0, out=sys.stderr, follow: LogFollower | 
     """Block until every stage of the run ended; stream state changes and the last loss. True if all ok.
 
     ``follow``: also stream each local stage's log as it is written (its log lines carry the losses)."""
-    from orchestrator.status import collect
+    from orchestrator.readback.status import collect
 
     seen: dict[str, str] = {}
     while True:
@@ -266,7 +274,7 @@ def _stage_log(plan: Plan, stage: str, job_id: str, executor: str) -> str:
 
 def _failed(plan: Plan) -> list[tuple[str, str, str]]:
     """(stage, state, log) from the first stage that did not complete on (later ones are its dependants)."""
-    from orchestrator.status import collect
+    from orchestrator.readback.status import collect
 
     jobs = launches.current_jobs(read_json(Path(plan.run_dir) / RUN_JSON))
     entries = {s: e[-1] for s, e in jobs.items() if e}
@@ -328,7 +336,7 @@ def _announce(plan: Plan, submitted: list[Submitted], sweep: SweepInfo | None, e
 @dataclass
 class Prepared:
     """A planned launch, checked and rendered, not yet recorded or submitted (a sweep plans every point
-    before it submits any: orchestrator/sweep.py)."""
+    before it submits any: orchestrator/launch/sweep.py)."""
 
     cfg: SlipwayConfig
     plan: Plan

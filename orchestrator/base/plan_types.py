@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from orchestrator.estimate import MemoryEstimate, MemoryOption, TimeEstimate
-from orchestrator.facts import SweepInfo
-from orchestrator.layout import Layout, layout_of
-from orchestrator.problems import Problem
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.estimate import MemoryEstimate, MemoryOption, TimeEstimate
+from orchestrator.base.facts import SweepInfo
+from orchestrator.base.layout import Layout, layout_of
+from orchestrator.base.problems import Problem
+from orchestrator.base.schema import SlipwayConfig
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class Estimates:
     time: TimeEstimate
     memory_options: list[MemoryOption]
     # When nothing fits: the fewest GPUs (tp, pp) one model replica fits on with every memory saver
-    # (orchestrator.plan.smallest_replica); None when no split fits either or it was not needed.
+    # (orchestrator.planning.plan.smallest_replica); None when no split fits either or it was not needed.
     smallest_replica: tuple[int, int] | None = None
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.schema import SlipwayConfig
 from trainer.formulas import global_batch_size, microbatches_per_step
 
 

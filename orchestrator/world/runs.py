@@ -18,11 +18,11 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from orchestrator.content_hash import content_fingerprint
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.schema import SlipwayConfig
+from orchestrator.world.content_hash import content_fingerprint
 from trainer.run_files import RUN_JSON
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 SWEEP_JSON = "sweep.json"
 CACHE_DIR = "_cache"  # the shared stages' outputs under runs_root when cache_dir is unset
 
@@ -70,7 +70,7 @@ def code_version(paths: tuple[str, ...] = ("trainer", "trainer/data")) -> dict[s
 
 
 def fingerprint(path: str) -> str | None:
-    """The content hash of an input file (memoised per file version: orchestrator/content_hash.py); a
+    """The content hash of an input file (memoised per file version: orchestrator/world/content_hash.py); a
     changed input gets a new preprocessing key, however its size and timestamps look."""
     return content_fingerprint(path)
 

@@ -13,7 +13,7 @@ Run time uses Megatron's FLOPs formula (performance.md), the trainer's own defin
 (:func:`trainer.formulas.flops_per_iteration`, padded vocabulary), so the ETA and the trainer's logged
 TFLOP/s count the same work; recomputation adds its forward FLOPs
 (:func:`trainer.formulas.recompute_time_factor`) and the pipeline its bubble ``(p − 1)/(v·m)``, at the
-device's peak and MFU (orchestrator/hardware.py: the site file, the device table, the figure measured in
+device's peak and MFU (orchestrator/base/hardware.py: the site file, the device table, the figure measured in
 bench/); the data-parallel exchange adds what backward does not hide (:func:`exchange_seconds`).
 """
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from orchestrator.hardware import hardware
-from orchestrator.layout import Layout
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.hardware import hardware
+from orchestrator.base.layout import Layout
+from orchestrator.base.schema import SlipwayConfig
 from trainer import formulas
 from trainer.config.train import precision_recipe
 
@@ -219,7 +219,7 @@ def memory_table(mem: MemoryEstimate, device_name: str) -> str:
 
 @dataclass(frozen=True)
 class MemoryOption:
-    """One way to lower the memory (orchestrator.plan.MEMORY_OPTIONS) and what it would give."""
+    """One way to lower the memory (orchestrator.planning.plan.MEMORY_OPTIONS) and what it would give."""
 
     name: str  # the override, e.g. optim.distributed=true
     memory: MemoryEstimate

@@ -1,5 +1,5 @@
 """Cancelling a run: every job it recorded that is still queued or running, on Slurm (one ``scancel``) and
-on this machine (orchestrator/local_jobs.py: no process of the job survives). The cancelled jobs are
+on this machine (orchestrator/world/local_jobs.py: no process of the job survives). The cancelled jobs are
 marked in ``run.json`` (launches.py) so ``status`` says CANCELLED, and a relaunch resumes the run from its
 last complete checkpoint. Used by ``python -m orchestrator cancel RUN`` and by a waiting launch that is
 interrupted (flow.py), whose signal handling (:class:`Stops`) lives here too."""
@@ -13,8 +13,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, TextIO
 
-from orchestrator import launches, local_jobs
-from orchestrator.queue import alive, local_job_alive, query_slurm
+from orchestrator.record import launches
+from orchestrator.world import local_jobs
+from orchestrator.world.queue import alive, local_job_alive, query_slurm
 
 
 def cancel_run(run_dir: str, launch_n: int | None = None, started: dict[str, Any] | None = None) -> list[str]:
@@ -62,7 +63,7 @@ STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 class Stops:
     """While a launch waits for its jobs, SIGINT, SIGTERM and SIGHUP all stop it the same way (the default
     of the last two would kill the launcher and leave the local jobs running: they are in sessions of
-    their own, orchestrator/local_jobs.py). Inside :meth:`deferred` (recording and submitting) a signal is
+    their own: orchestrator/world/local_jobs.py). In :meth:`deferred` (recording and submitting) a signal is
     held until the section ends, so no job is submitted without being recorded."""
 
     holding: bool = False

@@ -2,7 +2,7 @@
 
 Checks (orchestrator/checks/) return :class:`Problem` records naming the key, the value and the fix; the
 launch raises :class:`PlanError` with every one of them, so the user fixes a config in one round, not one
-error per queue wait. The writer lock (orchestrator/writer_lock.py) refuses with the same record, which is
+error per queue wait. The writer lock (orchestrator/record/writer_lock.py) refuses with that record, which is
 why this module stands apart from the checks package (the lock's module is imported by one of the checks).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from orchestrator.redaction import redact
+from orchestrator.base.redaction import redact
 from trainer.config_issues import ConfigIssue
 
 

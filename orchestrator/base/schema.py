@@ -22,7 +22,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from orchestrator.problems import PlanError, Problem
+from orchestrator.base.problems import PlanError, Problem
 from trainer.config import RunConfig
 from trainer.config_issues import ConfigIssue, Section, choice, declared_defaults, deferred, issue, positive
 from trainer.eval.config import EvalConfig
@@ -132,7 +132,7 @@ class ClusterConfig(Section):
     with the launch."""
     site_hardware: dict[str, Any] = field(default_factory=dict)
     """Written by launch.py, not a setting: the hardware values as the site file states them, against
-    which the plan checks a command line's (orchestrator/site.py)."""
+    which the plan checks a command line's (orchestrator/base/site.py)."""
 
     def problems(self) -> list[ConfigIssue]:
         out = (positive("cluster.nodes", self.nodes)
@@ -212,8 +212,8 @@ class ConvertConfig:
 
 @dataclass
 class AutotuneConfig(Section):
-    """layout=auto: the space the plan searches for the parallel layout, and the short trial jobs that
-    measure its best candidates (tune=true; orchestrator/autolayout.py, orchestrator/stages/tune.py)."""
+    """layout=auto: the space the plan searches for the parallel layout, and the short trial jobs that measure
+    its best candidates (tune=true; orchestrator/planning/autolayout.py, orchestrator/stages/tune.py)."""
 
     candidates: int = 4
     """Trials: the layouts the plan ranks first are measured, this many (K of the Slurm job array

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchestrator import launches
-from orchestrator.launches import current, is_incomplete
-from orchestrator.progress import checkpoint_iter
-from orchestrator.queue import CANCELLED, DONE, FAILED, PENDING, RUNNING, category, query_slurm_checked
-from orchestrator.runs import run_dirs_of
-from orchestrator.status import job_state, slurm_ids, slurm_note
+from orchestrator.readback.status import job_state, slurm_ids, slurm_note
+from orchestrator.record import launches
+from orchestrator.record.launches import current, is_incomplete
+from orchestrator.world.progress import checkpoint_iter
+from orchestrator.world.queue import CANCELLED, DONE, FAILED, PENDING, RUNNING, category, query_slurm_checked
+from orchestrator.world.runs import run_dirs_of
 from trainer.metrics_file import TRAIN_LOSS, last_record
 
 INCOMPLETE = "INCOMPLETE"  # the latest launch stopped before it submitted everything (launches.py)

@@ -2,7 +2,7 @@
 
 Every row has the job's state and, for a failed or cancelled one, why; each stage adds its own columns
 (its ``status``, orchestrator/stages/): training its loss, checkpoint, restarts, heartbeats and W&B run
-(read by orchestrator/progress.py), eval its pass@1.
+(read by orchestrator/world/progress.py), eval its pass@1.
 """
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import launches
-from orchestrator.launches import INCOMPLETE, current, history, is_incomplete
-from orchestrator.progress import log_records
-from orchestrator.queue import (
+from orchestrator.record import launches
+from orchestrator.record.launches import INCOMPLETE, current, history, is_incomplete
+from orchestrator.stages import get as stage_def
+from orchestrator.stages.base import StageLook
+from orchestrator.stages.train import NAME as TRAIN
+from orchestrator.world.progress import log_records
+from orchestrator.world.queue import (
     CANCELLED,
     FAILED,
     PENDING,
@@ -23,10 +26,7 @@ from orchestrator.queue import (
     marker_of,
     query_slurm_checked,
 )
-from orchestrator.runs import run_dirs_of
-from orchestrator.stages import get as stage_def
-from orchestrator.stages.base import StageLook
-from orchestrator.stages.train import NAME as TRAIN
+from orchestrator.world.runs import run_dirs_of
 from trainer.health import RankHealth
 from trainer.run_files import FAILED as FAILED_MARKER
 from trainer.run_files import FATAL_MARKER

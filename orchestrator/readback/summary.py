@@ -7,12 +7,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator.estimate import fmt_duration
-from orchestrator.launches import current
-from orchestrator.progress import checkpoint_iter, wandb_offline_dirs
-from orchestrator.runs import read_json
+from orchestrator.base.estimate import fmt_duration
+from orchestrator.record.launches import current
 from orchestrator.stages.convert import NAME as CONVERT
 from orchestrator.stages.tuning import verdict as verdict_of
+from orchestrator.world.progress import checkpoint_iter, wandb_offline_dirs
+from orchestrator.world.runs import read_json
 from trainer.checkpoint.verify import read_warnings
 from trainer.eval.results import describe, read_results, results_path
 from trainer.metrics_file import TRAIN_LOSS, VALID_LOSS, kernel_fallbacks, last_kernel_check, series

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.schema import SlipwayConfig
 from trainer.data.blend import BlendError, target_sizes
 from trainer.data.splits import parse_split
 from trainer.run_files import preprocess_summary

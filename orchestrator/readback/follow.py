@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from orchestrator.launches import current_jobs
-from orchestrator.runs import read_json
+from orchestrator.record.launches import current_jobs
+from orchestrator.world.runs import read_json
 from trainer.run_files import RUN_JSON, SUBMITIT_LOG
 
 

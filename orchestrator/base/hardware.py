@@ -2,9 +2,9 @@
 
 The site file (``hydra_conf/cluster/<site>.yaml``) is the one place for a site's hardware
 (:data:`HARDWARE`); an experiment asks for a layout (:data:`LAYOUT`) and never changes it.
-orchestrator/site.py, which knows Hydra, records where each value came from in
+orchestrator/base/site.py, which knows Hydra, records where each value came from in
 ``cluster.hardware_sources``; this module adds what the device table (trainer/devices.py) and the measured
-figures (orchestrator/measured.py) fill in for the values the site leaves null, so the plan can print
+figures (orchestrator/base/measured.py) fill in for the values the site leaves null, so the plan can print
 every figure it used and its source.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.measured import MeasuredMfu, measured_figures
-from orchestrator.schema import ClusterConfig, SlipwayConfig
+from orchestrator.base.measured import MeasuredMfu, measured_figures
+from orchestrator.base.schema import ClusterConfig, SlipwayConfig
 from trainer.devices import Gpu, find_gpu
 
 # The site's facts: only the site file sets them (an experiment's value is not used; a command line's must

@@ -15,20 +15,20 @@ import itertools
 import os
 from typing import Any
 
-from orchestrator import autolayout
-from orchestrator.checks import run_checks
-from orchestrator.checks.run import insane_values
-from orchestrator.estimate import (
+from orchestrator.base.estimate import (
     NO_MEMORY,
     NO_TIME,
     MemoryOption,
     estimate_memory,
     estimate_time,
 )
-from orchestrator.facts import PlanInputs, SweepInfo
-from orchestrator.layout import Layout, layout_of
-from orchestrator.plan_types import Context, Estimates, Plan
-from orchestrator.schema import SlipwayConfig
+from orchestrator.base.facts import PlanInputs, SweepInfo
+from orchestrator.base.layout import Layout, layout_of
+from orchestrator.base.plan_types import Context, Estimates, Plan
+from orchestrator.base.schema import SlipwayConfig
+from orchestrator.checks import run_checks
+from orchestrator.checks.run import insane_values
+from orchestrator.planning import autolayout
 from orchestrator.stages import STAGES
 from orchestrator.stages.base import PlanContext
 from trainer.config_issues import deferred
@@ -142,7 +142,7 @@ def plan_warnings(cfg: SlipwayConfig, lay: Layout) -> list[str]:
 
 def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exists) -> Plan:
     """Everything about a launch that can be known before submitting (no job is touched). With
-    layout=auto the plan is the first choice's (orchestrator/autolayout.py); ``Plan.config`` holds it."""
+    layout=auto the plan is the first choice's (planning/autolayout.py); ``Plan.config`` holds it."""
     vocab = resolve_vocab(cfg, facts)
     proposal = autolayout.propose(cfg, vocab) if cfg.layout == "auto" else None
     if proposal is not None and proposal.ranked:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from orchestrator.runs import read_json
+from orchestrator.world.runs import read_json
 from trainer.checkpoint.files import parse_tracker, tracker_text
 from trainer.health import read_bad_nodes, read_hangs
 from trainer.metrics_file import TOKENS_PER_S, TRAIN_LOSS, read_metrics

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import re
 
-from orchestrator.runs import REPO_ROOT
-from orchestrator.schema import ContainerConfig, SlipwayConfig
+from orchestrator.base.schema import ContainerConfig, SlipwayConfig
+from orchestrator.world.runs import REPO_ROOT
 
 # The first bytes of a squashfs file (little-endian "sqsh"); an Apptainer .sif starts otherwise.
 SQUASHFS_MAGIC = b"hsqs"

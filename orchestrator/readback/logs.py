@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from orchestrator import launches
-from orchestrator.queue import CANCELLED, FAILED, PENDING, RUNNING, alive, category, live_state
-from orchestrator.runs import read_json
+from orchestrator.record import launches
 from orchestrator.stages.train import NAME as TRAIN
+from orchestrator.world.queue import CANCELLED, FAILED, PENDING, RUNNING, alive, category, live_state
+from orchestrator.world.runs import read_json
 from trainer.run_files import JOB_RECORD, LOGS, SUBMITIT_LOG, RunDir
 
 # A Slurm job's files after "<stage>_<job>_" (render.py), and a local job's (submitit's).

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.runs import read_json, write_json
+from orchestrator.world.runs import read_json, write_json
 from trainer.run_files import CONFIG, RUN_JSON, RunDir
 
 FORMAT = 2
@@ -207,7 +207,7 @@ class LaunchRecord:
     def orphans(self, find=None) -> list[tuple[int, str, str | None, str]]:
         """(launch, stage, job id or None, state) for every intent a dead launch left pending: its job as
         the queue knows it by comment (None: not queued or running). Reads only."""
-        from orchestrator.queue import jobs_by_comment
+        from orchestrator.world.queue import jobs_by_comment
 
         wanted = [(r["n"], stage, p["comment"]) for r in _stale(self.data)
                   for stage, p in r.get("pending", {}).items()]
@@ -245,7 +245,7 @@ def cancelled_ids(data: dict[str, Any]) -> set[str]:
 
 def is_incomplete(record: dict[str, Any]) -> bool:
     """A launch that stopped before it submitted everything (its process is gone)."""
-    from orchestrator.queue import process_alive
+    from orchestrator.world.queue import process_alive
 
     if record.get("state", SUBMITTED) == SUBMITTED:
         return False

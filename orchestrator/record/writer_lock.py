@@ -16,12 +16,12 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from orchestrator import launches
-from orchestrator.plan_types import Plan
-from orchestrator.problems import PlanError, Problem
-from orchestrator.queue import ended, live_state, local_state, query_slurm
-from orchestrator.runs import write_json
+from orchestrator.base.plan_types import Plan
+from orchestrator.base.problems import PlanError, Problem
+from orchestrator.record import launches
 from orchestrator.stages.train import NAME as TRAIN
+from orchestrator.world.queue import ended, live_state, local_state, query_slurm
+from orchestrator.world.runs import write_json
 from trainer.run_files import CKPT_WRITER, LAUNCH_LOCK
 
 

@@ -1,0 +1,2 @@
+"""What every layer above shares: the schema, site and hardware, layout and estimates, problems, the
+plan types."""

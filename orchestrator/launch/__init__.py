@@ -1,0 +1,1 @@
+"""The launch behind launch.py: record, check, submit (and cancel); sweeps."""

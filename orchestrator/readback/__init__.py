@@ -1,0 +1,1 @@
+"""Reading a run back: status, summary, logs, follow, list."""

@@ -1,0 +1,1 @@
+"""What exists outside the process: the queue, partitions, local processes, run and cache folders."""
