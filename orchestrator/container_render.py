@@ -119,7 +119,7 @@ class PyxisSpec:
     """What the srun lines of a job need to run each task in a pyxis/enroot container."""
 
     container: ContainerConfig  # image (absolute when a file: container.job_image), binds, env lists
-    binds: tuple[str, ...]  # the job's folders (orchestrator/container.host_paths), mounted at their paths
+    binds: tuple[str, ...]  # the job's folders (world/container.host_paths), mounted at their paths
     code_dir: str  # mounted first and put on PYTHONPATH: jobs run the code that was launched
     workdir: str  # the launch directory, mounted: relative paths in the job specs resolve against it
 

@@ -1,5 +1,5 @@
 """The run as configured: each section's own rules (defined once beside its fields, trainer/config and
-orchestrator/schema), values far outside any sane range, the warm-up against the run's length, and the
+orchestrator/base/schema), values far outside any sane range, the warm-up against the run's length, and the
 names that become folders."""
 
 from __future__ import annotations

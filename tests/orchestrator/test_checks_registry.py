@@ -64,7 +64,7 @@ def _functions(path: pathlib.Path) -> list[ast.FunctionDef]:
 def _is_check(fn: ast.FunctionDef) -> bool:
     """A function that returns problems: annotated ``list[Problem]``, or named ``*_problems`` without an
     annotation that says otherwise. The config sections' own ``problems()`` methods stay with their fields
-    (trainer/config, orchestrator/schema) and return ConfigIssue records."""
+    (trainer/config, orchestrator/base/schema) and return ConfigIssue records."""
     returns = ast.unparse(fn.returns) if fn.returns else None
     if returns is not None and "list[Problem]" in returns.replace("'", "").replace('"', ""):
         return True
