@@ -25,7 +25,7 @@ from orchestrator.base.facts import PlanInputs
 from orchestrator.base.plan_types import JobResources, StagePlan
 from orchestrator.base.schema import SlipwayConfig
 from orchestrator.world.queue import marker_of, process_alive
-from orchestrator.world.runs import CACHE_DIR
+from orchestrator.world.runs import CACHE_DIR, write_json
 from trainer.run_files import COMPLETE, FAILED, RunDir
 
 
@@ -149,11 +149,7 @@ class Upstream:
 
 
 def mark(output_dir: str, name: str, info: dict[str, Any]) -> None:
-    path = Path(output_dir) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(info, indent=1, default=str))
-    os.replace(tmp, path)
+    write_json(Path(output_dir) / name, info)
 
 
 def job_of_task() -> str:

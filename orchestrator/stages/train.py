@@ -28,6 +28,7 @@ from orchestrator.stages.base import (
 )
 from orchestrator.stages.trainer_job import export_torch_env, run_name, trainer_config
 from orchestrator.world import progress, queue
+from orchestrator.world.runs import write_json
 from trainer import faults
 from trainer.checkpoint.verify import read_warnings
 from trainer.config import RunConfig
@@ -98,9 +99,7 @@ def write_data_report(summaries: list[str], run_dir: str) -> Path | None:
               "skipped_examples": [e for s in found for e in s.get("skipped_examples", [])],
               "summaries": found}
     out = RunDir(run_dir).data_report
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(report, indent=1) + "\n")
-    os.replace(tmp, out)
+    write_json(out, report)
     if report["skipped_lines"]:
         log.warning("the run's data dropped %d bad input line(s) (data.on_error=skip); see %s",
                     report["skipped_lines"], out)

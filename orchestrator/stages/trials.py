@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.world.runs import write_json
 from trainer import faults
 from trainer.health import read_hangs
 from trainer.log import get_logger
@@ -99,13 +100,6 @@ def trial_config(base: dict[str, Any], overrides: dict[str, dict[str, Any]], run
     return cfg
 
 
-def _write_json(path: Path, value: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(value, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 def read_json(path: Path) -> dict[str, Any] | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
@@ -120,7 +114,7 @@ def begin(spec: TrialSpec, job: str) -> None:
     for path in spec.run_dir.glob(TRIAL_RECORD.format(rank="*")):
         if (read_json(path) or {}).get("job") != job:
             path.unlink(missing_ok=True)
-    _write_json(spec.spec_path, {**asdict(spec), "job": job, "started": time.time()})
+    write_json(spec.spec_path, {**asdict(spec), "job": job, "started": time.time()})
 
 
 def load_spec(path: str | Path) -> TrialSpec:
@@ -131,7 +125,7 @@ def load_spec(path: str | Path) -> TrialSpec:
 def write_record(spec: TrialSpec, job: str, rank: int, status: str, **fields: Any) -> None:
     record = {"key": spec.key, "job": job, "index": spec.index, "rank": rank, "status": status,
               "time": time.time(), **fields}
-    _write_json(spec.record_path(rank), record)
+    write_json(spec.record_path(rank), record)
 
 
 def failure_reason(err: BaseException) -> str:

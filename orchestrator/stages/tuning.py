@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 
 from orchestrator.base.estimate import fmt_bytes
 from orchestrator.stages.trials import FAILED, MEASURED, read_json
+from orchestrator.world.runs import write_json, write_text
 from trainer.health import read_hangs
 from trainer.log import get_logger
 from trainer.run_files import TRIAL_RECORD, TRIAL_SPEC, RunDir
@@ -220,11 +220,8 @@ def format_table(table: dict[str, Any]) -> str:
 def write_table(run_dir: str, table: dict[str, Any]) -> None:
     run = RunDir(run_dir)
     run.tune.mkdir(parents=True, exist_ok=True)
-    for path, text in ((run.layout_table, json.dumps(table, indent=1, default=str) + "\n"),
-                       (run.layout_table_text, format_table(table))):
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(text)
-        os.replace(tmp, path)
+    write_json(run.layout_table, table)
+    write_text(run.layout_table_text, format_table(table))
 
 
 def stored(run_dir: str, key: str, job: str | None) -> dict[str, Any] | None:

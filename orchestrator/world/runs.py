@@ -106,11 +106,17 @@ def vocab_entries(path: str | None) -> int | None:
         return None
 
 
-def write_json(path: Path, data: dict[str, Any]) -> None:
+def write_text(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all (a reader never sees half a file): a temporary file beside it,
+    then a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    write_text(path, json.dumps(data, indent=2, default=str) + "\n")
 
 
 def read_json(path: Path) -> dict[str, Any]:
