@@ -14,6 +14,7 @@ from orchestrator.stages import get as stage_def
 from orchestrator.world.runs import write_json
 from tests.orchestrator.conftest import compose_cfg
 from trainer.eval.results import results_path
+from trainer.run_files import COMPLETE
 
 SMOKE = ["+experiment=codeparrot_smoke"]
 
@@ -108,3 +109,32 @@ def test_summary_reports_pass_at_k_and_perplexity(tmp_path):
     assert "evaluation       pass@1 0.250 (T=0.2), pass@2 0.375 (T=0.8); 4 problems × 2 samples" in text
     assert "perplexity 54.60 (loss 4.000) on held-out valid split (2,048 tokens)" in text
     assert str(results_path(run)) in text
+
+
+def test_a_deleted_eval_or_hf_folder_makes_only_its_own_stage_run_again(tmp_path):
+    """A relaunch of a finished run does only what is missing (issue 35 item 5): each stage is complete when
+    its marker names this plan's key and its outputs exist, so deleting eval/ reruns eval alone, deleting
+    hf/ reruns convert (and eval, whose input changed), and another key reruns the stage."""
+    run = tmp_path / "r"
+    facts = PlanInputs("r", str(run), environ={"WANDB_API_KEY": "k" * 40})
+    plan = make_plan(compose_cfg(SMOKE), facts, exists=lambda p: True)
+    convert, ev = plan.stage("convert"), plan.stage("eval")
+    for stage, files in ((convert, [Path(convert.job.config.output_dir, "config.json")]),
+                         (ev, [Path(ev.job.out_dir, "results.json")])):
+        for f in files:
+            f.parent.mkdir(parents=True, exist_ok=True)
+            f.write_text("{}")
+        write_json(Path(stage.state_dir, COMPLETE), {"key": stage.key, "job": "1"})
+
+    def todo() -> list[str]:
+        return [s.name for s in (convert, ev) if stage_def(s.name).complete(s) is None]
+
+    assert todo() == []
+    (run / "eval" / "results.json").unlink()
+    assert todo() == ["eval"]
+    Path(ev.job.out_dir, "results.json").write_text("{}")
+    write_json(Path(convert.state_dir, COMPLETE), {"key": "another plan's", "job": "1"})
+    assert todo() == ["convert"]
+    write_json(Path(convert.state_dir, COMPLETE), {"key": convert.key, "job": "1"})
+    (run / "hf" / "config.json").unlink()
+    assert todo() == ["convert"]

@@ -69,6 +69,18 @@ def test_a_runs_root_behind_a_file_and_an_unwritable_cache_are_refused_at_once(t
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_checkpoint_dir_that_cannot_be_written_is_refused_on_its_own(tmp_path, read_only):
+    """runs_root and cache_dir writable, only checkpoint.dir (a shared scratch, say) read-only: the dry run
+    names that key, not the run directory, before any job would fail at its first save."""
+    res = _launch_py(*SMOKE, f"runs_root={tmp_path}/runs", f"cache_dir={tmp_path}/cache",
+                     f"checkpoint.dir={read_only}/ckpt", "dry_run=true")
+    text = _refused(res, "storage")
+    assert text.count("[storage]") == 1, text[-3000:]
+    assert f"checkpoint.dir='{read_only}/ckpt': {read_only}/ckpt is where the run writes, but {read_only} " \
+           "is on a read-only filesystem" in text, text[-3000:]
+    assert "Fix: set checkpoint.dir to a folder you can write that every node sees" in text
+
+
 @pytest.mark.parametrize("dry", [True, False])
 def test_a_slurm_controller_that_does_not_answer_is_a_problem_line(tmp_path, dry):
     """A slurm.conf whose controller port nobody listens on: sinfo cannot reach slurmctld."""

@@ -151,54 +151,80 @@ def _descendants(root: int) -> set[int]:
     return found
 
 
-def _launch_and_interrupt(over: list[str], run: Path, sig: int, stall: int) -> None:
-    """launch.py with every rank pausing after iteration ``stall``; ``sig`` to the launcher's pid alone
-    once the four ranks have paused; then every process of the run must be gone."""
+def _stalled_run(over: list[str], run: Path, stall: int, env: dict,
+                 err: Path) -> tuple[subprocess.Popen, set[int]]:
+    """launch.py with every rank pausing after iteration ``stall``; once the four ranks have paused, the
+    launcher and every process of the run (the launcher's descendants and each local job's own). Its
+    output goes to ``err`` (a file: a pipe would stay open as long as a job that inherited it lives)."""
+    with err.open("w") as sink:
+        proc = subprocess.Popen([sys.executable, "launch.py", *over], cwd=REPO, env=env, text=True,
+                                start_new_session=True, stdout=sink, stderr=subprocess.STDOUT)
+    stalled = run / "stages" / "train"
+    wait_until(lambda: len(list(stalled.glob(f"stalled_{stall}_rank*"))) == 4 or proc.poll() not in (None, 0),
+               f"the four training ranks to pause after iteration {stall}", JOB_S, poll_s=0.5)
+    assert proc.poll() in (None, 0), err.read_text()[-3000:]
+    jobs = {int(e["job_id"]) for entries in current_jobs(json.loads((run / "run.json").read_text())).values()
+            for e in entries}
+    pids = _descendants(proc.pid) | {j for j in jobs if _alive(j)}
+    pids |= {d for j in jobs for d in _descendants(j)}
+    ranks = {int(p.read_text().split()[0]) for p in RunDir(run).pids.glob("*.pid")}
+    assert len(ranks) == 4 and ranks <= pids, (ranks, pids)
+    return proc, pids
+
+
+def _launch_and_stop(over: list[str], run: Path, stop: int | str, stall: int) -> None:
+    """A run paused after iteration ``stall``, then stopped: ``stop`` a signal to the launcher's pid alone,
+    or "cancel" (``python -m orchestrator cancel`` of a run whose launcher has returned, wait=false). Then
+    every process of the run must be gone and its training CANCELLED."""
     env = dict(os.environ, **hook_env(STALL_TRAIN=str(stall)))
-    proc = subprocess.Popen([sys.executable, "launch.py", *over], cwd=REPO, env=env, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    pids: set[int] = set()
+    out = run.parent / f"launcher_{stall}.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc, pids = None, set()
     try:
-        stalled = run / "stages" / "train"
-        wait_until(lambda: len(list(stalled.glob(f"stalled_{stall}_rank*"))) == 4 or proc.poll() is not None,
-                   f"the four training ranks to pause after iteration {stall}", JOB_S, poll_s=0.5)
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        pids = _descendants(proc.pid)
-        ranks = {int(p.read_text().split()[0]) for p in RunDir(run).pids.glob("*.pid")}
-        assert len(ranks) == 4 and ranks <= pids, (ranks, pids)
-        os.kill(proc.pid, sig)  # the launcher alone
-        _, err = proc.communicate(timeout=NEVER_S)
-        assert proc.returncode == 128 + sig, err[-3000:]
-        assert "Traceback" not in err, err[-3000:]
-        assert re.search(r"interrupted: \d local job\(s\) of run r cancelled", err), err[-3000:]
+        if stop == "cancel":
+            proc, pids = _stalled_run([*over, "wait=false"], run, stall, env, out)
+            assert proc.wait(timeout=NEVER_S) == 0, out.read_text()[-3000:]
+            res = subprocess.run([sys.executable, "-m", "orchestrator", "cancel", str(run)], cwd=REPO,
+                                 capture_output=True, text=True, timeout=NEVER_S)
+            assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+            assert re.search(r"train job \d+ cancelled \(\d+ process\(es\) ended\)", res.stdout), res.stdout
+        else:
+            proc, pids = _stalled_run(over, run, stall, env, out)
+            os.kill(proc.pid, stop)  # the launcher alone
+            proc.wait(timeout=NEVER_S)
+            err = out.read_text()
+            assert proc.returncode == 128 + stop, (proc.returncode, err[-3000:])
+            assert "Traceback" not in err, err[-3000:]
+            assert re.search(r"interrupted: \d local job\(s\) of run r cancelled", err), err[-3000:]
         wait_until(lambda: not any(_alive(p) for p in pids), "every process of the run to end", NEVER_S)
         assert _states(run)["train"] == "CANCELLED"
     finally:  # on a failure, leave nothing running
         for p in pids:
             if _alive(p):
                 os.kill(p, signal.SIGKILL)
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
-            proc.communicate()
+            proc.wait()
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)
 def test_a_signal_to_the_launcher_alone_cancels_every_process_and_the_run_resumes(tmp_path, cache):
-    """SIGTERM, then SIGINT, sent to launch.py's pid only (not its process group: a scheduler's kill, a
-    closed ssh session, a parent that forwards Ctrl-C): every process of the run ends — the job
-    controllers, the four training ranks — the launcher says so and exits 128+signal, and the next
-    launch resumes from the last checkpoint."""
+    """SIGTERM, SIGINT, then SIGHUP, sent to launch.py's pid only (not its process group: a scheduler's
+    kill, a parent that forwards Ctrl-C, a closed ssh session), and last ``python -m orchestrator cancel``
+    of a run whose launcher returned: every process of the run ends — the job controllers, the four training
+    ranks — the launcher says so and exits 128+signal, and each next launch resumes from the last checkpoint
+    (saves every 2 iterations: paused after 3, 5, 7, 9, the launches resume from 2, 4, 6 and 8)."""
     run = tmp_path / "runs" / "codeparrot_smoke" / "r"
-    extra = ["parallel=tp2_pp2", "train.iters=6", "train.save_interval=2"]
+    extra = ["parallel=tp2_pp2", "train.iters=10", "train.save_interval=2"]
     over = [*SMALL, f"runs_root={tmp_path}/runs", f"cache_dir={cache}", "run_id=r", *extra]
-    _launch_and_interrupt(over, run, signal.SIGTERM, stall=3)
-    _launch_and_interrupt(over, run, signal.SIGINT, stall=5)  # resumed from iteration 2, stopped after 5
+    for stall, stop in ((3, signal.SIGTERM), (5, signal.SIGINT), (7, signal.SIGHUP), (9, "cancel")):
+        _launch_and_stop(over, run, stop, stall)
 
     res = _launch(tmp_path, cache, *extra)
     train = next(s for s in res.submitted if s.stage == "train")
     log = (run / "jobs" / "train" / f"{train.job_id}_0_log.err").read_text()
-    assert re.search(r"loaded \w+ from \S+ iteration 4 ", log), log[-3000:]
-    assert set(_states(run).values()) == {"COMPLETED"} and _card_iteration(run) == 6
+    assert re.search(r"loaded \w+ from \S+ iteration 8 ", log), log[-3000:]
+    assert set(_states(run).values()) == {"COMPLETED"} and _card_iteration(run) == 10
 
 
 def test_a_pid_the_system_reused_is_not_the_runs_job(tmp_path):

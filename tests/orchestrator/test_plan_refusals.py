@@ -43,6 +43,30 @@ def test_tasks_per_node_other_than_one_per_gpu_is_refused(tasks):
     assert p.key == "cluster.tasks_per_node" and p.fix.startswith("cluster.tasks_per_node=null")
     _, ok = _plan([*CP, "cluster=slurm", "cluster.tasks_per_node=8"])
     assert _problems(ok, "tasks_per_node") == []
+
+
+@pytest.mark.parametrize("over,code,key,fix", [
+    (["train.precision_recipe=autocast", "optim.distributed=true"], "recipe", "train.precision_recipe",
+     "set train.precision_recipe=master_weights (or auto), or optim.distributed=false"),
+    (["train.precision_recipe=master_weights", "optim.impl=apex"], "recipe_impl", "optim.impl",
+     "set optim.impl to auto, csrc, foreach or for_loop, or train.precision_recipe=autocast"),
+    (["train.precision_recipe=auto", "optim.impl=torch_fused"], "recipe_impl", "optim.impl",
+     "train.precision_recipe=autocast"),
+])
+def test_a_precision_recipe_the_optimizer_cannot_keep_is_refused_at_plan_time(over, code, key, fix):
+    """The distributed optimizer keeps 16-bit parameters with fp32 masters (Megatron's layout), so autocast's
+    fp32 parameters cannot go with it; apex's and torch's fused Adam step whole parameters, not the masters
+    (issue 39 item 3). auto resolves by the optimizer, so it is refused only where it would be the latter."""
+    _, plan = _plan([*CP, "train.precision=bf16", *over])
+    if over[0].endswith("=auto"):  # auto without the distributed optimizer is autocast: nothing to refuse
+        assert _problems(plan, code) == [] and _problems(plan, "recipe") == []
+        _, plan = _plan([*CP, "train.precision=bf16", *over, "optim.distributed=true"])
+        assert _problems(plan, code) == []  # auto with it is master_weights on the distributed optimizer
+        return
+    (p,) = _problems(plan, code)
+    assert p.key == key and fix in p.fix, str(p)
+    _, fp32 = _plan([*CP, "train.precision=fp32", *over])  # the recipe does not apply to fp32
+    assert _problems(fp32, code) == []
     _, cpu = _plan(["+experiment=codeparrot_smoke", "cluster=devcluster", "cluster.tasks_per_node=2"])
     assert _problems(cpu, "tasks_per_node") == []  # CPU tasks are the site's to choose
 

@@ -101,6 +101,8 @@ def test_every_hardware_value_is_printed_with_its_source(tmp_path):
     (H100_X4_LIMITS, "cluster.cpus_per_task=32", "node_cpus", "cluster.cpus_per_task",
      "cluster.cpus_per_task=16"),
     (H100_X4_LIMITS, "cluster.stage_cpus=128", "node_cpus", "cluster.stage_cpus", "cluster.stage_cpus=64"),
+    (H100_X4_LIMITS + "mem_per_node_gb: 512\n", "cluster.mem_gb=1024", "node_memory", "cluster.mem_gb",
+     "cluster.mem_gb=0 (all of a node's memory) or a value within it"),
 ])
 def test_a_request_the_site_cannot_meet_is_refused_with_its_fix(tmp_path, site, override, code, key, fix):
     _, plan = _plan(["+experiment=codeparrot", *site_file(tmp_path, "mysite", site), override])
