@@ -70,8 +70,10 @@ EXPORT_LLAMA = {**LLAMA, **EXPORT_GPT, "ffn_hidden_size": 128}
 # checks catch and this one would not.
 LOW_REL = {"bf16": 2.0 ** -5, "fp16": 2.0 ** -8}
 GPT2 = {"hidden_dropout": 0.0, "attention_dropout": 0.0}
-# Megatron's uneven pipeline split (--decoder-first-pipeline-num-layers 1): 3 layers on 2 stages as 1 + 2.
+# Megatron's uneven pipeline splits of 3 layers on 2 stages: 1 + 2 (--decoder-first-pipeline-num-layers 1)
+# and 2 + 1 (--decoder-last-pipeline-num-layers 1). Each names a Slipway run, a Megatron save and a load.
 UNEVEN = {"layers": 3, "pp": 2, "first": 1}
+UNEVEN_SPLITS = {"uneven": {"first_stage_layers": 1}, "uneven_last": {"last_stage_layers": 1}}
 FIXTURE_TOKENIZER = {"vocab_file": str(TOKENIZER / "vocab.json"), "merge_file": str(TOKENIZER / "merges.txt")}
 
 
@@ -107,13 +109,14 @@ def run_configs(root: Path, data: str) -> dict[str, tuple[int, dict]]:
                 model={"hidden_dropout": 0.0, "attention_dropout": 0.0},
                 train={"micro_batch_size": 2, "global_batch_size": 2, "iters": ITERS, "eval_interval": None},
                 checkpoint={"format": fmt}, tokenizer=tokenizer, run_id=f"{fmt}-tp{tp}"))
-    # Megatron's uneven split in a Slipway run (3 layers as 1 + 2 on 2 stages; world 2: the tp 2 spawn).
-    runs["uneven"] = (2, tiny_config(
-        str(root / "uneven"), data, parallel={"tp_size": 1, "pp_size": UNEVEN["pp"],
-                                              "first_stage_layers": UNEVEN["first"]},
-        model={**GPT2, "num_layers": UNEVEN["layers"]},
-        train={"micro_batch_size": 1, "global_batch_size": 2, "iters": ITERS, "eval_interval": None},
-        checkpoint={"format": "mcore"}, tokenizer=tokenizer, run_id="mcore-uneven"))
+    # Megatron's uneven splits in Slipway runs (3 layers as 1 + 2 and 2 + 1 on 2 stages; world 2: the tp 2
+    # spawn).
+    for name, split in UNEVEN_SPLITS.items():
+        runs[name] = (2, tiny_config(
+            str(root / name), data, parallel={"tp_size": 1, "pp_size": UNEVEN["pp"], **split},
+            model={**GPT2, "num_layers": UNEVEN["layers"]},
+            train={"micro_batch_size": 1, "global_batch_size": 2, "iters": ITERS, "eval_interval": None},
+            checkpoint={"format": "mcore"}, tokenizer=tokenizer, run_id=f"mcore-{name}"))
     for name, (tp, precision) in {**LLAMA_RUNS, **LOW_RUNS}.items():
         model = LLAMA if name in LLAMA_RUNS else {"hidden_dropout": 0.0, "attention_dropout": 0.0}
         runs[name] = (tp, tiny_config(
@@ -165,7 +168,7 @@ class Jobs:
         dist = run.startswith("dist")
         if self.lm:
             argv = megatron_lm_argv(model, tp, run_tokenizer(self.runs), precision, model.get("pp", 1),
-                                    model.get("first_stage_layers"))
+                                    model.get("first_stage_layers"), model.get("last_stage_layers"))
             return {"tp": tp, "pp": model.get("pp", 1),
                     "argv": [*argv, "--ckpt-format", "torch_dist" if dist else "torch"],
                     "load": str(iter_dir.parent), "args_out": str(self.out / f"{name}.json"),
@@ -183,7 +186,7 @@ class Jobs:
         job.update(self._forward(name) if forward else {})
         if self.lm:
             argv = megatron_lm_argv(model, tp, FIXTURE_TOKENIZER, precision, model.get("pp", 1),
-                                    model.get("first_stage_layers"))
+                                    model.get("first_stage_layers"), model.get("last_stage_layers"))
             return {**job, "pp": model.get("pp", 1), "argv": [*argv, *flags, "--ckpt-format", fmt]}
         low = {"fp16": True} if precision == "fp16" else {"bf16": True} if precision == "bf16" else {}
         return {**job, "args_from": str(ARGS_FROM), "format": fmt, "args": {**extra, **low}}
@@ -203,17 +206,18 @@ def gpt_jobs(version: str, out: Path, ids: Path, runs: dict[str, Path]) -> list[
     """Megatron loads the GPT-2 runs at tp 1 and 2 (``in_tp{tp}``), the torch_dist runs crosswise
     (``dist_s{saved}_m{megatron}``) and the fp16 run (``in_fp16``), and saves its own weights at tp 2
     (``export``; ``export_fp16`` under --fp16, in --ckpt-format torch: the format is the other export's).
-    Megatron-LM (HAS_TRAINING) also saves and loads the uneven split (``uneven``, ``in_uneven``)."""
+    Megatron-LM (HAS_TRAINING) also saves and loads the uneven splits (``uneven``, ``in_uneven``;
+    ``uneven_last``, ``in_uneven_last``)."""
     j = Jobs(version, out, ids, runs)
     jobs = [j.load(f"in_tp{tp}", f"mcore{tp}", tp, GPT2) for tp in (1, 2)]
     jobs += [j.load(f"dist_s{stp}_m{mtp}", f"dist{stp}", mtp, GPT2) for stp, mtp in DIST_LAYOUTS]
     jobs.append(j.load("in_fp16", "gpt_fp16", 2, GPT2, "fp16"))
     jobs.append(j.save("export", EXPORT_GPT, 2, gpt_export_args(version)))
     jobs.append(j.save("export_fp16", EXPORT_GPT, 2, gpt_export_args(version), "torch", "fp16"))
-    if j.lm:  # Megatron-LM's uneven pipeline split both ways, at its own layout (pp 2)
-        split = {"num_layers": UNEVEN["layers"], "pp": UNEVEN["pp"], "first_stage_layers": UNEVEN["first"]}
-        jobs.append(j.save("uneven", {**EXPORT_GPT, **split}, 1, {}, "torch"))
-        jobs.append(j.load("in_uneven", "uneven", 1, {**GPT2, **split}))
+    for name, split in UNEVEN_SPLITS.items() if j.lm else ():  # Megatron-LM's splits both ways, pp 2
+        split = {"num_layers": UNEVEN["layers"], "pp": UNEVEN["pp"], **split}
+        jobs.append(j.save(name, {**EXPORT_GPT, **split}, 1, {}, "torch"))
+        jobs.append(j.load(f"in_{name}", name, 1, {**GPT2, **split}))
     return jobs
 
 
@@ -241,7 +245,8 @@ _TINY = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "seq_leng
 
 
 def megatron_lm_argv(model: dict, tp: int, tokenizer: dict, precision: str = "fp32", pp: int = 1,
-                     first_stage_layers: int | None = None) -> list[str]:
+                     first_stage_layers: int | None = None,
+                     last_stage_layers: int | None = None) -> list[str]:
     """The Megatron-LM (pretrain_gpt.py) flags of the same model as a Slipway ``model`` section: what a
     user passes to load or continue it (the parser's defaults stand for Slipway's: learned positions,
     LayerNorm, GeLU, biases, tied head, norm epsilon 1e-5, make-vocab-size-divisible-by 128)."""
@@ -271,4 +276,6 @@ def megatron_lm_argv(model: dict, tp: int, tokenizer: dict, precision: str = "fp
         argv += ["--pipeline-model-parallel-size", pp]
     if first_stage_layers is not None:
         argv += ["--decoder-first-pipeline-num-layers", first_stage_layers]
+    if last_stage_layers is not None:
+        argv += ["--decoder-last-pipeline-num-layers", last_stage_layers]
     return [str(a) for a in argv]

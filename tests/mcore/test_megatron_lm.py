@@ -5,9 +5,10 @@ already goes through Megatron-LM's parser, ``get_model``, ``load_checkpoint(stri
 
 - Slipway's ``args`` are what Megatron-LM's own parser gives for the same model: every field both have,
   read back from the args of each load (the run's training settings and Slipway's own records aside);
-- Megatron-LM's uneven pipeline split (``--decoder-first-pipeline-num-layers``): a 3-layer model saved by
-  ``save_checkpoint`` on 2 stages as 1 + 2 converts with ``to_hf`` to the logits Megatron computed across
-  its two stages, and starts a Slipway run at its own layout and at others.
+- Megatron-LM's uneven pipeline splits (``--decoder-first-pipeline-num-layers``, and
+  ``--decoder-last-pipeline-num-layers``): a 3-layer model saved by ``save_checkpoint`` on 2 stages as 1 + 2
+  or 2 + 1 converts with ``to_hf`` to the logits Megatron computed across its two stages, Megatron-LM loads
+  Slipway's runs of either split, and the 1 + 2 save starts a Slipway run at its own layout and at others.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ import numpy as np
 import pytest
 import torch
 
-from tests.mcore.model_cases import DIST_LAYOUTS, EXPORT_GPT, FIXTURES, ITERS, UNEVEN, slipway_args
+from tests.mcore.model_cases import (
+    DIST_LAYOUTS,
+    EXPORT_GPT,
+    FIXTURES,
+    ITERS,
+    UNEVEN,
+    UNEVEN_SPLITS,
+    slipway_args,
+)
 from tests.mcore.versions import HAS_TRAINING
 from tests.train.harness import spawn, tiny_config, write_dataset
 
@@ -34,9 +43,11 @@ RUN_FIELDS = {"consumed_train_samples", "consumed_valid_samples", "micro_batch_s
               "vocab_size"}
 # Loads at another tp than the save (torch_dist): the layout is the load's, not the checkpoint's.
 LAYOUT_FIELDS = {"tensor_model_parallel_size", "padded_vocab_size"}
-LOADS = {"gpt": ["in_tp1", "in_tp2", "in_fp16", "in_uneven", *(f"dist_s{s}_m{m}" for s, m in DIST_LAYOUTS)],
+LOADS = {"gpt": ["in_tp1", "in_tp2", "in_fp16", *(f"in_{n}" for n in UNEVEN_SPLITS),
+                *(f"dist_s{s}_m{m}" for s, m in DIST_LAYOUTS)],
          "llama": ["in_tp1", "in_tp2", "in_bf16"]}
-RUN_OF = {"in_tp1": "mcore1", "in_tp2": "mcore2", "in_fp16": "gpt_fp16", "in_uneven": "uneven",
+RUN_OF = {"in_tp1": "mcore1", "in_tp2": "mcore2", "in_fp16": "gpt_fp16",
+          **{f"in_{n}": n for n in UNEVEN_SPLITS},
           **{f"dist_s{s}_m{m}": f"dist{s}" for s, m in DIST_LAYOUTS}}
 
 
@@ -97,37 +108,47 @@ def _slipway_logits(iter_dir, ids) -> torch.Tensor:
     return torch.stack([SlipwayGPTSource(merged.state, spec).logits(row) for row in ids])
 
 
-def test_megatron_lm_loads_slipways_uneven_run_at_its_layout(model_runs, megatron_lm):
-    """A Slipway run at pp=2 with parallel.first_stage_layers=1 (3 layers as 1 + 2): Megatron-LM's
-    load_checkpoint (strict, --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1) fills
-    its two stages, and their logits are Slipway's."""
+# Each split's stages as Megatron numbers them: the layers each holds, numbered from 0 on every stage.
+STAGE_LAYERS = {"uneven": [["0"], ["0", "1"]], "uneven_last": [["0", "1"], ["0"]]}
+
+
+@pytest.mark.parametrize("split", list(UNEVEN_SPLITS))
+def test_megatron_lm_loads_slipways_uneven_run_at_its_layout(model_runs, megatron_lm, split):
+    """A Slipway run at pp=2 with parallel.first_stage_layers=1 (3 layers as 1 + 2), or last_stage_layers=1
+    (2 + 1): Megatron-LM's load_checkpoint (strict, --pipeline-model-parallel-size 2 and
+    --decoder-first-pipeline-num-layers 1 or --decoder-last-pipeline-num-layers 1) fills its two stages,
+    and their logits are Slipway's."""
     version, out, ids = megatron_lm
-    diff = _diff(out / "gpt" / "in_uneven.npy", _slipway_logits(model_runs["uneven"], ids))
-    print(f"MATRIX {version} uneven in pp2 {diff:.2e}")
+    diff = _diff(out / "gpt" / f"in_{split}.npy", _slipway_logits(model_runs[split], ids))
+    print(f"MATRIX {version} {split} in pp2 {diff:.2e}")
     assert diff <= 1e-5, f"megatron-core {version}: logits {diff:.3g} from Slipway's"
 
 
-def test_megatron_lms_uneven_pipeline_checkpoint_converts(tmp_path, megatron_lm):
-    """--pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1 on 3 layers: stage 0 holds
-    layer 0, stage 1 layers 1-2, each numbered from 0 (mp_rank_00_000, mp_rank_00_001); to_hf gives the
-    logits Megatron computed across its two stages."""
+@pytest.mark.parametrize("split", list(UNEVEN_SPLITS))
+def test_megatron_lms_uneven_pipeline_checkpoint_converts(tmp_path, megatron_lm, split):
+    """--pipeline-model-parallel-size 2 with --decoder-first-pipeline-num-layers 1 (stage 0 holds layer 0,
+    stage 1 layers 1-2) or --decoder-last-pipeline-num-layers 1 (layers 0-1, then 2), on 3 layers, each
+    stage numbered from 0 (mp_rank_00_000, mp_rank_00_001); to_hf gives the logits Megatron computed
+    across its two stages."""
     from transformers import GPT2LMHeadModel
 
     from trainer.checkpoint import pickles
     from trainer.convert.to_hf import main
 
     version, out, ids = megatron_lm
-    iter_dir = out / "gpt" / "uneven" / "iter_0000005"
+    iter_dir = out / "gpt" / split / "iter_0000005"
     stages = [pickles.load(str(iter_dir / f"mp_rank_00_00{p}" / "model_optim_rng.pt")) for p in range(2)]
     layers = [sorted({k.split(".")[2] for k in s["model"] if k.startswith("decoder.layers.")})
               for s in stages]
-    assert layers == [["0"], ["0", "1"]], layers
-    assert stages[0]["args"].decoder_first_pipeline_num_layers == UNEVEN["first"]
-    assert main(["--checkpoint-dir", str(out / "gpt" / "uneven"), "--output-dir", str(tmp_path / "hf")]) == 0
+    assert layers == STAGE_LAYERS[split], layers
+    for field, value in UNEVEN_SPLITS[split].items():  # first_stage_layers: decoder_first_pipeline_num_layers
+        megatron = f"decoder_{field.removesuffix('_stage_layers')}_pipeline_num_layers"
+        assert getattr(stages[0]["args"], megatron) == value, (megatron, stages[0]["args"])
+    assert main(["--checkpoint-dir", str(out / "gpt" / split), "--output-dir", str(tmp_path / "hf")]) == 0
     with torch.no_grad():
         ours = GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()(ids).logits
-    diff = _diff(out / "gpt" / "uneven.npy", ours)
-    print(f"MATRIX {version} uneven out {diff:.2e}")
+    diff = _diff(out / "gpt" / f"{split}.npy", ours)
+    print(f"MATRIX {version} {split} out {diff:.2e}")
     assert diff <= 1e-5, f"megatron-core {version}: HF logits {diff:.3g} from Megatron's two stages"
 
 
