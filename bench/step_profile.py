@@ -7,7 +7,7 @@ trainer.run.loop.step) under torch.profiler, by class, and how long the device s
 
 CUDA: every kernel, memcpy and memset the profiled steps put on the device, summed by class (CLASSES, in
 order, first match wins: optimizer (AdamW, the gradient norm and clipping), attention, GEMM, Slipway's own
-ops, reductions, communication, element-wise/copy/fill, other), in ms per step and as a share of the
+ops, communication, reductions, element-wise/copy/fill, other), in ms per step and as a share of the
 window; the window runs from the first profiled step's start on the host to the last device activity,
 and the device idle share is the part of it no device activity covers (host synchronisation, launch
 gaps, the data). CPU (the rehearsal): the same classes over the ops' self CPU time, and the share of the
@@ -38,8 +38,9 @@ CLASSES = (
     ("GEMM", r"gemm|cutlass|cublas|nvjet|xmma|wgmma|sm90_|sm80_|s16816|aten::(mm|addmm|bmm|baddbmm|matmul|"
              r"linear|_addmm_activation)$|triton_tem"),
     ("Slipway ops", r"slipway"),
-    ("reductions", r"reduce|norm|sum|mean|softmax|triton_(red|per)_|logsumexp|aten::(max|min|amax)$"),
+    # before reductions: an NCCL AllReduce kernel's name says "reduce" too
     ("communication", r"nccl|all_?reduce|all_?gather|reduce_?scatter|gloo|broadcast"),
+    ("reductions", r"reduce|norm|sum|mean|softmax|triton_(red|per)_|logsumexp|aten::(max|min|amax)$"),
     ("element-wise/copy/fill", r"elementwise|vectorized|copy|fill|cat|index|memset|memcpy|triton_poi|"
                                r"unrolled|aten::(add|mul|sub|div|where|dropout|gelu|embedding|to|_to_copy|clone|zero_|"
                                r"pow|sqrt|rsqrt|neg|exp|log|masked_fill|transpose|view|permute|reshape|"
