@@ -147,3 +147,22 @@ def test_nan_in_fp32_is_found_at_the_next_sync_point(tmp_path, data):
     ckpt_dir = str(tmp_path / "run" / "checkpoints")
     assert ckpt.list_iterations(ckpt_dir) == [5]
     assert all(math.isfinite(r.losses[i]) for i in range(1, 7))
+
+
+def test_batches_go_through_pinned_memory_with_non_blocking_copies(monkeypatch):
+    """On CUDA each batch tensor is pinned and copied with non_blocking=True, so the copy queues behind
+    the step in flight; on CPU batches are left as they are. (The read itself overlaps the device's previous
+    step because no non-logging iteration synchronises: the tests above.) Recorded on this CPU-only build
+    by standing in for the two tensor methods."""
+    from trainer.run.host import to_device
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: calls.append(("pin", t.shape)) or t)
+    monkeypatch.setattr(torch.Tensor, "to",
+                        lambda t, device, **kw: calls.append(("to", str(device), kw)) or t)
+    batch = {"tokens": torch.zeros(2, 8, dtype=torch.long), "labels": torch.ones(2, 8, dtype=torch.long),
+             "meta": "not a tensor"}
+    assert to_device(batch, torch.device("cpu")) is batch and calls == []
+    out = to_device(batch, torch.device("cuda", 0))
+    assert out["meta"] == "not a tensor" and set(out) == set(batch)
+    assert calls == [("pin", (2, 8)), ("to", "cuda:0", {"non_blocking": True})] * 2, calls
