@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""containers/dev_image.py build|path|key: the CPU image the devcluster's container tests run in
+"""containers/dev_image.py build|path|sqsh|key: the CPU image the devcluster's container tests run in
 (``container=charliecloud``), built here from Debian's packages and PyPI, cached by its inputs.
 
 What is in it, as in the NGC images containers/build.sh and build_sqsh.sh make: a Debian root file system
@@ -7,7 +7,9 @@ with its own Python (Debian's python3, not this machine's), the CPU torch and Sl
 /opt/venv, and Slipway at /opt/slipway, installed with ``pip install --no-build-isolation -e`` so that its
 compiled kernels are built inside the image, for the image's Python and torch
 (/opt/slipway/trainer/_C*.so and the stamp beside it, trainer/kernel_build.py). /ch/environment holds the
-image's environment (PATH to /opt/venv first), which ch-run's --set-env reads.
+image's environment (PATH to /opt/venv first), which ch-run's --set-env reads, and /etc/environment the
+same, which enroot reads (container=pyxis). For pyxis the image is also a squashfs file beside the folder
+(slipway-<key>.sqsh, what ``enroot import`` makes of an NGC image; ``sqsh`` prints it).
 
 Two layers, each a folder under .make/images/ named by the hash of its inputs (and of the code here that
 builds it), so a change rebuilds only what it touches:
@@ -61,7 +63,7 @@ SLIPWAY_KEY_FILES = ("setup.py", "pyproject.toml", "csrc", "trainer/kernel_build
 VENV = "/opt/venv"
 ENVIRONMENT = f"PATH={VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\nLANG=C.UTF-8\n"
 KEEP = {"base": 2, "slipway": 3}  # older images of each layer are removed after a build
-TOOLS = {"debootstrap": "debootstrap", "ch-run": "charliecloud-runtime"}
+TOOLS = {"debootstrap": "debootstrap", "ch-run": "charliecloud-runtime", "mksquashfs": "squashfs-tools"}
 
 
 def say(msg: str) -> None:
@@ -113,6 +115,22 @@ def keys() -> dict[str, str]:
 
 def image_dir(layer: str, key: str) -> Path:
     return CACHE / f"{layer}-{key}"
+
+
+def sqsh_path() -> Path | None:
+    """The image of this checkout as a squashfs file (container=pyxis), when built."""
+    found = path()
+    return found.with_suffix(".sqsh") if found is not None and found.with_suffix(".sqsh").is_file() else None
+
+
+def _build_sqsh(image: Path) -> None:
+    """The image folder as a squashfs file beside it (lz4: seconds to make, quick for enroot to unpack)."""
+    target = image.with_suffix(".sqsh")
+    if target.is_file():
+        return
+    work = target.with_name(f".{target.name}.{os.getpid()}")
+    _run(["mksquashfs", str(image), str(work), "-comp", "lz4", "-noappend", "-no-progress", "-quiet"])
+    work.rename(target)
 
 
 def path() -> Path | None:
@@ -194,6 +212,10 @@ def build_base(work: Path) -> None:
     reqs = " ".join(f"'{r}'" for r in requirements())
     pip = f"{VENV}/bin/pip install --no-cache-dir"
     in_image(rootfs, f"python3 -m venv {VENV} && {pip} setuptools wheel ninja {reqs}", folders, env)
+    (rootfs / "etc" / "environment").write_text(ENVIRONMENT)  # enroot's (pyxis's) image environment
+    # enroot starts a login shell, and Debian's /etc/profile resets PATH (NGC's Ubuntu leaves it): the
+    # venv goes back in front from profile.d, which /etc/profile reads after.
+    (rootfs / "etc" / "profile.d" / "slipway-venv.sh").write_text(f'PATH="{VENV}/bin:$PATH"\n')
     (rootfs / "ch").mkdir(exist_ok=True)
     (rootfs / "ch" / "environment").write_text(ENVIRONMENT)
 
@@ -227,6 +249,7 @@ def _prune(layer: str, keep_key: str) -> None:
     for p in old[KEEP[layer] - 1:]:
         say(f"removing old image {p}")
         shutil.rmtree(p, ignore_errors=True)
+        p.with_suffix(".sqsh").unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -259,13 +282,14 @@ def _build_layer(layer: str, key: str, make) -> None:
 
 def build() -> Path:
     k = keys()
-    if path() is not None:
-        say(f"cached: {path()}")
+    if sqsh_path() is not None:
+        say(f"cached: {path()} and {sqsh_path()}")
         return image_dir("slipway", k["slipway"])
     ensure_tools()
     with _locked():
         _build_layer("base", k["base"], build_base)
         _build_layer("slipway", k["slipway"], lambda w: build_slipway(image_dir("base", k["base"]), w))
+        _build_sqsh(image_dir("slipway", k["slipway"]))
     return image_dir("slipway", k["slipway"])
 
 
@@ -280,10 +304,16 @@ def main(argv: list[str]) -> int:
                 sys.stderr.write("dev_image: not built for this checkout (containers/dev_image.py build)\n")
                 return 1
             sys.stdout.write(f"{found}\n")
+        elif cmd == "sqsh":
+            found = sqsh_path()
+            if found is None:
+                sys.stderr.write("dev_image: no squashfs for this checkout (containers/dev_image.py build)\n")
+                return 1
+            sys.stdout.write(f"{found}\n")
         elif cmd == "key":
             sys.stdout.write(json.dumps(keys()) + "\n")
         else:
-            sys.stderr.write("usage: containers/dev_image.py build|path|key\n")
+            sys.stderr.write("usage: containers/dev_image.py build|path|sqsh|key\n")
             return 2
     except RuntimeError as exc:
         sys.stderr.write(f"dev_image {cmd} failed: {exc}\n")

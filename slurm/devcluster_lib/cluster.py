@@ -8,7 +8,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from . import conf, daemons, install, machine, procs
+from . import conf, daemons, install, machine, procs, pyxis
 from .layout import NODES, Layout, ensure_settings, load_settings
 from .procs import DaemonError
 
@@ -45,7 +45,11 @@ def up(layout: Layout, say: Say) -> None:
     all_steps = daemons.steps(layout, settings)
     found = machine.detect(daemons.daemon_env(layout), layout.probe_name)
     say(_binding_line(found))
-    if conf.write_all(layout, settings, hostname, found):
+    runtime = pyxis.find()
+    say(pyxis.describe(runtime))
+    if runtime is not None:
+        _enroot_folders(layout, runtime)
+    if conf.write_all(layout, settings, hostname, found, pyxis.plugstack(layout, runtime)):
         restarted = [s.daemon.name for s in reversed(all_steps)
                      if s.slurm and procs.stop(layout, s.daemon.name)]
         if restarted:
@@ -69,6 +73,16 @@ def up(layout: Layout, say: Say) -> None:
         say(f"started {' '.join(launched)} in {time.monotonic() - started:.1f} s; state in {layout.root}")
     else:
         say(f"already up ({time.monotonic() - started:.1f} s); state in {layout.root}")
+
+
+def _enroot_folders(layout: Layout, runtime: pyxis.Pyxis) -> None:
+    drop_in = runtime.sysconf / "enroot.conf.d" / pyxis.DROP_IN
+    try:
+        drop_in.parent.mkdir(parents=True, exist_ok=True)
+        conf.write_if_changed(drop_in, pyxis.enroot_folders(layout, runtime))
+    except OSError as exc:
+        raise install.SetupError(f"cannot write enroot's per-node folders to {drop_in} ({exc}): run up as "
+                                 "root, or uninstall pyxis from this machine") from exc
 
 
 def _binding_line(found: machine.Machine) -> str:

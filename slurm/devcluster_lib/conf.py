@@ -226,7 +226,8 @@ def make_gpu_file(path: Path, index: int) -> bool:
     return True
 
 
-def write_all(layout: Layout, settings: Settings, hostname: str, machine: Machine) -> bool:
+def write_all(layout: Layout, settings: Settings, hostname: str, machine: Machine,
+              plugins: str = "") -> bool:
     """Write every config file (and the GPU files); True when any changed (running daemons then need a
     restart)."""
     changed = False
@@ -242,6 +243,7 @@ def write_all(layout: Layout, settings: Settings, hostname: str, machine: Machin
         cgroup.unlink()
         changed = True
     changed |= write_if_changed(layout.slurmdbd_conf, slurmdbd_conf(layout, settings, hostname), 0o600)
-    # An empty plugstack keeps the host's SPANK plugins (/etc/slurm/plugstack.conf.d) out of our jobs.
-    changed |= write_if_changed(layout.etc / "plugstack.conf", "# no SPANK plugins in the devcluster\n")
+    # Only our SPANK plugins (pyxis.py's, where installed): the host's (/etc/slurm/plugstack.conf.d) stay out.
+    changed |= write_if_changed(layout.etc / "plugstack.conf",
+                                "# the devcluster's SPANK plugins (devcluster_lib/pyxis.py)\n" + plugins)
     return changed

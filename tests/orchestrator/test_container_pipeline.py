@@ -1,6 +1,8 @@
 """The smoke pipeline end to end inside a real container runtime on the devcluster: corpus -> preprocess ->
-train (tp 2 x pp 2 on 2 nodes) -> convert -> eval, every task in the image through Charliecloud's ch-run
-(``container=charliecloud``: the per-task wrapper, as Apptainer's).
+train (tp 2 x pp 2 on 2 nodes) -> convert -> eval, every task in the image, once through pyxis + enroot
+(``container=pyxis``: srun's --container-* flags, the image as a squashfs file; the devcluster builds both
+from slurm/vendor) and once through Charliecloud's ch-run (``container=charliecloud``: the per-task
+wrapper, as Apptainer's).
 
 The image (containers/dev_image.py; ``make test`` builds it, cached by its inputs) has its own Python
 (Debian's 3.11), its own CPU torch and Slipway's kernels built inside it at /opt/slipway. The run is
@@ -11,9 +13,10 @@ on the login node against another torch does (a stand-in compiled here: importin
 train on eager fallbacks ("Fix: run `make install`"). Every training rank must report (metrics file:
 kernel_builds) the image's build, loaded by the image's Python, running the checkout's code.
 
-pyxis and Apptainer cannot be installed here (docs/cluster.md says what this run proves of them).
-Cost: the pipeline's jobs, ~3 min on two cores (the image is built before the suite: minutes once per
-change of its inputs, nothing after).
+Apptainer cannot be installed here (docs/cluster.md says what these runs prove of it). As root (CI), the
+launch sets ENROOT_ALLOW_SUPERUSER=yes, which pyxis reads from the job's environment: a site's root must
+opt in too. Cost: the pipeline's jobs, about a minute per runtime on two cores (the image is built before
+the suite: minutes once per change of its inputs, nothing after).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.record.launches import current
+from orchestrator.world.container import PYXIS_OPTIONS
 from tests.ci import IN_CI
 from tests.orchestrator.conftest import REPO
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, wait_states
@@ -42,11 +46,17 @@ IMAGE_BUILD = "/opt/slipway/trainer/_C.cpython-311-x86_64-linux-gnu.so"
 IMAGE_PYTHON = "/opt/venv/bin/python"
 
 
-def _dev_image() -> Path:
+def _pyxis_loaded() -> bool:
+    """srun lists pyxis's options when the devcluster loaded the plugin (slurm/devcluster_lib/pyxis.py)."""
+    shown = subprocess.run(["srun", "--help"], capture_output=True, text=True, timeout=60).stdout
+    return all(option in shown for option in PYXIS_OPTIONS)
+
+
+def _dev_image(runtime: str) -> Path:
     spec = importlib.util.spec_from_file_location("dev_image", REPO / "containers" / "dev_image.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    found = module.path()
+    found = module.sqsh_path() if runtime == "pyxis" else module.path()
     if found is None:
         why = "the devcluster image is not built for this checkout: run containers/dev_image.py build"
         if IN_CI:
@@ -75,18 +85,26 @@ def _checkout(dest: Path) -> Path:
     return dest
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    image = _dev_image()
-    root = tmp_path_factory.mktemp("container")
+@pytest.fixture(scope="module", params=["pyxis", "charliecloud"])
+def run(request, tmp_path_factory):
+    if request.param == "pyxis" and not _pyxis_loaded():
+        # No package of pyxis or enroot exists for Debian, PyPI or npm (slurm/README.md): where a machine
+        # has them installed, the devcluster loads them and this runs.
+        pytest.skip("pyxis and enroot are not installed on this machine (slurm/README.md: the devcluster "
+                    "loads them where they are)")
+    image = _dev_image(request.param)
+    root = tmp_path_factory.mktemp(request.param)
     (root / "checkout").mkdir()
     code = _checkout(root / "checkout")
-    args = ["+experiment=codeparrot_smoke", "cluster=devcluster", "container=charliecloud",
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if os.geteuid() == 0:
+        env["ENROOT_ALLOW_SUPERUSER"] = "yes"
+    args = ["+experiment=codeparrot_smoke", "cluster=devcluster", f"container={request.param}",
             f"container.image={image}", "data.corpus.max_files=12", "data.corpus.max_bytes=200000",
             "tokenizer.vocab_size=300", *TINY_MODEL, f"runs_root={root}/runs", f"cache_dir={root}/cache",
             "train.iters=4", "train.save_interval=2", "train.eval_interval=2", "wait=false"]
     out = subprocess.run([sys.executable, "launch.py", *args], cwd=code, capture_output=True, text=True,
-                         timeout=600, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                         timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     run_dir = Path(next(line.split(": ", 1)[1] for line in out.stdout.splitlines()
                         if line.startswith("run dir: ")))
@@ -107,8 +125,13 @@ def test_the_pipeline_runs_in_the_image(run):
     assert "verification PASSED" in done["result"]["result"]
     results = json.loads((run / "eval" / "results.json").read_text())
     assert results["humaneval"]["problems"] > 0 and results["perplexity"]["heldout"]["tokens"] > 0
-    # Each job ran the wrapper and ch-run (not this machine's Python).
-    assert "ch-run --unset-env='*'" in (run / "container_exec.sh").read_text()
+    # Each job ran its tasks in the image: through the wrapper and ch-run, or srun's pyxis flags.
+    scripts = "\n".join(p.read_text() for p in (run / "launches").rglob("*")
+                         if p.is_file() and "scripts" in p.parts)
+    if (run / "container_exec.sh").exists():
+        assert "ch-run --unset-env='*'" in (run / "container_exec.sh").read_text()
+    else:
+        assert scripts.count("--container-image=") >= 3 and ".sqsh" in scripts, scripts[-3000:]
 
 
 def test_every_rank_loaded_the_images_kernels_with_the_images_python(run):

@@ -44,3 +44,31 @@ def test_binding_follows_what_the_machine_allows(tmp_path, problem):
     assert gres.count("Name=gpu File=") == sum(n.gpus for n in NODE_SPECS)
     first, last = conf.job_ids(settings)
     assert f"FirstJobId={first}" in text and last - first + 1 == conf.JOB_ID_BLOCK
+
+
+def test_pyxis_is_loaded_where_installed_with_enroot_folders_per_node(tmp_path, monkeypatch):
+    """Without pyxis the plugstack loads nothing (the host's plugins stay out); with it installed, one line
+    loads it, and enroot gets one set of folders per node (two nodes of a step share this machine)."""
+    from devcluster_lib import pyxis
+
+    layout = Layout(tmp_path / "state")
+    layout.make_dirs()
+    machine = Machine(sockets=1, cores_per_socket=2, threads_per_core=1, memory_mb=4096, cgroup_problem=None)
+    settings = Settings(port_base=17100, db_password="x")
+    plugin, enroot = tmp_path / "spank_pyxis.so", tmp_path / "bin" / "enroot"
+    monkeypatch.setattr(pyxis, "PLUGINS", (plugin,))
+    monkeypatch.setattr(pyxis, "ENROOTS", (enroot,))
+    assert pyxis.find() is None and "not installed" in pyxis.describe(None)
+    conf.write_all(layout, settings, "host", machine, pyxis.plugstack(layout, None))
+    lines = (layout.etc / "plugstack.conf").read_text().splitlines()
+    assert [x for x in lines if not x.startswith("#")] == []
+    plugin.write_bytes(b"")
+    enroot.parent.mkdir()
+    enroot.write_text('config::export ENROOT_SYSCONF_PATH     "/usr/local/etc/enroot"\n')
+    found = pyxis.find()
+    assert found == pyxis.Pyxis(plugin, enroot, Path("/usr/local/etc/enroot"))
+    assert conf.write_all(layout, settings, "host", machine, pyxis.plugstack(layout, found))
+    assert f"required {plugin} runtime_path={layout.root / 'pyxis'} container_scope=job" in \
+        (layout.etc / "plugstack.conf").read_text()
+    folders = pyxis.enroot_folders(layout, found)
+    assert f"ENROOT_DATA_PATH {layout.root}/enroot/data/${{SLURMD_NODENAME:-login}}\n" in folders
