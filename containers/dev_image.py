@@ -293,23 +293,21 @@ def build() -> Path:
     return image_dir("slipway", k["slipway"])
 
 
+def _print(found: Path | None, what: str) -> int:
+    if found is None:
+        sys.stderr.write(f"dev_image: no {what} built for this checkout (containers/dev_image.py build)\n")
+        return 1
+    sys.stdout.write(f"{found}\n")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     cmd = argv[1] if len(argv) > 1 else "build"
     try:
         if cmd == "build":
             sys.stdout.write(f"{build()}\n")
-        elif cmd == "path":
-            found = path()
-            if found is None:
-                sys.stderr.write("dev_image: not built for this checkout (containers/dev_image.py build)\n")
-                return 1
-            sys.stdout.write(f"{found}\n")
-        elif cmd == "sqsh":
-            found = sqsh_path()
-            if found is None:
-                sys.stderr.write("dev_image: no squashfs for this checkout (containers/dev_image.py build)\n")
-                return 1
-            sys.stdout.write(f"{found}\n")
+        elif cmd in ("path", "sqsh"):
+            return _print(path() if cmd == "path" else sqsh_path(), "image" if cmd == "path" else "squashfs")
         elif cmd == "key":
             sys.stdout.write(json.dumps(keys()) + "\n")
         else:
