@@ -79,7 +79,7 @@ def _enroot_folders(layout: Layout, runtime: pyxis.Pyxis) -> None:
     drop_in = runtime.sysconf / "enroot.conf.d" / pyxis.DROP_IN
     try:
         drop_in.parent.mkdir(parents=True, exist_ok=True)
-        conf.write_if_changed(drop_in, pyxis.enroot_folders(layout, runtime))
+        conf.write_if_changed(drop_in, pyxis.enroot_folders(layout))
     except OSError as exc:
         raise install.SetupError(f"cannot write enroot's per-node folders to {drop_in} ({exc}): run up as "
                                  "root, or uninstall pyxis from this machine") from exc

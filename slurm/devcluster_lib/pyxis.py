@@ -59,7 +59,7 @@ def plugstack(layout: Layout, found: Pyxis | None) -> str:
     return f"required {found.plugin} runtime_path={layout.root / 'pyxis'} container_scope=job\n"
 
 
-def enroot_folders(layout: Layout, found: Pyxis) -> str:
+def enroot_folders(layout: Layout) -> str:
     """The drop-in giving enroot its folders under the cluster's state, one set per node."""
     state, node = layout.root / "enroot", "${SLURMD_NODENAME:-login}"
     return "".join(f"{key} {value}\n" for key, value in (

@@ -1,8 +1,8 @@
 """The smoke pipeline end to end inside a real container runtime on the devcluster: corpus -> preprocess ->
 train (tp 2 x pp 2 on 2 nodes) -> convert -> eval, every task in the image, once through pyxis + enroot
-(``container=pyxis``: srun's --container-* flags, the image as a squashfs file; the devcluster builds both
-from slurm/vendor) and once through Charliecloud's ch-run (``container=charliecloud``: the per-task
-wrapper, as Apptainer's).
+(``container=pyxis``: srun's --container-* flags, the image as a squashfs file; the devcluster loads them
+where they are installed, slurm/devcluster_lib/pyxis.py) and once through Charliecloud's ch-run
+(``container=charliecloud``: the per-task wrapper, as Apptainer's).
 
 The image (containers/dev_image.py; ``make test`` builds it, cached by its inputs) has its own Python
 (Debian's 3.11), its own CPU torch and Slipway's kernels built inside it at /opt/slipway. The run is
@@ -15,8 +15,8 @@ kernel_builds) the image's build, loaded by the image's Python, running the chec
 
 Apptainer cannot be installed here (docs/cluster.md says what these runs prove of it). As root (CI), the
 launch sets ENROOT_ALLOW_SUPERUSER=yes, which pyxis reads from the job's environment: a site's root must
-opt in too. Cost: the pipeline's jobs, about a minute per runtime on two cores (the image is built before
-the suite: minutes once per change of its inputs, nothing after).
+opt in too. Cost on two cores: ~20 s with Charliecloud, ~190 s with pyxis (enroot unpacks the image for
+each step on each node); the image is built before the suite, minutes once per change of its inputs.
 """
 
 from __future__ import annotations

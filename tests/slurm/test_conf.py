@@ -70,5 +70,5 @@ def test_pyxis_is_loaded_where_installed_with_enroot_folders_per_node(tmp_path, 
     assert conf.write_all(layout, settings, "host", machine, pyxis.plugstack(layout, found))
     assert f"required {plugin} runtime_path={layout.root / 'pyxis'} container_scope=job" in \
         (layout.etc / "plugstack.conf").read_text()
-    folders = pyxis.enroot_folders(layout, found)
+    folders = pyxis.enroot_folders(layout)
     assert f"ENROOT_DATA_PATH {layout.root}/enroot/data/${{SLURMD_NODENAME:-login}}\n" in folders
