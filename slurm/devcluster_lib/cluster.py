@@ -76,7 +76,7 @@ def up(layout: Layout, say: Say) -> None:
 
 
 def _enroot_folders(layout: Layout, runtime: pyxis.Pyxis) -> None:
-    drop_in = runtime.sysconf / "enroot.conf.d" / pyxis.DROP_IN
+    drop_in = pyxis.drop_in(runtime.sysconf)
     try:
         drop_in.parent.mkdir(parents=True, exist_ok=True)
         conf.write_if_changed(drop_in, pyxis.enroot_folders(layout))
@@ -172,6 +172,9 @@ def down(layout: Layout, say: Say) -> None:
     procs.wait_reaped(pids + leftovers, timeout=10)
     if layout.short != layout.root:  # sockets and spools moved to /tmp for a long state path
         shutil.rmtree(layout.short, ignore_errors=True)
+    released = pyxis.release(layout)
+    if released is not None:
+        say(f"removed enroot's per-node folders for this cluster ({released})")
     say(f"stopped {' '.join(stopped) or 'nothing (was not running)'}")
 
 

@@ -39,15 +39,23 @@ def find() -> Pyxis | None:
     enroot = next((p for p in ENROOTS if p.is_file()), None)
     if plugin is None or enroot is None:
         return None
+    return Pyxis(plugin, enroot, _sysconf(enroot))
+
+
+def _sysconf(enroot: Path) -> Path:
     found = re.search(r'ENROOT_SYSCONF_PATH\s+"([^"]+)"', enroot.read_text(errors="replace"))
-    return Pyxis(plugin, enroot, Path(found.group(1) if found else "/etc/enroot"))
+    return Path(found.group(1) if found else "/etc/enroot")
+
+
+def drop_in(sysconf: Path) -> Path:
+    return sysconf / "enroot.conf.d" / DROP_IN
 
 
 def describe(found: Pyxis | None) -> str:
     if found is None:
-        where = " or ".join(str(p.parent) for p in ENROOTS)
-        return (f"pyxis: not installed (no {PLUGINS[0]} with enroot in {where}): container=pyxis jobs "
-                "are refused by the plan (slurm/README.md)")
+        plugins, enroots = (" or ".join(str(p.parent) for p in paths) for paths in (PLUGINS, ENROOTS))
+        return (f"pyxis: not installed (no {PLUGINS[0].name} in {plugins} with enroot in {enroots}): "
+                "container=pyxis jobs are refused by the plan (slurm/README.md)")
     return f"pyxis: {found.plugin} with {found.enroot} (container=pyxis runs in the image)"
 
 
@@ -68,3 +76,15 @@ def enroot_folders(layout: Layout) -> str:
         ("ENROOT_DATA_PATH", f"{state}/data/{node}"),
         ("ENROOT_TEMP_PATH", f"{state}/tmp"),
     ))
+
+
+def release(layout: Layout) -> Path | None:
+    """Remove this cluster's enroot drop-in (``down``): enroot is the host's, and would otherwise keep its
+    folders under a state folder that may be deleted. Another cluster's drop-in (the last ``up`` writes it)
+    is left alone. Returns the file removed."""
+    for enroot in (p for p in ENROOTS if p.is_file()):
+        path = drop_in(_sysconf(enroot))
+        if path.is_file() and path.read_text() == enroot_folders(layout):
+            path.unlink()
+            return path
+    return None

@@ -72,3 +72,22 @@ def test_pyxis_is_loaded_where_installed_with_enroot_folders_per_node(tmp_path, 
         (layout.etc / "plugstack.conf").read_text()
     folders = pyxis.enroot_folders(layout)
     assert f"ENROOT_DATA_PATH {layout.root}/enroot/data/${{SLURMD_NODENAME:-login}}\n" in folders
+
+
+def test_down_removes_only_its_own_enroot_drop_in(tmp_path, monkeypatch):
+    """enroot's configuration is the host's: after ``down`` it must not keep pointing into a state folder
+    that may be deleted, and a drop-in another cluster's ``up`` wrote last is not this one's to remove."""
+    from devcluster_lib import pyxis
+
+    sysconf, enroot = tmp_path / "etc" / "enroot", tmp_path / "bin" / "enroot"
+    enroot.parent.mkdir()
+    enroot.write_text(f'config::export ENROOT_SYSCONF_PATH "{sysconf}"\n')
+    monkeypatch.setattr(pyxis, "ENROOTS", (enroot,))
+    ours, theirs = Layout(tmp_path / "ours"), Layout(tmp_path / "theirs")
+    path = pyxis.drop_in(sysconf)
+    assert pyxis.release(ours) is None  # nothing written yet: nothing to remove, no error
+    path.parent.mkdir(parents=True)
+    path.write_text(pyxis.enroot_folders(theirs))
+    assert pyxis.release(ours) is None and path.read_text() == pyxis.enroot_folders(theirs)
+    path.write_text(pyxis.enroot_folders(ours))
+    assert pyxis.release(ours) == path and not path.exists()
