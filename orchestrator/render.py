@@ -132,6 +132,14 @@ def sbatch_directives(spec: ScriptSpec) -> list[str]:
     return [f"#SBATCH --{k}" if v is True else f"#SBATCH --{k}={shlex.quote(str(v))}" for k, v in d]
 
 
+def _master_port_line(spec: ScriptSpec) -> str:
+    """The job id's port, unless cluster.env names one (exported above): the way out when a site keeps a
+    service on the port the formula gives. One from the submitting shell does not count (sbatch copies it)."""
+    if any(k == "MASTER_PORT" for k, _ in spec.env):
+        return "# MASTER_PORT: cluster.env sets it (exported above)"
+    return f"export MASTER_PORT=$(( {spec.master_port_base} + SLURM_JOB_ID % {PORT_SPAN} ))"
+
+
 def _env_lines(spec: ScriptSpec) -> list[str]:
     lines = [
         "export SUBMITIT_EXECUTOR=slurm",
@@ -150,7 +158,7 @@ def _env_lines(spec: ScriptSpec) -> list[str]:
 _LOOP = r"""
 # MASTER_ADDR from the first node of the allocation; the port from the job id (same on every node).
 export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
-export MASTER_PORT=$(( {port_base} + SLURM_JOB_ID % {port_span} ))
+{port_line}
 restart=${{SLURM_RESTART_COUNT:-0}}
 state={state}
 logs={log_dir}
@@ -289,8 +297,7 @@ def render_sbatch(spec: ScriptSpec) -> str:
             body += [f"rundir={shlex.quote(spec.run_dir)}", _exclude_fn(spec).strip("\n")]
         body.append(
             _LOOP.format(
-                port_base=spec.master_port_base,
-                port_span=PORT_SPAN,
+                port_line=_master_port_line(spec),
                 state=shlex.quote(spec.state_dir),
                 log_dir=shlex.quote(spec.log_dir),
                 stage=spec.stage,

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 PORT_BASE = 20000  # MASTER_PORT of a Slurm job without one: PORT_BASE + job id mod PORT_SPAN, the same on
-PORT_SPAN = 20000  # every node (the job script exports it; the trainer derives it when run by hand)
+# every node (the job script exports it; the trainer derives it when run by hand). The span ends where Linux's
+# default ephemeral range (32768-60999) begins: a port in it can be held by any outgoing connection on the
+# first node, and rank 0 then dies with EADDRINUSE (seen in CI on port 38028).
+PORT_SPAN = 32768 - PORT_BASE
 
 
 def master_port(job_id: int, base: int = PORT_BASE) -> int:

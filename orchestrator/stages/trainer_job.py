@@ -14,6 +14,7 @@ from orchestrator.base.schema import SlipwayConfig
 from orchestrator.stages import preprocess
 from trainer.config import RunConfig
 from trainer.data.blend import BlendError
+from trainer.formulas import master_port
 from trainer.run_files import RunDir, document_prefix
 
 
@@ -55,6 +56,8 @@ def export_torch_env() -> None:
     env = submitit.helpers.TorchDistributedEnvironment()
     local = os.environ.get("SUBMITIT_EXECUTOR") == "local"
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1" if local else env.master_addr)
-    os.environ.setdefault("MASTER_PORT", str(env.master_port))
+    # Not submitit's own pick (anywhere in 20000-60000, so often in the kernel's ephemeral range): the job
+    # script's formula, from the job's own id (one per array task; the local executor's is its pid).
+    os.environ.setdefault("MASTER_PORT", str(master_port(int(submitit.JobEnvironment().raw_job_id))))
     os.environ.update(RANK=str(env.rank), WORLD_SIZE=str(env.world_size), LOCAL_RANK=str(env.local_rank),
                       LOCAL_WORLD_SIZE=str(env.local_world_size))

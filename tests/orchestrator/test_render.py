@@ -195,3 +195,30 @@ def test_the_job_script_and_the_trainer_derive_the_same_master_port():
                              capture_output=True, text=True, check=True).stdout
         env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_JOB_ID": job, "SLURM_JOB_NODELIST": "n1"}
         assert int(out) == dist_env(env).master_port, (job, line)
+
+
+def test_the_master_port_is_never_one_the_kernel_hands_out():
+    """Every job id's port lies below this machine's ephemeral range, where any outgoing connection on the
+    first node may hold it (CI lost a job to EADDRINUSE on 38028 when the span reached 40000)."""
+    from trainer.formulas import PORT_SPAN, master_port
+
+    lo, hi = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = {master_port(job) for job in range(PORT_SPAN)}
+    assert len(ports) == PORT_SPAN  # concurrent jobs with close ids get distinct ports
+    assert max(ports) < lo or min(ports) > hi, (min(ports), max(ports), (lo, hi))
+
+
+def test_a_master_port_in_cluster_env_wins_over_the_job_ids():
+    """The way out when a site keeps a service on the formula's port: cluster.env.MASTER_PORT, which the
+    training script keeps (run in bash) instead of overwriting it with the job id's."""
+    cfg = compose_cfg(["+experiment=codeparrot", "cluster=slurm", "container=none", *FIXED,
+                       "+cluster.env.MASTER_PORT=23456"])
+    plan = make_plan(cfg, PlanInputs("20250101-000000-abcdef", "/shared/runs/x/r"), exists=lambda p: True)
+    train = next(s for s in plan.stages if s.name == "train")
+    script = render_stage(cfg, plan, train, (), python="/usr/bin/python3")
+    lines = [ln for ln in script.splitlines() if "MASTER_PORT" in ln]
+    out = subprocess.run(["bash", "-c", "SLURM_JOB_ID=4242; " + "; ".join(
+        ln for ln in lines if ln.startswith("export")) + "; echo $MASTER_PORT"],
+                         capture_output=True, text=True, check=True).stdout
+    assert int(out) == 23456, lines
+    assert not any("SLURM_JOB_ID %" in ln for ln in lines), lines

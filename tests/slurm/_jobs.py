@@ -12,6 +12,11 @@ def allreduce_rank() -> dict:
     import torch
     import torch.distributed as dist
 
+    from trainer.formulas import master_port
+
+    # submitit would pick the port anywhere in 20000-60000, ephemeral ports included (CI once lost this
+    # test to EADDRINUSE on 38028); the product's formula keeps below that range.
+    os.environ.setdefault("MASTER_PORT", str(master_port(int(os.environ["SLURM_JOB_ID"]))))
     env = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config.model import ParallelConfig
-from trainer.formulas import master_port
+from trainer.formulas import PORT_BASE, PORT_SPAN, master_port
 from trainer.log import get_logger
 from trainer.parallel.state import ParallelState, check_layout
 
@@ -124,10 +124,23 @@ def init_distributed(pcfg: ParallelConfig, backend: str | None = None, timeout_s
     if env.world_size == 1:
         return ParallelState.single(device)
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
-                                rank=env.rank, world_size=env.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        _init_process_group(backend, env, timeout_s)
     pstate = ParallelState.build(pcfg.tp_size, pcfg.pp_size, device=device)
     log.info("torch.distributed %s from %s: world %d = tp %d × pp %d × dp %d", backend, env.source,
              env.world_size, pstate.tp_size, pstate.pp_size, pstate.dp_size)
     return pstate
+
+
+def _init_process_group(backend: str, env: DistEnv, timeout_s: float) -> None:
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                                rank=env.rank, world_size=env.world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    except dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise RuntimeError(
+            f"rank {env.rank}: the rendezvous port {env.master_port} on {env.master_addr} is held by another "
+            f"process (ranks found by {env.source}; MASTER_PORT, or {PORT_BASE} + job id mod {PORT_SPAN}). "
+            "Set cluster.env.MASTER_PORT to a port that is free on the first node, below the ephemeral range "
+            "(/proc/sys/net/ipv4/ip_local_port_range), and relaunch") from e
