@@ -16,6 +16,7 @@ import pytest
 
 from tests.slurm_cli import sacct_final_state, sacct_states
 from tests.waits import JOB_S
+from trainer.formulas import master_port
 
 pytestmark = pytest.mark.slurm
 
@@ -106,6 +107,7 @@ def test_submitit_two_nodes_two_tasks_allreduce_with_gloo(tmp_path):
     placement = sorted((r["node"], r["local_rank"]) for r in results)
     assert placement == [("n1", 0), ("n1", 1), ("n2", 0), ("n2", 1)]
     assert {r["master_addr"] for r in results} == {"n1"}
+    assert {r["master_port"] for r in results} == {master_port(int(job.job_id))}
     assert sacct_final_state(job.job_id) == "COMPLETED"
 
 
