@@ -34,8 +34,8 @@ NODE_SPECS = (Node("n1", CPU_PARTITION), Node("n2", CPU_PARTITION),
               Node("g1", GPU_PARTITION, GPUS_PER_GPU_NODE), Node("g2", GPU_PARTITION, GPUS_PER_GPU_NODE))
 NODES = tuple(n.name for n in NODE_SPECS)
 CLUSTER_NAME = "devcluster"
-# Ports live below 20000: jobs' MASTER_PORT is in [20000, 32768) (trainer.formulas.master_port; submitit's own
-# pick would be in [20000, 60000]) and the kernel's ephemeral range starts at 32768, so neither can collide
+# Ports live below 20000: jobs' MASTER_PORT starts there (trainer.formulas.master_port; submitit's own pick
+# would be in [20000, 60000]) and the kernel's ephemeral range starts at 32768, so neither can collide
 # with a daemon of ours.
 PORT_RANGE = (17000, 19990)
 PORT_STEP = 10

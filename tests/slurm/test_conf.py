@@ -91,3 +91,12 @@ def test_down_removes_only_its_own_enroot_drop_in(tmp_path, monkeypatch):
     assert pyxis.release(ours) is None and path.read_text() == pyxis.enroot_folders(theirs)
     path.write_text(pyxis.enroot_folders(ours))
     assert pyxis.release(ours) == path and not path.exists()
+
+
+def test_the_daemons_ports_stay_below_every_jobs_master_port():
+    """A job's rendezvous port never lands on a daemon of the devcluster (they share one host's ports)."""
+    from devcluster_lib.layout import PORT_RANGE, PORT_STEP
+
+    from trainer.formulas import PORT_BASE
+
+    assert PORT_RANGE[1] + PORT_STEP <= PORT_BASE, (PORT_RANGE, PORT_STEP, PORT_BASE)
