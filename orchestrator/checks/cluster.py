@@ -68,6 +68,11 @@ def cluster_problems(ctx: Context) -> list[Problem]:
                 "set cluster.backend=gloo (or null)",
             )
         )
+    port = str(c.env.get("MASTER_PORT", "1024"))
+    if not (port.isdigit() and 1024 <= int(port) <= 65535):  # the trainer would fail on it in every task
+        out.append(Problem("master_port", "cluster.env.MASTER_PORT", port, "not a port from 1024 to 65535",
+                           "give a port that is free on the job's first node, below its ephemeral range "
+                           "(/proc/sys/net/ipv4/ip_local_port_range), or drop it to use the job id's"))
     if c.signal_delay_s >= c.time_limit_min * 60:
         out.append(
             Problem(

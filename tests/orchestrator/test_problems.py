@@ -34,6 +34,8 @@ CASES = [
         "parallel.sequence_parallel",
     ),
     (SMOKE, ["cluster.nodes=2"], "local_nodes", "cluster.nodes"),
+    (SMOKE, ["+cluster.env.MASTER_PORT=auto"], "master_port", "cluster.env.MASTER_PORT"),
+    (SMOKE, ["+cluster.env.MASTER_PORT=80"], "master_port", "cluster.env.MASTER_PORT"),
     (SMOKE, ["optim.min_lr=1.0"], "lr_range", "optim.min_lr"),
     (SMOKE, ["train.iters=0"], "positive", "train.iters"),
     (SMOKE, ["data.split='90,x,10'"], "split", "data.split"),
@@ -68,6 +70,7 @@ def test_problem_names_key_value_fix(base, overrides, code, key):
 def test_clean_configs_have_no_problems():
     assert _plan(SMOKE)[1].problems == []
     assert _plan(CP, exists=lambda p: True)[1].problems == []
+    assert _plan(SMOKE + ["+cluster.env.MASTER_PORT=23456"])[1].problems == []
 
 
 def test_memory_problem_names_the_options_with_their_figures():
