@@ -25,7 +25,7 @@ from tests.orchestrator.sites import docs_site, site_file
 # the Slurm this machine does reach (the devcluster, under make test) has other partitions than the site's
 # (checks/cluster.py partition_problems: what sinfo says of them).
 ELSEWHERE = {"file_missing", "pyxis_missing", "slurm_unreachable", "partition_gpus", "partition_cpus",
-             "partition_memory", "partition_nodes", "partition_unknown"}
+             "partition_memory", "partition_nodes", "partition_unknown", "account", "qos", "time_limit"}
 
 
 def _commands(sweeps: bool = False) -> list[str]:
