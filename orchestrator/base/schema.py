@@ -101,8 +101,8 @@ class ClusterConfig(Section):
     stage_mem_gb: float | None = None
     """Memory of each of the corpus, preprocess, convert and eval jobs in GB (sbatch --mem; 0: all of a
     node's); null: each stage's own figure, in whole GB: corpus 2, preprocess 2 + 0.5 per data.workers,
-    convert 4 + 24 bytes per model parameter (the checkpoint with its optimizer state, the converted model
-    and the one it is verified against), eval 4 + 8 bytes per parameter + 0.5 per eval.workers (the local
+    convert 2 + 24 bytes per model parameter (the checkpoint with its optimizer state, the converted model
+    and the one it is verified against), eval 2 + 8 bytes per parameter + 0.5 per eval.workers (the local
     executor asks for none)."""
     stage_time_limit_min: int = 60
     """Time limit of those jobs, in minutes."""

@@ -163,7 +163,10 @@ def model_params(cfg: SlipwayConfig) -> int:
     read by the plan, not here)."""
     m = cfg.model
     vocab = m.vocab_size or cfg.tokenizer.vocab_size or GPT2_VOCAB
-    return stage_params(m, padded_vocab_size(vocab, 1, m.make_vocab_size_divisible_by))[1]
+    try:
+        return stage_params(m, padded_vocab_size(vocab, 1, m.make_vocab_size_divisible_by))[1]
+    except (ArithmeticError, TypeError, ValueError):  # sizes the plan refuses (heads=0): its problems say so
+        return 0
 
 
 def common_resources(cfg: SlipwayConfig) -> dict[str, Any]:

@@ -77,7 +77,7 @@ class Eval(StageDef):
     def mem_gb(self, cfg: SlipwayConfig) -> float:
         """The converted model (fp32, plus a copy while it loads) and a process per eval.workers that runs
         the generated programs, on top of torch and transformers."""
-        return 2 * STAGE_MEM_GB + 8 * model_params(cfg) / 1e9 + 0.5 * cfg.eval.workers
+        return STAGE_MEM_GB + 8 * model_params(cfg) / 1e9 + 0.5 * cfg.eval.workers
 
     def status(self, look: StageLook) -> dict[str, Any]:
         return {"pass_at_1": pass_at_1(read_results(look.run_dir))}

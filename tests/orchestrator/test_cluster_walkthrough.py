@@ -35,7 +35,7 @@ def _commands(sweeps: bool = False) -> list[str]:
     for page in (REPO / "docs" / "cluster.md", REPO / "README.md"):
         for block in re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
             for line in block.splitlines():
-                line = line.split("#")[0].strip()
+                line = re.split(r"(?:^|\s)#", line)[0].strip()  # bash: a comment starts a word
                 if line.startswith("python launch.py") and "cluster=mysite" in line \
                         and (" -m " in line) == sweeps:
                     if line not in out:

@@ -247,7 +247,7 @@ def test_stage_jobs_ask_for_their_memory_and_only_gpu_jobs_for_nv():
     GPUs: training and eval.device=cuda, never the CPU stages."""
     scripts = _stage_scripts()
     mem = {name: _directive(text, "mem") for name, text in scripts.items()}
-    assert mem == {"preprocess": "18G", "train": "0", "convert": "7G", "eval": "9G"}, mem  # 32 workers, 110M
+    assert mem == {"preprocess": "18G", "train": "0", "convert": "5G", "eval": "7G"}, mem  # 32 workers, 110M
     assert _directive(_stage_scripts("data.workers=8")["preprocess"], "mem") == "6G"
     big = _stage_scripts(experiment="gpt_1p3b")
     assert int(_directive(big["convert"], "mem")[:-1]) > 30  # 24 bytes x 1.3B parameters, and more
