@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 
 from orchestrator.base import redaction
 from orchestrator.base.facts import SweepInfo
+from orchestrator.base.overrides import quote_image_refs
 from orchestrator.base.problems import PlanError
 from orchestrator.base.schema import SlipwayConfig, register, to_typed
 from orchestrator.base.site import apply_site
@@ -87,6 +88,8 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # container.image=nvcr.io#nvidia/pytorch:24.07-py3 as pyxis writes it (Hydra's grammar needs it quoted).
+    sys.argv[1:] = quote_image_refs(sys.argv[1:])
     # Secrets from the environment and the command line are hidden from everything printed, Hydra's own
     # errors included (orchestrator/base/redaction.py).
     redaction.REDACTOR.add(redaction.environ_secrets(os.environ) | redaction.argv_secrets(sys.argv[1:]))

@@ -3,10 +3,12 @@ layers; each imports only those before it (tests/test_imports.py checks the fold
 
 1. ``base`` — the vocabulary: ``schema`` (the Hydra root over trainer/config's sections), ``site`` and
    ``hardware``, ``layout`` (world = tp·pp·dp), ``estimate`` (memory, ETA), ``problems`` (the record and
-   the refusal), ``redaction``, ``facts`` and ``plan_types`` (Plan, StagePlan, JobResources, Context).
+   the refusal), ``redaction``, ``overrides``, ``facts`` and ``plan_types`` (Plan, StagePlan, JobResources,
+   Context).
 2. ``world`` — what exists outside the process: ``queue`` (the one place that asks squeue/sacct or the OS
-   whether a job lives; the job-state vocabulary), ``sinfo``, ``runs`` (run and cache folders),
-   ``content_hash``, ``progress``, ``local_jobs``, ``container`` (the folders a containerised job binds).
+   whether a job lives; the job-state vocabulary), ``sinfo``, ``accounting`` (sacctmgr), ``runs`` (run
+   and cache folders), ``content_hash``, ``progress``, ``local_jobs``, ``container`` (the folders a
+   containerised job binds).
 3. render: ``render`` and ``container_render`` (sbatch and container text, pure, golden-tested) stay at the
    root: every job script names orchestrator/render.py.
 4. ``stages`` — one module per stage: its plan, resources, and what its job runs on the nodes.

@@ -1,6 +1,7 @@
 """The container half of the job scripts: the per-task wrapper of Apptainer and Charliecloud (a clean
-environment, the allowlisted variables forwarded per task, the binds) and pyxis's srun flags and preamble
-(mounts, ``--container-env`` names). Each runtime binds the folders of :mod:`~orchestrator.world.container`,
+environment, the allowlisted variables and every variable ``cluster.env`` names forwarded per task, the
+binds; Apptainer's ``--nv`` only in jobs that hold GPUs) and pyxis's srun flags and preamble (mounts,
+``--container-env`` names). Each runtime binds the folders of :mod:`~orchestrator.world.container`,
 the launched repository first on PYTHONPATH and names the image's own kernel build (``container.kernels_dir``,
 trainer/kernel_build.py), which the job loads instead of the repository's; :mod:`orchestrator.render` puts
 these pieces into the sbatch script."""
@@ -37,10 +38,14 @@ def _env_patterns(container: ContainerConfig) -> tuple[str, str]:
     return "|".join(allow) or "SLURM_*", "|".join(deny) or "_SLIPWAY_NONE_"
 
 
-def _env_loop(container: ContainerConfig, allowed: str, indent: str = "") -> list[str]:
-    """A loop over the exported variables that runs ``allowed`` for each allowlisted, not denylisted name."""
+def _env_loop(container: ContainerConfig, allowed: str, names: tuple[str, ...],
+              indent: str = "") -> list[str]:
+    """A loop over the exported variables that runs ``allowed`` for each one ``names`` lists (cluster.env's:
+    the site asked for them by name, so the denylist does not apply) and each allowlisted, not denylisted
+    one."""
     allow, deny = _env_patterns(container)
-    lines = ["for name in $(compgen -e); do", '  case "$name" in', f"    {deny}) continue ;;",
+    named = [f"    {'|'.join(names)}) {allowed} ;;"] if names else []
+    lines = ["for name in $(compgen -e); do", '  case "$name" in', *named, f"    {deny}) continue ;;",
              f"    {allow}) {allowed} ;;", "  esac", "done"]
     return [indent + line for line in lines]
 
@@ -54,42 +59,46 @@ def job_variables(container: ContainerConfig, code_dir: str) -> list[tuple[str, 
     return out
 
 
-def render_container_wrapper(container: ContainerConfig, binds: list[str], code_dir: str, gpus: bool,
-                             workdir: str = "") -> str:
-    """``bash wrapper python ...`` runs python in the image, with only allowlisted variables inside
-    (Apptainer, or Charliecloud, whose working directory ``workdir`` is bound too)."""
+def render_container_wrapper(container: ContainerConfig, binds: list[str], code_dir: str, workdir: str = "",
+                             names: tuple[str, ...] = ()) -> str:
+    """``bash wrapper [--nv] python ...`` runs python in the image, with only the variables ``names`` lists
+    (cluster.env's) and the allowlisted ones inside (Apptainer, or Charliecloud, whose working directory
+    ``workdir`` is bound too). ``--nv`` (GPU jobs: :func:`python_command`) is Apptainer's."""
     if container.kind == "charliecloud":
         return _charliecloud_wrapper(container, _bind_list(container, binds, code_dir, workdir), code_dir,
-                                     workdir)
-    nv = "--nv " if gpus else ""
+                                     workdir, names)
     bind = ",".join(_bind_list(container, binds, code_dir))
     return "\n".join(
         [
             "#!/bin/bash",
-            '# Runs "$@" inside the Slipway image: --cleanenv drops the host environment; the allowlist',
-            "# below is forwarded per task (APPTAINERENV_*), so per-rank SLURM_PROCID/LOCALID arrive intact.",
-            "# Secret values (WANDB_API_KEY, HF_TOKEN) pass through the environment only, never this file.",
+            '# Runs "$@" inside the Slipway image: --cleanenv drops the host environment; the variables',
+            "# cluster.env names and the allowlist below are forwarded per task (APPTAINERENV_*), so",
+            "# per-rank SLURM_PROCID/LOCALID arrive intact. Secret values (WANDB_API_KEY, HF_TOKEN) pass",
+            "# through the environment only, never this file. GPU jobs call it with --nv first.",
             "set -eu",
-            *_env_loop(container, 'export "APPTAINERENV_${name}=${!name}"'),
+            'nv=""',
+            'if [ "${1:-}" = --nv ]; then nv=--nv; shift; fi',
+            *_env_loop(container, 'export "APPTAINERENV_${name}=${!name}"', names),
             *(f"export APPTAINERENV_{k}={shlex.quote(v)}" for k, v in job_variables(container, code_dir)),
-            f"exec {shlex.quote(container.apptainer_bin)} exec {nv}--cleanenv --bind {shlex.quote(bind)} "
+            f"exec {shlex.quote(container.apptainer_bin)} exec $nv --cleanenv --bind {shlex.quote(bind)} "
             f'{shlex.quote(str(container.image))} "$@"',
             "",
         ]
     )
 
 
-def _charliecloud_wrapper(container: ContainerConfig, binds: list[str], code_dir: str, workdir: str) -> str:
+def _charliecloud_wrapper(container: ContainerConfig, binds: list[str], code_dir: str, workdir: str,
+                          names: tuple[str, ...]) -> str:
     image = shlex.quote(str(container.image))
     flags = " ".join(f"-b {shlex.quote(b)}" for b in binds)
     return "\n".join(
         [
             "#!/bin/bash",
             '# Runs "$@" inside the Slipway image with Charliecloud: --unset-env=\'*\' drops the host',
-            "# environment, then --set-env reads, in order, the image's own (/ch/environment) and the",
-            "# allowlisted variables below, per task (per-rank SLURM_PROCID/LOCALID arrive intact; the",
-            "# host's values win). They pass through a pipe: secret values (WANDB_API_KEY, HF_TOKEN) are",
-            "# never in this file or on a command line.",
+            "# environment, then --set-env reads, in order, the image's own (/ch/environment), the variables",
+            "# cluster.env names and the allowlisted ones below, per task (per-rank SLURM_PROCID/LOCALID",
+            "# arrive intact; the host's values win). They pass through a pipe: secret values",
+            "# (WANDB_API_KEY, HF_TOKEN) are never in this file or on a command line.",
             "set -eu",
             'export USER="${USER:-$(id -un)}"  # ch-run needs it',
             "# ch-run binds $TMPDIR, if set, at /tmp in place of the host's /tmp, below which the job's",
@@ -104,7 +113,7 @@ def _charliecloud_wrapper(container: ContainerConfig, binds: list[str], code_dir
             "slipway_env() {",
             '  if [ -r "$image/ch/environment" ]; then cat "$image/ch/environment"',
             '  else echo "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"; fi',
-            *_env_loop(container, 'slipway_put "$name"', indent="  "),
+            *_env_loop(container, 'slipway_put "$name"', names, indent="  "),
             *(f"  echo {shlex.quote(f'{k}={v}')}" for k, v in job_variables(container, code_dir)),
             "}",
             f"exec {shlex.quote(container.charliecloud_bin)} --unset-env='*' --env-no-expand "
@@ -122,6 +131,7 @@ class PyxisSpec:
     binds: tuple[str, ...]  # the job's folders (world/container.host_paths), mounted at their paths
     code_dir: str  # mounted first and put on PYTHONPATH: jobs run the code that was launched
     workdir: str  # the launch directory, mounted: relative paths in the job specs resolve against it
+    names: tuple[str, ...] = ()  # what cluster.env names: to --container-env too, never unset
 
 
 def pyxis_preamble(p: PyxisSpec) -> list[str]:
@@ -129,19 +139,22 @@ def pyxis_preamble(p: PyxisSpec) -> list[str]:
 
     pyxis has no --cleanenv: every exported host variable reaches the task, but one the image also sets
     keeps the image's value unless its name is given to --container-env (NVIDIA/pyxis, ``srun --help``).
-    The allowlist therefore names the variables whose host values must win (NCCL_*, TORCH_*, ...); it is
-    expanded when srun starts, so per-attempt values (MASTER_PORT, SLIPWAY_ATTEMPT) are included."""
+    The allowlist and the names cluster.env sets are the variables whose host values must win (NCCL_*,
+    OMP_NUM_THREADS, ...); they are expanded when srun starts, so per-attempt values (MASTER_PORT,
+    SLIPWAY_ATTEMPT) are included."""
     _, deny = _env_patterns(p.container)
+    keep = f"{'|'.join(p.names)}) ;; " if p.names else ""
     return [
         "# pyxis: each srun runs its tasks in the image. The host environment reaches them, but a variable",
         "# the image also sets keeps the image's value unless named in --container-env, which gets the",
-        "# allowlisted names from slipway_container_env (names only: values stay in the environment, so no",
-        "# secret is written here). Denylisted variables name host files that are not mounted: unset.",
+        "# names cluster.env sets and the allowlisted ones from slipway_container_env (names only: values",
+        "# stay in the environment, so no secret is written here). Denylisted variables name host files",
+        "# that are not mounted: unset.",
         *(f"export {k}={shlex.quote(v)}" for k, v in job_variables(p.container, p.code_dir)),
-        f'for name in $(compgen -e); do case "$name" in {deny}) unset "$name" ;; esac; done',
+        f'for name in $(compgen -e); do case "$name" in {keep}{deny}) unset "$name" ;; esac; done',
         "slipway_container_env() {",
         f"  local name names={','.join(k for k, _ in job_variables(p.container, p.code_dir))}",
-        *_env_loop(p.container, 'names="$names,$name"', indent="  "),
+        *_env_loop(p.container, 'names="$names,$name"', p.names, indent="  "),
         '  echo "$names"',
         "}",
     ]
@@ -160,10 +173,13 @@ def pyxis_srun_flags(p: PyxisSpec) -> str:
     return " ".join(shlex.quote(w) for w in words) + ' --container-env="$(slipway_container_env)"'
 
 
-def python_command(container: ContainerConfig, wrapper_path: str, python: str) -> str:
-    """The interpreter string submitit puts before ``-u -m submitit.core._submit FOLDER``."""
+def python_command(container: ContainerConfig, wrapper_path: str, python: str, gpus: bool = False) -> str:
+    """The interpreter string submitit puts before ``-u -m submitit.core._submit FOLDER``; ``gpus``: the job
+    holds GPUs, which Apptainer makes visible in the image with --nv (on a CPU node --nv only warns that
+    there is no driver, and would bind a GPU node's driver into a job that was given no GPU)."""
     if container.kind in WRAPPER_KINDS:
-        return f"bash {shlex.quote(wrapper_path)} python"
+        nv = " --nv" if gpus and container.kind == "apptainer" else ""
+        return f"bash {shlex.quote(wrapper_path)}{nv} python"
     if container.kind == "pyxis":
         return "python"  # the image's; srun's container flags put the task inside it
     return shlex.quote(python)

@@ -82,7 +82,9 @@ class ClusterConfig(Section):
     sbatch_extra: dict[str, str] = field(default_factory=dict)
     """More #SBATCH --key=value lines, as a mapping."""
     env: dict[str, str] = field(default_factory=dict)
-    """Variables exported in every job (NCCL_*, OMP_NUM_THREADS, ...); never secrets (refused)."""
+    """Variables exported in every job (NCCL_*, UCX_TLS, OMP_NUM_THREADS, ...) and, by name, into the
+    container in every runtime (whatever container.env_allowlist/env_denylist say); never secrets
+    (refused)."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run before srun in every job (module load ..., source ...)."""
     max_retries: int = 1
@@ -96,6 +98,12 @@ class ClusterConfig(Section):
     """torch.distributed backend; null: nccl with GPUs, gloo without."""
     stage_cpus: int = 2
     """CPU cores of the corpus, preprocess and convert jobs (single-task CPU jobs)."""
+    stage_mem_gb: float | None = None
+    """Memory of each of the corpus, preprocess, convert and eval jobs in GB (sbatch --mem; 0: all of a
+    node's); null: each stage's own figure, in whole GB: corpus 2, preprocess 2 + 0.5 per data.workers,
+    convert 2 + 24 bytes per model parameter (the checkpoint with its optimizer state, the converted model
+    and the one it is verified against), eval 2 + 8 bytes per parameter + 0.5 per eval.workers (the local
+    executor asks for none)."""
     stage_time_limit_min: int = 60
     """Time limit of those jobs, in minutes."""
     stage_partition: str | None = None
@@ -142,6 +150,9 @@ class ClusterConfig(Section):
             out += positive(f"cluster.{name}", getattr(self, name), allow_none=True)
         for name in ("mem_per_node_gb", "device_peak_tflops", "bus_bandwidth_gbps"):
             out += positive(f"cluster.{name}", getattr(self, name), allow_none=True)
+        if self.stage_mem_gb is not None and self.stage_mem_gb < 0:
+            out.append(issue("range", "cluster.stage_mem_gb", self.stage_mem_gb, "must be >= 0",
+                             "cluster.stage_mem_gb=null (each stage's own figure), 0 (a whole node's) or GB"))
         if self.mfu is not None and not 0 < self.mfu <= 1:
             out.append(issue("range", "cluster.mfu", self.mfu, "must be in (0, 1]", "cluster.mfu=null "
                              "(the measured figure) or a fraction such as cluster.mfu=0.35"))
@@ -188,13 +199,13 @@ class ContainerConfig(Section):
             "PYTHONUNBUFFERED",
         ]
     )
-    """Variables whose host values the jobs see inside the image (shell glob patterns). apptainer:
-    forwarded into the --cleanenv container via APPTAINERENV_; charliecloud: the same, through ch-run
-    --unset-env='*' and --set-env. pyxis passes the whole host environment but lets the image's own
-    values win; these names go to --container-env, so the host's win."""
+    """Variables whose host values the jobs see inside the image (shell glob patterns), besides those
+    cluster.env names. apptainer: forwarded into the --cleanenv container via APPTAINERENV_; charliecloud:
+    the same, through ch-run --unset-env='*' and --set-env. pyxis passes the whole host environment but
+    lets the image's own values win; these names go to --container-env, so the host's win."""
     env_denylist: list[str] = field(default_factory=lambda: ["*_TOKEN_PATH", "*_KEY_FILE", "WANDB_DIR"])
-    """Never forwarded (pyxis: unset before srun): variables naming files that hold secrets on the host
-    (not bound in the image)."""
+    """Never forwarded (pyxis: unset before srun) unless cluster.env names them: variables naming files
+    that hold secrets on the host (not bound in the image)."""
 
     def problems(self) -> list[ConfigIssue]:
         return choice("container.kind", self.kind, CONTAINER_KINDS)

@@ -2,15 +2,16 @@
 
 One module per subject: ``run`` (each config section's own rules, warm-up, names), ``data``,
 ``tokenizer``, ``layout`` (the parallel layout and the batch), ``memory``, ``container`` (pyxis and
-Charliecloud included), ``cluster`` (its devices, hardware, Slurm partitions and time limit), ``secrets``
-(secrets, test hooks, the W&B key) and ``checkpoints``. A check is a function ``(Context) -> list[Problem]``;
+Charliecloud included), ``cluster`` (its devices, hardware and time limit), ``slurm`` (what Slurm itself
+says of the jobs: its partitions and their MaxTime, the user's accounts and QoS), ``secrets`` (secrets,
+test hooks, the W&B key) and ``checkpoints``. A check is a function ``(Context) -> list[Problem]``;
 :data:`CHECKS` lists them all, each with its subject and its cost:
 
 - ``pure``: the config, the launching environment and the plan's estimates.
 - ``inputs``: reads the input files: whether they exist, and what they hold (documents, tokenizer files,
   the container image).
-- ``world``: reads the world: the cache, the run's checkpoints, the queue, ``srun``, ``sinfo``, the W&B
-  key file.
+- ``world``: reads the world: the cache, the run's checkpoints, the queue, ``srun``, ``sinfo``,
+  ``sacctmgr``, the W&B key file.
 
 Each check also says when it runs (``at``): ``plan``, in :func:`~orchestrator.planning.plan.make_plan` (pure
 ones, and the cheap ones a plan test answers through the injected ``exists`` or the environment), or
@@ -36,10 +37,11 @@ from orchestrator.checks import (
     memory,
     run,
     secrets,
+    slurm,
     tokenizer,
 )
 
-Subject = Literal["run", "data", "tokenizer", "layout", "memory", "container", "cluster", "secrets",
+Subject = Literal["run", "data", "tokenizer", "layout", "memory", "container", "cluster", "slurm", "secrets",
                   "checkpoints"]
 Cost = Literal["pure", "inputs", "world"]
 When = Literal["plan", "launch"]
@@ -88,7 +90,8 @@ CHECKS: tuple[Check, ...] = (
     Check("container", "inputs", container.charliecloud_image_problems, "launch"),
     Check("container", "world", container.charliecloud_problems, "launch"),
     Check("cluster", "world", cluster.controller_problems, "launch"),
-    Check("cluster", "world", cluster.partition_problems, "launch"),
+    Check("slurm", "world", slurm.partition_problems, "launch"),
+    Check("slurm", "world", slurm.account_problems, "launch"),
     Check("run", "world", run.storage_problems, "launch"),
     Check("checkpoints", "world", checkpoints.record_problems, "launch"),
     Check("checkpoints", "world", checkpoints.active_problems, "launch"),

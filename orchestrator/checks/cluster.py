@@ -1,20 +1,21 @@
 """The cluster the run is planned for: what its devices can do (precision, the eval device, the backend),
-the local executor's one machine, the site's hardware against what the run asks of it (orchestrator/
-hardware.py: nodes, GPUs, CPUs and memory per node, a device the plan can estimate, one task per GPU),
-the scheduler's own partitions against the job (sinfo, when Slurm answers: what the site file claims, as
-the scheduler sees it), and the time limit — against the signal lead, and against the plan's estimate of
-when the first checkpoint is due (this rule reads the time estimate, but what it protects, and what the
-fix changes, is the cluster's time limit, beside the signal-lead rule on the same key)."""
+the local executor's one machine (and a site file that names Slurm's partition but runs on it), the
+site's hardware against what the run asks of it (orchestrator/base/hardware.py: nodes, GPUs, CPUs and
+memory per node, a device the plan can estimate, one task per GPU), the controller answering (what Slurm
+itself says of the jobs is checks/slurm.py's), and the time limit — against the signal lead, and against
+the plan's estimate of when the first checkpoint is due (this rule reads the time estimate, but what it
+protects, and what the fix changes, is the cluster's time limit, beside the signal-lead rule on the same
+key)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from orchestrator.base.hardware import HARDWARE, hardware, is_cpu, source
 from orchestrator.base.plan_types import Context
 from orchestrator.base.problems import Problem
 from orchestrator.base.schema import ClusterConfig
-from orchestrator.world import sinfo
 from orchestrator.world.queue import controller_unreachable
 from trainer.devices import known_names
 
@@ -45,9 +46,30 @@ def precision_problems(ctx: Context) -> list[Problem]:
     return []
 
 
+# Keys that mean something only to Slurm: a config that sets one and runs locally lost its `executor: slurm`.
+_SLURM_KEYS = ("partition", "stage_partition", "account", "qos", "constraint", "sbatch_extra")
+
+
+def _slurm_only(c: ClusterConfig) -> Problem | None:
+    """A site file that names Slurm's partition, account or QoS but left out ``defaults: [slurm]`` (or
+    ``executor: slurm``) runs on the local executor: on the login node."""
+    named = [f"cluster.{k}={getattr(c, k)}" for k in _SLURM_KEYS if getattr(c, k)]
+    if c.executor != "local" or not named:
+        return None
+    site = _site_file(c)
+    return Problem("executor", "cluster.executor", c.executor,
+                   f"{site} names Slurm's {', '.join(named)} but has no `executor: slurm`: the local "
+                   "executor would run every job on this machine (the login node), not on the cluster",
+                   f"start {site} from slurm.yaml (`defaults: [slurm, _self_]`, docs/cluster.md step 2) or "
+                   "add `executor: slurm` to it")
+
+
 def cluster_problems(ctx: Context) -> list[Problem]:
     c, out = ctx.cfg.cluster, []
-    if c.executor == "local" and c.nodes != 1:
+    slurm_only = _slurm_only(c)
+    if slurm_only is not None:  # the root cause: a fix of the node count would be the wrong one
+        out.append(slurm_only)
+    elif c.executor == "local" and c.nodes != 1:
         out.append(
             Problem(
                 "local_nodes",
@@ -68,6 +90,9 @@ def cluster_problems(ctx: Context) -> list[Problem]:
                 "set cluster.backend=gloo (or null)",
             )
         )
+    out += [Problem("env_name", f"cluster.env.{k}", v, "is not a variable name (letters, digits and _, not "
+                    "starting with a digit): the job scripts export it and forward it into the container by "
+                    "name", "rename it") for k, v in c.env.items() if not _VAR_NAME.fullmatch(str(k))]
     port = str(c.env.get("MASTER_PORT", "1024"))
     if not (port.isdigit() and 1024 <= int(port) <= 65535):  # the trainer would fail on it in every task
         out.append(Problem("master_port", "cluster.env.MASTER_PORT", port, "not a port from 1024 to 65535",
@@ -84,6 +109,9 @@ def cluster_problems(ctx: Context) -> list[Problem]:
             )
         )
     return out
+
+
+_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def eval_device_problems(ctx: Context) -> list[Problem]:
@@ -261,67 +289,3 @@ def controller_problems(ctx: Context) -> list[Problem]:
     return [Problem("slurm_unreachable", "cluster", c.name, f"the Slurm controller does not answer ({why})",
                     "check that slurmctld runs (scontrol ping) and that this machine's SLURM_CONF names its "
                     "slurm.conf; or launch with cluster=local to run on this machine")]
-
-
-def partition_problems(ctx: Context) -> list[Problem]:
-    """On Slurm, when it answers here (sinfo): the partitions exist and have nodes that can hold the jobs,
-    with their GPUs, CPUs and memory per node. A job no node can hold is refused by sbatch half-way
-    through the launch (its upstream jobs already queued) or, where the partition's nodes exist but are
-    down or drained, left pending forever."""
-    c = ctx.cfg.cluster
-    parts = sinfo.partitions() if c.executor == "slurm" else None
-    if not parts:
-        return []
-    out: list[Problem] = []
-    train = _partition(parts, "cluster.partition", c.partition, out)
-    if train is not None:
-        lay = ctx.layout
-        out += _fit(train, ("cluster.gpus_per_node", c.gpus_per_node), lay.tasks_per_node, c.cpus_per_task,
-                    c.mem_gb, lay.nodes)
-    key, name = ("cluster.stage_partition", c.stage_partition) if c.stage_partition else (
-        "cluster.partition", c.partition)
-    stage = train if name == c.partition else _partition(parts, key, name, out)
-    if stage is not None and c.stage_cpus > stage.max_cpus:
-        out.append(Problem("partition_cpus", "cluster.stage_cpus", c.stage_cpus,
-                           f"the nodes of partition {stage.name} have at most {stage.max_cpus} CPUs (sinfo)",
-                           f"set cluster.stage_cpus <= {stage.max_cpus}"))
-    return out
-
-
-def _partition(parts: dict[str, sinfo.Partition], key: str, name: str | None,
-               out: list[Problem]) -> sinfo.Partition | None:
-    """The partition ``name`` (None: Slurm's default), or None with a problem appended when there is none."""
-    found = parts.get(name) if name else next((p for p in parts.values() if p.default), None)
-    if found is None and name:
-        out.append(Problem("partition_unknown", key, name, f"Slurm has no partition {name} (sinfo lists "
-                           f"{', '.join(sorted(parts))})", f"set {key} to one of them"))
-    return found
-
-
-def _fit(part: sinfo.Partition, gpus: tuple[str, int], tasks: int, cpus_per_task: int,
-         mem_gb: float | None, nodes: int) -> list[Problem]:
-    """The training job's per-node request against the partition's nodes: the first resource no node has
-    enough of, else too few nodes that have enough of all of them."""
-    key, want_gpus = gpus
-    cpus, mem_mb = tasks * cpus_per_task, int((mem_gb or 0) * 1024)
-    where = f"the nodes of partition {part.name}"
-    if want_gpus > part.max_gpus:
-        have = f"have at most {part.max_gpus} GPUs" if part.max_gpus else "have no GPUs (gres/gpu)"
-        return [Problem("partition_gpus", key, want_gpus, f"{where} {have} (sinfo): Slurm would refuse the "
-                        "job or leave it pending", f"set {key} <= {part.max_gpus}, or a partition with more "
-                        "GPUs per node (cluster.partition)")]
-    if cpus > part.max_cpus:
-        return [Problem("partition_cpus", "cluster.cpus_per_task", cpus_per_task,
-                        f"{tasks} task(s) x {cpus_per_task} CPUs = {cpus} per node; {where} have at most "
-                        f"{part.max_cpus} (sinfo)", "lower cluster.cpus_per_task (or the tasks per node)")]
-    if mem_mb > part.max_memory_mb:
-        return [Problem("partition_memory", "cluster.mem_gb", mem_gb,
-                        f"{where} have at most {part.max_memory_mb // 1024} GB (sinfo)",
-                        "lower cluster.mem_gb (0: all of a node's)")]
-    fit = [n for n in part.nodes if n.gpus >= want_gpus and n.cpus >= cpus and n.memory_mb >= mem_mb]
-    if len(fit) < nodes:
-        return [Problem("partition_nodes", "cluster.nodes", nodes,
-                        f"of {where}, {len(fit)} can hold a node's share of the job ({want_gpus} GPUs, "
-                        f"{cpus} CPUs, {mem_mb} MB) (sinfo)",
-                        f"set cluster.nodes <= {len(fit)}, or another partition")]
-    return []

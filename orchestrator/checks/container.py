@@ -1,8 +1,9 @@
-"""The container the jobs run in: an image is set and is something the runtime starts (a squashfs file or
-a registry reference for pyxis, no credentials in it; a root file system folder for Charliecloud, with a
-folder for each bind), the folders it binds can be bound, pyxis is not asked of the local executor, the
-srun on this node has pyxis's options and ch-run is there, and a GPU run's image has the compiled kernels
-of the checkout it runs. What the binds and image references are: orchestrator/world/container.py."""
+"""The container the jobs run in: an image is set and is something the runtime starts (a SIF or squashfs
+file for Apptainer, a squashfs file or a registry reference for pyxis, no credentials in it, neither cut
+short; a root file system folder for Charliecloud, with a folder for each bind), the folders it binds can
+be bound, pyxis is not asked of the local executor, the srun on this node has pyxis's options and ch-run
+is there, and a GPU run's image has the compiled kernels of the checkout it runs. What the binds and image
+references are: orchestrator/world/container.py."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from orchestrator.world.container import (
     MOUNT_UNSAFE,
     PYXIS_OPTIONS,
     REGISTRY_REF,
-    SQUASHFS_MAGIC,
     SYSTEM_DIRS,
+    image_file_format,
     image_is_file,
     missing_mount_points,
     mount_points,
@@ -154,17 +155,27 @@ def charliecloud_problems(ctx: Context) -> list[Problem]:
 
 
 def image_problems(ctx: Context) -> list[Problem]:
-    """With pyxis, an image file must be squashfs (an Apptainer .sif is not; enroot cannot start it)."""
+    """An image file is what its runtime starts, by its header (world/container.py image_file_format):
+    pyxis a squashfs file (an Apptainer .sif is not; enroot cannot start it), Apptainer a SIF file or a
+    bare squashfs image; neither cut short (an interrupted copy)."""
     c = ctx.cfg.container
-    if c.kind != "pyxis" or not c.image or not image_is_file(c.image) or not os.path.isfile(c.image):
-        return []  # a reference (container_problems) or a missing file (file_missing)
-    with open(c.image, "rb") as f:
-        magic = f.read(len(SQUASHFS_MAGIC))
-    if magic == SQUASHFS_MAGIC:
+    wanted = {"pyxis": ("squashfs",), "apptainer": ("sif", "squashfs")}.get(c.kind)
+    if not wanted or not c.image or not os.path.isfile(c.image) or (c.kind == "pyxis"
+                                                                     and not image_is_file(c.image)):
+        return []  # a reference (container_problems), a sandbox folder, or a missing file (file_missing)
+    kind, wrong = image_file_format(c.image)
+    if kind in wanted and not wrong:
         return []
-    return [Problem("container_image_format", "container.image", c.image,
-                    "is not a squashfs file, which is what pyxis starts (an Apptainer .sif is not one)",
-                    "build one with containers/build_sqsh.sh, or use a .sif with container=apptainer_ngc")]
+    if c.kind == "pyxis":
+        what = "is not a squashfs file, which is what pyxis starts (an Apptainer .sif is not one)"
+        fix = "build one with containers/build_sqsh.sh, or use a .sif with container=apptainer_ngc"
+    else:
+        what = ("is neither a SIF image (no SIF_MAGIC at byte 32) nor a squashfs one, which is what "
+                "apptainer exec starts")
+        fix = f"build one with {_BUILD['apptainer']}"
+    if kind in wanted:  # the right format, damaged
+        what, fix = wrong, "copy the image again (or rebuild it) and check its size against the original"
+    return [Problem("container_image_format", "container.image", c.image, what, fix)]
 
 
 def pyxis_problems(ctx: Context, timeout_s: float = 30.0) -> list[Problem]:

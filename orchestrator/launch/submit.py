@@ -168,7 +168,8 @@ def stage_job(
         n, at_once = stage.array
         res = dataclasses.replace(res, array=f"0-{n - 1}%{min(at_once, n)}")
     py = python or container_render.python_command(
-        cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable
+        cfg.container, _abs(os.path.join(plan.run_dir, "container_exec.sh")), sys.executable,
+        gpus=res.gpus_per_node > 0,
     )
     folder = _abs(stage_folder(plan, stage))
     command = job_command(py, folder)
@@ -227,8 +228,8 @@ def container_wrapper(cfg: SlipwayConfig, plan: Plan) -> str | None:
     if cfg.container.kind not in WRAPPER_KINDS:
         return None
     container, binds = _container(cfg)
-    gpus = cfg.cluster.gpus_per_node > 0
-    return container_render.render_container_wrapper(container, binds, str(REPO_ROOT), gpus, os.getcwd())
+    return container_render.render_container_wrapper(container, binds, str(REPO_ROOT), os.getcwd(),
+                                                     tuple(sorted(cfg.cluster.env)))
 
 
 def pyxis_spec(cfg: SlipwayConfig) -> container_render.PyxisSpec | None:
@@ -237,7 +238,8 @@ def pyxis_spec(cfg: SlipwayConfig) -> container_render.PyxisSpec | None:
     if cfg.container.kind != "pyxis":
         return None
     container, binds = _container(cfg)
-    return container_render.PyxisSpec(container, tuple(binds), str(REPO_ROOT), os.getcwd())
+    return container_render.PyxisSpec(container, tuple(binds), str(REPO_ROOT), os.getcwd(),
+                                      tuple(sorted(cfg.cluster.env)))
 
 
 def _queued(stage: StagePlan) -> dict[str, Any] | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ from typing import Any, ClassVar
 from orchestrator.base.facts import PlanInputs
 from orchestrator.base.plan_types import JobResources, StagePlan
 from orchestrator.base.schema import SlipwayConfig
+from orchestrator.render import mem_flag
 from orchestrator.world.queue import marker_of, process_alive
 from orchestrator.world.runs import CACHE_DIR, write_json
+from trainer.formulas import padded_vocab_size, stage_params
 from trainer.run_files import COMPLETE, FAILED, RunDir
 
 
@@ -81,17 +84,27 @@ class StageDef:
     name: ClassVar[str]
     after: ClassVar[tuple[str, ...]] = ()  # the stages it may depend on: orders the stage list
     node: ClassVar[type[NodeStage]]
+    # A single-task job sized by cluster.stage_* (stage_cpus, stage_mem_gb); False: the training layout's.
+    stage_job: ClassVar[bool] = True
 
     def plan(self, ctx: PlanContext) -> StagePlan | None:  # pragma: no cover - every stage has one
         """The stage's plan, or None when this config has no such stage."""
         raise NotImplementedError
 
     def resources(self, cfg: SlipwayConfig, tasks_per_node: int) -> JobResources:
-        """Default: a single-task CPU job on the stage partition. (The job's name, the stage's here, is the
-        run's once submit.stage_job knows the run: :func:`job_name`.)"""
+        """Default: a single-task CPU job on the stage partition, with its memory (:func:`stage_mem_gb`).
+        (The job's name, the stage's here, is the run's once submit.stage_job knows the run:
+        :func:`job_name`.)"""
         c = cfg.cluster
         return JobResources(self.name, 1, 1, 0, c.stage_cpus, c.stage_time_limit_min,
-                            c.stage_partition or c.partition, **common_resources(cfg))
+                            c.stage_partition or c.partition, mem=mem_flag(stage_mem_gb(cfg, self)),
+                            **common_resources(cfg))
+
+    def mem_gb(self, cfg: SlipwayConfig) -> float:
+        """The memory this stage's single-task job needs, in GB, when cluster.stage_mem_gb does not say
+        (the site's default memory per CPU is no measure of it). Default: Python, its libraries and a
+        streaming buffer (the corpus stage)."""
+        return STAGE_MEM_GB
 
     def status(self, look: StageLook) -> dict[str, Any]:
         """Fields of the status row beyond the job's state (``readback.status.JobRow``); a stage whose
@@ -129,6 +142,31 @@ def job_name(experiment: str, run_id: str, stage: str) -> str:
     if room <= 0:
         return f"{run_id}-{stage}".encode()[-JOB_NAME_MAX:].decode(errors="ignore").lstrip("-")
     return experiment.encode()[:room].decode(errors="ignore") + tail
+
+
+STAGE_MEM_GB = 2.0  # a single-task stage job's floor: Python, torch imported, buffers
+
+
+def stage_mem_gb(cfg: SlipwayConfig, stage: StageDef) -> float:
+    """The --mem of a single-task stage job in GB: cluster.stage_mem_gb, or the stage's own figure
+    (:meth:`StageDef.mem_gb`) rounded up to whole GB."""
+    own = cfg.cluster.stage_mem_gb
+    return float(own) if own is not None else float(math.ceil(stage.mem_gb(cfg)))
+
+
+GPT2_VOCAB = 50257  # the vocabulary a model's memory is sized for when neither config states one
+
+
+def model_params(cfg: SlipwayConfig) -> int:
+    """The model's parameter count, for the memory of the jobs that hold it whole (convert, eval). The
+    vocabulary is model.vocab_size, else tokenizer.vocab_size, else GPT-2's (the tokenizer files' size is
+    read by the plan, not here)."""
+    m = cfg.model
+    vocab = m.vocab_size or cfg.tokenizer.vocab_size or GPT2_VOCAB
+    try:
+        return stage_params(m, padded_vocab_size(vocab, 1, m.make_vocab_size_divisible_by))[1]
+    except (ArithmeticError, TypeError, ValueError):  # sizes the plan refuses (heads=0): its problems say so
+        return 0
 
 
 def common_resources(cfg: SlipwayConfig) -> dict[str, Any]:

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.base.plan_types import StagePlan
+from orchestrator.base.schema import SlipwayConfig
 from orchestrator.stages import train
-from orchestrator.stages.base import NodeStage, PlanContext, StageDef, stable_hash
+from orchestrator.stages.base import STAGE_MEM_GB, NodeStage, PlanContext, StageDef, model_params, stable_hash
 from trainer.convert.run_config import ConvertRunConfig
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 
@@ -52,6 +53,12 @@ class Convert(StageDef):
             # The sample generated after conversion must fit the model's positions (prompt included).
             sample_tokens=max(1, min(64, cfg.model.max_position_embeddings // 4))))
         return StagePlan(NAME, key, str(ctx.run.stage_state(NAME)), False, (train.NAME,), job)
+
+    def mem_gb(self, cfg: SlipwayConfig) -> float:
+        """The checkpoint with its optimizer state (up to 16 bytes per parameter), the converted fp32 model
+        and the checkpoint's model it is verified against (4 each), on top of torch and transformers (a
+        tiny model's conversion and verification ran within 2 GB on the devcluster, its memory enforced)."""
+        return STAGE_MEM_GB + 24 * model_params(cfg) / 1e9
 
     def outputs(self, stage: StagePlan) -> list[Path]:
         """The converted model's config (written last of its files): a deleted hf/ converts again."""

@@ -11,14 +11,18 @@ from typing import Any
 
 from orchestrator.base.plan_types import JobResources, StagePlan
 from orchestrator.base.schema import SlipwayConfig
+from orchestrator.render import mem_flag
 from orchestrator.stages import convert, train
 from orchestrator.stages.base import (
+    STAGE_MEM_GB,
     NodeStage,
     PlanContext,
     StageDef,
     StageLook,
     common_resources,
+    model_params,
     stable_hash,
+    stage_mem_gb,
 )
 from trainer.config_issues import deferred
 from trainer.data.blend import blend_paths
@@ -68,7 +72,12 @@ class Eval(StageDef):
         c, gpu = cfg.cluster, cfg.eval.device == "cuda"
         partition = c.partition if gpu else c.stage_partition or c.partition
         return JobResources(NAME, 1, 1, int(gpu), c.stage_cpus, cfg.eval.time_limit_min,
-                            partition, **common_resources(cfg))
+                            partition, mem=mem_flag(stage_mem_gb(cfg, self)), **common_resources(cfg))
+
+    def mem_gb(self, cfg: SlipwayConfig) -> float:
+        """The converted model (fp32, plus a copy while it loads) and a process per eval.workers that runs
+        the generated programs, on top of torch and transformers."""
+        return STAGE_MEM_GB + 8 * model_params(cfg) / 1e9 + 0.5 * cfg.eval.workers
 
     def status(self, look: StageLook) -> dict[str, Any]:
         return {"pass_at_1": pass_at_1(read_results(look.run_dir))}

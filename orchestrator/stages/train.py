@@ -162,6 +162,7 @@ class Train(StageDef):
     name = NAME
     after = (preprocess.NAME, tune.NAME)
     node = TrainStage
+    stage_job = False
 
     def plan(self, ctx: PlanContext) -> StagePlan:
         """With tune=true it runs after the trials have ended, whatever their outcome (afterany: a failed

@@ -112,6 +112,7 @@ class Tune(StageDef):
     name = NAME
     after = (preprocess.NAME,)
     node = TuneStage
+    stage_job = False
 
     def plan(self, ctx: PlanContext) -> StagePlan | None:
         cfg, p, a = ctx.cfg, ctx.proposal, ctx.cfg.autotune

@@ -15,12 +15,23 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 
 from orchestrator.base.schema import ContainerConfig, SlipwayConfig
 from orchestrator.world.runs import REPO_ROOT
 
-# The first bytes of a squashfs file (little-endian "sqsh"); an Apptainer .sif starts otherwise.
+# The first bytes of a squashfs file (little-endian "sqsh"); an Apptainer .sif starts otherwise. The
+# superblock (Linux include/uapi squashfs_fs.h, struct squashfs_super_block) holds the format's major
+# version at byte 28 (u16; 4 since 2009, what mksquashfs writes and enroot and Apptainer mount) and the
+# image's length at byte 40 (u64 bytes_used; mksquashfs pads the file beyond it to 4 KiB).
 SQUASHFS_MAGIC = b"hsqs"
+SQUASHFS_SUPER = struct.Struct("<4s24xH10xQ")  # magic, s_major (byte 28), bytes_used (byte 40)
+# A SIF file's global header (apptainer/sif, pkg/sif/sif.go and load.go, little-endian): a 32-byte launch
+# line ("#!/usr/bin/env run-singularity\n" from apptainer build; zeros from siftool new), "SIF_MAGIC\0" at
+# byte 32, the version, the architecture, the image's UUID, then eight int64s, of which the last two are
+# where the data objects start and how many bytes they take (the file's end, unless it was cut short).
+SIF_HEADER = struct.Struct("<32s10s3s3s16s8q")
+SIF_MAGIC = b"SIF_MAGIC\0"
 # A name ending like this is a file even when written without "/" or "./" (made absolute for the job),
 # so ``container.image=slipway.sqsh`` is not sent to Docker Hub as an image named slipway.sqsh.
 IMAGE_FILE_SUFFIXES = (".sqsh", ".squashfs", ".sif")
@@ -61,6 +72,30 @@ CH_HOST_TMP = "/tmp"
 # `srun --help` once the plugin is loaded; --container-env needs pyxis 0.15 or later.
 PYXIS_OPTIONS = ("--container-image", "--container-mounts", "--container-workdir",
                  "--no-container-mount-home", "--container-env")
+
+
+def image_file_format(path: str) -> tuple[str, str]:
+    """What an image file is by its header, ``("sif" | "squashfs" | "", what is wrong with it)``: "" and
+    "" for neither (a text file, an ext3 image, ...); a header cut short or a file shorter than its header
+    says is wrong (an interrupted copy)."""
+    with open(path, "rb") as f:
+        head, size = f.read(SIF_HEADER.size), os.fstat(f.fileno()).st_size
+    if head.startswith(SQUASHFS_MAGIC):
+        if len(head) < SQUASHFS_SUPER.size:
+            return "squashfs", f"its squashfs superblock is cut short ({size} bytes)"
+        _, major, used = SQUASHFS_SUPER.unpack_from(head)
+        if major != 4:
+            return "squashfs", f"it is squashfs version {major}, not 4 (which mksquashfs writes)"
+        if used > size:
+            return "squashfs", f"it is cut short: its superblock says {used} bytes, the file has {size}"
+        return "squashfs", ""
+    if len(head) == SIF_HEADER.size and head[32:42] == SIF_MAGIC:
+        data_offset, data_length = SIF_HEADER.unpack(head)[-2:]
+        if data_offset + data_length > size:
+            return "sif", (f"it is cut short: its SIF header says {data_offset + data_length} bytes, the "
+                           f"file has {size}")
+        return "sif", ""
+    return "", ""
 
 
 def image_is_file(image: str) -> bool:

@@ -1,7 +1,8 @@
-"""The partitions of the Slurm cluster the launch talks to, as ``sinfo`` reports them: their nodes, and each
-node's CPUs, memory and GPUs (``gres/gpu``). Read by the plan's partition check (checks/cluster.py), so a
-job no node of its partition can hold is refused before it is submitted, not left pending (or refused by
-sbatch half-way through a launch, after its upstream jobs were queued)."""
+"""The partitions of the Slurm cluster the launch talks to, as ``sinfo`` reports them: their nodes, each
+node's CPUs, memory and GPUs (``gres/gpu``), and the partition's time limit (MaxTime). Read by the plan's
+partition check (checks/cluster.py), so a job no node of its partition can hold, or one longer than the
+partition allows, is refused before it is submitted, not left pending (or refused by sbatch half-way
+through a launch, after its upstream jobs were queued)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import subprocess
 from dataclasses import dataclass
 
 # One line per node and partition: partition (the default one ends with "*"), node, CPUs, memory (MB),
-# generic resources (e.g. "gpu:4", "gpu:a100:4(S:0-1)", "gpu:a100:2,gpu:v100:2", "(null)").
-SINFO_FORMAT = "%P|%N|%c|%m|%G"
+# generic resources (e.g. "gpu:4", "gpu:a100:4(S:0-1)", "gpu:a100:2,gpu:v100:2", "(null)"), and the
+# partition's MaxTime as Slurm writes times: "infinite", "30:00" (MaxTime=30), "1:30:00", "2-12:30:00"
+# (printed so by sinfo 22.05 for MaxTime=30, 90 and 2-12:30:00).
+SINFO_FORMAT = "%P|%N|%c|%m|%G|%l"
 _GPU = re.compile(r"(?:^|,)gpu(?::[^:,]+)?:(\d+)")
 
 
@@ -28,6 +31,7 @@ class Partition:
     name: str
     default: bool
     nodes: tuple[NodeShape, ...]
+    max_time_min: int | None = None  # MaxTime in minutes; None: infinite
 
     @property
     def max_gpus(self) -> int:
@@ -52,20 +56,33 @@ def _int(text: str) -> int:
     return int(digits.group()) if digits else 0
 
 
+def time_limit_min(text: str) -> int | None:
+    """A Slurm time limit as sinfo prints it ([DAYS-]HOURS:MINUTES:SECONDS, MINUTES:SECONDS, MINUTES) in
+    whole minutes; None for "infinite" (or anything else that is no limit, such as "n/a")."""
+    days, _, clock = text.strip().rpartition("-")
+    parts = clock.split(":")
+    if not all(p.isdigit() for p in parts) or (days and not days.isdigit()) or len(parts) > 3:
+        return None
+    h, m, s = ([0] * (3 - len(parts)) + [int(p) for p in parts]) if len(parts) > 1 else (0, int(parts[0]), 0)
+    return int(days or 0) * 1440 + h * 60 + m + s // 60
+
+
 def parse(text: str) -> dict[str, Partition]:
     """``sinfo -h -N -o SINFO_FORMAT`` output → {partition name: Partition}."""
     nodes: dict[str, list[NodeShape]] = {}
     default: set[str] = set()
+    limit: dict[str, int | None] = {}
     for line in text.splitlines():
         fields = line.strip().split("|")
-        if len(fields) != 5:
+        if len(fields) != 6:
             continue
-        part, node, cpus, mem, gres = fields
+        part, node, cpus, mem, gres, time = fields
         if part.endswith("*"):
             part = part[:-1]
             default.add(part)
         nodes.setdefault(part, []).append(NodeShape(node, _int(cpus), _int(mem), gpus_of(gres)))
-    return {p: Partition(p, p in default, tuple(ns)) for p, ns in nodes.items()}
+        limit[part] = time_limit_min(time)
+    return {p: Partition(p, p in default, tuple(ns), limit[p]) for p, ns in nodes.items()}
 
 
 def partitions(timeout_s: float = 20.0) -> dict[str, Partition] | None:

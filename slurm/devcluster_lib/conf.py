@@ -67,6 +67,10 @@ def binding(machine: Machine) -> list[str]:
     return ["ProctrackType=proctrack/linuxproc", "TaskPlugin=task/affinity", bind]
 
 
+# Each partition's time limit, as a site has one (the plan refuses a longer job: checks/slurm.py).
+MAX_TIME = {"cpu": "1-00:00:00", "gpu": "12:00:00"}
+
+
 def node_lines(settings: Settings, hostname: str, machine: Machine) -> list[str]:
     shape = (f"CPUs={machine.cpus} Boards=1 SocketsPerBoard={machine.sockets} "
              f"CoresPerSocket={machine.cores_per_socket} ThreadsPerCore={machine.threads_per_core} "
@@ -80,7 +84,7 @@ def node_lines(settings: Settings, hostname: str, machine: Machine) -> list[str]
     for k, part in enumerate(partitions):
         members = ",".join(n.name for n in NODE_SPECS if n.partition == part)
         lines.append(f"PartitionName={part} Nodes={members} Default={'YES' if k == 0 else 'NO'} "
-                     "MaxTime=INFINITE State=UP OverSubscribe=NO")
+                     f"MaxTime={MAX_TIME.get(part, 'INFINITE')} State=UP OverSubscribe=NO")
     return lines
 
 

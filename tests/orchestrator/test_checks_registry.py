@@ -16,7 +16,7 @@ from orchestrator.checks import CHECKS, COSTS, SUBJECTS
 from orchestrator.launch.flow import launch
 from tests.orchestrator.conftest import REPO, compose_cfg
 
-FIXED_SUBJECTS = ("run", "data", "tokenizer", "layout", "memory", "container", "cluster", "secrets",
+FIXED_SUBJECTS = ("run", "data", "tokenizer", "layout", "memory", "container", "cluster", "slurm", "secrets",
                   "checkpoints")
 FIXED_COSTS = ("pure", "inputs", "world")
 PACKAGE = REPO / "orchestrator" / "checks"

@@ -25,7 +25,7 @@ from tests.orchestrator.sites import docs_site, site_file
 # the Slurm this machine does reach (the devcluster, under make test) has other partitions than the site's
 # (checks/cluster.py partition_problems: what sinfo says of them).
 ELSEWHERE = {"file_missing", "pyxis_missing", "slurm_unreachable", "partition_gpus", "partition_cpus",
-             "partition_memory", "partition_nodes", "partition_unknown"}
+             "partition_memory", "partition_nodes", "partition_unknown", "account", "qos", "time_limit"}
 
 
 def _commands(sweeps: bool = False) -> list[str]:
@@ -35,7 +35,7 @@ def _commands(sweeps: bool = False) -> list[str]:
     for page in (REPO / "docs" / "cluster.md", REPO / "README.md"):
         for block in re.findall(r"```bash\n(.*?)```", page.read_text(encoding="utf-8"), re.S):
             for line in block.splitlines():
-                line = line.split("#")[0].strip()
+                line = re.split(r"(?:^|\s)#", line)[0].strip()  # bash: a comment starts a word
                 if line.startswith("python launch.py") and "cluster=mysite" in line \
                         and (" -m " in line) == sweeps:
                     if line not in out:

@@ -151,7 +151,7 @@ def test_dry_run_prints_plan_and_scripts_and_submits_nothing(tmp_path: Path):
     assert "train.recompute_granularity=full" in text and "optim.distributed=true" in text, text
     assert "ETA" in text and "GPU-hours" in text
     assert "----- train job script -----" in text and "#SBATCH --signal=USR2@" in text
-    assert "apptainer exec --nv --cleanenv" in text
+    assert "apptainer exec $nv --cleanenv" in text and "container_exec.sh --nv python" in text  # GPUs
     assert "hf_secret_abcdefgh" not in text and "<redacted:HF_TOKEN>" in text
     assert "wandbsecret0123456789" not in text + out.stderr
     assert not (tmp_path / "runs").exists()  # nothing recorded, nothing submitted

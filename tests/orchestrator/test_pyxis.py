@@ -27,7 +27,7 @@ from orchestrator.world.runs import REPO_ROOT
 from tests.orchestrator.conftest import REPO, compose_cfg, stage_names, user_docs
 from tests.orchestrator.test_secrets import ENV_SECRETS
 
-SQSH = b"hsqs" + bytes(60)  # a squashfs superblock's magic
+SQSH = (Path(__file__).parent / "images" / "tiny.sqsh").read_bytes()  # by mksquashfs (test_image_files.py)
 PYXIS_HELP = "".join(f"      {o}=ARG   [pyxis] ...\n" for o in PYXIS_OPTIONS)
 
 

@@ -129,21 +129,24 @@ def test_slurm_training_script_semantics():
 
 def test_container_command_and_allowlist():
     c = ContainerConfig(kind="apptainer", image="/img/s.sif")
-    wrapper = container_render.render_container_wrapper(c, ["/data/cp", "/data/cp/tok", "/runs"], "/code",
-                                                         gpus=True)
+    wrapper = container_render.render_container_wrapper(c, ["/data/cp", "/data/cp/tok", "/runs"], "/code")
     exec_line = [line for line in wrapper.splitlines() if line.startswith("exec ")][0]
     argv = shlex.split(exec_line)
-    assert argv[:5] == ["exec", "apptainer", "exec", "--nv", "--cleanenv"]
+    assert argv[:5] == ["exec", "apptainer", "exec", "$nv", "--cleanenv"]  # --nv: GPU jobs only (below)
     assert argv[5:7] == ["--bind", "/code,/data/cp,/runs"]  # a child of a bound dir is not bound twice
     assert argv[7:] == ["/img/s.sif", "$@"]
     for pattern in ("NCCL_*", "MASTER_*", "SLURM_*", "WANDB_*", "HF_*"):
         assert pattern in wrapper
     assert "APPTAINERENV_${name}" in wrapper
-    assert "--nv" not in container_render.render_container_wrapper(c, [], "/code", gpus=False)
     assert (
         container_render.python_command(c, "/r/container_exec.sh", "/usr/bin/python3")
         == "bash /r/container_exec.sh python"
     )
+    assert container_render.python_command(c, "/r/c.sh", "/usr/bin/python3", gpus=True) == (
+        "bash /r/c.sh --nv python")
+    charliecloud = ContainerConfig(kind="charliecloud", image="/img/s")  # GPUs: ch-fromhost, no flag
+    assert container_render.python_command(charliecloud, "/r/c.sh", "/usr/bin/python3", gpus=True) == (
+        "bash /r/c.sh python")
     assert container_render.python_command(ContainerConfig(), "/x", "/usr/bin/python3") == "/usr/bin/python3"
 
 
@@ -155,7 +158,7 @@ def test_container_wrapper_forwards_allowlist_only(tmp_path):
     fake.chmod(0o755)
     c = ContainerConfig(kind="apptainer", image="/img/s.sif", apptainer_bin=str(fake))
     script = tmp_path / "wrap.sh"
-    script.write_text(container_render.render_container_wrapper(c, ["/runs"], "/code", gpus=True))
+    script.write_text(container_render.render_container_wrapper(c, ["/runs"], "/code"))
     env = {
         "PATH": os.environ["PATH"],
         "SLURM_PROCID": "3",
@@ -167,7 +170,8 @@ def test_container_wrapper_forwards_allowlist_only(tmp_path):
     }
     import subprocess
 
-    out = subprocess.run(["bash", str(script), "python", "-c", "1"], env=env, capture_output=True, text=True)
+    out = subprocess.run(["bash", str(script), "--nv", "python", "-c", "1"], env=env, capture_output=True,
+                         text=True)
     assert out.returncode == 0, out.stderr
     got = dict(re.findall(r"^APPTAINERENV_(\w+)=(.*)$", out.stdout, re.M))
     assert got["SLURM_PROCID"] == "3" and got["NCCL_DEBUG"] == "INFO" and got["MASTER_ADDR"] == "n1"
@@ -222,3 +226,35 @@ def test_a_master_port_in_cluster_env_wins_over_the_job_ids():
                          capture_output=True, text=True, check=True).stdout
     assert int(out) == 23456, lines
     assert not any("SLURM_JOB_ID %" in ln for ln in lines), lines
+
+
+def _stage_scripts(*overrides: str, experiment: str = "codeparrot") -> dict[str, str]:
+    cfg = compose_cfg([f"+experiment={experiment}", "cluster=slurm", "container=apptainer_ngc", *FIXED,
+                       *overrides])
+    plan = make_plan(cfg, PlanInputs("r1", "/shared/runs/x/r1"), exists=lambda p: True)
+    return {s.name: render_stage(cfg, plan, s, ()) for s in plan.stages}
+
+
+def _directive(script: str, name: str) -> str | None:
+    found = re.search(rf"^#SBATCH --{name}=(\S+)$", script, re.M)
+    return found.group(1) if found else None
+
+
+def test_stage_jobs_ask_for_their_memory_and_only_gpu_jobs_for_nv():
+    """Each single-task stage job asks for its own memory (the site's default memory per CPU is no
+    measure of it): preprocessing 2 GB + 0.5 per data.workers, conversion by the model's size; one
+    cluster.stage_mem_gb sets them all; training keeps cluster.mem_gb. Apptainer's --nv comes only with
+    GPUs: training and eval.device=cuda, never the CPU stages."""
+    scripts = _stage_scripts()
+    mem = {name: _directive(text, "mem") for name, text in scripts.items()}
+    assert mem == {"preprocess": "18G", "train": "0", "convert": "5G", "eval": "7G"}, mem  # 32 workers, 110M
+    assert _directive(_stage_scripts("data.workers=8")["preprocess"], "mem") == "6G"
+    big = _stage_scripts(experiment="gpt_1p3b")
+    assert int(_directive(big["convert"], "mem")[:-1]) > 30  # 24 bytes x 1.3B parameters, and more
+    fixed = {n: _directive(t, "mem") for n, t in _stage_scripts("cluster.stage_mem_gb=12").items()}
+    assert fixed == {"preprocess": "12G", "train": "0", "convert": "12G", "eval": "12G"}, fixed
+    for name, text in scripts.items():
+        gpus = _directive(text, "gpus-per-node")
+        assert ("container_exec.sh --nv python" in text) == bool(gpus), (name, gpus)
+    assert _directive(scripts["eval"], "gpus-per-node") == "1"
+    assert _directive(scripts["convert"], "gpus-per-node") is None

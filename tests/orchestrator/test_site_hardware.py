@@ -240,3 +240,27 @@ def test_the_eta_adds_the_data_parallel_exchange_at_the_sites_bus_bandwidth(tmp_
     assert one.layout.dp == 4 and one.time.exchange_s > 0
     text = format_plan(cfg, plan, {})
     assert f"data-parallel exchange {plan.time.exchange_s:.3f} s" in text and "at 1 GB/s" in text
+
+
+# A site file written without `defaults: [slurm]` and without `executor: slurm`: it names Slurm's
+# partition, account and QoS, and the schema's default executor, local, would run it on the login node.
+NO_SLURM = H100_X4.replace("executor: slurm\n", "") + "account: proj_ml\nqos: high\n"
+
+
+def test_a_site_file_without_the_slurm_executor_is_refused_naming_the_missing_key(tmp_path):
+    """The codeparrot experiment on that site: 2 nodes of 4 GPUs. Once it planned cleanly but for
+    `cluster.nodes=1` (the local executor's one machine); now the executor is refused, with the fix, and
+    the node count is not (the root cause comes alone)."""
+    cfg, plan = _plan(["+experiment=codeparrot", *site_file(tmp_path, "mysite", NO_SLURM)])
+    assert cfg.cluster.executor == "local" and cfg.cluster.nodes == 2
+    [p] = [p for p in plan.problems if p.key.startswith("cluster.executor") or p.code == "local_nodes"]
+    assert p.code == "executor" and p.value == "local", p
+    assert ("cluster.partition=gpu, cluster.stage_partition=cpu, cluster.account=proj_ml, cluster.qos=high"
+            in p.message and "login node" in p.message), p
+    assert "`defaults: [slurm, _self_]`" in p.fix and "`executor: slurm`" in p.fix and "nodes=1" not in p.fix
+    assert "cluster/mysite.yaml" in p.message
+    fixed = NO_SLURM + "executor: slurm\n"
+    _, plan = _plan(["+experiment=codeparrot", *site_file(tmp_path, "mysite", fixed)])
+    assert "executor" not in _codes(plan)
+    _, plan = _plan(["+experiment=codeparrot_smoke", "cluster=local"])  # the local site names none of them
+    assert "executor" not in _codes(plan)
