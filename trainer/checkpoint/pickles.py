@@ -46,7 +46,7 @@ class UnsafePickle(pickle.UnpicklingError):
     (``how``); ``names`` lists them."""
 
     def __init__(self, path: str, names: list[str], how: str = "") -> None:
-        self.names = names
+        self.names, self.how = names, how
         super().__init__(f"{path} pickles objects outside what Slipway reads safely: {', '.join(names)}"
                          + (f" ({how})" if how else ""))
 
@@ -177,13 +177,15 @@ SAFE_KINDS = ("plain data, tensors, argparse.Namespace, numpy RNG states, standa
               "Megatron's own classes")
 
 
-def refusal(path: str, names: list[str]) -> str:
-    """What to tell a user whose file pickles ``names`` (refused by :func:`load`): what is read without
-    running code, and the way that works: ``--trust-pickle`` with the modules the file names importable
-    (Megatron's excepted: they stay stand-ins)."""
+def refusal(path: str, names: list[str], how: str = "") -> str:
+    """What to tell a user whose file pickles ``names`` (refused by :func:`load`; ``how``: what it does
+    with them that data never needs): what is read without running code, and the way that works:
+    ``--trust-pickle`` with the modules the file names importable (Megatron's excepted: they stay
+    stand-ins)."""
     modules = sorted({n.rpartition(".")[0] for n in names})
-    return (f"{path} pickles {', '.join(names)}, beyond what Slipway reads without running code from the "
-            f"file ({SAFE_KINDS}). If you trust where the checkpoint came from, pass --trust-pickle: it "
+    used = f" ({how})" if how else ""
+    return (f"{path} pickles {', '.join(names)}{used}, beyond what Slipway reads without running code from "
+            f"the file ({SAFE_KINDS}). If you trust where the checkpoint came from, pass --trust-pickle: it "
             f"unpickles them by importing {', '.join(modules)}, which must then be importable (pip install "
             "the package that provides it, or put its source tree on PYTHONPATH); Megatron's own classes "
             "still need no Megatron install")
