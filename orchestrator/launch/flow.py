@@ -196,6 +196,7 @@ def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str], overrides: 
     identity = {"run_id": plan.run_id, "experiment": plan.experiment, "name": run_name(cfg, _facts(plan)),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     n = record.begin(identity, {
+        "run_dir": plan.run_dir,  # where it ran: a run directory moved since is read where it stands
         "overrides": [redaction.redact(o) for o in overrides],
         "git": {"sha": git["sha"], "dirty": git["dirty"]},
         "config": redaction.REDACTOR.tree(OmegaConf.to_container(resolved)),
