@@ -44,20 +44,62 @@ def _imports(node: ast.AST, package: str, known: set[str]) -> set[str]:
     return set()
 
 
+def _text(node: ast.AST | None) -> str | None:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+
+def _name(node: ast.AST | None) -> str | None:
+    """The name an expression reads: ``x`` of ``x``, ``NAME`` of ``self.NAME`` or ``Seam.NAME``."""
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+
+
+def string_bindings(tree: ast.AST) -> dict[str, set[str]]:
+    """Every string a name is bound to anywhere in a module: an assignment at any level (a module
+    constant, a class attribute, a local), a parameter's default (``def load(name="tests.seam")``), and
+    through another name (``name = self.NAME``). Attributes count by their last name."""
+    out: dict[str, set[str]] = {}
+    aliases: list[tuple[str, str]] = []
+    for node in ast.walk(tree):
+        pairs: list[tuple[ast.AST, ast.AST | None]] = []
+        if isinstance(node, ast.Assign):
+            pairs = [(t, node.value) for t in node.targets]
+        elif isinstance(node, ast.AnnAssign | ast.NamedExpr):
+            pairs = [(node.target, node.value)]
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            a = node.args
+            positional = [*a.posonlyargs, *a.args]
+            pairs = list(zip(positional[len(positional) - len(a.defaults):], a.defaults, strict=True))
+            pairs += [(arg, d) for arg, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None]
+        for target, value in pairs:
+            name = _name(target) or getattr(target, "arg", None)
+            if name and (text := _text(value)) is not None:
+                out.setdefault(name, set()).add(text)
+            elif name and (source := _name(value)):
+                aliases.append((name, source))
+    changed = True
+    while changed:  # through names bound to names, to the strings at the end
+        changed = False
+        for name, source in aliases:
+            new = out.get(source, set()) - out.get(name, set())
+            if new:
+                out.setdefault(name, set()).update(new)
+                changed = True
+    return out
+
+
 def _dynamic(tree: ast.Module) -> set[str]:
-    """Modules named to ``importlib.import_module`` or ``__import__``: a string literal, or a name bound to
-    one at module level (``SEAM = "tests.seam"``), the way a static import walker is usually evaded."""
-    consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
-              and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
-              for t in n.targets if isinstance(t, ast.Name)}
+    """Modules named to ``importlib.import_module`` or ``__import__`` (first argument or ``name=``): a
+    string literal, or a name bound to one anywhere in the module (``SEAM = "tests.seam"``, a parameter's
+    default), the ways a static import walker is usually evaded."""
+    bound = string_bindings(tree)
     out = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and node.args and ast.unparse(node.func).split(".")[-1] in (
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] in (
                 "import_module", "__import__"):
-            arg = node.args[0]
-            name = arg.value if isinstance(arg, ast.Constant) else consts.get(getattr(arg, "id", None))
-            if isinstance(name, str):
-                out.add(name)
+            args = [*node.args[:1], *(k.value for k in node.keywords if k.arg == "name")]
+            for arg in args:
+                text = _text(arg)
+                out |= {text} if text is not None else bound.get(_name(arg), set())
     return out
 
 
@@ -287,6 +329,14 @@ SPELLINGS = [
     ("def f():\n    return __import__('tests')\n", "tests"),
     ("from importlib import import_module\nimport_module('tests.waits')\n", "tests.waits"),
     ("import importlib\nimportlib.import_module('pkg.m0')\nNAME = 'tests'\n", None),  # no import of tests
+    ("import importlib\ndef load(plugin='tests.seam'):\n    return importlib.import_module(plugin)\n",
+     "tests.seam"),  # a parameter's default
+    ("import importlib\ndef load(*, plugin: str = 'tests.seam'):\n    return importlib.import_module("
+     "name=plugin)\n", "tests.seam"),  # a keyword-only default, passed by keyword
+    ("import importlib\nclass Seam:\n    NAME = 'tests.seam'\n    def load(self):\n"
+     "        name = self.NAME\n        return importlib.import_module(name)\n", "tests.seam"),  # an alias
+    ("import importlib\ndef f():\n    where = 'tests.faults'\n    importlib.import_module(where)\n",
+     "tests.faults"),  # a local
 ]
 
 

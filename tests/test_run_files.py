@@ -35,15 +35,31 @@ def _docstrings(tree: ast.AST) -> set[int]:
             if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
 
 
+def _constants(tree: ast.Module) -> dict[str, str]:
+    """The module's and its classes' constants holding a string (``LOGS_DIR = "logs"``), by name."""
+    out = {}
+    for body in [tree.body, *(c.body for c in tree.body if isinstance(c, ast.ClassDef))]:
+        for node in body:
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, ast.AnnAssign) else []
+            value = getattr(node, "value", None)
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                out.update({t.id: value.value for t in targets if isinstance(t, ast.Name)})
+    return out
+
+
 def _path_parts(node: ast.AST) -> list[ast.AST]:
     """The operands that a node joins into a path: ``a / b``, ``os.path.join(a, b, ...)``, ``Path(a, b)``,
-    ``p.joinpath(b, ...)``, and the literal pieces of an f-string, split at its slashes."""
+    ``p.joinpath(b, ...)``, and the literal pieces of an f-string, split at its slashes, and the values it
+    puts between slashes."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
         return [node.left, node.right]
     if isinstance(node, ast.JoinedStr):  # f"{run_dir}/checkpoints/...": a piece after a value, from a "/"
         pieces = [b.value for a, b in zip(node.values, node.values[1:], strict=False)
                   if isinstance(a, ast.FormattedValue) and isinstance(b, ast.Constant) and b.value[:1] == "/"]
-        return [ast.Constant(part) for piece in pieces for part in piece.split("/")]
+        values = [v.value for i, v in enumerate(node.values) if isinstance(v, ast.FormattedValue) and i
+                  and isinstance(node.values[i - 1], ast.Constant) and node.values[i - 1].value.endswith("/")]
+        return [*values, *(ast.Constant(part) for piece in pieces for part in piece.split("/"))]
     if not isinstance(node, ast.Call):
         return []
     func = ast.unparse(node.func)
@@ -53,17 +69,23 @@ def _path_parts(node: ast.AST) -> list[ast.AST]:
 
 
 def copies(source: str, name: str) -> list[str]:
-    """``line: text`` of each place in ``source`` that names a run file outside run_files."""
+    """``line: text`` of each place in ``source`` that names a run file outside run_files: in a literal,
+    or as a path part, a literal or a module or class constant holding one (``LOGS_DIR = "logs"``, then
+    ``run_dir / LOGS_DIR`` or ``f"{run}/{self.LOGS_DIR}"``)."""
     tree = ast.parse(source, name)
-    docs, found = _docstrings(tree), []
+    docs, found, constants = _docstrings(tree), [], _constants(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
             found += [f"{name}:{node.lineno}: {d!r}" for d in DISTINCT if d in node.value]
             if node.value.startswith(PREFIX_RULE):
                 found.append(f"{name}:{node.lineno}: the prefix rule {node.value!r}")
         for part in _path_parts(node):
-            if isinstance(part, ast.Constant) and part.value in FOLDERS:
-                found.append(f"{name}:{node.lineno}: path part {part.value!r}")
+            ref = part.id if isinstance(part, ast.Name) else part.attr if isinstance(part, ast.Attribute) \
+                else None
+            value = part.value if isinstance(part, ast.Constant) else constants.get(ref)
+            if value in FOLDERS:
+                held = f" (held by {ref})" if ref else ""
+                found.append(f"{name}:{node.lineno}: path part {value!r}{held}")
     return found
 
 
@@ -87,6 +109,13 @@ def test_the_check_sees_each_kind_of_copy():
     assert copies('p = f"{run_dir}/heartbeats/rank_{r}.json"', "a.py")
     assert copies('p = folder.glob(f"{job}_*_log.err")', "a.py")
     assert not copies('words = f"the {stage} stage logs"; m = f"eval/{name}"', "a.py")
+    # a module or class constant holding a folder's name, joined later
+    assert copies('LOGS_DIR = "logs"\ndef f(run):\n    return run / LOGS_DIR', "a.py")
+    assert copies('CKPT = "checkpoints"\ndef f(run):\n    return os.path.join(run, CKPT, "x")', "a.py")
+    assert copies('class P:\n    HF_DIR = "hf"\n    def f(self, run):\n        return f"{run}/{self.HF_DIR}"',
+                  "a.py")
+    assert copies('NAME: str = "run.json"', "a.py")  # a distinctive name, wherever it is held
+    assert not copies('STAGE = "eval"\nrow = {"stage": STAGE}\np = run / name', "a.py")
     assert not copies('"""run.json: what was launched"""\nstage = "eval"', "a.py")
 
 

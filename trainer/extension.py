@@ -10,7 +10,9 @@ Which build:
 - Elsewhere, the checkout's build (``make install``).
 
 Before loading, the build's stamp (kernel_build.py) is checked: a build for another torch or CUDA, or from
-other csrc/ sources than the checkout this job runs, is not loaded. Ops register themselves under
+other csrc/ sources than the checkout this job runs, is not loaded. A ``trainer._C`` that another import
+loaded first is held to the same rules (the build this job must run, its stamp); one that breaks them is
+reported as not loaded and its ops are not used. Ops register themselves under
 ``torch.ops.slipway`` when the library loads. A missing or refused build is not fatal here: eager fallbacks
 exist, and it is reported once with what to do (in a container: not ``make install``). On CUDA the run
 refuses to train without them when its kernel setting expects them (trainer/run/kernels.py).
@@ -69,19 +71,44 @@ def _import(path: str) -> None:
         raise
 
 
+def _stamp_problem(path: str) -> str | None:
+    """Why the build at ``path`` must not be used by this process (its stamp: kernel_build), or None."""
+    stamp = kernel_build.read_stamp(path)
+    if stamp is None:
+        return None
+    csrc = kernel_build.sources_digest(kernel_build.checkout_root())
+    return kernel_build.stamp_problem(stamp, torch.__version__, torch.version.cuda, csrc)
+
+
+def _already_imported(loaded: object) -> dict[str, object]:
+    """A ``trainer._C`` some other import loaded before :func:`load` (a plain or guarded ``import
+    trainer._C``): it is the build this job runs only if it is the one :func:`_find` picks and its stamp
+    holds. Otherwise its ops are registered already and cannot be unloaded: it is reported as not loaded,
+    so the run takes the eager fallbacks (or, on CUDA, stops: trainer/run/kernels.py) and its record says
+    which build was imported, instead of naming the image's build while running the checkout's."""
+    path = getattr(loaded, "__file__", None)
+    wanted, why = _find()
+    if path is None or wanted is None or os.path.realpath(path) != os.path.realpath(wanted):
+        want = f"the build this job must run is {wanted}" if wanted else why
+        return {"ok": False, "path": path, "error": f"{NAME} was already imported from {path} before the "
+                f"loader ran, but {want}: its ops are not used"}
+    problem = _stamp_problem(path)
+    if problem:
+        return {"ok": False, "path": path, "error": f"{path} was already imported, but {problem}: its ops "
+                "are not used"}
+    return {"ok": True, "path": path}
+
+
 def _load() -> dict[str, object]:
     loaded = sys.modules.get(NAME)
-    if loaded is not None:  # imported directly before load(): the build is what that import found
-        return {"ok": True, "path": getattr(loaded, "__file__", None)}
+    if loaded is not None:  # imported before load() by another import: check what that import found
+        return _already_imported(loaded)
     path, why = _find()
     if path is None:
         return {"ok": False, "error": why}
-    stamp = kernel_build.read_stamp(path)
-    if stamp is not None:
-        csrc = kernel_build.sources_digest(kernel_build.checkout_root())
-        problem = kernel_build.stamp_problem(stamp, torch.__version__, torch.version.cuda, csrc)
-        if problem:
-            return {"ok": False, "error": f"{path} not loaded: {problem}", "path": path}
+    problem = _stamp_problem(path)
+    if problem:
+        return {"ok": False, "error": f"{path} not loaded: {problem}", "path": path}
     try:
         _import(path)
     except ImportError as exc:

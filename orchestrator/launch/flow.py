@@ -55,6 +55,7 @@ from orchestrator.record import launches
 from orchestrator.record.writer_lock import record_writer, single_writer
 from orchestrator.stages import get as stage_def
 from orchestrator.stages import preprocess
+from orchestrator.stages.base import NOT_RUN
 from orchestrator.stages.train import NAME as TRAIN
 from orchestrator.stages.train import run_name
 from orchestrator.world import queue
@@ -195,6 +196,7 @@ def _record(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str], overrides: 
     identity = {"run_id": plan.run_id, "experiment": plan.experiment, "name": run_name(cfg, _facts(plan)),
                 "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     n = record.begin(identity, {
+        "run_dir": plan.run_dir,  # where it ran: a run directory moved since is read where it stands
         "overrides": [redaction.redact(o) for o in overrides],
         "git": {"sha": git["sha"], "dirty": git["dirty"]},
         "config": redaction.REDACTOR.tree(OmegaConf.to_container(resolved)),
@@ -243,6 +245,8 @@ def wait(plan: Plan, poll_s: float = 5.0, out=sys.stderr, follow: LogFollower | 
             extra = ""
             if follow is None and r.stage == TRAIN and r.loss:
                 extra = f" checkpoint {r.checkpoint_iter}, last loss {r.loss:.4f}"
+            if r.failure.startswith(NOT_RUN):  # its one line: the cause is upstream's, shown there
+                extra = f" ({r.failure})"
             line = f"{r.state}{extra}"
             if seen.get(r.stage) != line:
                 seen[r.stage] = line
@@ -295,7 +299,8 @@ def _wait_local(plan: Plan, submitted: list[Submitted], started: float, out, err
     write_json(Path(plan.run_dir) / "wait.json", {"ok": ok})
     if not ok:
         failed = _failed(plan)
-        err.write(failure_tails(plan.run_dir, [f[0] for f in failed]))
+        streamed = frozenset(follow.offsets) if follow is not None else frozenset()
+        err.write(failure_tails(plan.run_dir, [f[0] for f in failed], streamed=streamed))
         raise RunFailed(plan, failed)
     out.write("\n" + write_summary(plan.run_dir, time.monotonic() - started))
 

@@ -55,7 +55,7 @@ def collect_runs(path: str) -> tuple[list[RunLine], str]:
     found = []
     for run_dir in run_dirs_of(path, below=True):
         try:
-            found.append((run_dir, launches.read(run_dir)))
+            found.append((run_dir, launches.relocated(launches.read(run_dir), run_dir)))
         except launches.RunRecordError:
             found.append((run_dir, None))
     latest = {r: current(d) for r, d in found if d is not None}
@@ -68,7 +68,7 @@ def collect_runs(path: str) -> tuple[list[RunLine], str]:
             out.append(RunLine(rel, UNREADABLE))
             continue
         launch = latest[run_dir]
-        states = [(s, job_state(es[-1], launch, sq, sa)[0])
+        states = [(s, job_state(es[-1], launch, sq, sa, not squeue_error)[0])
                   for s, es in launch.get("jobs", {}).items() if es]
         state, stage = run_state(states)
         if launch and launch.get("state") != launches.SUBMITTED and is_incomplete(launch):

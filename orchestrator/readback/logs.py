@@ -59,7 +59,7 @@ class LogsError(ValueError):
 def jobs_of(run_dir: Path, stage: str) -> list[dict]:
     """Every job entry of ``stage`` the run recorded, oldest first (every launch's). A shared stage whose
     job another run submitted (this run only depended on it) is found through its output folder."""
-    data = launches.read(run_dir)
+    data = launches.relocated(launches.read(run_dir), run_dir)  # a moved run: read where it stands
     entries = [e for _, s, e in launches.all_jobs(data) if s == stage]
     if not entries:
         folder = (launches.current(data).get("stages") or {}).get(stage, {}).get("dir")

@@ -21,7 +21,9 @@ from orchestrator.world.queue import (
     CANCELLED,
     FAILED,
     PENDING,
+    alive,
     category,
+    forgotten_state,
     local_state,
     marker_of,
     query_slurm_checked,
@@ -79,19 +81,29 @@ def _failure(state: str, entry: dict, acct: dict) -> str:
         why = ", ".join(x for x in (f"exit code {exit_code}" if exit_code else "", acct.get("reason", ""))
                         if x and x != "None")
         hint = ("cancelled: scancel, or an upstream stage failed (afterok)" if category(state) == CANCELLED
+                else FORGOTTEN if state == "ENDED" and entry.get("executor", "slurm") == "slurm"
                 else "no error was recorded (killed, or lost its node?)")
         reason = f"{state}{f' ({why})' if why else ''}; {hint}"
     return str(reason).splitlines()[0] if str(reason).strip() else state
 
 
-def job_state(entry: dict, launch: dict, sq: dict, sa: dict) -> tuple[str, str]:
+# Why a Slurm job's state is ENDED (queue.forgotten_state): known to neither squeue nor accounting.
+FORGOTTEN = ("Slurm no longer knows this job (slurmctld drops an ended job after MinJobAge; accounting, "
+             "sacct, has no record of it either) and its stage left no marker: how it ended was not recorded")
+
+
+def job_state(entry: dict, launch: dict, sq: dict, sa: dict, squeue_answered: bool = True
+              ) -> tuple[str, str]:
     """(state, pending reason) of one recorded job: a local one's from its process and files, a Slurm
-    one's from squeue (``sq``), else accounting (``sa``). ``launch``: its launch's record (cancellations)."""
+    one's from squeue (``sq``), else accounting (``sa``), else (squeue answered without it: it ended) its
+    stage's markers. ``launch``: its launch's record (cancellations)."""
     jid = str(entry["job_id"])
     if entry.get("executor") == "local":
         return local_state(entry, jid in launch.get("cancelled", ())), ""
     if jid in sq:
         state, reason = sq[jid]
+    elif jid not in sa and squeue_answered:
+        return forgotten_state(entry), ""
     else:
         state, reason = sa.get(jid, {}).get("state", "UNKNOWN"), sa.get(jid, {}).get("reason", "")
     # Slurm keeps a job's last pending reason ("Dependency") after it ran; only a job still waiting has one
@@ -111,7 +123,7 @@ def records(path: str) -> tuple[list[tuple[Path, dict]], list[str]]:
     good, notes = [], []
     for run_dir in run_dirs_of(path):
         try:
-            good.append((run_dir, launches.read(run_dir)))
+            good.append((run_dir, launches.relocated(launches.read(run_dir), run_dir)))
         except launches.RunRecordError as err:
             notes.append(f"RUN RECORD: run {run_dir.name}: {err}")
     return good, notes
@@ -129,7 +141,7 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
         for stage, entries in data.get("jobs", {}).items():
             e = entries[-1]
             jid = str(e["job_id"])
-            state, reason = job_state(e, data, sq, sa)
+            state, reason = job_state(e, data, sq, sa, not squeue_error)
             row = JobRow(run_dir.name, stage, jid, state, reason, name=str(data.get("name") or run_dir.name),
                          overrides=" ".join((data.get("sweep") or {}).get("overrides") or ()))
             row.failure = _failure(state, e, sa.get(jid, {}))
@@ -187,17 +199,59 @@ def slurm_note(squeue_error: str) -> str:
             "and may be stale")
 
 
-def launch_notes(path: str) -> list[str]:
-    """A line for every run whose latest launch stopped before it submitted everything."""
+def launch_notes(path: str, rows: list[JobRow] | None = None) -> list[str]:
+    """A line for every run whose latest launch stopped before it submitted everything, and for every run
+    read from another place than it was launched at (moved: launches.relocated). ``rows``: the table's
+    (:func:`collect`), whose states say which of those runs still has a job queued or running."""
     runs, out = records(path)
+    rows = collect(path) if rows is None else rows
     for run_dir, data in runs:
+        out += moved_note(run_dir)
         r = current(data)
         if r and (r.get("state") == INCOMPLETE or is_incomplete(r)):
-            pending = ", ".join(r.get("pending", {})) or "nothing pending"
-            out.append(f"LAUNCH INCOMPLETE: run {run_dir.name} launch {r.get('n', 1)} (started "
-                       f"{r.get('started')}) stopped while {r.get('state')} ({pending}); the stages above "
-                       "are all it submitted. Launch the same run_id again to reconcile and resume it.")
+            out.append(_incomplete(run_dir, data, r, [x for x in rows if x.run == run_dir.name]))
     return ([""] if out else []) + out
+
+
+def _incomplete(run_dir: Path, data: dict, r: dict, rows: list[JobRow]) -> str:
+    """The line for a launch that stopped early: relaunch it, or, while a job of the run is still queued
+    or running (a relaunch would be refused as run_active: writer_lock), wait for it or cancel it first."""
+    pending = ", ".join(r.get("pending", {})) or "nothing pending"
+    head = (f"LAUNCH INCOMPLETE: run {run_dir.name} launch {r.get('n', 1)} (started {r.get('started')}) "
+            f"stopped while {r.get('state')} ({pending}); the stages above are all it submitted")
+    active = [f"{x.stage} job {x.job_id} ({x.state})" for x in rows if alive(x.state)]
+    active += _unrecorded(run_dir, data)
+    if not active:
+        return f"{head}. Launch the same run_id again to reconcile and resume it."
+    return (f"{head}, and {'; '.join(active)} still queued or running: a launch of this run is refused "
+            f"until they end ([run_active]). Wait for them (python -m orchestrator status {run_dir}) or "
+            f"cancel them (python -m orchestrator cancel {run_dir}), then launch the same run_id again to "
+            "submit the rest.")
+
+
+def _unrecorded(run_dir: Path, data: dict) -> list[str]:
+    """The jobs a dead launch submitted without recording them (found in the queue by their comment:
+    launches.LaunchRecord.orphans), still queued or running; a relaunch adopts them, then waits for them."""
+    try:
+        found = launches.LaunchRecord(str(run_dir), data).orphans()
+    except RuntimeError as err:  # squeue cannot say: the relaunch would not know either
+        return [f"its unrecorded jobs, perhaps ({err})"]
+    return [f"{stage} job {jid} ({state}, submitted by launch {n} without being recorded)"
+            for n, stage, jid, state in found if jid]
+
+
+def moved_note(run_dir: Path) -> list[str]:
+    """One line when the run was launched at another place, which no longer holds it (moved since)."""
+    try:
+        found = launches.moves(launches.read(run_dir), run_dir)
+    except launches.RunRecordError:
+        return []
+    if not found:
+        return []
+    n, old = found[-1]
+    return [f"MOVED: run {run_dir.name} was launched at {old} (launch {n}) and now stands at {run_dir}: "
+            f"status and logs read it here, but a job still running writes to {old}; to launch it again "
+            f"here, add run_dir={run_dir} to its overrides"]
 
 
 def format_history(path: str) -> str:

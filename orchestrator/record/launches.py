@@ -75,6 +75,58 @@ def all_jobs(data: dict[str, Any]) -> list[tuple[int, str, dict[str, Any]]]:
             for stage, entries in r.get("jobs", {}).items() for e in entries]
 
 
+def recorded_dir(record: dict[str, Any]) -> str | None:
+    """Where the run directory stood when launch ``record`` ran: its ``run_dir``, or for a record from
+    before launches kept it, read off a job of the run's own (not a shared stage's, which lives in the
+    cache): its submitit folder ``RunDir.jobs(stage)`` and state folder ``RunDir.stage_state(stage)``."""
+    if record.get("run_dir"):
+        return str(record["run_dir"])
+    for stage, entries in record.get("jobs", {}).items():
+        for e in entries:
+            folder = Path(e.get("folder") or "/")
+            root = RunDir(folder.parents[1]) if len(folder.parts) > 2 else None
+            state = Path(e.get("state_dir") or "/")
+            if root and root.jobs(stage) == folder and root.stage_state(stage) == state:
+                return str(root.root)
+    return None
+
+
+def _moved(value: Any, old: str, new: str) -> Any:
+    if isinstance(value, str) and (value == old or value.startswith(old + os.sep)):
+        return new + value[len(old):]
+    if isinstance(value, dict):
+        return {k: _moved(v, old, new) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_moved(v, old, new) for v in value]
+    return value
+
+
+def moves(data: dict[str, Any], run_dir: str | Path) -> list[tuple[int, str]]:
+    """(launch, where it ran) of every launch recorded at another place than ``run_dir``, which no longer
+    holds the run there: the run directory was moved (``mv``) since (a copy leaves the original in place:
+    its jobs wrote there, and that is where they are read)."""
+    here, out = os.path.abspath(run_dir), []
+    for i, r in enumerate(history(data)):
+        old = recorded_dir(r)  # as recorded: relative to the launch's folder when runs_root was relative
+        if old and os.path.abspath(old) != here and not (Path(old) / RUN_JSON).exists():
+            out.append((r.get("n", i + 1), old.rstrip(os.sep)))
+    return out
+
+
+def relocated(data: dict[str, Any], run_dir: str | Path) -> dict[str, Any]:
+    """``data`` as readers need it after the run directory was moved (:func:`moves`): every path a launch
+    recorded under its old place (job folders, state and log folders, its config's) under ``run_dir``.
+    Shared stages' folders outside the run directory stay as recorded. The record on disk is never
+    rewritten (a launch writes only its own record)."""
+    found = dict(moves(data, run_dir))
+    if not found:
+        return data
+    here = os.path.abspath(run_dir)
+    runs = [_moved(r, found[r.get("n", i + 1)], here) if r.get("n", i + 1) in found else r
+            for i, r in enumerate(history(data))]
+    return {**_upgraded(data), "launches": runs}
+
+
 def launch_dir(run_dir: str, n: int) -> Path:
     return RunDir(run_dir).launch(n)
 

@@ -77,7 +77,7 @@ def run_active(plan: Plan, active: list[str]) -> Problem:
 
 def record_outcomes(record: launches.LaunchRecord) -> None:
     """Before a new launch: the final job states of earlier launches (their jobs have all ended)."""
-    data = record.data
+    data = launches.relocated(record.data, record.run_dir)  # a moved run's results are where it stands
     entries, cancelled = _latest_entries(data), launches.cancelled_ids(data)
     _, sa = query_slurm([str(e["job_id"]) for _, _, e in entries if e.get("executor", "slurm") == "slurm"])
     states = {str(e["job_id"]): local_state(e, str(e["job_id"]) in cancelled) if e.get("executor") == "local"

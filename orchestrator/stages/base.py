@@ -29,7 +29,11 @@ from orchestrator.render import mem_flag
 from orchestrator.world.queue import marker_of, process_alive
 from orchestrator.world.runs import CACHE_DIR, write_json
 from trainer.formulas import padded_vocab_size, stage_params
+from trainer.log import get_logger
 from trainer.run_files import COMPLETE, FAILED, RunDir
+from trainer.signals import EXIT_PERMANENT
+
+log = get_logger(__name__)
 
 
 def stable_hash(obj: Any, n: int = 16) -> str:
@@ -221,6 +225,15 @@ def _ended(up: Upstream) -> bool:
         not _job_alive(up)
 
 
+# How a stage that did not run because its upstream failed says so (its _FAILED marker's reason, the
+# launcher's state line): the one line a downstream stage adds to a failure (afterok).
+NOT_RUN = "not run"
+
+
+class UpstreamFailed(RuntimeError):
+    """An upstream stage failed or ended without completing: this stage does not run (afterok)."""
+
+
 def wait_for(upstream: list[Upstream], timeout_s: float) -> None:
     """Block until every upstream job completed its output; raise if it failed or ended without completing
     (one marked ``after_any``: until it ended).
@@ -239,10 +252,10 @@ def wait_for(upstream: list[Upstream], timeout_s: float) -> None:
         while marker_of(up.output_dir, COMPLETE, up.job_id) is None:
             alive = _job_alive(up)  # read before the markers: a job that just ended has written them
             if marker_of(up.output_dir, FAILED, up.job_id) is not None:
-                raise RuntimeError(f"upstream stage {up.output_dir} failed; not running (afterok)")
+                raise UpstreamFailed(f"{NOT_RUN}: upstream stage {up.output_dir} failed (afterok)")
             if not alive and marker_of(up.output_dir, COMPLETE, up.job_id) is None:
-                raise RuntimeError(f"upstream job {up.job_id} ended without completing {up.output_dir}; "
-                                   "not running (afterok)")
+                raise UpstreamFailed(f"{NOT_RUN}: upstream job {up.job_id} ended without completing "
+                                     f"{up.output_dir} (afterok)")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"upstream {up.output_dir} not complete after {timeout_s:.0f} s")
             time.sleep(1.0)
@@ -268,6 +281,9 @@ class NodeStage:
         rank, job = _job()
         try:
             wait_for(self.upstream, self.upstream_timeout_s)
+        except UpstreamFailed as err:
+            self._not_run(rank, job, err)
+        try:
             result = self.run()
         except Exception as err:
             if rank == 0:
@@ -279,6 +295,19 @@ class NodeStage:
             mark(self.output_dir, COMPLETE, {"key": self.key, "job": job, "result": result,
                                              "time": time.time()})
         return result
+
+    def _not_run(self, rank: int, job: str | None, err: UpstreamFailed) -> None:
+        """Upstream failed: this stage's outcome is that one line (its marker, its log), not an error of its
+        own, so it ends without a traceback (which the launcher would stream beside the real cause). In a
+        job it exits with the code of a failure a retry would repeat (a Slurm train job's batch script then
+        stops); called directly (no job), it raises."""
+        if rank == 0:
+            mark(self.output_dir, FAILED, {"key": self.key, "job": job, "error": repr(err),
+                                           "time": time.time(), "reason": str(err), "not_run": True})
+        if job is None:
+            raise err
+        log.error("%s", err)
+        raise SystemExit(EXIT_PERMANENT)
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:
         """submitit calls this on USR2 or a timeout (it looks for the method, not a base class): resubmit

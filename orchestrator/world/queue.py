@@ -229,15 +229,24 @@ def query_slurm(job_ids: list[str]) -> tuple[dict[str, tuple[str, str]], dict[st
     return sq, sa
 
 
+# What squeue says (exiting 1) when asked about one job id that slurmctld does not hold: a job that ended
+# and was purged (MinJobAge after it ended), or an id it never had. Asked about several ids, it lists the
+# ones it holds and exits 0. Either way slurmctld answered: none of the missing jobs is queued or running.
+SQUEUE_UNKNOWN_ID = "Invalid job id specified"
+
+
 def query_slurm_checked(job_ids: list[str]) -> tuple[dict, dict, str]:
     """Like :func:`query_slurm`, plus why squeue failed ("" when it answered): then slurmctld is
-    unreachable and live states come from accounting (sacct), which may be stale. ``--duplicates``: every
-    run of a requeued job is a record, so Slurm's own requeues (a NODE_FAIL) count as restarts.
-    (submitit's watcher calls sacct per job, which overloads slurmctld at scale.)"""
+    unreachable and live states come from accounting (sacct), which may be stale. A job squeue answers it
+    does not hold is no failure (:data:`SQUEUE_UNKNOWN_ID`): it ended (:func:`forgotten_state`).
+    ``--duplicates``: every run of a requeued job is a record, so Slurm's own requeues (a NODE_FAIL) count
+    as restarts. (submitit's watcher calls sacct per job, which overloads slurmctld at scale.)"""
     if not job_ids:
         return {}, {}, ""
     ids = ",".join(sorted(set(job_ids)))
     out, squeue_error = _run(["squeue", "-h", "-j", ids, "-o", "%i|%T|%r"])
+    if out is None and SQUEUE_UNKNOWN_ID in squeue_error:
+        out, squeue_error = "", ""  # slurmctld holds none of them
     sq = parse_squeue(out) if out is not None else {}
     fields = "JobIDRaw,State,ExitCode,NodeList,Reason,JobID"
     out, _ = _run(["sacct", "-n", "-P", "-X", "-D", "-j", ids, "-o", fields])
@@ -261,6 +270,16 @@ def marker_of(state_dir: str | Path, name: str, job_id: str | None) -> dict | No
         record = {}
     wrote = record.get("job")
     return record if job_id is None or wrote is None or str(wrote) == str(job_id) else None
+
+
+def forgotten_state(entry: dict) -> str:
+    """A Slurm job that neither squeue (which answered) nor accounting knows: it ended, and slurmctld
+    purged it (accounting off, or its records purged too). How it ended is what its stage's markers of
+    this job say; ENDED (failed) without one."""
+    state_dir, jid = entry.get("state_dir", ""), str(entry["job_id"])
+    if marker_of(state_dir, FAILED_MARKER, jid) is not None:
+        return "FAILED"
+    return "COMPLETED" if marker_of(state_dir, COMPLETE, jid) is not None else "ENDED"
 
 
 def local_state(entry: dict, cancelled: bool = False) -> str:

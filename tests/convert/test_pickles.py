@@ -3,7 +3,10 @@ and the way out it offers for anything else.
 
 - Standard-library enums are data: core_v0.19's ``args.exit_signal = signal.SIGTERM`` loads as the real
   ``signal.Signals`` member (looked up by value; nothing from the file runs); a standard-library global
-  that is not an enum is refused.
+  that is not an enum is refused — a function, and a class the file calls (``logging.FileHandler``
+  opens a file when called) or makes with ``NEWOBJ``; an enum base that makes classes when called
+  (``enum.Enum``) too; and a file that ``BUILD``s state into an enum member it looked up (members are
+  process-wide: it would rename ``signal.SIGTERM`` for the whole process) is refused, the member intact.
 - Megatron's classes and enums load as inert stand-ins by module and name, without Megatron installed.
 - A refused file's message names the globals and ``--trust-pickle`` with the modules it would import; and
   that way works: ``--trust-pickle`` reads a file naming Megatron's classes without Megatron installed
@@ -16,6 +19,9 @@ and the way out it offers for anything else.
 from __future__ import annotations
 
 import argparse
+import collections
+import enum
+import logging
 import os
 import pickle
 import signal
@@ -77,6 +83,59 @@ def test_a_standard_library_global_that_is_not_an_enum_is_refused(tmp_path):
     torch.save({"args": argparse.Namespace(x=os.system)}, path)  # a callable: would run on a full load
     with pytest.raises(pickles.UnsafePickle, match=r"posix\.system|os\.system"):
         pickles.load(str(path))
+
+
+class _Calls:
+    """Pickles as a call of ``func(*args)`` (REDUCE), with ``state`` then BUILT into the result."""
+
+    def __init__(self, func, *args, state=None):
+        self.func, self.args, self.state = func, args, state
+
+    def __reduce__(self):
+        return (self.func, self.args) if self.state is None else (self.func, self.args, self.state)
+
+
+def _saved(tmp_path, value) -> str:
+    path = tmp_path / "crafted.pt"
+    torch.save({"args": argparse.Namespace(x=value)}, path)
+    return str(path)
+
+
+@pytest.mark.parametrize("how", ["call", "newobj"])
+def test_a_standard_library_class_is_refused_and_never_runs(tmp_path, how):
+    """A crafted checkpoint that calls logging.FileHandler(path) on load would create that file."""
+    target = tmp_path / "created_by_the_checkpoint.log"
+    # NEWOBJ: an instance made without __init__ pickles as cls.__new__(cls)
+    crafted = (_Calls(logging.FileHandler, str(target)) if how == "call"
+               else logging.FileHandler.__new__(logging.FileHandler))
+    with pytest.raises(pickles.UnsafePickle, match=r"logging\.FileHandler"):
+        pickles.load(_saved(tmp_path, crafted))
+    assert not target.exists()
+
+
+def test_the_classes_data_needs_load(tmp_path):
+    """What a real checkpoint holds still loads: an OrderedDict (torch's own list), a standard-library
+    enum's member by value, by either opcode."""
+    value = [collections.OrderedDict(a=1), signal.SIGTERM, _Calls(signal.Signals, 2)]
+    loaded = pickles.load(_saved(tmp_path, value))["args"].x
+    assert loaded == [collections.OrderedDict(a=1), signal.SIGTERM, signal.SIGINT]
+    assert type(loaded[0]) is collections.OrderedDict and loaded[1] is signal.SIGTERM
+
+
+def test_an_enum_base_that_makes_classes_is_refused(tmp_path):
+    with pytest.raises(pickles.UnsafePickle, match=r"enum\.Enum"):
+        pickles.load(_saved(tmp_path, _Calls(enum.Enum, "Made", "a b")))
+
+
+def test_state_built_into_a_standard_library_enum_member_is_refused(tmp_path):
+    crafted = _Calls(signal.Signals, 15, state={"_name_": "SIGKILL"})
+    try:
+        with pytest.raises(pickles.UnsafePickle, match=r"signal\.Signals.*build"):
+            pickles.load(_saved(tmp_path, crafted))
+    finally:
+        renamed = signal.SIGTERM.name
+        signal.SIGTERM._name_ = "SIGTERM"  # repair the process if the load went through
+    assert renamed == "SIGTERM"
 
 
 def test_the_refusal_offers_trust_pickle_with_the_module_and_that_way_works(tmp_path):

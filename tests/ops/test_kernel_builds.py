@@ -4,6 +4,10 @@
   image's build and never the launched checkout's, which is first on PYTHONPATH and was built on the host.
 - A build whose stamp names another torch, or other csrc/ sources than the checkout the job runs, is
   refused before it is loaded (a garbage library stands in for it: loading it would fail differently).
+- A ``trainer._C`` that another import loaded before the loader (a guarded ``import trainer._C``) is held
+  to the same rules: in a container, the checkout's build imported that way is not the image's and is
+  reported as not loaded (its ops unused), not recorded as the image's; an image build imported that
+  way whose stamp names another torch is refused too; the right build imported early is used.
 - What to do is said where the job runs: in a container, not "run make install".
 - On CUDA a kernel setting that expects the compiled kernels stops the run at start when there are none;
   on CPU the eager fallback stays.
@@ -81,6 +85,45 @@ def test_a_build_from_other_sources_is_refused(tmp_path):
     _stamp(library, csrc="0123456789abcdef")
     origin, _ = _origin(tmp_path)
     assert not origin["ok"] and "other csrc/ sources (digest 0123456789abcdef)" in origin["error"], origin
+
+
+# torch first, as in any job (the library needs libc10 loaded), then an import that ignores a failure.
+GUARDED_IMPORT = "import torch\ntry:\n    import trainer._C\nexcept ImportError:\n    pass\n"
+# What a guarded import elsewhere could load by path (an image build imported before the loader ran).
+IMPORT_FROM = ("import importlib.util, sys, torch\n"
+               "spec = importlib.util.spec_from_file_location('trainer._C', {path!r})\n"
+               "module = importlib.util.module_from_spec(spec); sys.modules['trainer._C'] = module\n"
+               "spec.loader.exec_module(module)\n")
+
+
+def test_a_checkout_build_imported_before_the_loader_is_not_taken_for_the_images(tmp_path):
+    image_build = tmp_path / "opt" / "slipway" / "trainer"
+    image_build.mkdir(parents=True)
+    library = image_build / f"_C{SUFFIX}"
+    shutil.copy2(_host_build(), library)
+    _stamp(library)
+    origin, _ = _origin(image_build, GUARDED_IMPORT + ORIGIN)
+    assert not origin["ok"] and origin["image"], origin
+    assert origin["path"] == str(_host_build()) and "already imported" in origin["error"], origin
+    assert str(library) in origin["error"], origin  # the build the job must run, named
+
+
+def test_an_image_build_imported_before_the_loader_is_held_to_its_stamp(tmp_path):
+    library = tmp_path / f"_C{SUFFIX}"
+    shutil.copy2(_host_build(), library)  # loads fine: only its stamp says it is for another torch
+    _stamp(library, torch="2.99.0+cpu")
+    origin, _ = _origin(tmp_path, IMPORT_FROM.format(path=str(library)) + ORIGIN)
+    assert not origin["ok"] and "built for torch 2.99.0+cpu" in origin["error"], origin
+
+
+def test_the_right_build_imported_before_the_loader_is_used(tmp_path):
+    library = tmp_path / f"_C{SUFFIX}"
+    shutil.copy2(_host_build(), library)
+    _stamp(library)
+    origin, _ = _origin(tmp_path, IMPORT_FROM.format(path=str(library)) + ORIGIN)
+    assert origin["ok"] and origin["path"] == str(library) and origin["image"], origin
+    origin, _ = _origin(None, GUARDED_IMPORT + ORIGIN)  # outside a container: the checkout's
+    assert origin["ok"] and origin["path"] == str(_host_build()) and not origin["image"], origin
 
 
 def test_an_image_without_a_build_says_so(tmp_path):

@@ -17,6 +17,7 @@ from orchestrator.checks import run_checks
 from orchestrator.checks.container import charliecloud_problems
 from orchestrator.launch.submit import container_wrapper
 from orchestrator.planning.plan import PlanInputs, make_plan
+from orchestrator.world import container as container_world
 from orchestrator.world.runs import REPO_ROOT
 from tests.orchestrator.conftest import compose_cfg
 from tests.orchestrator.test_secrets import ENV_SECRETS
@@ -51,15 +52,33 @@ def test_an_image_with_a_folder_for_every_bind_has_no_problems(tmp_path, monkeyp
     assert _problems(_cfg(tmp_path, _image(tmp_path, str(REPO_ROOT))), tmp_path) == {}
 
 
+# A checkout outside the host's /tmp, wherever this test's own clone lives (under /tmp, the repository
+# would need no folder in the image: the next test).
+CHECKOUT = Path("/srv/checkouts/slipway")
+
+
 def test_a_bind_without_a_folder_in_the_image_is_refused(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(container_world, "REPO_ROOT", CHECKOUT)
     image = _image(tmp_path)
     cfg = _cfg(tmp_path, image, "container.binds=[/srv/datasets]")
     found = {p.key: p for p in _problems(cfg, tmp_path)["container_mount_point"]}
     assert set(found) == {"(the repository)", "container.binds"}, found
-    assert found["(the repository)"].value == str(REPO_ROOT)
-    assert f"mkdir -p {image}{REPO_ROOT}" in found["(the repository)"].fix
+    assert found["(the repository)"].value == str(CHECKOUT)
+    assert f"mkdir -p {image}{CHECKOUT}" in found["(the repository)"].fix
     assert found["container.binds"].value == "/srv/datasets"
+
+
+def test_folders_under_the_hosts_tmp_need_no_folder_in_the_image(tmp_path, monkeypatch):
+    """ch-run binds the host's /tmp at /tmp (the wrapper unsets TMPDIR, which would replace it), so a
+    checkout, runs_root or bind below it is there already (seen with the real ch-run: ``-b /tmp/x/sub``
+    onto an image without that folder works, ``-b /work/x`` fails "can't mkdir"); a folder whose name only
+    starts with /tmp is not below it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(container_world, "REPO_ROOT", Path("/tmp/clones/slipway"))
+    cfg = _cfg(tmp_path, _image(tmp_path), "container.binds=[/tmp/datasets,/tmpdata]")
+    found = {p.key: p.value for p in _problems(cfg, tmp_path)["container_mount_point"]}
+    assert found == {"container.binds": "/tmpdata"}, found
 
 
 def test_an_image_without_the_files_ch_run_binds_name_resolution_onto(tmp_path, monkeypatch):

@@ -49,13 +49,22 @@ def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path, capsy
     err = capsys.readouterr().err
     assert "──── corpus (job" in err and "tokenizer: wrote" in err and "preprocess: 100%" in err
     assert "──── train: last lines of" in err and "training failed on purpose" in err
+    # Its cause, once per rank (rank 0 streamed, the others' tails) and no traceback; each stage that did
+    # not run after it is one state line, none streamed.
+    assert "Traceback" not in err and "Submitted job triggered an exception" not in err, err[-5000:]
+    tails = [line for line in err.splitlines() if line.startswith("──── train: last lines of")]
+    assert len(tails) == 3 and not any("_0_log.err" in t for t in tails), tails  # rank 0's was streamed
+    assert err.count("training failed on purpose") == 4, err[-5000:]
+    not_run = [line for line in err.splitlines() if "not run: upstream" in line]
+    assert [line.split("] ")[1].split(" job")[0] for line in not_run] == ["convert", "eval"], not_run
+    assert "──── convert (job" not in err and "──── eval (job" not in err
     run_dir = next((tmp_path / "codeparrot_smoke").iterdir())
     rows = {r.stage: r.state for r in collect(str(run_dir))}
     assert rows == {"corpus": "COMPLETED", "preprocess": "COMPLETED", "train": "FAILED", "convert": "FAILED",
                     "eval": "FAILED"}
     assert not (run_dir / "hf").exists()
     failed = json.loads((run_dir / "stages" / "convert" / "_FAILED").read_text())
-    assert "afterok" in failed["error"]
+    assert "afterok" in failed["error"] and failed["not_run"]
     meta = json.loads((run_dir / "run.json").read_text())
     assert set(current_jobs(meta)) == set(stage_names(TUNE))
     assert current(meta)["git"]["sha"]

@@ -53,6 +53,17 @@ def test_logs_and_list_of_a_local_run(tmp_path, monkeypatch):
     runs = _cli("list", str(tmp_path))
     row = next(x for x in runs.stdout.splitlines() if x.startswith("codeparrot_smoke/local1 "))
     assert row.split()[1:3] == ["FAILED", "train"], runs.stdout
+    # Moved with mv: status, logs and list read it where it stands, and say once where it was launched.
+    moved = tmp_path / "elsewhere" / "local1"
+    moved.parent.mkdir()
+    os.rename(run, moved)
+    shown = _cli("status", str(moved))
+    assert "FAILED: run local1 stage train" in shown.stdout and "training failed on purpose" in shown.stdout
+    assert f"MOVED: run local1 was launched at {run} (launch 1) and now stands at {moved}" in shown.stdout
+    again = _cli("logs", str(moved))
+    assert again.returncode == 0 and again.stdout == failed.stdout, again.stderr
+    runs = _cli("list", str(moved.parent))
+    assert runs.stdout.splitlines()[1].split()[:3] == ["local1", "FAILED", "train"], runs.stdout
 
 
 def _fake_runs(root: Path, n: int) -> None:

@@ -124,7 +124,7 @@ def test_wait_does_not_end_while_a_job_is_suspended_or_held(monkeypatch, held):
 
     def collect(run_dir):
         seen.append(next(looks))
-        return [SimpleNamespace(stage="train", state=seen[-1], job_id="1", loss=None)]
+        return [SimpleNamespace(stage="train", state=seen[-1], job_id="1", loss=None, failure="")]
 
     monkeypatch.setattr("orchestrator.readback.status.collect", collect)
     monkeypatch.setattr(flow.time, "sleep", lambda s: None)
@@ -135,5 +135,5 @@ def test_wait_does_not_end_while_a_job_is_suspended_or_held(monkeypatch, held):
 
 def test_wait_reports_a_failed_run(monkeypatch):
     monkeypatch.setattr("orchestrator.readback.status.collect", lambda run_dir: [
-        SimpleNamespace(stage="train", state="CANCELLED by 0", job_id="1", loss=None)])
+        SimpleNamespace(stage="train", state="CANCELLED by 0", job_id="1", loss=None, failure="")])
     assert flow.wait(SimpleNamespace(run_dir="unused"), poll_s=0, out=io.StringIO()) is False

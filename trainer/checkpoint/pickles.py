@@ -10,7 +10,11 @@ and ``rng_state`` holds numpy arrays. :func:`load` reads such a file with torch'
 - ``argparse.Namespace`` and the numpy pieces of an RNG state;
 - standard-library enums (``signal.Signals`` …): a global ``module.Name`` whose module is a
   standard-library module that is already imported (nothing is imported for the file) and whose ``Name``
-  is an :class:`enum.Enum`; unpickling one only looks its member up by value;
+  is an :class:`enum.Enum` with members. The file gets a one-argument lookup under that name, not the
+  class: unpickling a member only looks it up by value. With the class itself, the file could also call it
+  with more arguments (``enum.Enum("X", ...)`` makes a class) or ``BUILD`` state into the member it got
+  back, and members are process-wide singletons: ``signal.SIGTERM`` renamed for the rest of the process.
+  Any other standard-library class (``logging.FileHandler``: it opens a file when called) is refused;
 - every ``megatron.*`` global the file names, each replaced by an inert stand-in (:class:`MegatronObject`:
   it records its constructor arguments and state, and has no behaviour), so Megatron need not be
   installed and none of its code runs.
@@ -38,11 +42,13 @@ MEGATRON_PREFIX = "megatron."
 
 
 class UnsafePickle(pickle.UnpicklingError):
-    """The file pickles globals outside the allowed set; ``names`` lists them."""
+    """The file pickles globals outside the allowed set, or uses allowed ones in a way data never needs
+    (``how``); ``names`` lists them."""
 
-    def __init__(self, path: str, names: list[str]) -> None:
-        self.names = names
-        super().__init__(f"{path} pickles objects outside what Slipway reads safely: {', '.join(names)}")
+    def __init__(self, path: str, names: list[str], how: str = "") -> None:
+        self.names, self.how = names, how
+        super().__init__(f"{path} pickles objects outside what Slipway reads safely: {', '.join(names)}"
+                         + (f" ({how})" if how else ""))
 
 
 class MegatronObject:
@@ -77,14 +83,27 @@ def stand_in(qualname: str) -> type[MegatronObject]:
 
 
 def stdlib_enum(qualname: str) -> type[enum.Enum] | None:
-    """The enum class ``qualname`` names if it is a standard-library enum of an already imported module
-    (``signal.Signals``); None otherwise. Imports nothing."""
+    """The enum class ``qualname`` names if it is a standard-library enum with members, of an already
+    imported module (``signal.Signals``); None otherwise (a base to derive enums from, such as
+    ``enum.Enum``, has none: called with names it makes a class). Imports nothing."""
     module_name, _, name = qualname.rpartition(".")
     if not module_name or module_name.split(".")[0] not in sys.stdlib_module_names:
         return None
     module = sys.modules.get(module_name)
     found = getattr(module, name, None) if isinstance(module, ModuleType) else None
-    return found if isinstance(found, type) and issubclass(found, enum.Enum) else None
+    if isinstance(found, type) and issubclass(found, enum.Enum) and len(found.__members__) > 0:
+        return found
+    return None
+
+
+def _by_value(cls: type[enum.Enum]):
+    """What the file gets for an allowed enum's name: a lookup of one member by its value (how an enum
+    member pickles: ``Signals(15)``), and nothing the unpickler would let it ``BUILD`` into."""
+    def member(value: Any) -> enum.Enum:
+        return cls(value)
+
+    member.__qualname__ = f"{cls.__module__}.{cls.__qualname__}"
+    return member
 
 
 def _numpy_globals() -> list:
@@ -104,7 +123,7 @@ def allowed(names: list[str] = ()):  # type: ignore[assignment]
     extra: list = [argparse.Namespace, *_numpy_globals()]
     for n in names:
         found = stdlib_enum(n)
-        extra.append(found if found is not None else (stand_in(n), n))
+        extra.append((_by_value(found), n) if found is not None else (stand_in(n), n))
     with torch.serialization.safe_globals(extra):
         yield
 
@@ -132,8 +151,20 @@ def load(path: str | BinaryIO, *, mmap: bool = True, where: str | None = None) -
     ok, refused = readable(names)
     if refused:
         raise UnsafePickle(where or str(path), refused)
-    with allowed(ok):
-        return torch.load(_rewind(path), map_location="cpu", weights_only=True, mmap=mmap)
+    try:
+        with allowed(ok):
+            return torch.load(_rewind(path), map_location="cpu", weights_only=True, mmap=mmap)
+    except (pickle.UnpicklingError, TypeError) as err:  # an allowed global used as data never is
+        raise UnsafePickle(where or str(path), ok, _cause(err)) from None
+
+
+def _cause(err: Exception) -> str:
+    """The unpickler's own words from torch's wrapped weights-only error (its first lines are advice to
+    load with ``weights_only=False``, which this module exists not to do)."""
+    text = str(err)
+    _, found, after = text.partition("WeightsUnpickler error:")
+    lines = [line.strip() for line in (after if found else text).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(err).__name__
 
 
 def _rewind(f: str | BinaryIO) -> str | BinaryIO:
@@ -146,13 +177,15 @@ SAFE_KINDS = ("plain data, tensors, argparse.Namespace, numpy RNG states, standa
               "Megatron's own classes")
 
 
-def refusal(path: str, names: list[str]) -> str:
-    """What to tell a user whose file pickles ``names`` (refused by :func:`load`): what is read without
-    running code, and the way that works: ``--trust-pickle`` with the modules the file names importable
-    (Megatron's excepted: they stay stand-ins)."""
+def refusal(path: str, names: list[str], how: str = "") -> str:
+    """What to tell a user whose file pickles ``names`` (refused by :func:`load`; ``how``: what it does
+    with them that data never needs): what is read without running code, and the way that works:
+    ``--trust-pickle`` with the modules the file names importable (Megatron's excepted: they stay
+    stand-ins)."""
     modules = sorted({n.rpartition(".")[0] for n in names})
-    return (f"{path} pickles {', '.join(names)}, beyond what Slipway reads without running code from the "
-            f"file ({SAFE_KINDS}). If you trust where the checkpoint came from, pass --trust-pickle: it "
+    used = f" ({how})" if how else ""
+    return (f"{path} pickles {', '.join(names)}{used}, beyond what Slipway reads without running code from "
+            f"the file ({SAFE_KINDS}). If you trust where the checkpoint came from, pass --trust-pickle: it "
             f"unpickles them by importing {', '.join(modules)}, which must then be importable (pip install "
             "the package that provides it, or put its source tree on PYTHONPATH); Megatron's own classes "
             "still need no Megatron install")

@@ -114,7 +114,7 @@ def load_shard(path: Path | io.BytesIO, trust_pickle: bool = False, where: str |
             return pickles.load_trusted(source)
         return pickles.load(source, where=where)
     except pickles.UnsafePickle as e:
-        raise CheckpointError(pickles.refusal(where, e.names)) from None
+        raise CheckpointError(pickles.refusal(where, e.names, e.how)) from None
     except ModuleNotFoundError as e:  # --trust-pickle: a module the file names is not installed
         raise CheckpointError(f"{where} pickles objects of the Python module {e.name!r}, which "
                               "--trust-pickle imports to unpickle them and which is not installed here: "
