@@ -119,12 +119,20 @@ class ClusterConfig(Section):
     all_reduce_perf prints it (busbw, large messages, across two nodes): the plan's data-parallel gradient
     exchange takes bytes × 2(dp − 1)/dp / busbw per step. Default 25: about what one 200 Gb/s HDR
     InfiniBand link per node gives; NVLink within a node and a NIC per GPU give 10-20× more."""
+    intra_node_bandwidth_gbps: float | None = None
+    """Site hardware: the bus bandwidth of a collective among one node's GPUs in GB/s (nccl-tests' busbw
+    within a node): the plan's tensor-parallel all-reduces (4 per layer and micro-batch) run at it; null:
+    half the device table's NVLink figure (a ring sends each byte one way: H100 SXM 450), 1 on CPUs."""
     mfu: float | None = None
     """Planning: model FLOPs utilisation for the ETA; null: the figure measured in bench/ on this GPU (or,
     for a GPU not measured yet, on the one that was; the plan names the figure), 0.3 on CPUs."""
     reserved_memory_gb: float = 2.0
     """Planning: memory per device taken by the CUDA context, allocator fragmentation and communication
     buffers."""
+    memory_headroom: float = 0.1
+    """Planning: the share of a device's usable memory (device_memory_gb less reserved_memory_gb) the
+    plan's estimate must leave free, its margin of error: a layout fits when the estimate is at most
+    reserved + (1 − memory_headroom) × usable (80 GB, 3 reserved: 72.3 GB); 0: up to the last byte."""
 
     hardware_sources: dict[str, str] = field(default_factory=dict)
     """Written by launch.py, not a setting: where each hardware and layout value came from (site file,
@@ -140,8 +148,12 @@ class ClusterConfig(Section):
                + choice("cluster.executor", self.executor, EXECUTORS))
         for name in ("gpus", "max_nodes", "cpus_per_node", "tasks_per_node"):
             out += positive(f"cluster.{name}", getattr(self, name), allow_none=True)
-        for name in ("mem_per_node_gb", "device_peak_tflops", "bus_bandwidth_gbps"):
+        for name in ("mem_per_node_gb", "device_peak_tflops", "bus_bandwidth_gbps",
+                     "intra_node_bandwidth_gbps"):
             out += positive(f"cluster.{name}", getattr(self, name), allow_none=True)
+        if not 0 <= self.memory_headroom < 1:
+            out.append(issue("range", "cluster.memory_headroom", self.memory_headroom, "must be in [0, 1)",
+                             "a fraction such as cluster.memory_headroom=0.1 (0: no margin)"))
         if self.mfu is not None and not 0 < self.mfu <= 1:
             out.append(issue("range", "cluster.mfu", self.mfu, "must be in (0, 1]", "cluster.mfu=null "
                              "(the measured figure) or a fraction such as cluster.mfu=0.35"))

@@ -4,7 +4,16 @@ them together with the memory table, the stages and the problems)."""
 
 from __future__ import annotations
 
-from orchestrator.base.estimate import NO_MEMORY, NO_TIME, fmt_duration, memory_table, options_table
+from orchestrator.base.estimate import (
+    DEVICE_HOURS,
+    NO_MEMORY,
+    NO_TIME,
+    exchange_gbps,
+    fmt_duration,
+    memory_table,
+    options_table,
+    pipeline_gbps,
+)
 from orchestrator.base.hardware import hardware, is_cpu, source
 from orchestrator.base.layout import Layout
 from orchestrator.base.plan_types import Plan
@@ -66,7 +75,8 @@ def hardware_lines(cfg: SlipwayConfig) -> list[str]:
               _row(f"peak ({cfg.train.precision})", peak, hw.peak_tflops.source)]
     if not is_cpu(c):
         lines += [_row("bf16", "yes" if hw.bf16.value else "no", hw.bf16.source),
-                  _row("bus bandwidth", f"{c.bus_bandwidth_gbps:g} GB/s", source(c, "bus_bandwidth_gbps"))]
+                  _row("bus bandwidth", f"{c.bus_bandwidth_gbps:g} GB/s", source(c, "bus_bandwidth_gbps")),
+                  _row("within a node", f"{hw.intra_node_gbps.value:g} GB/s", hw.intra_node_gbps.source)]
     lines.append(_row("MFU for the ETA", f"{hw.mfu.value:.1%}", hw.mfu.source))
     return lines
 
@@ -87,15 +97,18 @@ def time_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
         return ["Time: not estimated: the model or layout has problems (see PROBLEMS)"]
     if not t.known:
         return [f"Time: not estimated: the device's peak is unknown ({hw.peak_tflops.source}; see PROBLEMS)"]
-    unit = "GPU" if cfg.cluster.gpus_per_node else "CPU-task"
-    exchange = ""
+    comm = []
+    if t.tp_comm_s:
+        comm.append(f"tensor-parallel all-reduces {t.tp_comm_s:.3g} s (at {hw.intra_node_gbps.value:g} GB/s)")
+    if t.p2p_s:
+        comm.append(f"pipeline transfers {t.p2p_s:.3g} s (at {pipeline_gbps(cfg, lay):g} GB/s)")
     if t.exchange_s:
-        exchange = (f", data-parallel exchange {t.exchange_s:.3f} s ({t.exposed_s:.3f} s of it not hidden "
-                    f"behind backward, at {cfg.cluster.bus_bandwidth_gbps:g} GB/s)")
+        comm.append(f"data-parallel exchange {t.exchange_s:.3g} s ({t.exposed_s:.3g} s of it not hidden "
+                    f"behind backward, at {exchange_gbps(cfg, lay):g} GB/s)")
     return [
         f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {hw.mfu.value:.1%} MFU of "
-        f"{hw.peak_tflops.value:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}{exchange}: "
-        f"{t.step_s:.3f} s/iteration",
-        f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {unit}-hours ({cfg.cluster.device_name} × "
+        f"{hw.peak_tflops.value:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}"
+        + "".join(f", {c}" for c in comm) + f": {t.step_s:.3f} s/iteration",
+        f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {DEVICE_HOURS} ({cfg.cluster.device_name} × "
         f"{lay.world}); first checkpoint after {fmt_duration(t.first_checkpoint_s)}",
     ]

@@ -1,4 +1,4 @@
-"""Plan: memory table, ETA/GPU-hours, stage graph with content keys, reuse; the dry run."""
+"""Plan: memory table, ETA/device-hours, stage graph with content keys, reuse; the dry run."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def test_dry_run_prints_plan_and_scripts_and_submits_nothing(tmp_path: Path):
     assert "precision recipe: fp16 autocast (auto): fp32 parameters, gradients and optimizer" in text
     # What each memory option would give, beside the configured total.
     assert "train.recompute_granularity=full" in text and "optim.distributed=true" in text, text
-    assert "ETA" in text and "GPU-hours" in text
+    assert "ETA" in text and "device-hours (A100-80GB × 8)" in text
     assert "----- train job script -----" in text and "#SBATCH --signal=USR2@" in text
     assert "apptainer exec --nv --cleanenv" in text
     assert "hf_secret_abcdefgh" not in text and "<redacted:HF_TOKEN>" in text
@@ -158,8 +158,9 @@ def test_dry_run_prints_plan_and_scripts_and_submits_nothing(tmp_path: Path):
 
 
 # A site of A100-40GB nodes, the GPU the 1.3B example was sized for: slurm.yaml's facts with another device
-# and (so that step ratios are the compute's alone) a bus no exchange waits on.
-A100_40 = "defaults:\n  - slurm\n  - _self_\ndevice_name: A100-40GB\nbus_bandwidth_gbps: 1.0e9\n"
+# and (so that step ratios are the compute's alone) a network and NVLink no transfer waits on.
+A100_40 = ("defaults:\n  - slurm\n  - _self_\ndevice_name: A100-40GB\nbus_bandwidth_gbps: 1.0e9\n"
+           "intra_node_bandwidth_gbps: 1.0e9\n")
 
 
 def test_1p3b_dry_run_shows_memory_with_and_without_each_option(tmp_path):
