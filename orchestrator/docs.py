@@ -248,7 +248,9 @@ Every key `python launch.py` accepts. Set keys on the command line (`optim.lr=3e
 `data.paths=[/data/a.jsonl,/data/b.jsonl]`, `cluster.partition=null`), pick a file of a group
 (`cluster=devcluster`, `+experiment=codeparrot`), or write your own group file (for example
 `hydra_conf/cluster/mysite.yaml`, then `cluster=mysite`). A key that is not listed here, or a value of the
-wrong type, stops the launch at composition with Hydra's message (`Key 'lrr' not in 'OptimConfig'`).
+wrong type, stops the launch at composition as a problem with its fix (`[unknown_key] optim.lrr='3e-4': ...
+Fix: did you mean optim.lr=3e-4?`, `[type] cluster.time_limit_min='48:00:00': must be an integer number of
+minutes (48:00:00 = 2880)`).
 Write keys without a leading `+` (which adds a key instead of setting one); `+` is for new entries of the
 mappings `cluster.env` and `cluster.sbatch_extra` (`+cluster.env.NCCL_IB_HCA=mlx5_0`). Rules that involve
 several keys (heads divisible by `tp_size`, the world size, memory, the time limit) are checked by the

@@ -3,10 +3,11 @@
 The root :class:`SlipwayConfig` is the trainer's :class:`trainer.config.RunConfig` (the one definition of
 every trainer section, key, default and rule) plus the orchestrator's own sections (cluster, container,
 convert) and launch switches, defined here. Every group YAML in ``hydra_conf/`` merges into it, so a
-typo'd key or a value of the wrong type fails at composition with Hydra's own message (``Key 'lrr' not
-in 'OptimConfig'``). Each section's own rules are its ``problems()``; :func:`to_typed` builds the tree
-with them deferred, and the checks (orchestrator/checks/) report them together with the rules that need
-several sections (heads % tp, world size, memory): every problem at once, with the key, the value and the fix.
+typo'd key or a value of the wrong type fails at composition (Hydra's own error, which launch.py says as a
+problem with its fix: orchestrator/launch/hydra_errors.py). Each section's own rules are its
+``problems()``; :func:`to_typed` builds the tree with them deferred, and the checks
+(orchestrator/checks/) report them together with the rules that need several sections (heads % tp, world
+size, memory): every problem at once, with the key, the value and the fix.
 
 Each field's documentation is the string literal right below it (an attribute docstring):
 ``python -m orchestrator.docs`` turns them into ``docs/config.md``, and a test fails when that file is not
@@ -15,13 +16,12 @@ current. Field names are a user contract (see the brief): keep them stable.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from orchestrator.base.config_keys import unknown_keys
 from orchestrator.base.problems import PlanError, Problem
 from trainer.config import RunConfig
 from trainer.config_issues import ConfigIssue, Section, choice, declared_defaults, deferred, issue, positive
@@ -346,37 +346,6 @@ def register() -> None:
     cs = ConfigStore.instance()
     with declared_defaults():  # derived defaults are derived from the composed config, in to_typed
         cs.store(name="slipway_schema", node=SlipwayConfig)
-
-
-def unknown_keys(node: Any, path: str = "") -> list[ConfigIssue]:
-    """Keys of a composed config that no section of the schema has. Hydra refuses ``optim.lrr=3e-4``
-    itself, but its own hint (``+optim.lrr=3e-4``) adds the key to the typed section and typing then
-    drops it without a word; mappings (cluster.env, cluster.sbatch_extra, ...) take any key."""
-    from omegaconf import DictConfig, OmegaConf
-
-    kind = OmegaConf.get_type(node)
-    if not dataclasses.is_dataclass(kind):
-        return []
-    names = [f.name for f in dataclasses.fields(kind)]
-    out = []
-    for key in node.keys():
-        full = f"{path}.{key}" if path else str(key)
-        if key not in names:
-            value = OmegaConf.select(node, str(key), default=None)
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-            prefix = f"{path}." if path else ""
-            listed = f": {', '.join(names)}" if len(names) <= 12 else ""
-            out.append(issue(
-                "unknown_key", full, value,
-                f"is no key of {f'section {path}' if path else 'the top level'} ({kind.__name__}{listed}); a "
-                "leading + adds keys only to mappings such as cluster.env or cluster.sbatch_extra",
-                (f"did you mean {prefix}{close[0]}={value}? " if close else "")
-                + "docs/config.md lists every key"))
-            continue
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
-            out += unknown_keys(child, full)
-    return out
 
 
 def to_typed(cfg: Any, choices: dict[str, Any] | None = None) -> SlipwayConfig:

@@ -25,7 +25,7 @@ from pathlib import Path
 from orchestrator.base import redaction
 from orchestrator.base.facts import PlanInputs, SweepInfo
 from orchestrator.base.plan_types import Context, Plan, StagePlan
-from orchestrator.base.problems import PlanError
+from orchestrator.base.problems import PlanError, arrange
 from orchestrator.base.schema import SlipwayConfig
 from orchestrator.checks import run_checks
 from orchestrator.checks.secrets import known_secrets
@@ -353,6 +353,7 @@ def prepare(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> Prepared:
     plan = make_plan(cfg, facts)
     cfg = plan.config or cfg  # layout=auto: the plan's first choice applied (plan.py)
     plan.problems.extend(run_checks(Context(cfg, facts.environ, plan=plan), at="launch"))
+    plan.problems[:] = arrange(plan.problems)  # root causes first, over the plan's and the launch's
     try:
         n = launches.LaunchRecord.load(plan.run_dir).next_launch()
     except launches.RunRecordError:

@@ -25,6 +25,7 @@ from orchestrator.base.estimate import (
 from orchestrator.base.facts import PlanInputs, SweepInfo
 from orchestrator.base.layout import Layout, layout_of
 from orchestrator.base.plan_types import Context, Estimates, Plan
+from orchestrator.base.problems import arrange
 from orchestrator.base.schema import SlipwayConfig
 from orchestrator.checks import run_checks
 from orchestrator.checks.run import insane_values
@@ -159,7 +160,8 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
         choices = memory_options(cfg, vocab, lay)
         nowhere = not mem.fits and not any(o.memory.fits for o in choices)
         estimates = Estimates(mem, est, choices, smallest_replica(cfg, vocab) if nowhere else None)
-    problems = run_checks(Context(cfg, facts.environ, exists, estimates, proposal=proposal), at="plan")
+    checked = Context(cfg, facts.environ, exists, estimates, proposal=proposal)
+    problems = arrange(run_checks(checked, at="plan"))  # root causes first (orchestrator/base/problems.py)
     ctx = PlanContext(cfg, facts, proposal=proposal)
     for stage in STAGES:
         planned = stage.plan(ctx)
