@@ -161,7 +161,8 @@ def test_every_key_the_readme_names_exists():
     keys = set(re.findall(rf"(?<![\w./+-])\+?((?:{'|'.join(sections)})\.[a-z_]+(?:\.[A-Za-z_]+)*)(?![\w(])",
                           text))
     assert len(keys) > 20, keys  # the pattern still finds the README's keys
-    not_keys = {"optim.lrr", "cluster.time", "model.safetensors", "tokenizer.json"}  # the typos docs show; files
+    # The typos the docs show, and file names.
+    not_keys = {"optim.lrr", "cluster.time", "model.safetensors", "tokenizer.json"}
     assert sorted(k for k in keys - not_keys if not _resolves(k)) == []
 
 
