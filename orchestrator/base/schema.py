@@ -31,6 +31,7 @@ EXECUTORS = ("local", "slurm")
 CONTAINER_KINDS = ("none", "apptainer", "pyxis", "charliecloud")
 LAYOUT_MODES = ("manual", "auto")
 TUNE_MODES = ("false", "true", "force")
+SWEEP_PLANS = ("first", "all")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
@@ -312,7 +313,13 @@ class SlipwayConfig(RunConfig):
     cache_dir: str | None = None
     """Content-addressed outputs of the shared stages (corpus, preprocess); null: <runs_root>/_cache."""
     dry_run: bool = False
-    """Print the plan (layout, memory, ETA, stages, problems) and the job scripts; submit nothing."""
+    """Print the plan (layout, memory, ETA, stages, problems) and the job scripts; submit nothing. A sweep
+    prints one point's plan in full, then a line per point with what sets it apart and its device-hours
+    (sweep_plans)."""
+    sweep_plans: str = "first"
+    """What a sweep's dry run prints in full: first (the first point's plan and job scripts; the others as a
+    line each: their overrides, the plan figures that differ from the first's, device-hours, ETA) or all
+    (every point's)."""
     wait: bool | None = None
     """Block until the run ends; null: block for the local executor (its jobs are this machine's
     processes), return at once for Slurm and for sweeps."""
@@ -338,7 +345,8 @@ class SlipwayConfig(RunConfig):
         return (super().problems() + self.cluster.problems() + self.container.problems()
                 + self.eval.problems() + self.autotune.problems()
                 + choice("layout", self.layout, LAYOUT_MODES)
-                + choice("tune", self.tune, TUNE_MODES))
+                + choice("tune", self.tune, TUNE_MODES)
+                + choice("sweep_plans", self.sweep_plans, SWEEP_PLANS))
 
 
 def register() -> None:

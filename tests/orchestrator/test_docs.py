@@ -223,3 +223,15 @@ def test_the_reference_check_sees_what_it_looks_for():
                           "[the runbook](docs/nowhere.md) and [ok](README.md)")
     assert _missing(refs, REPO) == ["docs/nowhere.md", "link docs/nowhere.md", "make tset",
                                     "python -m trainer.nothing_here", "trainer/health.py"]
+
+
+def test_one_word_for_a_runs_cost():
+    """Issue 52 item 8: the plan said "GPU-hours" (or "CPU-task-hours"), the docs "device-hours"; the one
+    term is DEVICE_HOURS, in what Slipway prints and in what users read."""
+    from orchestrator.base.estimate import DEVICE_HOURS
+
+    assert DEVICE_HOURS == "device-hours"
+    code = "\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "orchestrator").rglob("*.py")))
+    for text in (user_docs(), code, (REPO / "launch.py").read_text(encoding="utf-8")):
+        assert not re.search(r"(GPU|CPU-task|task)[- ]hours", text, re.I)
+    assert "device-hours" in user_docs() and code.count("DEVICE_HOURS") >= 3  # defined, plan, sweep
