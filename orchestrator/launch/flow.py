@@ -48,6 +48,7 @@ from orchestrator.planning.plan_format import (
     memory_lines,
     recipe_lines,
     time_lines,
+    wandb_lines,
 )
 from orchestrator.readback.follow import LogFollower, failure_tails, log_path
 from orchestrator.readback.summary import write_summary
@@ -143,6 +144,7 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         *(proposal_lines(cfg, plan.proposal) if plan.proposal is not None else []),
         *recipe_lines(cfg, lay, plan.vocab_size),
         f"  precision recipe: {precision}",
+        *wandb_lines(cfg, plan),
         *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
         "",
         *hardware_lines(cfg),

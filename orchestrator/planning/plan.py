@@ -34,6 +34,7 @@ from orchestrator.stages import STAGES
 from orchestrator.stages.base import PlanContext
 from trainer.config_issues import deferred
 from trainer.formulas import model_vocab_size
+from trainer.wandb_key import key_source
 
 __all__ = ["PlanInputs", "SweepInfo", "make_plan", "memory_options", "resolve_vocab"]
 
@@ -174,4 +175,5 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
         memory_options=choices,
         config=cfg,
         proposal=proposal,
+        wandb_key=key_source(facts.environ),
     )

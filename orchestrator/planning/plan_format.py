@@ -18,6 +18,7 @@ from orchestrator.base.hardware import hardware, is_cpu, source
 from orchestrator.base.layout import Layout
 from orchestrator.base.plan_types import Plan
 from orchestrator.base.schema import SlipwayConfig
+from trainer.run_files import RunDir
 
 
 def layout_line(cfg: SlipwayConfig, lay: Layout) -> str:
@@ -79,6 +80,31 @@ def hardware_lines(cfg: SlipwayConfig) -> list[str]:
                   _row("within a node", f"{hw.intra_node_gbps.value:g} GB/s", hw.intra_node_gbps.source)]
     lines.append(_row("MFU for the ETA", f"{hw.mfu.value:.1%}", hw.mfu.source))
     return lines
+
+
+def wandb_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
+    """Where the run logs: W&B's mode, project, entity, group and run name as the training job gets them
+    (the train stage's trainer config: a sweep's id is its group), and where the API key comes from —
+    never the key."""
+    w = cfg.logging.wandb
+    if w.mode == "disabled":
+        return ["  W&B: disabled (logging.wandb.mode)"]
+    job = next((s.job for s in plan.stages if s.name == "train"), None)
+    given = getattr(job, "trainer_config", {}).get("logging", {}).get("wandb", {}) if job else {}
+    group, name = given.get("group", w.group), given.get("name", w.name)
+    entity = w.entity or "(the key's default)"
+    where = (f"  W&B: {w.mode}, project {w.project}, entity {entity}, group {group or '(none)'}, run "
+             f"{name or plan.run_id}")
+    if w.mode == "offline":
+        return [where, f"       files under {RunDir(plan.run_dir).wandb} (wandb sync uploads them); no key "
+                       "needed"]
+    if plan.wandb_key is None:
+        key = "none found (WANDB_API_KEY unset, no netrc entry): see PROBLEMS"
+    elif plan.wandb_key == "WANDB_API_KEY":
+        key = "WANDB_API_KEY of the launching environment (the jobs inherit it)"
+    else:
+        key = f"netrc file {plan.wandb_key} (wandb login)"
+    return [where, f"       API key: {key}"]
 
 
 def memory_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:

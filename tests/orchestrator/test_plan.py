@@ -274,3 +274,37 @@ def test_an_uneven_pipeline_split_plans_and_sizes_its_busiest_stage():
     per_layer = stage_params(compose_cfg(CP + ["model.num_layers=13"]), 32768)[1] - stage_params(
         compose_cfg(CP), 32768)[1]
     assert stage_params(light, 32768)[0] == 4 * per_layer + 32768 * 768 + 2 * 768  # head copy, final norm
+
+
+# --- issue 52 item 9: W&B in the plan -------------------------------------------------------------------
+
+def _wandb_text(overrides, environ, sweep=None):
+    cfg = compose_cfg(overrides)
+    plan = make_plan(cfg, PlanInputs("r7", "/runs/r7", environ=environ, sweep=sweep), exists=lambda p: True)
+    text = format_plan(cfg, plan, {})
+    return text[text.index("  W&B:"):].split("\n\n")[0]
+
+
+def test_the_plan_says_where_wandb_logs_and_where_its_key_comes_from(tmp_path):
+    """Mode, project, entity, group (a sweep's id) and run name as the training job gets them, and where the
+    API key comes from: the variable or the netrc file by name, never the key."""
+    from orchestrator.base.facts import SweepInfo
+
+    key = "f" * 40
+    text = _wandb_text(["+experiment=codeparrot", "logging.wandb.entity=myteam"], {"WANDB_API_KEY": key})
+    assert "W&B: online, project codeparrot, entity myteam, group (none), run r7" in text, text
+    assert "API key: WANDB_API_KEY of the launching environment" in text and key not in text
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {key}\n")
+    text = _wandb_text(["+experiment=codeparrot"], {"NETRC": str(netrc)})
+    assert f"API key: netrc file {netrc} (wandb login)" in text and key not in text, text
+    text = _wandb_text(["+experiment=codeparrot"], {"NETRC": str(tmp_path / "none")})
+    assert "API key: none found" in text
+    sweep = SweepInfo("20261202-162750", str(tmp_path / "sweep"), 1, ("optim.lr=1e-4",))
+    text = _wandb_text(["+experiment=codeparrot", "optim.lr=1e-4"], {"WANDB_API_KEY": key}, sweep)
+    assert "group 20261202-162750, run r7:optim.lr=1e-4" in text, text
+    text = _wandb_text(["+experiment=codeparrot_smoke"], {})  # the smoke run logs offline
+    assert "W&B: offline, project slipway" in text and "files under /runs/r7/wandb" in text
+    assert "API key" not in text
+    assert _wandb_text(["+experiment=codeparrot_smoke", "logging.wandb.mode=disabled"], {}) == \
+        "  W&B: disabled (logging.wandb.mode)"
