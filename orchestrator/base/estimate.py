@@ -28,7 +28,7 @@ from orchestrator.base.hardware import hardware
 from orchestrator.base.layout import Layout
 from orchestrator.base.schema import SlipwayConfig
 from trainer import formulas
-from trainer.config.train import precision_recipe
+from trainer.config.train import PRECISION_FACTS, precision_recipe
 
 GIB = 1024**3
 DEVICE_HOURS = "device-hours"
@@ -164,7 +164,7 @@ NO_TIME = TimeEstimate(math.nan, math.nan, 0.0, math.nan, math.nan, math.nan)  #
 
 def element_bytes(precision: str) -> int:
     """Bytes of an activation in the compute dtype: what the tensor- and pipeline-parallel traffic moves."""
-    return 4 if precision == "fp32" else 2
+    return PRECISION_FACTS[precision].element_bytes if precision in PRECISION_FACTS else 2
 
 
 def exchange_gbps(cfg: SlipwayConfig, lay: Layout) -> float:

@@ -4,6 +4,8 @@ them together with the memory table, the stages and the problems)."""
 
 from __future__ import annotations
 
+import textwrap
+
 from orchestrator.base.estimate import (
     DEVICE_HOURS,
     NO_MEMORY,
@@ -16,8 +18,10 @@ from orchestrator.base.estimate import (
 )
 from orchestrator.base.hardware import hardware, is_cpu, source
 from orchestrator.base.layout import Layout
+from orchestrator.base.measured import measured_recipes
 from orchestrator.base.plan_types import Plan
 from orchestrator.base.schema import SlipwayConfig
+from trainer.config.train import PRECISION_FACTS, precision_recipe
 from trainer.run_files import RunDir
 
 
@@ -80,6 +84,27 @@ def hardware_lines(cfg: SlipwayConfig) -> list[str]:
                   _row("within a node", f"{hw.intra_node_gbps.value:g} GB/s", hw.intra_node_gbps.source)]
     lines.append(_row("MFU for the ETA", f"{hw.mfu.value:.1%}", hw.mfu.source))
     return lines
+
+
+def precision_notes(cfg: SlipwayConfig, recipes: frozenset[str] | None = None) -> list[str]:
+    """What the plan says of the precision on this device, from the one table of facts (PRECISION_FACTS)
+    and what bench/ measured (``recipes``: the recipes a GPU run used, orchestrator/base/measured.py)."""
+    if not cfg.cluster.gpus_per_node:
+        return []
+    t, hw, out = cfg.train, hardware(cfg), []
+    facts = PRECISION_FACTS.get(t.precision)
+    if facts is not None and facts.loss_scaling and hw.bf16.value:
+        device = hw.gpu.name if hw.gpu else cfg.cluster.device_name
+        out.append(f"{t.precision} is the usual choice on {facts.where}; {device} has bf16, the usual choice "
+                   f"on {PRECISION_FACTS['bf16'].where}: train.precision=bf16")
+    recipe = precision_recipe(t.precision, t.precision_recipe, cfg.optim.distributed)
+    measured = measured_recipes() if recipes is None else recipes
+    if recipe not in measured:
+        out.append(f"the {recipe} recipe has not been measured on a GPU yet (bench/results/mfu.json: "
+                   f"{', '.join(sorted(measured)) or 'nothing'}): its speed, and the ETA's MFU, are another "
+                   "recipe's figures")
+    return [line for n in out for line in textwrap.wrap(f"note: {n}", 106, initial_indent="    ",
+                                                          subsequent_indent="      ")]
 
 
 def wandb_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:

@@ -308,3 +308,33 @@ def test_the_plan_says_where_wandb_logs_and_where_its_key_comes_from(tmp_path):
     assert "API key" not in text
     assert _wandb_text(["+experiment=codeparrot_smoke", "logging.wandb.mode=disabled"], {}) == \
         "  W&B: disabled (logging.wandb.mode)"
+
+
+# --- issue 52 item 10: precision notes, from the one table of facts and bench/'s measurements -----------
+
+def test_fp16_on_a_bf16_device_gets_a_note_and_an_unmeasured_recipe_says_so(tmp_path):
+    from orchestrator.base.measured import measured_recipes
+    from orchestrator.planning.plan_format import precision_notes
+    from tests.orchestrator.sites import H100_X4, site_file
+    from trainer.measured import load_measured
+
+    h100 = site_file(tmp_path, "mysite", H100_X4)
+    cfg, plan = _plan(["+experiment=codeparrot", *h100], PlanInputs("r", "/runs/r", environ={}))
+    notes = " ".join(precision_notes(cfg))
+    assert "fp16 is the usual choice on GPUs without bf16" in notes and "H100-SXM-80GB has bf16" in notes
+    assert "train.precision=bf16" in notes and "note: fp16" in format_plan(cfg, plan, {})
+    bf16, _ = _plan(["+experiment=codeparrot", *h100, "train.precision=bf16"], PlanInputs("r", "/runs/r"))
+    assert precision_notes(bf16) == []  # autocast measured, bf16 chosen: nothing to say
+    v100 = site_file(tmp_path, "old", H100_X4.replace("H100-80GB", "V100\ndevice_bf16: false\n"
+                                                       "device_memory_gb: 32\ndevice_peak_tflops: 125"))
+    old, _ = _plan(["+experiment=codeparrot", *v100], PlanInputs("r", "/runs/r"))
+    assert precision_notes(old) == []  # fp16 is the choice there
+    cpu, _ = _plan(["+experiment=codeparrot_smoke"], PlanInputs("r", "/runs/r"))
+    assert precision_notes(cpu) == []
+    # The distributed optimizer's default recipe: what bench/results/mfu.json holds decides the note.
+    assert measured_recipes() == {r.recipe for r in load_measured()}
+    big, plan = _plan(["+experiment=gpt_1p3b", *h100], PlanInputs("r", "/runs/r"))
+    notes = " ".join(precision_notes(big))
+    assert "master_weights recipe has not been measured on a GPU yet" in notes
+    assert "master_weights recipe" in format_plan(big, plan, {})
+    assert precision_notes(big, frozenset({"autocast", "master_weights"})) == []
