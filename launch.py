@@ -28,6 +28,7 @@ from orchestrator.base.overrides import quote_image_refs
 from orchestrator.base.problems import PlanError
 from orchestrator.base.schema import SlipwayConfig, register, to_typed
 from orchestrator.base.site import apply_site
+from orchestrator.launch import hydra_errors
 from orchestrator.launch import sweep as sweeps
 from orchestrator.launch.flow import EXIT_ERROR, EXIT_PROBLEMS, EXIT_RUN_FAILED, RunFailed, launch
 from orchestrator.launch.submit import SubmitError
@@ -52,6 +53,8 @@ def main(cfg: DictConfig) -> None:
     try:
         hc = HydraConfig.get()
         choices, task, sweep = dict(hc.runtime.choices), tuple(hc.overrides.task), _sweep_info()
+        if sweep is None:
+            hydra_errors.composed()  # a single run's config is composed (a sweep's: its sweeper says)
 
         def typed_config() -> SlipwayConfig:
             # The site file's hardware wins over an experiment's (orchestrator/base/site.py); keys the schema
@@ -94,4 +97,14 @@ if __name__ == "__main__":
     # errors included (orchestrator/base/redaction.py).
     redaction.REDACTOR.add(redaction.environ_secrets(os.environ) | redaction.argv_secrets(sys.argv[1:]))
     redaction.install()
-    main()
+    # Hydra's own errors (an unknown key, a value of the wrong type) come back here to be said as Slipway's
+    # problems with a fix (orchestrator/launch/hydra_errors.py); main() reports everything else itself.
+    with hydra_errors.raised() as ours:
+        try:
+            main()
+        except Exception as hydra_error:
+            if not ours:
+                raise  # HYDRA_FULL_ERROR=1 was the user's: Hydra's full traceback
+            text, code = hydra_errors.report(hydra_error)
+            sys.stderr.write(text)
+            sys.exit(code)

@@ -1,4 +1,5 @@
-"""``python -m orchestrator.docs``: write ``docs/config.md``, the configuration reference, from the schema.
+"""``python -m orchestrator.docs``: write ``docs/config.md``, the configuration reference, from the schema,
+and docs/cluster.md's examples of what the plan prints (orchestrator/docs_examples.py).
 
 Keys, types and defaults come from the dataclasses of :mod:`orchestrator.base.schema`; each key's meaning from
 the string literal right below its field (an attribute docstring: Python drops those at run time, so they
@@ -6,8 +7,8 @@ are read from the source with ``ast``); the value each shipped experiment gives 
 with Hydra as ``launch.py`` does (interpolations such as ``${oc.env:...}`` are shown unresolved, so the
 file does not depend on the environment it was generated in).
 
-    python -m orchestrator.docs            # (re)write docs/config.md
-    python -m orchestrator.docs --check    # exit 1 when docs/config.md is not current (what CI runs)
+    python -m orchestrator.docs            # (re)write docs/config.md and docs/cluster.md's examples
+    python -m orchestrator.docs --check    # exit 1 when either is not current (what CI runs)
 
 A schema field without a docstring is an error naming the field: every key users can set is documented.
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator import docs_examples
 from orchestrator.base import schema
 from trainer.field_docs import class_field_docs
 
@@ -246,7 +248,9 @@ Every key `python launch.py` accepts. Set keys on the command line (`optim.lr=3e
 `data.paths=[/data/a.jsonl,/data/b.jsonl]`, `cluster.partition=null`), pick a file of a group
 (`cluster=devcluster`, `+experiment=codeparrot`), or write your own group file (for example
 `hydra_conf/cluster/mysite.yaml`, then `cluster=mysite`). A key that is not listed here, or a value of the
-wrong type, stops the launch at composition with Hydra's message (`Key 'lrr' not in 'OptimConfig'`).
+wrong type, stops the launch at composition as a problem with its fix (`[unknown_key] optim.lrr='3e-4': ...
+Fix: did you mean optim.lr=3e-4?`, `[type] cluster.time_limit_min='48:00:00': must be an integer number of
+minutes (48:00:00 = 2880)`).
 Write keys without a leading `+` (which adds a key instead of setting one); `+` is for new entries of the
 mappings `cluster.env` and `cluster.sbatch_extra` (`+cluster.env.NCCL_IB_HCA=mlx5_0`). Rules that involve
 several keys (heads divisible by `tp_size`, the world size, memory, the time limit) are checked by the
@@ -298,8 +302,8 @@ def check(path: Path, text: str) -> str | None:
     diff = list(difflib.unified_diff(current.splitlines(), text.splitlines(), str(path), "generated",
                                      lineterm="", n=0))
     shown = "\n".join(diff[:20]) + ("\n..." if len(diff) > 20 else "")
-    return (f"{path} is not current with the config dataclasses and hydra_conf/; regenerate it with: {FIX} "
-            f"(and commit it)\n{shown}")
+    return (f"{path} is not current with the config dataclasses, hydra_conf/ and the plan; regenerate it "
+            f"with: {FIX} (and commit it)\n{shown}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,17 +311,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if the file is not current")
     parser.add_argument("--output", type=Path, default=OUTPUT, help=f"default: {OUTPUT.relative_to(REPO)}")
     args = parser.parse_args(argv)
-    text = render()
+    pages = [(args.output, render())]
+    if args.output == OUTPUT:  # the user docs' examples, with the reference (not for a copy elsewhere)
+        pages.append((docs_examples.PAGE, docs_examples.render_page(docs_examples.PAGE.read_text("utf-8"))))
     if args.check:
-        problem = check(args.output, text)
-        if problem:
+        problems = [p for p in (check(path, text) for path, text in pages) if p]
+        for problem in problems:
             sys.stderr.write(problem + "\n")
-            return 1
-        sys.stdout.write(f"{args.output} is current\n")
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text, encoding="utf-8")
-    sys.stdout.write(f"wrote {args.output}\n")
+        if not problems:
+            sys.stdout.write(" and ".join(str(path) for path, _ in pages) + " current\n")
+        return 1 if problems else 0
+    for path, text in pages:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        sys.stdout.write(f"wrote {path}\n")
     return 0
 
 

@@ -325,6 +325,30 @@ def collective_seconds(kind: str, nbytes: float, ranks: int, bus_gbps: float) ->
     return nbytes * COLLECTIVE_FACTOR[kind](ranks) / (bus_gbps * 1e9)
 
 
+def tensor_parallel_seconds(layers: float, micro_batch: int, seq: int, hidden: int, tp: int,
+                            element_bytes: int, bus_gbps: float, recomputed_layers: float = 0) -> float:
+    """The tensor-parallel communication of one micro-batch through ``layers`` transformer layers, which
+    nothing overlaps (each all-reduce sits between two matrix products): Megatron's split needs "only two
+    all-reduce operations in the forward pass and two in the backward pass" per layer (Shoeybi et al. 2019,
+    §3 and fig. 4), each over the ``b·s·h`` activations in the compute dtype (``element_bytes``), a ring
+    all-reduce costing ``2(t − 1)/t · bytes / busbw`` (:func:`collective_seconds`) — Narayanan et al. 2021,
+    §3.3.1: ``8·b·s·h·(t − 1)/t`` per layer, device and micro-batch. Sequence parallelism swaps each
+    all-reduce for an all-gather plus a reduce-scatter of the same bytes (Korthikanti et al. 2022, §4.2.2):
+    the same time. A layer recomputed in full runs its forward, and its two all-reduces, again
+    (``recomputed_layers``); selective recomputation recomputes no communication."""
+    one = collective_seconds("all_reduce", micro_batch * seq * hidden * element_bytes, tp, bus_gbps)
+    return (4 * layers + 2 * recomputed_layers) * one
+
+
+def pipeline_p2p_seconds(num_microbatches: int, micro_batch: int, seq: int, hidden: int,
+                         element_bytes: int, gbps: float) -> float:
+    """The pipeline's point-to-point traffic of one step on the slowest link between two stages: each
+    micro-batch's activations forward and their gradient back, ``b·s·h`` elements each way (Narayanan et al.
+    2021, §3.3.1: "the total amount of communication ... between every pair of consecutive devices (for
+    either the forward or backward pass) for each microbatch is bsh"), waited for in 1F1B's steady state."""
+    return 2 * num_microbatches * micro_batch * seq * hidden * element_bytes / (gbps * 1e9)
+
+
 @dataclass(frozen=True)
 class PipelineSplit:
     """How ``num_layers`` transformer layers split over ``pp_size`` pipeline stages and ``virtual_pp_size``

@@ -7,6 +7,7 @@ directory holding ``~/.netrc`` is the jobs' too. Never reads the key into anythi
 from __future__ import annotations
 
 import netrc
+import os
 from collections.abc import Mapping
 
 from trainer.wandb_online import base_url
@@ -16,13 +17,24 @@ def wandb_host(environ: Mapping[str, str]) -> str:
     return base_url(environ).split("://")[-1].split("/")[0]
 
 
-def has_wandb_key(environ: Mapping[str, str]) -> bool:
+def netrc_path(environ: Mapping[str, str]) -> str:
+    """The netrc file wandb reads: ``$NETRC`` when set, else ``~/.netrc``."""
+    return os.path.abspath(os.path.expanduser(environ.get("NETRC") or "~/.netrc"))
+
+
+def key_source(environ: Mapping[str, str]) -> str | None:
+    """Where the key comes from, never the key: ``WANDB_API_KEY`` or the netrc file's path; None: nowhere."""
     if environ.get("WANDB_API_KEY"):
-        return True
+        return "WANDB_API_KEY"
     try:
-        return bool(netrc.netrc(environ.get("NETRC") or None).authenticators(wandb_host(environ)))
+        found = netrc.netrc(environ.get("NETRC") or None).authenticators(wandb_host(environ))
     except (OSError, netrc.NetrcParseError):
-        return False
+        return None
+    return netrc_path(environ) if found else None
+
+
+def has_wandb_key(environ: Mapping[str, str]) -> bool:
+    return key_source(environ) is not None
 
 
 def missing_key_message(environ: Mapping[str, str]) -> str:

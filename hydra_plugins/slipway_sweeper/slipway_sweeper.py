@@ -46,6 +46,7 @@ class SlipwaySweeper(BasicSweeper):
         self.task_function = task_function  # called here directly; the basic launcher is not used
 
     def sweep(self, arguments: list[str]) -> Any:
+        from orchestrator.launch import hydra_errors
         from orchestrator.launch import sweep as sweeps
 
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
@@ -64,6 +65,7 @@ class SlipwaySweeper(BasicSweeper):
             if code is not None:
                 sys.exit(code)  # a dry run, or problems: nothing was written or submitted
             col.phase = sweeps.SUBMIT
+            hydra_errors.composed()  # every point composed: nothing of Hydra's switch reaches the jobs
             self._run_all(points)
             col.finish(OmegaConf.to_yaml(self.config))
         return []

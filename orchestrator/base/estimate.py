@@ -12,9 +12,11 @@ stage holds the activations of L layers in total, times ``1 + (p − 1)/(p·v)``
 Run time uses Megatron's FLOPs formula (performance.md), the trainer's own definition
 (:func:`trainer.formulas.flops_per_iteration`, padded vocabulary), so the ETA and the trainer's logged
 TFLOP/s count the same work; recomputation adds its forward FLOPs
-(:func:`trainer.formulas.recompute_time_factor`) and the pipeline its bubble ``(p − 1)/(v·m)``, at the
-device's peak and MFU (orchestrator/base/hardware.py: the site file, the device table, the figure measured in
-bench/); the data-parallel exchange adds what backward does not hide (:func:`exchange_seconds`).
+(:func:`trainer.formulas.recompute_time_factor`), at the device's peak and MFU (orchestrator/base/hardware.py:
+the site file, the device table, the figure measured in bench/); tensor parallelism adds its all-reduces
+at the node's bus bandwidth (:func:`tensor_parallel_seconds`); the pipeline stretches both by its bubble,
+``(p − 1)/(v·m)`` of the ideal time for 1F1B (:func:`trainer.formulas.bubble_fraction`); the data-parallel
+exchange adds what backward does not hide (:func:`exchange_seconds`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from orchestrator.base.hardware import hardware
 from orchestrator.base.layout import Layout
 from orchestrator.base.schema import SlipwayConfig
 from trainer import formulas
-from trainer.config.train import precision_recipe
+from trainer.config.train import PRECISION_FACTS, precision_recipe
 
 GIB = 1024**3
+DEVICE_HOURS = "device-hours"
+"""The unit of a run's cost, everywhere it is printed: devices (GPUs; CPU tasks on a cluster without GPUs)
+× hours of the ETA (TimeEstimate.device_hours)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class MemoryEstimate:
     logits_bytes: int
     reserved_bytes: int
     device_bytes: int  # 0: unknown
+    headroom: float = 0.0  # cluster.memory_headroom: the share of the usable memory kept free
 
     @property
     def total_bytes(self) -> int:
@@ -56,8 +62,15 @@ class MemoryEstimate:
         )
 
     @property
+    def limit_bytes(self) -> int:
+        """The most the estimate may reach: the reserved bytes plus (1 − headroom) of the rest of the
+        device (the one headroom rule: the memory check, the options and layout=auto's search)."""
+        usable = max(self.device_bytes - self.reserved_bytes, 0)
+        return self.reserved_bytes + int(usable * (1 - self.headroom))
+
+    @property
     def fits(self) -> bool:
-        return self.device_bytes == 0 or self.total_bytes <= self.device_bytes
+        return self.device_bytes == 0 or self.total_bytes <= self.limit_bytes
 
 
 NO_MEMORY = MemoryEstimate(0, 0, 0, 0, 0, 0, 0, 0)  # no estimate: the model's sizes are broken (PROBLEMS)
@@ -124,6 +137,7 @@ def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstima
         logits_bytes=logits,
         reserved_bytes=int(cfg.cluster.reserved_memory_gb * GIB),
         device_bytes=int(hardware(cfg).memory_gb.value * GIB),
+        headroom=cfg.cluster.memory_headroom,
     )
 
 
@@ -137,6 +151,8 @@ class TimeEstimate:
     first_checkpoint_s: float
     exchange_s: float = 0.0  # the data-parallel gradient (and weight) exchange of one step, in all
     exposed_s: float = 0.0  # the part of it not hidden behind the last micro-batch's backward
+    tp_comm_s: float = 0.0  # the tensor-parallel all-reduces of one step (every micro-batch's), not hidden
+    p2p_s: float = 0.0  # the pipeline's stage-to-stage transfers of one step, not hidden
 
     @property
     def known(self) -> bool:
@@ -146,23 +162,87 @@ class TimeEstimate:
 NO_TIME = TimeEstimate(math.nan, math.nan, 0.0, math.nan, math.nan, math.nan)  # see NO_MEMORY
 
 
+def element_bytes(precision: str) -> int:
+    """Bytes of an activation in the compute dtype: what the tensor- and pipeline-parallel traffic moves."""
+    return PRECISION_FACTS[precision].element_bytes if precision in PRECISION_FACTS else 2
+
+
+def exchange_gbps(cfg: SlipwayConfig, lay: Layout) -> float:
+    """The bus bandwidth of the data-parallel exchange: the node's own where every data-parallel group lies
+    in one node (a group spans tp × dp consecutive ranks, tp fastest: trainer/parallel/state.py), else
+    ``cluster.bus_bandwidth_gbps``."""
+    if lay.nodes <= 1 or lay.tasks_per_node % max(lay.tp * lay.dp, 1) == 0:
+        return hardware(cfg).intra_node_gbps.value
+    return cfg.cluster.bus_bandwidth_gbps
+
+
+def pipeline_gbps(cfg: SlipwayConfig, lay: Layout) -> float:
+    """The bandwidth of the pipeline's slowest stage-to-stage link: the network when the run spans nodes
+    (stages follow one another across the ranks, so some boundary crosses a node), else the node's own."""
+    return cfg.cluster.bus_bandwidth_gbps if lay.nodes > 1 else hardware(cfg).intra_node_gbps.value
+
+
 def exchange_seconds(cfg: SlipwayConfig, params: int, lay: Layout) -> tuple[float, float]:
     """(the data-parallel exchange of one step, the part of it hidden behind backward at most).
 
     Gradients (fp32 buckets, :func:`trainer.formulas.state_bytes_per_param`) are all-reduced over dp, or
     with ``optim.distributed`` reduce-scattered and the updated weights all-gathered after the step
-    (:func:`trainer.formulas.collective_seconds`, at ``cluster.bus_bandwidth_gbps``). With
+    (:func:`trainer.formulas.collective_seconds`, at :func:`exchange_gbps`). With
     ``parallel.overlap_grad_reduce`` the gradient buckets go while the last micro-batch's backward still
     runs (about 2/3 of its compute); the weights' all-gather waits for the optimizer step."""
-    t, c, dp = cfg.train, cfg.cluster, max(lay.dp, 1)
+    t, dp, bus = cfg.train, max(lay.dp, 1), exchange_gbps(cfg, lay)
     w_bytes, g_bytes, _ = formulas.state_bytes_per_param(t.precision, sharded_masters(cfg), dp)
     if sharded_masters(cfg):
-        grads = formulas.collective_seconds("reduce_scatter", params * g_bytes, dp, c.bus_bandwidth_gbps)
-        weights = formulas.collective_seconds("all_gather", params * w_bytes, dp, c.bus_bandwidth_gbps)
+        grads = formulas.collective_seconds("reduce_scatter", params * g_bytes, dp, bus)
+        weights = formulas.collective_seconds("all_gather", params * w_bytes, dp, bus)
     else:
-        grads = formulas.collective_seconds("all_reduce", params * g_bytes, dp, c.bus_bandwidth_gbps)
+        grads = formulas.collective_seconds("all_reduce", params * g_bytes, dp, bus)
         weights = 0.0
     return grads + weights, grads if cfg.parallel.overlap_grad_reduce else 0.0
+
+
+def tensor_parallel_seconds(cfg: SlipwayConfig, lay: Layout) -> float:
+    """The tensor-parallel all-reduces of one step on the busiest stage's devices
+    (:func:`trainer.formulas.tensor_parallel_seconds` for each of its micro-batches), at the bus bandwidth
+    between the GPUs of a node (a tensor-parallel group stays within one: Hardware.intra_node_gbps)."""
+    t, m, tp = cfg.train, cfg.model, max(lay.tp, 1)
+    if tp < 2:
+        return 0.0
+    layers = max(stage_layers(cfg))
+    if t.recompute_granularity != "full":
+        recomputed = 0
+    elif t.recompute_method == "uniform":
+        recomputed = layers
+    else:
+        recomputed = min(t.recompute_num_layers, layers)
+    per_microbatch = formulas.tensor_parallel_seconds(
+        layers, t.micro_batch_size, m.seq_length, m.hidden_size, tp, element_bytes(t.precision),
+        hardware(cfg).intra_node_gbps.value, recomputed)
+    return per_microbatch * max(lay.num_microbatches, 1)
+
+
+def pipeline_seconds(cfg: SlipwayConfig, lay: Layout) -> float:
+    """The pipeline's point-to-point traffic of one step (:func:`trainer.formulas.pipeline_p2p_seconds`)
+    at :func:`pipeline_gbps`."""
+    if lay.pp < 2:
+        return 0.0
+    t, m = cfg.train, cfg.model
+    return formulas.pipeline_p2p_seconds(max(lay.num_microbatches, 1), t.micro_batch_size, m.seq_length,
+                                         m.hidden_size, element_bytes(t.precision), pipeline_gbps(cfg, lay))
+
+
+def stage_balance(cfg: SlipwayConfig, padded_vocab: int) -> float:
+    """How much longer than an evenly loaded pipeline a step takes: pp × the busiest stage's share of the
+    FLOPs (its layers, and on the last stage the logits), 1 without a pipeline. The slowest stage paces
+    every micro-batch (Megatron's uneven split and its loss-layer accounting exist for this)."""
+    m, counts = cfg.model, stage_layers(cfg)
+    if len(counts) < 2:
+        return 1.0
+    body = formulas.model_flops_per_iteration(m, 1, 0)  # every layer, no logits
+    head = formulas.model_flops_per_iteration(m, 1, padded_vocab) - body
+    stages = [n * body / m.num_layers for n in counts]
+    stages[-1] += head
+    return len(counts) * max(stages) / (body + head)
 
 
 def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
@@ -178,13 +258,16 @@ def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
     t, layers = cfg.train, max(stage_layers(cfg))  # the slowest stage sets the pace
     recompute = formulas.recompute_time_factor(t.recompute_granularity, m.seq_length, m.hidden_size, layers,
                                                t.recompute_method, t.recompute_num_layers)
-    compute = flops * recompute / rate
+    compute = flops * recompute * stage_balance(cfg, v) / rate
+    # The all-reduces and the stage-to-stage transfers sit inside every micro-batch's forward and backward:
+    # the bubble stretches them as it does the compute.
+    tp_comm, p2p = tensor_parallel_seconds(cfg, lay), pipeline_seconds(cfg, lay)
     exchange, hideable = exchange_seconds(cfg, stage_params(cfg, vocab)[0], lay)
     exposed = exchange - min(hideable, compute * 2 / 3 / mb)  # the last micro-batch's backward
-    step = compute * (1 + bubble) + exposed
+    step = (compute + tp_comm + p2p) * (1 + bubble) + exposed
     eta = step * t.iters
     return TimeEstimate(flops, step, bubble, eta, eta / 3600 * max(lay.world, 1),
-                        step * min(t.save_interval or t.iters, t.iters), exchange, exposed)
+                        step * min(t.save_interval or t.iters, t.iters), exchange, exposed, tp_comm, p2p)
 
 
 def fmt_bytes(n: float) -> str:
@@ -213,7 +296,12 @@ def memory_table(mem: MemoryEstimate, device_name: str) -> str:
         ("total", fmt_bytes(mem.total_bytes), ""),
     ]
     cap = fmt_bytes(mem.device_bytes) if mem.device_bytes else "   unknown"
-    rows.append((f"device ({device_name})", cap, "fits" if mem.fits else "DOES NOT FIT"))
+    if mem.device_bytes:
+        rows.append((f"device ({device_name})", cap, ""))
+        rows.append((f"limit ({mem.headroom:.0%} headroom)", fmt_bytes(mem.limit_bytes),
+                     "fits" if mem.fits else "DOES NOT FIT"))
+    else:
+        rows.append((f"device ({device_name})", cap, "fits"))
     return "\n".join(f"  {a:<26}{b:>14}  {c}".rstrip() for a, b, c in rows)
 
 

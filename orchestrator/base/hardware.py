@@ -20,13 +20,17 @@ from trainer.devices import Gpu, find_gpu
 # The site's facts: only the site file sets them (an experiment's value is not used; a command line's must
 # not exceed the site's, orchestrator/checks/cluster.py).
 HARDWARE = ("max_nodes", "gpus_per_node", "cpus_per_node", "mem_per_node_gb", "device_name",
-            "device_memory_gb", "device_peak_tflops", "device_bf16", "bus_bandwidth_gbps")
+            "device_memory_gb", "device_peak_tflops", "device_bf16", "bus_bandwidth_gbps",
+            "intra_node_bandwidth_gbps")
 # What a run asks of the site: an experiment may set these.
 LAYOUT = ("gpus", "nodes", "tasks_per_node", "cpus_per_task", "mem_gb", "mfu")
 # Figures for the values a CPU site leaves null: a few cores, no measurement (the plan's ETA is a rough
 # guide there; the local and devcluster files set their own).
 CPU_PEAK_TFLOPS = 0.05
 CPU_MFU = 0.3
+# gloo between the processes of one node (loopback TCP): all_reduce of 8 MB measured ≈ 0.7 GB/s busbw on
+# the 2-core development machine, so about 1.
+CPU_INTRA_NODE_GBPS = 1.0
 
 
 @dataclass(frozen=True)
@@ -37,13 +41,15 @@ class Fact:
 
 @dataclass(frozen=True)
 class Hardware:
-    """What the plan uses of one device: its table entry, memory, peak, bf16 and the MFU for the ETA."""
+    """What the plan uses of one device: its table entry, memory, peak, bf16, the MFU for the ETA and the
+    bus bandwidth between the GPUs of a node (the tensor-parallel all-reduces')."""
 
     gpu: Gpu | None
     memory_gb: Fact  # 0: unknown
     peak_tflops: Fact  # None: unknown (a GPU the table does not know, without a peak)
     bf16: Fact
     mfu: Fact
+    intra_node_gbps: Fact
 
 
 def source(c: ClusterConfig, key: str) -> str:
@@ -92,7 +98,10 @@ def hardware(cfg: SlipwayConfig, figures: tuple[MeasuredMfu, ...] | None = None)
         peak = Fact(c.device_peak_tflops or CPU_PEAK_TFLOPS, source(c, "device_peak_tflops")
                     if c.device_peak_tflops else "assumed for CPUs")
         bf16 = Fact(True if c.device_bf16 is None else c.device_bf16, source(c, "device_bf16"))
-        return Hardware(None, mem, peak, bf16, plan_mfu(c, None, precision, figures))
+        link = Fact(c.intra_node_bandwidth_gbps or CPU_INTRA_NODE_GBPS,
+                    source(c, "intra_node_bandwidth_gbps") if c.intra_node_bandwidth_gbps
+                    else "assumed for CPUs (gloo within a node)")
+        return Hardware(None, mem, peak, bf16, plan_mfu(c, None, precision, figures), link)
     gpu = find_gpu(c.device_name)
     memory = _from_table(c, "device_memory_gb", c.device_memory_gb, gpu, gpu and gpu.memory_gb)
     if memory.value is None:
@@ -104,4 +113,11 @@ def hardware(cfg: SlipwayConfig, figures: tuple[MeasuredMfu, ...] | None = None)
     bf16 = _from_table(c, "device_bf16", c.device_bf16, gpu, gpu and gpu.bf16)
     if bf16.value is None:
         bf16 = Fact(True, f"assumed ({c.device_name} is not in the device table)")
-    return Hardware(gpu, memory, peak, bf16, plan_mfu(c, gpu, precision, figures))
+    link = _from_table(c, "intra_node_bandwidth_gbps", c.intra_node_bandwidth_gbps, gpu,
+                       gpu and gpu.intra_node_bus_gbps)
+    if c.intra_node_bandwidth_gbps is None and gpu is not None:
+        link = Fact(link.value, f"device table: {gpu.link_gbps:g} GB/s between {gpu.name}s both ways, half "
+                                "each way (a ring's)")
+    elif link.value is None:  # a GPU the table does not know: no faster than the network, at least
+        link = Fact(c.bus_bandwidth_gbps, f"cluster.bus_bandwidth_gbps ({link.source})")
+    return Hardware(gpu, memory, peak, bf16, plan_mfu(c, gpu, precision, figures), link)

@@ -26,6 +26,15 @@ class MeasuredMfu:
 
 
 @cache
+def measured_recipes() -> frozenset[str]:
+    """The precision recipes (autocast, master_weights, fp32) some GPU run in bench/results/mfu.json used."""
+    try:
+        return frozenset(r.recipe for r in load_measured() if find_gpu(r.device) is not None)
+    except (OSError, ValueError):
+        return frozenset()
+
+
+@cache
 def measured_figures() -> tuple[MeasuredMfu, ...]:
     """Every GPU's measured MFU figure (none when bench/results is not there, e.g. an installed copy).
     Read once per process."""

@@ -75,6 +75,7 @@ class Plan:
     # as autolayout plans with the checks, which read these types).
     config: SlipwayConfig | None = None
     proposal: Any = None
+    wandb_key: str | None = None  # where the W&B API key comes from (trainer.wandb_key.key_source), never it
 
     def stage(self, name: str) -> StagePlan:
         return next(s for s in self.stages if s.name == name)

@@ -3,10 +3,11 @@
 The root :class:`SlipwayConfig` is the trainer's :class:`trainer.config.RunConfig` (the one definition of
 every trainer section, key, default and rule) plus the orchestrator's own sections (cluster, container,
 convert) and launch switches, defined here. Every group YAML in ``hydra_conf/`` merges into it, so a
-typo'd key or a value of the wrong type fails at composition with Hydra's own message (``Key 'lrr' not
-in 'OptimConfig'``). Each section's own rules are its ``problems()``; :func:`to_typed` builds the tree
-with them deferred, and the checks (orchestrator/checks/) report them together with the rules that need
-several sections (heads % tp, world size, memory): every problem at once, with the key, the value and the fix.
+typo'd key or a value of the wrong type fails at composition (Hydra's own error, which launch.py says as a
+problem with its fix: orchestrator/launch/hydra_errors.py). Each section's own rules are its
+``problems()``; :func:`to_typed` builds the tree with them deferred, and the checks
+(orchestrator/checks/) report them together with the rules that need several sections (heads % tp, world
+size, memory): every problem at once, with the key, the value and the fix.
 
 Each field's documentation is the string literal right below it (an attribute docstring):
 ``python -m orchestrator.docs`` turns them into ``docs/config.md``, and a test fails when that file is not
@@ -15,13 +16,12 @@ current. Field names are a user contract (see the brief): keep them stable.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
+from orchestrator.base.config_keys import unknown_keys
 from orchestrator.base.problems import PlanError, Problem
 from trainer.config import RunConfig
 from trainer.config_issues import ConfigIssue, Section, choice, declared_defaults, deferred, issue, positive
@@ -31,6 +31,7 @@ EXECUTORS = ("local", "slurm")
 CONTAINER_KINDS = ("none", "apptainer", "pyxis", "charliecloud")
 LAYOUT_MODES = ("manual", "auto")
 TUNE_MODES = ("false", "true", "force")
+SWEEP_PLANS = ("first", "all")
 RECOMPUTE_CHOICES = ("none", "selective", "full")
 
 
@@ -127,12 +128,20 @@ class ClusterConfig(Section):
     all_reduce_perf prints it (busbw, large messages, across two nodes): the plan's data-parallel gradient
     exchange takes bytes × 2(dp − 1)/dp / busbw per step. Default 25: about what one 200 Gb/s HDR
     InfiniBand link per node gives; NVLink within a node and a NIC per GPU give 10-20× more."""
+    intra_node_bandwidth_gbps: float | None = None
+    """Site hardware: the bus bandwidth of a collective among one node's GPUs in GB/s (nccl-tests' busbw
+    within a node): the plan's tensor-parallel all-reduces (4 per layer and micro-batch) run at it; null:
+    half the device table's NVLink figure (a ring sends each byte one way: H100 SXM 450), 1 on CPUs."""
     mfu: float | None = None
     """Planning: model FLOPs utilisation for the ETA; null: the figure measured in bench/ on this GPU (or,
     for a GPU not measured yet, on the one that was; the plan names the figure), 0.3 on CPUs."""
     reserved_memory_gb: float = 2.0
     """Planning: memory per device taken by the CUDA context, allocator fragmentation and communication
     buffers."""
+    memory_headroom: float = 0.1
+    """Planning: the share of a device's usable memory (device_memory_gb less reserved_memory_gb) the
+    plan's estimate must leave free, its margin of error: a layout fits when the estimate is at most
+    reserved + (1 − memory_headroom) × usable (80 GB, 3 reserved: 72.3 GB); 0: up to the last byte."""
 
     hardware_sources: dict[str, str] = field(default_factory=dict)
     """Written by launch.py, not a setting: where each hardware and layout value came from (site file,
@@ -148,11 +157,15 @@ class ClusterConfig(Section):
                + choice("cluster.executor", self.executor, EXECUTORS))
         for name in ("gpus", "max_nodes", "cpus_per_node", "tasks_per_node"):
             out += positive(f"cluster.{name}", getattr(self, name), allow_none=True)
-        for name in ("mem_per_node_gb", "device_peak_tflops", "bus_bandwidth_gbps"):
+        for name in ("mem_per_node_gb", "device_peak_tflops", "bus_bandwidth_gbps",
+                     "intra_node_bandwidth_gbps"):
             out += positive(f"cluster.{name}", getattr(self, name), allow_none=True)
         if self.stage_mem_gb is not None and self.stage_mem_gb < 0:
             out.append(issue("range", "cluster.stage_mem_gb", self.stage_mem_gb, "must be >= 0",
                              "cluster.stage_mem_gb=null (each stage's own figure), 0 (a whole node's) or GB"))
+        if not 0 <= self.memory_headroom < 1:
+            out.append(issue("range", "cluster.memory_headroom", self.memory_headroom, "must be in [0, 1)",
+                             "a fraction such as cluster.memory_headroom=0.1 (0: no margin)"))
         if self.mfu is not None and not 0 < self.mfu <= 1:
             out.append(issue("range", "cluster.mfu", self.mfu, "must be in (0, 1]", "cluster.mfu=null "
                              "(the measured figure) or a fraction such as cluster.mfu=0.35"))
@@ -311,7 +324,13 @@ class SlipwayConfig(RunConfig):
     cache_dir: str | None = None
     """Content-addressed outputs of the shared stages (corpus, preprocess); null: <runs_root>/_cache."""
     dry_run: bool = False
-    """Print the plan (layout, memory, ETA, stages, problems) and the job scripts; submit nothing."""
+    """Print the plan (layout, memory, ETA, stages, problems) and the job scripts; submit nothing. A sweep
+    prints one point's plan in full, then a line per point with what sets it apart and its device-hours
+    (sweep_plans)."""
+    sweep_plans: str = "first"
+    """What a sweep's dry run prints in full: first (the first point's plan and job scripts; the others as a
+    line each: their overrides, the plan figures that differ from the first's, device-hours, ETA) or all
+    (every point's)."""
     wait: bool | None = None
     """Block until the run ends; null: block for the local executor (its jobs are this machine's
     processes), return at once for Slurm and for sweeps."""
@@ -337,7 +356,8 @@ class SlipwayConfig(RunConfig):
         return (super().problems() + self.cluster.problems() + self.container.problems()
                 + self.eval.problems() + self.autotune.problems()
                 + choice("layout", self.layout, LAYOUT_MODES)
-                + choice("tune", self.tune, TUNE_MODES))
+                + choice("tune", self.tune, TUNE_MODES)
+                + choice("sweep_plans", self.sweep_plans, SWEEP_PLANS))
 
 
 def register() -> None:
@@ -345,37 +365,6 @@ def register() -> None:
     cs = ConfigStore.instance()
     with declared_defaults():  # derived defaults are derived from the composed config, in to_typed
         cs.store(name="slipway_schema", node=SlipwayConfig)
-
-
-def unknown_keys(node: Any, path: str = "") -> list[ConfigIssue]:
-    """Keys of a composed config that no section of the schema has. Hydra refuses ``optim.lrr=3e-4``
-    itself, but its own hint (``+optim.lrr=3e-4``) adds the key to the typed section and typing then
-    drops it without a word; mappings (cluster.env, cluster.sbatch_extra, ...) take any key."""
-    from omegaconf import DictConfig, OmegaConf
-
-    kind = OmegaConf.get_type(node)
-    if not dataclasses.is_dataclass(kind):
-        return []
-    names = [f.name for f in dataclasses.fields(kind)]
-    out = []
-    for key in node.keys():
-        full = f"{path}.{key}" if path else str(key)
-        if key not in names:
-            value = OmegaConf.select(node, str(key), default=None)
-            close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.6)
-            prefix = f"{path}." if path else ""
-            listed = f": {', '.join(names)}" if len(names) <= 12 else ""
-            out.append(issue(
-                "unknown_key", full, value,
-                f"is no key of {f'section {path}' if path else 'the top level'} ({kind.__name__}{listed}); a "
-                "leading + adds keys only to mappings such as cluster.env or cluster.sbatch_extra",
-                (f"did you mean {prefix}{close[0]}={value}? " if close else "")
-                + "docs/config.md lists every key"))
-            continue
-        child = node._get_node(key)
-        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
-            out += unknown_keys(child, full)
-    return out
 
 
 def to_typed(cfg: Any, choices: dict[str, Any] | None = None) -> SlipwayConfig:

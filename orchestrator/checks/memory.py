@@ -34,8 +34,10 @@ def memory_problems(ctx: Context) -> list[Problem]:
             "memory",
             "train.micro_batch_size",
             cfg.train.micro_batch_size,
-            f"needs {mem.total_bytes / GIB:.1f} GiB per device ({parts}) but "
-            f"{cfg.cluster.device_name} has {mem.device_bytes / GIB:.0f} GiB{_needs(ctx)}",
+            f"needs {mem.total_bytes / GIB:.1f} GiB per device ({parts}) but {cfg.cluster.device_name} has "
+            f"{mem.device_bytes / GIB:.0f} GiB, {mem.limit_bytes / GIB:.1f} of them for the estimate "
+            f"(cluster.memory_headroom={mem.headroom:g} keeps that share of the usable memory free)"
+            f"{_needs(ctx)}",
             hint,
         )
     ]

@@ -20,7 +20,6 @@ rules that refuse them here.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 
 from orchestrator.base.plan_types import Context
@@ -30,7 +29,7 @@ from orchestrator.base.schema import SlipwayConfig
 from orchestrator.world.container import mount_points
 from trainer import faults
 from trainer.run_files import RUN_JSON
-from trainer.wandb_key import has_wandb_key, missing_key_message, wandb_host
+from trainer.wandb_key import has_wandb_key, missing_key_message, netrc_path, wandb_host
 
 _REMOVE = "remove it from the config and export it in the environment you launch from (Slurm passes it on)"
 
@@ -116,7 +115,7 @@ def wandb_key_problems(ctx: Context) -> list[Problem]:
                         "export WANDB_API_KEY in the shell you launch from (Slurm passes it on) or run "
                         "`wandb login` (~/.netrc); or set logging.wandb.mode=offline (upload later with "
                         "wandb sync) or disabled")]
-    netrc = os.path.abspath(os.path.expanduser(environ.get("NETRC") or "~/.netrc"))  # as has_wandb_key
+    netrc = netrc_path(environ)
     if ctx.cfg.container.kind != "pyxis" or any(_under(netrc, d) for _, d in mount_points(ctx.cfg)):
         return []
     read = f"python -c \"import netrc; print(netrc.netrc().authenticators('{wandb_host(environ)}')[2])\""

@@ -25,7 +25,7 @@ from pathlib import Path
 from orchestrator.base import redaction
 from orchestrator.base.facts import PlanInputs, SweepInfo
 from orchestrator.base.plan_types import Context, Plan, StagePlan
-from orchestrator.base.problems import PlanError
+from orchestrator.base.problems import PlanError, arrange
 from orchestrator.base.schema import SlipwayConfig
 from orchestrator.checks import run_checks
 from orchestrator.checks.secrets import known_secrets
@@ -46,8 +46,10 @@ from orchestrator.planning.plan_format import (
     hardware_lines,
     layout_line,
     memory_lines,
+    precision_notes,
     recipe_lines,
     time_lines,
+    wandb_lines,
 )
 from orchestrator.readback.follow import LogFollower, failure_tails, log_path
 from orchestrator.readback.summary import write_summary
@@ -144,6 +146,8 @@ def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
         *(proposal_lines(cfg, plan.proposal) if plan.proposal is not None else []),
         *recipe_lines(cfg, lay, plan.vocab_size),
         f"  precision recipe: {precision}",
+        *precision_notes(cfg),
+        *wandb_lines(cfg, plan),
         *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
         "",
         *hardware_lines(cfg),
@@ -358,6 +362,7 @@ def prepare(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> Prepared:
     plan = make_plan(cfg, facts)
     cfg = plan.config or cfg  # layout=auto: the plan's first choice applied (plan.py)
     plan.problems.extend(run_checks(Context(cfg, facts.environ, plan=plan), at="launch"))
+    plan.problems[:] = arrange(plan.problems)  # root causes first, over the plan's and the launch's
     try:
         n = launches.LaunchRecord.load(plan.run_dir).next_launch()
     except launches.RunRecordError:

@@ -6,8 +6,9 @@ inside :func:`collecting`, and each call hands the point to the :class:`Collecto
 
 1. **plan**: every point is composed, typed, planned, checked and rendered (flow.prepare); nothing is
    written. A point whose plan has problems keeps them (a config that does not even type is one problem).
-2. **verdict** (:meth:`Collector.verdict`): one sweep summary — the points, each point's overrides and
-   problems, the device-hours of all of them together. A dry run prints every point's plan and the
+2. **verdict** (:meth:`Collector.verdict`): one sweep summary — the points, each point's overrides, the
+   plan figures that differ from the first point's, its problems, the device-hours of all of them
+   together. A dry run prints the first point's plan in full (``sweep_plans=all``: every point's), then the
    summary; problems in any point refuse the whole sweep. Either way nothing was written: no sweep
    folder, no ``multirun.yaml``, no run directory.
 3. **submit**: the points are recorded and submitted in order (flow.execute), each added to the sweep's
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import TextIO
 
 from orchestrator.base import redaction
-from orchestrator.base.estimate import fmt_duration
+from orchestrator.base.estimate import DEVICE_HOURS, GIB, fmt_duration
 from orchestrator.base.facts import SweepInfo
 from orchestrator.base.problems import PlanError
 from orchestrator.base.schema import SlipwayConfig
@@ -97,6 +98,11 @@ class Collector:
     def dry_run(self) -> bool:
         return any(p.prepared.cfg.dry_run for p in self.points.values() if p.prepared)
 
+    @property
+    def every_plan(self) -> bool:
+        """sweep_plans=all: a dry run prints every point's plan in full."""
+        return any(p.prepared.cfg.sweep_plans == "all" for p in self.points.values() if p.prepared)
+
     def verdict(self, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int | None:
         """After planning every point: the exit code when nothing is to be submitted (a dry run: 0, or 2
         with problems; problems: 2), None when every point is to be submitted. Prints the summary (and a
@@ -108,9 +114,12 @@ class Collector:
                 err.write(f"warning: point {p.sweep.point}: {warning}\n")
         bad = [p for p in ordered if p.problems]
         if self.dry_run:
-            for p in (x.prepared for x in ordered):
-                if p is not None:
-                    out.write(redaction.redact(format_plan(p.cfg, p.plan, p.scripts)) + "\n")
+            planned = [x for x in ordered if x.prepared is not None]
+            for p in (x.prepared for x in (planned if self.every_plan else planned[:1])):
+                out.write(redaction.redact(format_plan(p.cfg, p.plan, p.scripts)) + "\n")
+            if len(planned) > 1 and not self.every_plan:
+                out.write(f"(the plan of point {planned[0].sweep.point} in full; each other point is a line "
+                          "below with what differs from it: sweep_plans=all prints every plan)\n\n")
             out.write(summary(ordered, "dry run: nothing was written or submitted"))
             return EXIT_PROBLEMS if bad else 0
         if bad:
@@ -130,31 +139,58 @@ class Collector:
         redaction.redacting(out).write(summary(ordered, done))
 
 
+def figures(p: Prepared) -> dict[str, str]:
+    """The plan figures a sweep's points are compared by (summary): what its overrides change."""
+    lay, cfg, plan = p.plan.layout, p.cfg, p.plan
+    out = {"layout": f"{lay.nodes}×{lay.tasks_per_node} tp {lay.tp} pp {lay.pp} dp {lay.dp}",
+           "micro-batches": f"{lay.num_microbatches} of {cfg.train.micro_batch_size}",
+           "global batch": str(lay.global_batch), "iterations": str(cfg.train.iters),
+           "precision": cfg.train.precision}
+    if plan.memory.device_bytes or plan.memory.total_bytes:
+        out["memory/device"] = f"{plan.memory.total_bytes / GIB:.2f} GiB"
+    if plan.time.known:
+        out["step"] = f"{plan.time.step_s:.3g} s"
+    return out
+
+
 def summary(points: list[Point], outcome: str) -> str:
-    """The one sweep summary: a line per point (overrides, run, device-hours and ETA, or its problems),
-    the total, and the outcome."""
+    """The one sweep summary: what every point shares (overrides, problems), a line per point (its
+    overrides, run, device-hours and ETA, the plan figures that differ from the first planned point's, its
+    own problems), the total, and the outcome."""
     first = points[0]
-    common = set.intersection(*(set(p.sweep.overrides) for p in points)) if len(points) > 1 else set()
+    several = len(points) > 1
+    common = set.intersection(*(set(p.sweep.overrides) for p in points)) if several else set()
+    shared = set.intersection(*(set(p.problems) for p in points)) if several else set()
     lines = [f"Slipway sweep {first.sweep.sweep_id}: {len(points)} point(s)"]
     if common:
         lines.append(f"  every point: {' '.join(o for o in first.sweep.overrides if o in common)}")
-    total, unit = 0.0, ""
+    if shared:
+        lines.append(f"  every point's PROBLEMS ({len(shared)}):")
+        lines += [f"    - {x}" for x in first.problems if x in shared]
+    total = 0.0
+    reference = next((p for p in points if p.prepared is not None), None)
     for p in points:
         head = f"  point {p.sweep.point}: {p.label(common)}"
+        differs = ""
         if p.prepared is not None:
-            plan, cfg = p.prepared.plan, p.prepared.cfg
-            unit = "GPU" if cfg.cluster.gpus_per_node else "CPU-task"
+            plan = p.prepared.plan
             total += plan.time.device_hours
-            head += (f"  run {plan.run_id}  {plan.time.device_hours:.1f} {unit}-hours, ETA "
+            head += (f"  run {plan.run_id}  {plan.time.device_hours:.1f} {DEVICE_HOURS}, ETA "
                      f"{fmt_duration(plan.time.eta_s)}")
+            ref = figures(reference.prepared) if reference is not None and reference is not p else {}
+            differs = "; ".join(f"{k} {v}" for k, v in figures(p.prepared).items()
+                                if k in ref and ref[k] != v)
         lines.append(head)
+        if differs:
+            lines.append(f"      vs point {reference.sweep.point}: {differs}")
         if p.result is not None:
             jobs = " ".join(f"{s.stage}={s.job_id}" for s in p.result.submitted if s.job_id) or "-"
             lines.append(f"      {p.result.plan.run_dir}  jobs: {jobs}")
-        if p.problems:
-            lines.append(f"      PROBLEMS ({len(p.problems)}):")
-            lines += [f"        - {x}" for x in p.problems]
-    lines.append(f"  total: {total:.1f} {unit or 'device'}-hours for {len(points)} point(s)")
+        own = [x for x in p.problems if x not in shared]
+        if own:
+            lines.append(f"      PROBLEMS ({len(own)}{' more' if shared else ''}):")
+            lines += [f"        - {x}" for x in own]
+    lines.append(f"  total: {total:.1f} {DEVICE_HOURS} for {len(points)} point(s)")
     lines.append(f"  {outcome}")
     return "\n".join(lines) + "\n"
 

@@ -9,27 +9,38 @@ the tasks per node) — and varies what does not (NeMo's AutoConfigurator varies
   uneven split (first and/or last stage holding other counts, parallel.first_stage_layers /
   last_stage_layers) with the fewest layers on the busiest stage, every such split a candidate;
 - ``virtual_pp_size``, ``micro_batch_size``, ``recompute_granularity`` and ``optim.distributed`` over the
-  lists in the ``autotune`` section (sequence parallelism is on wherever tp > 1 allows it: same math, less
-  memory, Megatron's advice).
+  lists in the ``autotune`` section, the run's own ``train.micro_batch_size`` among the micro-batches
+  (sequence parallelism is on wherever tp > 1 allows it: same math, less memory, Megatron's advice).
 
 Each combination is checked by the plan's own rules — the model's tensor split (``ModelConfig.tp_issues``),
 the pipeline split (:func:`orchestrator.checks.layout.pipeline_split`), the layout and batch checks
 (:func:`orchestrator.checks.layout.layout_problems`), each section's rules — and then by the plan's memory
-estimate; the first rule it breaks is why it was dropped. What is left is ranked by the plan's estimated
-step time (orchestrator/base/estimate.py), which has no term for tensor-parallel communication or for how
-a GEMM's efficiency grows with the micro-batch, so it ties where layouts differ only in those; ties go to
-the smaller tp × pp, then the larger micro-batch, then less recomputation, no distributed optimizer, no
-interleaving. Which of them is really fastest is what the trials measure (orchestrator/stages/tune.py).
+estimate against the device less its headroom (``cluster.memory_headroom``, MemoryEstimate.limit_bytes);
+the first rule it breaks is why it was dropped. What is left is ranked by the plan's estimated step time
+(orchestrator/base/estimate.py: FLOPs at the measured MFU, the tensor-parallel all-reduces at the node's
+bandwidth, the pipeline bubble, the data-parallel exchange). It has no term for how a GEMM's efficiency
+grows with the micro-batch, so layouts that differ only there tie; ties (equal to 9 significant digits) go
+to the layout that needs less memory, then the smaller tp × pp, less recomputation, no distributed
+optimizer, no interleaving. Which of them is really fastest is what the trials measure
+(orchestrator/stages/tune.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.base.estimate import MemoryEstimate, TimeEstimate, estimate_memory, estimate_time, fmt_bytes
+from orchestrator.base.estimate import (
+    GIB,
+    MemoryEstimate,
+    TimeEstimate,
+    estimate_memory,
+    estimate_time,
+    fmt_bytes,
+)
 from orchestrator.base.layout import layout_of, tasks_per_node
 from orchestrator.base.plan_types import Context
 from orchestrator.base.schema import RECOMPUTE_CHOICES, SlipwayConfig
@@ -47,7 +58,7 @@ _REASONS = {
     "batch": "the micro-batch does not divide the global batch per data-parallel rank",
     "vpp_layers": "pp × virtual_pp_size does not divide the layers",
     "vpp_microbatches": "the micro-batches per step are not a multiple of pp (interleaved schedule)",
-    "memory": "does not fit in device memory (the plan's estimate)",
+    "memory": "does not fit in device memory less its headroom (the plan's estimate)",
 }
 
 
@@ -136,11 +147,14 @@ class Proposal:
             groups.setdefault(d.code, []).append(d)
         lines = []
         for code, items in sorted(groups.items(), key=lambda kv: -len(kv[1])):
-            # Examples of different shapes (not the same layout with and without the optimizer option).
+            # Examples of different shapes (not the same layout with and without the optimizer option);
+            # the rule's own message once, for the first.
             varied = list({(d.candidate.tp, d.candidate.pp, d.candidate.vpp, d.candidate.micro_batch): d
-                           for d in reversed(items)}.values())[::-1]
-            shown = "; ".join(f"{d.candidate.name} ({d.detail})" for d in varied[:examples])
-            lines.append(f"    {len(items):5d} × {_REASONS.get(code, code)}: e.g. {shown}")
+                           for d in reversed(items)}.values())[::-1][:examples]
+            shown = ", ".join([f"{varied[0].candidate.name} ({varied[0].detail})",
+                               *(d.candidate.name for d in varied[1:])])
+            lines += textwrap.wrap(f"{len(items):5d} × {_REASONS.get(code, code)}: e.g. {shown}", width=106,
+                                   initial_indent="    ", subsequent_indent=" " * 12)
         return lines
 
 
@@ -188,13 +202,14 @@ def _splits(num_layers: int, pp: int) -> list[tuple[int | None, int | None, tupl
 
 def _grid(cfg: SlipwayConfig, world: int, tasks: int) -> list[Candidate]:
     a, seq = cfg.autotune, cfg.model.seq_length
+    micro_batches = sorted(set(a.micro_batch_sizes) | {cfg.train.micro_batch_size} - {0})
     out = []
     for tp in _divisors(tasks):
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
             for first, last, stages in _splits(cfg.model.num_layers, pp):
                 for vpp in (sorted(set(a.virtual_pp_sizes)) if pp > 1 else [1]):
-                    for mb in sorted(set(a.micro_batch_sizes)):
+                    for mb in micro_batches:
                         for rc in [r for r in RECOMPUTE_CHOICES if r in a.recompute]:
                             for dist in (sorted(set(a.distributed_optimizer)) if dp > 1 else [False]):
                                 out.append(Candidate(tp, pp, vpp, mb, rc, dist, tp > 1 and seq % tp == 0,
@@ -218,9 +233,11 @@ def _rule_broken(cfg: SlipwayConfig, cand: Candidate, alt: SlipwayConfig) -> tup
 
 
 def _rank_key(r: Ranked) -> tuple:
+    """Faster first; equal estimates (to 9 significant digits: the same sum in another order) to the
+    layout with the most memory to spare (the module docstring)."""
     c, step = r.candidate, r.time.step_s
-    return (step if math.isfinite(step) else math.inf, c.tp * c.pp, -c.micro_batch,
-            RECOMPUTE_CHOICES.index(c.recompute), c.distributed, c.vpp, c.tp)
+    return (float(f"{step:.9g}") if math.isfinite(step) else math.inf, r.memory.total_bytes, c.tp * c.pp,
+            RECOMPUTE_CHOICES.index(c.recompute), c.distributed, c.vpp, c.tp, c.micro_batch)
 
 
 def propose(cfg: SlipwayConfig, vocab: int) -> Proposal:
@@ -239,7 +256,7 @@ def propose(cfg: SlipwayConfig, vocab: int) -> Proposal:
         mem = estimate_memory(alt, vocab, lay)
         if not mem.fits:
             out.dropped.append(Dropped(cand, "memory", f"needs {fmt_bytes(mem.total_bytes).strip()} of "
-                                                       f"{fmt_bytes(mem.device_bytes).strip()}"))
+                                                       f"{fmt_bytes(mem.limit_bytes).strip()}"))
             continue
         out.ranked.append(Ranked(cand, lay.dp, mem, estimate_time(alt, vocab, lay)))
     out.ranked.sort(key=_rank_key)
@@ -254,14 +271,19 @@ def proposal_lines(cfg: SlipwayConfig, p: Proposal) -> list[str]:
     """The dry run's table: the first ``autotune.show`` ranked layouts with memory and estimate, which of
     them tune=true measures, and why the others were dropped."""
     a = cfg.autotune
-    head = (f"Auto layout (layout=auto): world {p.world} = {p.nodes} node(s) × {p.tasks_per_node} task(s), "
-            f"global batch {p.global_batch}; {p.searched} layouts searched, {len(p.ranked)} fit, ranked by "
-            "the plan's step-time estimate:")
+    text = (f"Auto layout (layout=auto): world {p.world} = {p.nodes} node(s) × {p.tasks_per_node} task(s), "
+            f"global batch {p.global_batch}; {p.searched} layouts searched, {len(p.ranked)} fit")
+    if p.ranked and p.ranked[0].memory.device_bytes:
+        m = p.ranked[0].memory
+        text += (f" in {m.limit_bytes / GIB:.2f} of {m.device_bytes / GIB:.2f} GiB per device "
+                 f"(cluster.memory_headroom={m.headroom:g})")
+    head = textwrap.wrap(f"{text}; ranked by the plan's step-time estimate, equal estimates by memory:",
+                         width=110, subsequent_indent="  ")
     if not p.ranked:
         dropped = ["  dropped:", *p.dropped_lines()] if p.dropped else []
-        return [head, "    none fits (see PROBLEMS)", *dropped]
+        return [*head, "    none fits (see PROBLEMS)", *dropped]
     measured = len(p.trials(a.candidates)) if cfg.tune != "false" and len(p.ranked) > 1 else 0
-    lines = [head, f"    {'#':>3}  {'layout':<28}{'dp':>4}{'memory/device':>15}{'est. step':>12}"
+    lines = [*head, f"    {'#':>3}  {'layout':<28}{'dp':>4}{'memory/device':>15}{'est. step':>12}"
                    f"{'est. tok/s':>13}"]
     for i, r in enumerate(p.ranked[:max(a.show, measured)]):
         step = f"{r.time.step_s:.4g} s" if r.time.known else "unknown"

@@ -25,6 +25,7 @@ from orchestrator.base.estimate import (
 from orchestrator.base.facts import PlanInputs, SweepInfo
 from orchestrator.base.layout import Layout, layout_of
 from orchestrator.base.plan_types import Context, Estimates, Plan
+from orchestrator.base.problems import arrange
 from orchestrator.base.schema import SlipwayConfig
 from orchestrator.checks import run_checks
 from orchestrator.checks.run import insane_values
@@ -33,6 +34,7 @@ from orchestrator.stages import STAGES
 from orchestrator.stages.base import PlanContext
 from trainer.config_issues import deferred
 from trainer.formulas import model_vocab_size
+from trainer.wandb_key import key_source
 
 __all__ = ["PlanInputs", "SweepInfo", "make_plan", "memory_options", "resolve_vocab"]
 
@@ -159,7 +161,8 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
         choices = memory_options(cfg, vocab, lay)
         nowhere = not mem.fits and not any(o.memory.fits for o in choices)
         estimates = Estimates(mem, est, choices, smallest_replica(cfg, vocab) if nowhere else None)
-    problems = run_checks(Context(cfg, facts.environ, exists, estimates, proposal=proposal), at="plan")
+    checked = Context(cfg, facts.environ, exists, estimates, proposal=proposal)
+    problems = arrange(run_checks(checked, at="plan"))  # root causes first (orchestrator/base/problems.py)
     ctx = PlanContext(cfg, facts, proposal=proposal)
     for stage in STAGES:
         planned = stage.plan(ctx)
@@ -172,4 +175,5 @@ def make_plan(cfg: SlipwayConfig, facts: PlanInputs, exists: Any = os.path.exist
         memory_options=choices,
         config=cfg,
         proposal=proposal,
+        wandb_key=key_source(facts.environ),
     )

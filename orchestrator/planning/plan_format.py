@@ -4,11 +4,25 @@ them together with the memory table, the stages and the problems)."""
 
 from __future__ import annotations
 
-from orchestrator.base.estimate import NO_MEMORY, NO_TIME, fmt_duration, memory_table, options_table
+import textwrap
+
+from orchestrator.base.estimate import (
+    DEVICE_HOURS,
+    NO_MEMORY,
+    NO_TIME,
+    exchange_gbps,
+    fmt_duration,
+    memory_table,
+    options_table,
+    pipeline_gbps,
+)
 from orchestrator.base.hardware import hardware, is_cpu, source
 from orchestrator.base.layout import Layout
+from orchestrator.base.measured import measured_recipes
 from orchestrator.base.plan_types import Plan
 from orchestrator.base.schema import SlipwayConfig
+from trainer.config.train import PRECISION_FACTS, precision_recipe
+from trainer.run_files import RunDir
 
 
 def layout_line(cfg: SlipwayConfig, lay: Layout) -> str:
@@ -66,9 +80,56 @@ def hardware_lines(cfg: SlipwayConfig) -> list[str]:
               _row(f"peak ({cfg.train.precision})", peak, hw.peak_tflops.source)]
     if not is_cpu(c):
         lines += [_row("bf16", "yes" if hw.bf16.value else "no", hw.bf16.source),
-                  _row("bus bandwidth", f"{c.bus_bandwidth_gbps:g} GB/s", source(c, "bus_bandwidth_gbps"))]
+                  _row("bus bandwidth", f"{c.bus_bandwidth_gbps:g} GB/s", source(c, "bus_bandwidth_gbps")),
+                  _row("within a node", f"{hw.intra_node_gbps.value:g} GB/s", hw.intra_node_gbps.source)]
     lines.append(_row("MFU for the ETA", f"{hw.mfu.value:.1%}", hw.mfu.source))
     return lines
+
+
+def precision_notes(cfg: SlipwayConfig, recipes: frozenset[str] | None = None) -> list[str]:
+    """What the plan says of the precision on this device, from the one table of facts (PRECISION_FACTS)
+    and what bench/ measured (``recipes``: the recipes a GPU run used, orchestrator/base/measured.py)."""
+    if not cfg.cluster.gpus_per_node:
+        return []
+    t, hw, out = cfg.train, hardware(cfg), []
+    facts = PRECISION_FACTS.get(t.precision)
+    if facts is not None and facts.loss_scaling and hw.bf16.value:
+        device = hw.gpu.name if hw.gpu else cfg.cluster.device_name
+        out.append(f"{t.precision} is the usual choice on {facts.where}; {device} has bf16, the usual choice "
+                   f"on {PRECISION_FACTS['bf16'].where}: train.precision=bf16")
+    recipe = precision_recipe(t.precision, t.precision_recipe, cfg.optim.distributed)
+    measured = measured_recipes() if recipes is None else recipes
+    if recipe not in measured:
+        out.append(f"the {recipe} recipe has not been measured on a GPU yet (bench/results/mfu.json: "
+                   f"{', '.join(sorted(measured)) or 'nothing'}): its speed, and the ETA's MFU, are another "
+                   "recipe's figures")
+    return [line for n in out for line in textwrap.wrap(f"note: {n}", 106, initial_indent="    ",
+                                                          subsequent_indent="      ")]
+
+
+def wandb_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
+    """Where the run logs: W&B's mode, project, entity, group and run name as the training job gets them
+    (the train stage's trainer config: a sweep's id is its group), and where the API key comes from —
+    never the key."""
+    w = cfg.logging.wandb
+    if w.mode == "disabled":
+        return ["  W&B: disabled (logging.wandb.mode)"]
+    job = next((s.job for s in plan.stages if s.name == "train"), None)
+    given = getattr(job, "trainer_config", {}).get("logging", {}).get("wandb", {}) if job else {}
+    group, name = given.get("group", w.group), given.get("name", w.name)
+    entity = w.entity or "(the key's default)"
+    where = (f"  W&B: {w.mode}, project {w.project}, entity {entity}, group {group or '(none)'}, run "
+             f"{name or plan.run_id}")
+    if w.mode == "offline":
+        return [where, f"       files under {RunDir(plan.run_dir).wandb} (wandb sync uploads them); no key "
+                       "needed"]
+    if plan.wandb_key is None:
+        key = "none found (WANDB_API_KEY unset, no netrc entry): see PROBLEMS"
+    elif plan.wandb_key == "WANDB_API_KEY":
+        key = "WANDB_API_KEY of the launching environment (the jobs inherit it)"
+    else:
+        key = f"netrc file {plan.wandb_key} (wandb login)"
+    return [where, f"       API key: {key}"]
 
 
 def memory_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
@@ -87,15 +148,18 @@ def time_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
         return ["Time: not estimated: the model or layout has problems (see PROBLEMS)"]
     if not t.known:
         return [f"Time: not estimated: the device's peak is unknown ({hw.peak_tflops.source}; see PROBLEMS)"]
-    unit = "GPU" if cfg.cluster.gpus_per_node else "CPU-task"
-    exchange = ""
+    comm = []
+    if t.tp_comm_s:
+        comm.append(f"tensor-parallel all-reduces {t.tp_comm_s:.3g} s (at {hw.intra_node_gbps.value:g} GB/s)")
+    if t.p2p_s:
+        comm.append(f"pipeline transfers {t.p2p_s:.3g} s (at {pipeline_gbps(cfg, lay):g} GB/s)")
     if t.exchange_s:
-        exchange = (f", data-parallel exchange {t.exchange_s:.3f} s ({t.exposed_s:.3f} s of it not hidden "
-                    f"behind backward, at {cfg.cluster.bus_bandwidth_gbps:g} GB/s)")
+        comm.append(f"data-parallel exchange {t.exchange_s:.3g} s ({t.exposed_s:.3g} s of it not hidden "
+                    f"behind backward, at {exchange_gbps(cfg, lay):g} GB/s)")
     return [
         f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {hw.mfu.value:.1%} MFU of "
-        f"{hw.peak_tflops.value:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}{exchange}: "
-        f"{t.step_s:.3f} s/iteration",
-        f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {unit}-hours ({cfg.cluster.device_name} × "
+        f"{hw.peak_tflops.value:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}"
+        + "".join(f", {c}" for c in comm) + f": {t.step_s:.3f} s/iteration",
+        f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {DEVICE_HOURS} ({cfg.cluster.device_name} × "
         f"{lay.world}); first checkpoint after {fmt_duration(t.first_checkpoint_s)}",
     ]

@@ -142,15 +142,21 @@ def decide(t: Tuning, slurm_state: Callable[[str], str | None] | None = None) ->
     table: dict[str, Any] = {
         "key": key, "tune_job": job, "decided": time.time(), "trials": len(rows),
         "rows": measured + sorted((r for r in rows if r["status"] != MEASURED), key=lambda r: r["index"]),
-        "winner": None, "speedup": None, "spearman": None, "spearman_n": len(measured)}
+        "winner": None, "speedup": None, "spearman": None, "spearman_n": len(measured),
+        "spearman_step": None}
     if not measured:
         return table
     first = min(rows, key=lambda r: r["index"])
     table["winner"] = measured[0]["index"]
     if first["status"] == MEASURED:
         table["speedup"] = measured[0]["measured"]["tokens_per_s"] / first["measured"]["tokens_per_s"]
-    # The plan's ranking (its order, 0 first) against the measured one (fastest first).
+    # The plan's ranking (its order, 0 first: the estimate with its tie-breaking) against the measured one
+    # (fastest first); and the estimated step times themselves against the measured ones (equal estimates
+    # share a rank): how far the step-time model orders what it is asked to order, ties left as ties.
     table["spearman"] = spearman([r["index"] for r in measured], [r["measured_rank"] for r in measured])
+    steps = [(r["estimate"].get("step_s"), r["measured"].get("step_s")) for r in measured]
+    steps = [(e, m) for e, m in steps if e is not None and m is not None and math.isfinite(e)]
+    table["spearman_step"] = spearman([e for e, _ in steps], [m for _, m in steps])
     return table
 
 
@@ -208,13 +214,24 @@ def format_table(table: dict[str, Any]) -> str:
         what = "measured" if r["status"] == MEASURED else f"{r['status']}: {r['reason']}"
         lines.append(f"{rank:>4} {r['index'] + 1:>4}  {r['name']:<26}{est}{got}  {what}")
     lines.append(f"  decision: {verdict(table)}")
-    rho = table.get("spearman")
-    lines.append(f"  Spearman rank correlation, plan's ranking vs measured: "
-                 f"{'n/a' if rho is None else f'{rho:+.2f}'} over {table['spearman_n']} measured trial(s)")
+    lines += spearman_lines(table)
     win = winner(table)
     if win is not None:
         lines.append(f"  to pin this layout: layout=manual {spelled(win['overrides'])}")
     return "\n".join(lines) + "\n"
+
+
+def spearman_lines(table: dict[str, Any]) -> list[str]:
+    """The table's rank correlations, for people: the plan's ranking, and its step-time estimate (ties left
+    as ties; n/a where every estimate or every measurement is equal), against the measurement."""
+    def rho(key: str) -> str:
+        value = table.get(key)
+        return "n/a" if value is None else f"{value:+.2f}"
+
+    n = table["spearman_n"]
+    return [f"  Spearman rank correlation, plan's ranking vs measured: {rho('spearman')} over {n} measured "
+            "trial(s)",
+            f"  Spearman rank correlation, estimated vs measured step time: {rho('spearman_step')} over {n}"]
 
 
 def write_table(run_dir: str, table: dict[str, Any]) -> None:
@@ -263,7 +280,8 @@ def log_wandb(table: dict[str, Any], wandb_cfg: dict[str, Any], run_dir: str, ru
                 for r in table["rows"]]
         run.log({"layout/trials": wandb.Table(columns=columns, data=data)})
         run.summary.update({"layout/winner": (winner(table) or {}).get("name"),
-                            "layout/speedup": table["speedup"], "layout/spearman": table["spearman"]})
+                            "layout/speedup": table["speedup"], "layout/spearman": table["spearman"],
+                            "layout/spearman_step": table.get("spearman_step")})
         wid = run.id
         run.finish()
         return wid

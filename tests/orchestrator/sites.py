@@ -3,8 +3,9 @@ search path), and the site of docs/cluster.md's walkthrough: 2 nodes of 4 H100s.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
+
+from orchestrator.docs_examples import example_site
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -18,11 +19,10 @@ def site_file(tmp_path: Path, name: str, text: str) -> list[str]:
 
 
 def docs_site() -> str:
-    """The example site file of docs/cluster.md (step 2), as the page prints it."""
-    page = (REPO / "docs" / "cluster.md").read_text(encoding="utf-8")
-    found = re.search(r"```yaml\n(# hydra_conf/cluster/mysite\.yaml.*?)```", page, re.S)
-    assert found, "docs/cluster.md has no example site file (```yaml # hydra_conf/cluster/mysite.yaml ...)"
-    return found.group(1)
+    """The example site file of docs/cluster.md (step 2), as the page prints it (the docs' own reader)."""
+    name, text = example_site((REPO / "docs" / "cluster.md").read_text(encoding="utf-8"))
+    assert name == "mysite", name
+    return text
 
 
 # A site of 4-GPU H100 nodes as a user writes one, with the keys a site file always had (no peak, no

@@ -73,6 +73,12 @@ def test_the_trials_are_one_job_array_and_training_takes_the_fastest(tmp_path):
     assert rows[0]["status"] == "failed" and rows[0]["reason"].startswith("out of memory")
     assert sorted(r["index"] for r in table["rows"] if r["status"] == "measured") == [1, 2, 3]
     assert table["tune_job"] == array and table["winner"] in (1, 2, 3) and table["spearman_n"] == 3
+    # Both rank correlations with the measurement are stored with the table and printed with it (issue 52
+    # item 5); recomputation makes the estimates differ, so the step-time one is a number, not n/a.
+    assert "spearman_step" in table and table["spearman_step"] is not None
+    text = run.layout_table_text.read_text()
+    assert f"estimated vs measured step time: {table['spearman_step']:+.2f} over 3" in text, text
+    assert f"plan's ranking vs measured: {table['spearman']:+.2f} over 3 measured trial(s)" in text
     win = rows[table["winner"]]["overrides"]
     _, pp, args = saved_layout(str(run.checkpoints), 6)
     assert (pp, args.micro_batch_size, args.use_distributed_optimizer) == (

@@ -94,14 +94,16 @@ def test_each_sweep_plans_every_point_on_the_site_and_writes_nothing(tmp_path, c
     summary = text[text.index("Slipway sweep"):] if "Slipway sweep" in text else ""
     assert re.search(rf"Slipway sweep \S+: {points} point\(s\)\n", summary), \
         (text[-3000:], out.stderr[-2000:])
-    assert re.search(rf"\n  total: [\d.]+ GPU-hours for {points} point\(s\)\n", summary), summary
+    assert re.search(rf"\n  total: [\d.]+ device-hours for {points} point\(s\)\n", summary), summary
     assert "dry run: nothing was written or submitted" in summary and not (tmp_path / "runs").exists()
-    assert text.count("#SBATCH --gpus-per-node=4") == points and "--gpus-per-node=8" not in text
+    # One point's plan in full (its scripts on the site's 4-GPU nodes), the others a line each.
+    assert text.count("#SBATCH --gpus-per-node=4") == 1 and "--gpus-per-node=8" not in text
+    assert set(re.findall(r"^    - \[(\w+)\]", summary, re.M)) <= ELSEWHERE  # every point's problems
     rows = re.split(r"\n  point \d+: ", summary.split("\n  total:")[0])[1:]
     assert len(rows) == points, summary
     for row in rows:
         codes = set(re.findall(r"^        - \[(\w+)\]", row, re.M))
         batch = "train.global_batch_size=100 " in row
         assert codes - ELSEWHERE == ({"batch"} if batch else set()), row
-        assert re.search(r"[\d.]+ GPU-hours, ETA ", row), row
+        assert re.search(r"[\d.]+ device-hours, ETA ", row), row
     assert out.returncode == (2 if "PROBLEMS" in summary else 0), out.stderr[-3000:]

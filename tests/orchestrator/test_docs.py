@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import docs
+from orchestrator import docs, docs_examples
 from orchestrator.base import schema
 from tests.orchestrator.conftest import REPO, user_docs
 
@@ -102,6 +102,37 @@ def test_cli_check_exits_1_on_a_stale_file(tmp_path):
     assert "regenerate it with: python -m orchestrator.docs" in out.stderr
 
 
+@pytest.fixture(scope="module")
+def cluster_page() -> str:
+    return docs_examples.PAGE.read_text(encoding="utf-8")
+
+
+def test_cluster_md_layout_table_is_what_the_plan_prints(cluster_page):
+    """docs/cluster.md's layout=auto table is the dry run of the command above it on the page's own site
+    file (issue 52 item 5: it had drifted from what the plan printed)."""
+    problem = docs.check(docs_examples.PAGE, docs_examples.render_page(cluster_page))
+    assert problem is None, problem
+    overrides = docs_examples.example_command(cluster_page, cluster_page.index(docs_examples.BEGIN))
+    assert overrides == ["+experiment=codeparrot", "cluster=mysite", "layout=auto", "tune=true"]
+    table = cluster_page.split(docs_examples.BEGIN)[1].split(docs_examples.END)[0]
+    assert "Auto layout (layout=auto): world 8 = 2 node(s) × 4 task(s)" in table and "← first choice" in table
+
+
+def test_a_stale_layout_table_is_found_and_regenerated(tmp_path, cluster_page):
+    """A table edited by hand (or left behind by a change to the estimate) fails the check, which names the
+    fix; regenerating gives the current page back. A page without the markers is an error, not a pass."""
+    table = cluster_page.split(docs_examples.BEGIN)[1].split(docs_examples.END)[0]
+    first = next(ln for ln in table.splitlines() if "← first choice" in ln)
+    stale = cluster_page.replace(first, first.replace("tp1", "tp4"))
+    page = tmp_path / "cluster.md"
+    page.write_text(stale)
+    problem = docs.check(page, docs_examples.render_page(stale))
+    assert problem is not None and docs.FIX in problem and f"+{first}" in problem
+    assert docs_examples.render_page(stale) == cluster_page
+    with pytest.raises(ValueError, match="no generated example"):
+        docs_examples.render_page(cluster_page.replace(docs_examples.BEGIN, "<!-- -->"))
+
+
 def _default(f: dataclasses.Field) -> object:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
@@ -130,7 +161,8 @@ def test_every_key_the_readme_names_exists():
     keys = set(re.findall(rf"(?<![\w./+-])\+?((?:{'|'.join(sections)})\.[a-z_]+(?:\.[A-Za-z_]+)*)(?![\w(])",
                           text))
     assert len(keys) > 20, keys  # the pattern still finds the README's keys
-    not_keys = {"optim.lrr", "model.safetensors", "tokenizer.json"}  # the troubleshooting typo; file names
+    # The typos the docs show, and file names.
+    not_keys = {"optim.lrr", "cluster.time", "model.safetensors", "tokenizer.json"}
     assert sorted(k for k in keys - not_keys if not _resolves(k)) == []
 
 
@@ -191,3 +223,15 @@ def test_the_reference_check_sees_what_it_looks_for():
                           "[the runbook](docs/nowhere.md) and [ok](README.md)")
     assert _missing(refs, REPO) == ["docs/nowhere.md", "link docs/nowhere.md", "make tset",
                                     "python -m trainer.nothing_here", "trainer/health.py"]
+
+
+def test_one_word_for_a_runs_cost():
+    """Issue 52 item 8: the plan said "GPU-hours" (or "CPU-task-hours"), the docs "device-hours"; the one
+    term is DEVICE_HOURS, in what Slipway prints and in what users read."""
+    from orchestrator.base.estimate import DEVICE_HOURS
+
+    assert DEVICE_HOURS == "device-hours"
+    code = "\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "orchestrator").rglob("*.py")))
+    for text in (user_docs(), code, (REPO / "launch.py").read_text(encoding="utf-8")):
+        assert not re.search(r"(GPU|CPU-task|task)[- ]hours", text, re.I)
+    assert "device-hours" in user_docs() and code.count("DEVICE_HOURS") >= 3  # defined, plan, sweep

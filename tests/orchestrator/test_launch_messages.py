@@ -125,3 +125,82 @@ def test_a_size_of_zero_is_a_problem_line_not_a_division_by_zero(tmp_path, size)
     plan = launch(compose_cfg([*SMOKE, f"runs_root={tmp_path}", "dry_run=true", size]), out=out).plan
     assert any(p.code == "positive" and p.key == size.split("=")[0] for p in plan.problems), plan.problems
     assert "Memory: not estimated" in out.getvalue() and "Time: not estimated" in out.getvalue()
+
+
+# --- issue 52 item 7: Hydra's own refusals, said as Slipway's problems with their fix ---------------------
+
+@pytest.mark.parametrize("override,fix", [
+    ("cluster.time=48:00:00", "Fix: did you mean cluster.time_limit_min=2880 (48:00:00 in minutes)?"),
+    ("optim.lrr=3e-4", "Fix: did you mean optim.lr=3e-4?"),
+])
+def test_an_unknown_key_without_plus_gets_the_did_you_mean_of_the_plus_form(tmp_path, override, fix):
+    """Hydra refused these itself ("Could not override ... To append to your config use +key=value": advice
+    the schema then refuses) before Slipway saw them."""
+    res = _launch_py("+experiment=codeparrot", override, "dry_run=true", f"runs_root={tmp_path}/runs")
+    text = _refused(res, "unknown_key")
+    assert f"[unknown_key] {override.split('=')[0]}=" in text and fix in text, text
+    assert "Could not override" not in text and "To append to your config" not in text
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_slurm_time_where_minutes_go_says_how_many_minutes(tmp_path):
+    res = _launch_py("+experiment=codeparrot", "cluster.time_limit_min=48:00:00", "dry_run=true")
+    text = _refused(res, "type")
+    assert ("[type] cluster.time_limit_min='48:00:00': must be an integer number of minutes (48:00:00 = "
+            "2880). Fix: cluster.time_limit_min=2880") in text, text
+    res = _launch_py("+experiment=codeparrot", "train.iters=lots", "dry_run=true")
+    assert "[type] train.iters='lots': must be an integer" in _refused(res, "type")
+
+
+def test_other_hydra_errors_keep_hydras_text_and_a_users_full_error_its_traceback():
+    res = _launch_py("+experiment=codeparrot", "cluster=mysit", "dry_run=true")
+    assert res.returncode == 1 and "Could not find 'cluster/mysit'" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and "HYDRA_FULL_ERROR=1" in res.stderr
+    env = {**os.environ, "HYDRA_FULL_ERROR": "1"}
+    res = _launch_py("+experiment=codeparrot", "cluster.time=48:00:00", "dry_run=true", env=env)
+    assert res.returncode == 1 and "Traceback" in res.stderr and "Could not override" in res.stderr
+
+
+def test_hydras_switch_is_out_of_the_environment_before_jobs_are_submitted(monkeypatch):
+    """launch.py sets HYDRA_FULL_ERROR to get Hydra's errors back; jobs inherit the launcher's environment,
+    so it is gone again once the configs are composed; a user's own setting stays."""
+    from orchestrator.launch import hydra_errors
+
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    with hydra_errors.raised() as ours:
+        assert ours and os.environ["HYDRA_FULL_ERROR"] == "1"
+        hydra_errors.composed()
+        assert "HYDRA_FULL_ERROR" not in os.environ
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    with hydra_errors.raised() as ours:
+        hydra_errors.composed()
+        assert not ours and os.environ["HYDRA_FULL_ERROR"] == "1"
+
+
+_SEES = """
+import os, runpy, sys
+from orchestrator.launch import flow, sweep
+def sees(p, *a, **k):
+    sys.stderr.write(f"SWITCH={os.environ.get('HYDRA_FULL_ERROR')}\\n")
+    return flow.LaunchResult(p.plan, "", [])
+def launch(cfg, *a, **k):
+    return sees(flow.prepare(cfg))
+flow.launch, sweep.execute = launch, sees
+sys.argv = ["launch.py", *sys.argv[1:]]
+runpy.run_path("launch.py", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("multirun", [False, True])
+def test_the_launch_itself_runs_without_hydras_switch(tmp_path, multirun):
+    """What launch.py submits (a single run, or a sweep's points after every one was composed) runs with
+    HYDRA_FULL_ERROR out of the environment again (stand-ins record the environment they submit in)."""
+    args = [*SMOKE, f"runs_root={tmp_path}/runs", "wait=false"]
+    if multirun:
+        args = ["-m", *args, "optim.lr=1e-3,2e-3", f"hydra.sweep.dir={tmp_path}/sweep"]
+        (tmp_path / "sweep").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    res = subprocess.run([sys.executable, "-c", _SEES, *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stderr.count("SWITCH=None") == (2 if multirun else 1), res.stderr[-3000:]

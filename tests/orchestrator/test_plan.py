@@ -1,4 +1,4 @@
-"""Plan: memory table, ETA/GPU-hours, stage graph with content keys, reuse; the dry run."""
+"""Plan: memory table, ETA/device-hours, stage graph with content keys, reuse; the dry run."""
 
 from __future__ import annotations
 
@@ -149,7 +149,7 @@ def test_dry_run_prints_plan_and_scripts_and_submits_nothing(tmp_path: Path):
     assert "precision recipe: fp16 autocast (auto): fp32 parameters, gradients and optimizer" in text
     # What each memory option would give, beside the configured total.
     assert "train.recompute_granularity=full" in text and "optim.distributed=true" in text, text
-    assert "ETA" in text and "GPU-hours" in text
+    assert "ETA" in text and "device-hours (A100-80GB × 8)" in text
     assert "----- train job script -----" in text and "#SBATCH --signal=USR2@" in text
     assert "apptainer exec $nv --cleanenv" in text and "container_exec.sh --nv python" in text  # GPUs
     assert "hf_secret_abcdefgh" not in text and "<redacted:HF_TOKEN>" in text
@@ -158,8 +158,9 @@ def test_dry_run_prints_plan_and_scripts_and_submits_nothing(tmp_path: Path):
 
 
 # A site of A100-40GB nodes, the GPU the 1.3B example was sized for: slurm.yaml's facts with another device
-# and (so that step ratios are the compute's alone) a bus no exchange waits on.
-A100_40 = "defaults:\n  - slurm\n  - _self_\ndevice_name: A100-40GB\nbus_bandwidth_gbps: 1.0e9\n"
+# and (so that step ratios are the compute's alone) a network and NVLink no transfer waits on.
+A100_40 = ("defaults:\n  - slurm\n  - _self_\ndevice_name: A100-40GB\nbus_bandwidth_gbps: 1.0e9\n"
+           "intra_node_bandwidth_gbps: 1.0e9\n")
 
 
 def test_1p3b_dry_run_shows_memory_with_and_without_each_option(tmp_path):
@@ -273,3 +274,67 @@ def test_an_uneven_pipeline_split_plans_and_sizes_its_busiest_stage():
     per_layer = stage_params(compose_cfg(CP + ["model.num_layers=13"]), 32768)[1] - stage_params(
         compose_cfg(CP), 32768)[1]
     assert stage_params(light, 32768)[0] == 4 * per_layer + 32768 * 768 + 2 * 768  # head copy, final norm
+
+
+# --- issue 52 item 9: W&B in the plan -------------------------------------------------------------------
+
+def _wandb_text(overrides, environ, sweep=None):
+    cfg = compose_cfg(overrides)
+    plan = make_plan(cfg, PlanInputs("r7", "/runs/r7", environ=environ, sweep=sweep), exists=lambda p: True)
+    text = format_plan(cfg, plan, {})
+    return text[text.index("  W&B:"):].split("\n\n")[0]
+
+
+def test_the_plan_says_where_wandb_logs_and_where_its_key_comes_from(tmp_path):
+    """Mode, project, entity, group (a sweep's id) and run name as the training job gets them, and where the
+    API key comes from: the variable or the netrc file by name, never the key."""
+    from orchestrator.base.facts import SweepInfo
+
+    key = "f" * 40
+    text = _wandb_text(["+experiment=codeparrot", "logging.wandb.entity=myteam"], {"WANDB_API_KEY": key})
+    assert "W&B: online, project codeparrot, entity myteam, group (none), run r7" in text, text
+    assert "API key: WANDB_API_KEY of the launching environment" in text and key not in text
+    netrc = tmp_path / "netrc"
+    netrc.write_text(f"machine api.wandb.ai\n  login user\n  password {key}\n")
+    text = _wandb_text(["+experiment=codeparrot"], {"NETRC": str(netrc)})
+    assert f"API key: netrc file {netrc} (wandb login)" in text and key not in text, text
+    text = _wandb_text(["+experiment=codeparrot"], {"NETRC": str(tmp_path / "none")})
+    assert "API key: none found" in text
+    sweep = SweepInfo("20261202-162750", str(tmp_path / "sweep"), 1, ("optim.lr=1e-4",))
+    text = _wandb_text(["+experiment=codeparrot", "optim.lr=1e-4"], {"WANDB_API_KEY": key}, sweep)
+    assert "group 20261202-162750, run r7:optim.lr=1e-4" in text, text
+    text = _wandb_text(["+experiment=codeparrot_smoke"], {})  # the smoke run logs offline
+    assert "W&B: offline, project slipway" in text and "files under /runs/r7/wandb" in text
+    assert "API key" not in text
+    assert _wandb_text(["+experiment=codeparrot_smoke", "logging.wandb.mode=disabled"], {}) == \
+        "  W&B: disabled (logging.wandb.mode)"
+
+
+# --- issue 52 item 10: precision notes, from the one table of facts and bench/'s measurements -----------
+
+def test_fp16_on_a_bf16_device_gets_a_note_and_an_unmeasured_recipe_says_so(tmp_path):
+    from orchestrator.base.measured import measured_recipes
+    from orchestrator.planning.plan_format import precision_notes
+    from tests.orchestrator.sites import H100_X4, site_file
+    from trainer.measured import load_measured
+
+    h100 = site_file(tmp_path, "mysite", H100_X4)
+    cfg, plan = _plan(["+experiment=codeparrot", *h100], PlanInputs("r", "/runs/r", environ={}))
+    notes = " ".join(precision_notes(cfg))
+    assert "fp16 is the usual choice on GPUs without bf16" in notes and "H100-SXM-80GB has bf16" in notes
+    assert "train.precision=bf16" in notes and "note: fp16" in format_plan(cfg, plan, {})
+    bf16, _ = _plan(["+experiment=codeparrot", *h100, "train.precision=bf16"], PlanInputs("r", "/runs/r"))
+    assert precision_notes(bf16) == []  # autocast measured, bf16 chosen: nothing to say
+    v100 = site_file(tmp_path, "old", H100_X4.replace("H100-80GB", "V100\ndevice_bf16: false\n"
+                                                       "device_memory_gb: 32\ndevice_peak_tflops: 125"))
+    old, _ = _plan(["+experiment=codeparrot", *v100], PlanInputs("r", "/runs/r"))
+    assert precision_notes(old) == []  # fp16 is the choice there
+    cpu, _ = _plan(["+experiment=codeparrot_smoke"], PlanInputs("r", "/runs/r"))
+    assert precision_notes(cpu) == []
+    # The distributed optimizer's default recipe: what bench/results/mfu.json holds decides the note.
+    assert measured_recipes() == {r.recipe for r in load_measured()}
+    big, plan = _plan(["+experiment=gpt_1p3b", *h100], PlanInputs("r", "/runs/r"))
+    notes = " ".join(precision_notes(big))
+    assert "master_weights recipe has not been measured on a GPU yet" in notes
+    assert "master_weights recipe" in format_plan(big, plan, {})
+    assert precision_notes(big, frozenset({"autocast", "master_weights"})) == []

@@ -205,7 +205,9 @@ def test_a_model_that_fits_nowhere_says_how_many_gpus_it_needs(tmp_path):
                            f"parallel.tp_size={t}", f"parallel.pp_size={q}", "parallel.virtual_pp_size=1",
                            f"parallel.sequence_parallel={str(t > 1).lower()}", "train.global_batch_size=null",
                            "train.recompute_granularity=full"])
-        alt = dataclasses.replace(alt, cluster=dataclasses.replace(alt.cluster, max_nodes=None))
+        # One replica: t × q tasks on one node (not cluster.gpus=6 on nodes of 4, which is no layout).
+        alt = dataclasses.replace(alt, cluster=dataclasses.replace(alt.cluster, max_nodes=None, nodes=1,
+                                                                   gpus=None, tasks_per_node=t * q))
         return estimate_memory(alt, plan.vocab_size, layout_of(alt)).fits
 
     assert fits(tp, pp)

@@ -115,3 +115,42 @@ def test_run_id_that_would_escape_runs_root_or_break_scripts_is_refused(tmp_path
 def test_ordinary_run_ids_pass():
     for run_id in ("20261202-161546-a5bef4", "lr3e-4_v2", "exp.1+bf16"):
         assert not [p for p in _plan(SMOKE + [f"run_id={run_id}"])[1].problems if p.code == "name"]
+
+
+# --- issue 52 item 7: a root cause first, what follows from it after it or not at all -------------------
+
+def test_a_node_count_the_site_cannot_give_comes_before_the_batch_it_breaks(tmp_path):
+    """cluster.nodes=17 on a site of 16: the batch's micro-batches are another world's (dp 68), so the
+    [batch] problem follows [max_nodes], marked, instead of coming first."""
+    from tests.orchestrator.sites import H100_X4, site_file
+
+    site = site_file(tmp_path, "mysite", H100_X4 + "max_nodes: 16\n")
+    _, plan = _plan([*CP, *site, "cluster.nodes=17"])
+    codes = [p.code for p in plan.problems]
+    assert codes.index("max_nodes") < codes.index("batch"), codes
+    (batch,) = [p for p in plan.problems if p.code == "batch"]
+    assert str(batch).endswith("(follows from [max_nodes] cluster.nodes above: fix that first)")
+    (root,) = [p for p in plan.problems if p.code == "max_nodes"]
+    assert "follows from" not in str(root)
+    _, alone = _plan([*CP, *site, "train.global_batch_size=100"])  # the same rule without a cause: unmarked
+    assert [str(p) for p in alone.problems if p.code == "batch"][0].endswith("e.g. 96")
+
+
+def test_a_learning_rate_that_is_no_rate_gets_no_min_lr_fix():
+    """optim.lr=-3 also broke min_lr's range [0, lr]; "set optim.min_lr <= optim.lr" was wrong advice."""
+    _, plan = _plan([*SMOKE, "optim.lr=-3"])
+    assert [(p.code, p.key) for p in plan.problems] == [("positive", "optim.lr")]
+    _, plan = _plan([*SMOKE, "optim.min_lr=1.0"])  # with a sane lr the range rule stands alone
+    assert [(p.code, p.key) for p in plan.problems] == [("lr_range", "optim.min_lr")]
+
+
+def test_arrange_is_one_table_and_idempotent():
+    from orchestrator.base.problems import CASCADES, Problem, arrange
+
+    batch = Problem("batch", "train.global_batch_size", 192, "m", "f")
+    nodes = Problem("max_nodes", "cluster.nodes", 17, "m", "f")
+    other = Problem("file_missing", "data.paths", "x", "m", "f")
+    once = arrange([batch, other, nodes])
+    assert [p.code for p in once] == ["file_missing", "max_nodes", "batch"]
+    assert arrange(once) == once and once[2].follows == "[max_nodes] cluster.nodes"
+    assert {(c.root, c.follower) for c in CASCADES} >= {("max_nodes", "batch"), ("positive", "lr_range")}

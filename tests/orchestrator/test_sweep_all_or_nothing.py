@@ -50,17 +50,26 @@ def _points(text: str) -> dict[str, str]:
 
 
 def test_a_dry_run_of_a_sweep_checks_every_point_and_writes_nothing(tmp_path):
+    """One plan in full (the first point's), then a line per point with what differs from it and its
+    device-hours, then the summary (issue 52 item 8: three points printed 847 lines)."""
     out = _sweep(tmp_path, BAD_MIDDLE, "dry_run=true")
     assert out.returncode == EXIT_PROBLEMS, out.stderr[-3000:]
-    assert out.stdout.count("Slipway plan: experiment") == 3  # every point's plan, then one summary
+    assert out.stdout.count("Slipway plan: experiment") == 1
+    assert out.stdout.count("----- train job script") == 1
+    assert "sweep_plans=all prints every plan" in out.stdout
     points = _points(out.stdout)
     assert sorted(points) == ["point 0", "point 1", "point 2"], out.stdout[-3000:]
     for name, size in (("point 0", 4), ("point 1", 5), ("point 2", 8)):
-        assert f"train.global_batch_size={size}" in points[name] and "CPU-task-hours" in points[name]
+        assert f"train.global_batch_size={size}" in points[name] and " device-hours, ETA" in points[name]
     assert "[batch] train.global_batch_size=5" in points["point 1"]
+    assert "vs point 0: micro-batches 4 of 2; global batch 8" in points["point 2"], points["point 2"]
+    assert "vs point" not in points["point 0"]
     assert "PROBLEMS" not in points["point 0"] and "PROBLEMS" not in points["point 2"]  # the last is checked
     assert "total: " in out.stdout and "dry run: nothing was written or submitted" in out.stdout
     assert not (tmp_path / "sweep").exists() and not (tmp_path / "runs").exists(), list(tmp_path.rglob("*"))
+    every = _sweep(tmp_path, BAD_MIDDLE, "dry_run=true", "sweep_plans=all")  # all of it, on request
+    assert every.stdout.count("Slipway plan: experiment") == 3, every.stdout[-3000:]
+    assert "sweep_plans=all prints" not in every.stdout and len(every.stdout) > 2.5 * len(out.stdout)
 
 
 def test_job_names_carry_the_run_within_slurms_limit():

@@ -130,6 +130,28 @@ def test_spearman_agrees_with_scipy_ties_included():
     assert tuning.spearman([1], [2]) is None
 
 
+def test_the_table_also_ranks_the_estimated_step_times_against_the_measured_ones_ties_kept(tmp_path):
+    """Issue 52 item 5: beside the plan's ranking (its tie-breaking included), the estimate itself: equal
+    estimates share a rank, as scipy's Spearman gives them; stored in the table and printed with it."""
+    run = str(tmp_path)
+    cands = _cands(3)
+    cands[1]["estimate"]["step_s"] = cands[0]["estimate"]["step_s"]  # 0 and 1 tie: the plan put 0 first
+    for index, tokens_per_s in ((0, 100.0), (1, 125.0), (2, 50.0)):
+        _measured(run, index, tokens_per_s)
+    table = tuning.decide(tuning.Tuning(run, cands, KEY, "9"))
+    estimated = [c["estimate"]["step_s"] for c in cands]
+    measured = [128 / t for t in (100.0, 125.0, 50.0)]  # _measured's step time
+    assert table["spearman_step"] == pytest.approx(scipy.stats.spearmanr(estimated, measured).statistic)
+    assert table["spearman"] == pytest.approx(0.5)  # the ranking's 0-before-1 was wrong
+    assert table["spearman_step"] == pytest.approx(3**0.5 / 2)  # the estimate called it a tie
+    text = tuning.format_table(table)
+    assert "plan's ranking vs measured: +0.50 over 3 measured trial(s)" in text
+    assert "estimated vs measured step time: +0.87 over 3" in text
+    tuning.write_table(run, table)  # stored with the table, as the train job writes it
+    assert json.loads(RunDir(run).layout_table.read_text())["spearman_step"] == table["spearman_step"]
+    assert "estimated vs measured step time: +0.87" in RunDir(run).layout_table_text.read_text()
+
+
 def test_the_measurement_is_the_trainers_own_log_lines_after_the_warm_up(tmp_path):
     """Rows written as the trainer writes them (interval_metrics → append_record): the warm-up interval
     and anything after the last measured iteration are left out."""

@@ -9,6 +9,26 @@ from trainer.config_issues import ConfigIssue, Section, choice, issue, positive
 from trainer.health.config import HealthConfig
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class PrecisionFacts:
+    """What one ``train.precision`` is, for the plan's estimates and notes (:data:`PRECISION_FACTS`)."""
+
+    element_bytes: int  # an activation in the compute dtype: what tensor and pipeline parallelism move
+    loss_scaling: bool  # needs dynamic loss scaling (fp16's 5-bit exponent underflows small gradients)
+    where: str  # the devices it is the usual choice on, and why
+
+
+PRECISION_FACTS = {
+    "fp32": PrecisionFacts(4, False, "CPUs and numerics checks (GPUs run it without tensor cores)"),
+    "bf16": PrecisionFacts(2, False, "GPUs with bf16, Ampere and newer (fp32's exponent range, no loss "
+                                     "scaling)"),
+    "fp16": PrecisionFacts(2, True, "GPUs without bf16, V100 and older (the CodeParrot guide's choice, from "
+                                    "before bf16 was the default)"),
+}
+"""The one table of what each precision is (the plan's notes, orchestrator/planning/plan_format.py, and the
+estimate's activation bytes, orchestrator/base/estimate.py)."""
 DECAY_STYLES = ("cosine", "linear", "constant", "inverse-square-root")
 OPTIM_IMPLS = ("auto", "apex", "csrc", "torch_fused", "foreach", "for_loop")
 DEVICES = ("auto", "cpu", "cuda")
