@@ -10,6 +10,8 @@ import re
 import subprocess
 from dataclasses import dataclass
 
+from orchestrator.base.config_keys import slurm_minutes
+
 # One line per node and partition: partition (the default one ends with "*"), node, CPUs, memory (MB),
 # generic resources (e.g. "gpu:4", "gpu:a100:4(S:0-1)", "gpu:a100:2,gpu:v100:2", "(null)"), and the
 # partition's MaxTime as Slurm writes times: "infinite", "30:00" (MaxTime=30), "1:30:00", "2-12:30:00"
@@ -58,13 +60,9 @@ def _int(text: str) -> int:
 
 def time_limit_min(text: str) -> int | None:
     """A Slurm time limit as sinfo prints it ([DAYS-]HOURS:MINUTES:SECONDS, MINUTES:SECONDS, MINUTES) in
-    whole minutes; None for "infinite" (or anything else that is no limit, such as "n/a")."""
-    days, _, clock = text.strip().rpartition("-")
-    parts = clock.split(":")
-    if not all(p.isdigit() for p in parts) or (days and not days.isdigit()) or len(parts) > 3:
-        return None
-    h, m, s = ([0] * (3 - len(parts)) + [int(p) for p in parts]) if len(parts) > 1 else (0, int(parts[0]), 0)
-    return int(days or 0) * 1440 + h * 60 + m + s // 60
+    whole minutes; None for "infinite" (or anything else that is no limit, such as "n/a"). Slurm's one time
+    grammar is read in one place (:func:`~orchestrator.base.config_keys.slurm_minutes`)."""
+    return slurm_minutes(text)
 
 
 def parse(text: str) -> dict[str, Partition]:
