@@ -13,6 +13,7 @@ Nothing here imports submitit or torch at module level: planning and the status 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,7 +27,8 @@ from orchestrator.base.plan_types import JobResources, StagePlan
 from orchestrator.base.schema import SlipwayConfig
 from orchestrator.world.queue import marker_of, process_alive
 from orchestrator.world.runs import CACHE_DIR, write_json
-from trainer.run_files import COMPLETE, FAILED, RunDir
+from trainer import disk
+from trainer.run_files import COMPLETE, FAILED, FAILED_RESERVE, RunDir
 
 
 def stable_hash(obj: Any, n: int = 16) -> str:
@@ -152,6 +154,26 @@ def mark(output_dir: str, name: str, info: dict[str, Any]) -> None:
     write_json(Path(output_dir) / name, info)
 
 
+def failure_reason(err: BaseException) -> str:
+    """A stage's error in one line for its _FAILED marker (status shows it); a full disk says so."""
+    reason = f"{type(err).__name__}: {err}"
+    return reason if not disk.out_of_space(err) or "disk full" in reason else f"disk full: {reason}"
+
+
+def mark_failed(output_dir: str, info: dict[str, Any]) -> None:
+    """The _FAILED marker. When the disk is too full to write it, it goes through the space the stage
+    reserved at its start (``FAILED_RESERVE``, trainer.disk.reserve), its texts shortened to fit: a
+    failure is reported as what it was even when its own marker could not otherwise be written."""
+    try:
+        mark(output_dir, FAILED, info)
+    except OSError:
+        reserved = Path(output_dir) / FAILED_RESERVE
+        if not reserved.is_file():
+            raise
+        short = {k: v[:2000] if isinstance(v, str) else v for k, v in info.items()}
+        disk.write_reserved(str(Path(output_dir) / FAILED), str(reserved), json.dumps(short, default=str))
+
+
 def job_of_task() -> str:
     """This task's job id as the launch recorded it (Slurm's, or the local controller's pid); "local"
     outside a submitit job."""
@@ -228,18 +250,26 @@ class NodeStage:
 
     def __call__(self) -> Any:
         rank, job = _job()
+        reserved = Path(self.output_dir) / FAILED_RESERVE
+        if rank == 0:  # room for _FAILED, taken before the work can fill the disk
+            with contextlib.suppress(OSError):
+                os.makedirs(self.output_dir, exist_ok=True)
+            disk.reserve(str(reserved))
         try:
             wait_for(self.upstream, self.upstream_timeout_s)
             result = self.run()
+            if rank == 0:  # only rank 0 writes the markers; the others must not race it with a stale _FAILED
+                (Path(self.output_dir) / FAILED).unlink(missing_ok=True)
+                mark(self.output_dir, COMPLETE, {"key": self.key, "job": job, "result": result,
+                                                 "time": time.time()})
         except Exception as err:
             if rank == 0:
-                mark(self.output_dir, FAILED, {"key": self.key, "job": job, "error": repr(err),
-                                               "time": time.time(), "reason": f"{type(err).__name__}: {err}"})
+                mark_failed(self.output_dir, {"key": self.key, "job": job, "error": repr(err),
+                                              "time": time.time(), "reason": failure_reason(err)})
             raise
-        if rank == 0:  # only rank 0 writes the markers; the others must not race it with a stale _FAILED
-            (Path(self.output_dir) / FAILED).unlink(missing_ok=True)
-            mark(self.output_dir, COMPLETE, {"key": self.key, "job": job, "result": result,
-                                             "time": time.time()})
+        finally:
+            if rank == 0:
+                reserved.unlink(missing_ok=True)
         return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:

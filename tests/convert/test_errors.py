@@ -140,8 +140,10 @@ def test_output_dir_not_empty_and_failed_verification(tmp_path, ckpt):
     assert (out / "keep.txt").read_text() == "user data"
     with pytest.raises(VerificationFailed, match="FAILED"):
         _convert(ckpt, tmp_path, overwrite=True, verify=VerifyConfig(tolerance=1e-12))
-    assert "FAILED" in (out / INVALID).read_text()
-    assert not (out / "config.json").exists()  # nothing loads an unverified model by mistake
+    assert (out / "keep.txt").read_text() == "user data"  # replaced only by a verified model
+    failed = tmp_path / "out.partial"
+    assert "FAILED" in (failed / INVALID).read_text()
+    assert not (failed / "config.json").exists()  # nothing loads an unverified model by mistake
 
 
 def test_verification_detects_a_different_model(tmp_path, tokenizer_dir):
