@@ -32,8 +32,10 @@ from trainer.convert.reference import make_source
 from trainer.convert.shard_io import CheckpointError, iteration_path
 from trainer.convert.shards import MergedCheckpoint, load_merged
 from trainer.convert.spec import LLAMA, GPTSpec, arg, spec_from_checkpoint
-from trainer.convert.tokenizer import AnyRunTokenizer, find_tokenizer, save_tokenizer
+from trainer.convert.tokenizer import AnyRunTokenizer, HFRunTokenizer, find_tokenizer, save_tokenizer
 from trainer.convert.verify import VerifyConfig, VerifyReport, verify
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
+from trainer.data.tokenizer_identity import DIGEST_ARG, short, tokenizer_digest
 from trainer.disk import free_bytes, out_of_space
 from trainer.disk import size as bytes_text
 from trainer.log import get_logger
@@ -98,7 +100,18 @@ def _tokenizer(cfg: ToHFConfig, merged: MergedCheckpoint) -> AnyRunTokenizer:
     if stated is not None and int(stated) != tok.size:
         raise CheckpointError(f"the checkpoint was trained with vocab_size={stated} but {tok.source} has "
                               f"{tok.size} tokens: pass the run's own tokenizer files")
+    recorded, found = arg(merged.args, DIGEST_ARG), _digest(tok)
+    if recorded and found and recorded != found:  # the same size, another vocabulary: never ship it
+        raise CheckpointError(f"the checkpoint was trained with another tokenizer (sha256 "
+                              f"{short(recorded)}…) than {tok.source} (sha256 {short(found)}…): pass the "
+                              "run's own tokenizer files")
     return tok
+
+
+def _digest(tok: AnyRunTokenizer) -> str | None:
+    if isinstance(tok, HFRunTokenizer):
+        return tokenizer_digest(HF_TOKENIZER_TYPE, None, None, str(tok.model_dir))
+    return tokenizer_digest("GPT2BPETokenizer", str(tok.vocab_file), str(tok.merge_file), None)
 
 
 def _write_model(cfg: ToHFConfig, merged: MergedCheckpoint, spec: GPTSpec, tok: AnyRunTokenizer, out: Path
