@@ -160,18 +160,38 @@ def failure_reason(err: BaseException) -> str:
     return reason if not disk.out_of_space(err) or "disk full" in reason else f"disk full: {reason}"
 
 
+def reserve_marker(output_dir: str) -> None:
+    """Take the space of a _FAILED marker now (``FAILED_RESERVE``, trainer.disk.reserve), so that a stage
+    whose disk fills up still reports why it failed (:func:`mark_failed`)."""
+    with contextlib.suppress(OSError):
+        os.makedirs(output_dir, exist_ok=True)
+    disk.reserve(str(Path(output_dir) / FAILED_RESERVE))
+
+
 def mark_failed(output_dir: str, info: dict[str, Any]) -> None:
     """The _FAILED marker. When the disk is too full to write it, it goes through the space the stage
-    reserved at its start (``FAILED_RESERVE``, trainer.disk.reserve), its texts shortened to fit: a
-    failure is reported as what it was even when its own marker could not otherwise be written."""
+    reserved at its start (:func:`reserve_marker`), its texts shortened to fit: a failure is reported as
+    what it was even when its own marker could not otherwise be written."""
+    reserved = Path(output_dir) / FAILED_RESERVE
     try:
         mark(output_dir, FAILED, info)
     except OSError:
-        reserved = Path(output_dir) / FAILED_RESERVE
         if not reserved.is_file():
             raise
         short = {k: v[:2000] if isinstance(v, str) else v for k, v in info.items()}
         disk.write_reserved(str(Path(output_dir) / FAILED), str(reserved), json.dumps(short, default=str))
+    reserved.unlink(missing_ok=True)
+
+
+def mark_complete(output_dir: str, info: dict[str, Any]) -> None:
+    """The _COMPLETE marker; a disk too full to write it fails the stage, saying so."""
+    try:
+        mark(output_dir, COMPLETE, info)
+    except OSError as err:
+        mark_failed(output_dir, {"key": info.get("key"), "job": info.get("job"), "error": repr(err),
+                                 "time": time.time(), "reason": failure_reason(err)})
+        raise
+    (Path(output_dir) / FAILED_RESERVE).unlink(missing_ok=True)
 
 
 def job_of_task() -> str:
@@ -250,26 +270,20 @@ class NodeStage:
 
     def __call__(self) -> Any:
         rank, job = _job()
-        reserved = Path(self.output_dir) / FAILED_RESERVE
         if rank == 0:  # room for _FAILED, taken before the work can fill the disk
-            with contextlib.suppress(OSError):
-                os.makedirs(self.output_dir, exist_ok=True)
-            disk.reserve(str(reserved))
+            reserve_marker(self.output_dir)
         try:
             wait_for(self.upstream, self.upstream_timeout_s)
             result = self.run()
-            if rank == 0:  # only rank 0 writes the markers; the others must not race it with a stale _FAILED
-                (Path(self.output_dir) / FAILED).unlink(missing_ok=True)
-                mark(self.output_dir, COMPLETE, {"key": self.key, "job": job, "result": result,
-                                                 "time": time.time()})
         except Exception as err:
             if rank == 0:
                 mark_failed(self.output_dir, {"key": self.key, "job": job, "error": repr(err),
                                               "time": time.time(), "reason": failure_reason(err)})
             raise
-        finally:
-            if rank == 0:
-                reserved.unlink(missing_ok=True)
+        if rank == 0:  # only rank 0 writes the markers; the others must not race it with a stale _FAILED
+            (Path(self.output_dir) / FAILED).unlink(missing_ok=True)
+            mark_complete(self.output_dir, {"key": self.key, "job": job, "result": result,
+                                            "time": time.time()})
         return result
 
     def checkpoint(self, *args: Any, **kwargs: Any) -> Any:

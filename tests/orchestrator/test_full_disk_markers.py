@@ -24,9 +24,10 @@ JOB = "2147483646"  # _local_job_env's job id: no such process, so status reads 
 
 
 class FillsTheDisk(NodeStage):
-    """Another writer fills the filesystem, then this stage's own write fails."""
+    """Another writer fills the filesystem, then this stage's own write fails (job ``"raise"``), or it
+    returns and its _COMPLETE marker cannot be written (job ``"return"``)."""
 
-    def run(self) -> None:
+    def run(self) -> str:
         with open(Path(self.output_dir) / "filler", "wb") as f:
             try:
                 while True:
@@ -35,7 +36,9 @@ class FillsTheDisk(NodeStage):
             except OSError as e:
                 assert e.errno == errno.ENOSPC
         assert (Path(self.output_dir) / FAILED_RESERVE).is_file()  # taken before the disk filled
-        raise OSError(errno.ENOSPC, "No space left on device", str(Path(self.output_dir) / "result.bin"))
+        if self.job == "raise":
+            raise OSError(errno.ENOSPC, "No space left on device", str(Path(self.output_dir) / "result.bin"))
+        return "x" * 10000  # a result too long for the full disk
 
 
 def _reasons(run_dir: Path, stage: str, state_dir: Path) -> tuple[str, str]:
@@ -46,12 +49,13 @@ def _reasons(run_dir: Path, stage: str, state_dir: Path) -> tuple[str, str]:
     return row.state, row.failure
 
 
-def test_a_stage_whose_disk_filled_up_still_records_why(tmp_path, monkeypatch):
+@pytest.mark.parametrize("how", ["raise", "return"])
+def test_a_stage_whose_disk_filled_up_still_records_why(tmp_path, monkeypatch, how):
     _local_job_env(monkeypatch)
     with small_tmpfs(tmp_path / "small", "1m") as mnt:
         state_dir = mnt / "stages" / "toy"
         with pytest.raises(OSError, match="No space left"):
-            FillsTheDisk(None, str(state_dir), [], "k")()
+            FillsTheDisk(how, str(state_dir), [], "k")()
         with pytest.raises(OSError):  # nothing else fits: only the reserved space held the marker
             (state_dir / "probe").write_text("x" * 8192)
         marker = json.loads((state_dir / FAILED).read_text())
