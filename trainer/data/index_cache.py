@@ -21,9 +21,9 @@ or overwritten file (``runs_root/_cache`` is shared by every run: one damaged en
 
 The digest is the price of that trust: every rank reads each array once more (SHA-256, the hash the
 checkpoint manifests use; the data loader pages the arrays in anyway). Measured with
-``python bench/index_build.py`` on the 2-core development machine under load: 3 ms for the 3.6 MB entry of
-300 M tokens at S=2048, 43 ms for 17.8 MB (1 B tokens, S=1024), 0.21 s for 53 MB (3 B tokens, S=1024) —
-per rank, once per start, against seconds of building.
+``python bench/index_build.py`` on the shared 2-core machine (load average ~11): 3 ms for the 3.6 MB entry
+of 300 M tokens at S=2048, 45 ms for 17.8 MB (1 B tokens, S=1024), 0.24 s for 160 MB (3 B tokens, 2.5
+epochs, S=1024) — per rank, once per start (bench/results/index_build_digest.txt).
 """
 
 from __future__ import annotations
