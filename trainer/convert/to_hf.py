@@ -173,8 +173,9 @@ def convert_checkpoint(cfg: ToHFConfig) -> ConversionResult:
     log.info("merged tp=%d pp=%d: %d layers, hidden %d, vocab %d (padded %d)", merged.tp_size,
              merged.pp_size, spec.num_layers, spec.hidden_size, spec.vocab_size, spec.padded_vocab_size)
     out = cfg.output_dir
-    partial = swap.begin(out, cfg.overwrite)
+    partial = swap.partial_dir(out)
     try:
+        swap.begin(out, cfg.overwrite)
         files, report, prov = _build(cfg, merged, spec, tok, partial)
     except BaseException as e:
         shutil.rmtree(partial, ignore_errors=True)  # nothing half-written stays; a full disk gets space back

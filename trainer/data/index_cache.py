@@ -28,6 +28,7 @@ epochs, S=1024) — per rank, once per start (bench/results/index_build_digest.t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -193,7 +194,8 @@ def load_or_build_entry(marker: str, files: dict[str, str], key: dict, cache: In
         pass
     except DamagedEntry as problem:
         log.warning("index cache: %s; rebuilding the entry %s", problem, marker)
-        os.unlink(marker)  # readers must not trust the old arrays while we rewrite them
+        with contextlib.suppress(FileNotFoundError):  # another job's builder may have removed it first
+            os.unlink(marker)  # readers must not trust the old arrays while we rewrite them
     arrays, extra = build()
     write_entry(marker, files, arrays, {"key": key, **extra})
     return read_entry(marker, files, key)
@@ -223,8 +225,6 @@ def _wait_for_entry(marker: str, files: dict[str, str], key: dict, cache: IndexC
 
 
 # ----------------------------------------------------------------------------------- the GPT indices
-
-
 
 def load_or_build(sizes: np.ndarray, doc_range: tuple[int, int], spec: IndexSpec, split: str,
                   cache: IndexCacheConfig, impl: str = "auto") -> GPTIndices:
