@@ -2,7 +2,8 @@
 
 Only sequence lengths are needed (no .bin). The sample index is built by the C++ op and by the NumPy
 reference in the same run (the baseline); the document and shuffle indices are NumPy RandomState shuffles
-either way. Also times the full cached path (build + atomic .npy writes) and a cache hit (memory-map).
+either way. Also times the full cached path (build + atomic .npy writes + their SHA-256) and a cache hit
+(every file checked against its recorded SHA-256, then memory-mapped), and how much of the hit is the digest.
 
     python bench/index_build.py                    # 1e9 tokens, S=2048, 1 and 3 epochs
     python bench/index_build.py --tokens 1e8 --seq-length 1024
@@ -11,6 +12,7 @@ either way. Also times the full cached path (build + atomic .npy writes) and a c
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -28,6 +30,7 @@ from trainer.data.index_helpers import (
     count_epochs,
     last_epoch_plan,
 )
+from trainer.disk import sha256_file
 
 
 def synthetic_sizes(total_tokens: int, seed: int = 0) -> np.ndarray:
@@ -74,9 +77,12 @@ def run_case(sizes: np.ndarray, spec: IndexSpec, repeats: int) -> dict[str, floa
         t0 = time.perf_counter()
         load_or_build(sizes, (0, len(sizes)), spec, "train", IndexCacheConfig(tmp, is_builder=False))
         t_hit = time.perf_counter() - t0
+        arrays = [os.path.join(tmp, f) for f in os.listdir(tmp) if f.endswith(".npy")]
+        t_digest, _ = best_of(lambda: [sha256_file(f) for f in arrays], repeats)
+        entry_mb = sum(os.path.getsize(f) for f in arrays) / 1e6
     return {"epochs": epochs, "separate": separate, "samples": total, "doc": t_doc, "cpp": t_cpp,
             "numpy": t_np, "shuffle": t_shuf, "cached_build": t_cached_build, "hit": t_hit,
-            "dtype": str(cpp.dtype)}
+            "digest": t_digest, "entry_mb": entry_mb, "dtype": str(cpp.dtype)}
 
 
 def main() -> None:
@@ -99,7 +105,7 @@ def main() -> None:
               f"(generated in {time.perf_counter() - t0:.1f} s); S = {args.seq_length}\n")
     out.write(f"{'request':>10} {'epochs':>6} {'samples':>11} {'doc idx':>8} {'sample C++':>10} "
               f"{'sample NumPy':>12} {'C++ speed-up':>12} {'shuffle':>8} {'all 3 C++':>9} "
-              f"{'build+write':>11} {'cache hit':>9}\n")
+              f"{'build+write':>11} {'cache hit':>9} {'entry':>9} {'its digest':>10}\n")
     for ep in args.epochs:
         spec = IndexSpec(args.seq_length, int(ep * (tokens - 1) // args.seq_length), seed=1234)
         r = run_case(sizes, spec, args.repeats)
@@ -107,7 +113,8 @@ def main() -> None:
         speedup = r["numpy"] / r["cpp"]
         out.write(f"{ep:>9.1f}e {r['epochs']:>6} {r['samples']:>11,} {r['doc']:>7.3f}s {r['cpp']:>9.3f}s "
                   f"{r['numpy']:>11.3f}s {speedup:>11.1f}x {r['shuffle']:>7.3f}s {three:>8.3f}s "
-                  f"{r['cached_build']:>10.3f}s {r['hit']:>8.3f}s   (sample index {r['dtype']}, "
+                  f"{r['cached_build']:>10.3f}s {r['hit']:>8.3f}s {r['entry_mb']:>6.1f} MB "
+                  f"{r['digest']:>9.3f}s   (sample index {r['dtype']}, "
                   f"separate last epoch: {r['separate']})\n")
 
 

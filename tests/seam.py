@@ -8,6 +8,8 @@ job.
   that file, so the retry of a killed job gets past it); ``SLIPWAY_LAUNCH_FAILPOINT=<step>`` SIGKILLs
   launch.py at that step of a submission (``recorded``, ``before_sbatch:<stage>``,
   ``after_sbatch:<stage>``, ``after_record:<stage>``, ``submitted``), as a login shell dying there would;
+  ``SLIPWAY_CONVERT_FAILPOINT=<step>`` SIGKILLs the HF conversion at that step (``written``: the model is
+  in ``hf.partial``, not verified; ``between_renames``: the old model moved aside, the new one not in);
   ``SLIPWAY_PREFLIGHT_FAILPOINT=stop@NODE`` SIGSTOPs NODE's leader after it checked in, ``slow@NODE:MS``
   delays each of its sends by MS ms (a sick link); every training rank writes ``pids/rank<N>.pid`` (the
   fault tests signal ranks).
@@ -37,6 +39,7 @@ from trainer import faults
 from trainer.faults import (
     CKPT_FAILPOINT,
     CKPT_FAILPOINT_ONCE,
+    CONVERT_FAILPOINT,
     FAIL_TRAIN,
     FAIL_TRIAL,
     LAUNCH_FAILPOINT,
@@ -85,6 +88,8 @@ def at(point: str, **where) -> float | None:
             return None
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "launch" and env.get(LAUNCH_FAILPOINT) == step:
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif kind == "convert" and env.get(CONVERT_FAILPOINT) == step:
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "preflight":
         return _preflight(step, where["node"], env.get(PREFLIGHT_FAILPOINT, ""))

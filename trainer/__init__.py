@@ -30,7 +30,7 @@ CONTRACT = (
     "trainer.run_files", "trainer.formulas", "trainer.signals", "trainer.config_issues", "trainer.log",
     "trainer.faults", "trainer.disk", "trainer.field_docs",
     "trainer.config", "trainer.data.corpus_config", "trainer.data.preprocess", "trainer.convert.run_config",
-    "trainer.eval.config",
+    "trainer.eval.config", "trainer.data.tokenizer_identity",
     "trainer.data.blend", "trainer.data.splits", "trainer.data.hf_tokenizer",
     "trainer.metrics_file", "trainer.checkpoint.files", "trainer.checkpoint.verify", "trainer.health",
     "trainer.eval.results", "trainer.wandb_key", "trainer.wandb_online", "trainer.devices",

@@ -7,6 +7,7 @@ another exception (``torch.save`` raises a RuntimeError), or numpy's short write
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -60,3 +61,38 @@ def sha256_file(path: str) -> str:
         while chunk := f.read(8 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+RESERVE_BYTES = 8192  # room for a failure record (the stage markers truncate their text to fit)
+
+
+def reserve(path: str, nbytes: int = RESERVE_BYTES) -> bool:
+    """Allocate ``path`` now (``nbytes`` of spaces, fsynced) so that a record can still be written through
+    it when the disk has filled up (:func:`write_reserved`). False when even this fails: the disk is full
+    already, and what fails next says so in its own error."""
+    try:
+        with open(path, "wb") as f:
+            f.write(b" " * nbytes)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        return False
+
+
+def write_reserved(path: str, reserved: str, text: str) -> None:
+    """``text`` as ``path`` through the file :func:`reserve` allocated: overwritten in place (blocks
+    already allocated: no new space where files are overwritten in place, as on ext4, xfs and tmpfs; a
+    copy-on-write filesystem may still refuse), padded with spaces to its size (JSON allows trailing
+    blanks), then renamed to ``path``."""
+    data = text.encode()
+    size = os.path.getsize(reserved)
+    if len(data) > size:
+        raise ValueError(f"{len(data)} bytes do not fit the {size} reserved in {reserved}")
+    with open(reserved, "r+b") as f:
+        f.write(data + b" " * (size - len(data)))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(reserved, path)

@@ -38,6 +38,7 @@ CKPT_FAILPOINT_ONCE = "SLIPWAY_CKPT_FAILPOINT_ONCE"
 PREFLIGHT_FAILPOINT = "SLIPWAY_PREFLIGHT_FAILPOINT"
 NODE_NAME = "SLIPWAY_NODE_NAME"
 LAUNCH_FAILPOINT = "SLIPWAY_LAUNCH_FAILPOINT"
+CONVERT_FAILPOINT = "SLIPWAY_CONVERT_FAILPOINT"
 
 # Environment variables → what they do.
 ENV_HOOKS = {
@@ -50,6 +51,7 @@ ENV_HOOKS = {
     PREFLIGHT_FAILPOINT: "the preflight stops or slows a node on purpose",
     NODE_NAME: "overrides the node name in heartbeats and the preflight (emulated nodes)",
     LAUNCH_FAILPOINT: "launch.py SIGKILLs itself at that step of a submission (crash-consistency tests)",
+    CONVERT_FAILPOINT: "the HF conversion SIGKILLs itself at that step (written, between_renames)",
 }
 
 

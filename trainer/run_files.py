@@ -10,11 +10,14 @@ literal file name of a run anywhere else is a second copy (tests/test_run_files.
       .slipway-launch.lock     held while a launch records and submits (also in the checkpoint dir, with
                                .slipway-writer.json, the job writing it: orchestrator/record/writer_lock.py)
       checkpoints/             Megatron's layout: iter_XXXXXXX/, latest_checkpointed_iteration.txt
-      hf/                      the converted Hugging Face model
+      hf/                      the converted Hugging Face model, always a verified one: the next is built
+                               in hf.partial/ and renamed in; hf.previous/ holds the old one during the
+                               swap (trainer/convert/swap.py)
       eval/                    results.json of the eval stage
       logs/                    job logs (train_<jobid>_r<restart>_a<attempt>_<rank>.err, ...)
       jobs/<stage>/            submitit's pickles and local logs (<job>_<task>_log.err/.out)
-      stages/<stage>/          stage state: _COMPLETE / _FAILED markers, requeues, retries, fatal_*
+      stages/<stage>/          stage state: _COMPLETE / _FAILED markers (_FAILED.reserve while it runs),
+                               requeues, retries, fatal_*
       heartbeats/              rank_<rank>.json per training rank; hangs.jsonl beside it (trainer/health)
       wandb_run.json           the W&B run id, so a restart resumes the same run
       train_metrics.jsonl      the trainer's log-line values, one JSON object per line
@@ -44,6 +47,10 @@ HEARTBEATS = "heartbeats"
 HANGS = "hangs.jsonl"  # one line per watchdog that fired: kept across retries (heartbeats are not)
 CHECKPOINTS = "checkpoints"
 HF = "hf"
+# Beside a converted model's folder (any output folder of the converter, not only a run's hf/): the model
+# being built and verified, and the one it replaces while the two are swapped (trainer/convert/swap.py).
+PARTIAL_SUFFIX = ".partial"
+PREVIOUS_SUFFIX = ".previous"
 EVAL = "eval"
 LOGS = "logs"
 JOBS = "jobs"
@@ -71,6 +78,7 @@ TRIAL_RECORD = "trial_rank{rank}.json"  # what one rank of a trial ended with (m
 # Stage state (in stages/<stage>/, or a shared stage's output folder).
 COMPLETE = "_COMPLETE"  # the stage succeeded; its JSON holds the stage's result
 FAILED = "_FAILED"  # the stage's callable raised; its JSON holds the error
+FAILED_RESERVE = "_FAILED.reserve"  # space for _FAILED taken at a stage's start (a full disk still reports)
 REQUEUES = "requeues"  # one line per requeue of the training job (Slipway's or Slurm's)
 RETRIES = "retries"  # one line per crashed attempt retried inside the allocation
 EXCLUSIONS = "exclusions"  # one line per bad-node decision of the batch script: excluded (or kept)
@@ -132,6 +140,8 @@ class RunDir:
     launches = property(lambda self: self.root / LAUNCHES)
     checkpoints = property(lambda self: self.root / CHECKPOINTS)
     hf = property(lambda self: self.root / HF)
+    hf_partial = property(lambda self: self.root / (HF + PARTIAL_SUFFIX))
+    hf_previous = property(lambda self: self.root / (HF + PREVIOUS_SUFFIX))
     eval = property(lambda self: self.root / EVAL)
     logs = property(lambda self: self.root / LOGS)
     wandb_run = property(lambda self: self.root / WANDB_RUN)

@@ -15,6 +15,7 @@ from orchestrator.stages.train import NAME as TRAIN
 from orchestrator.world.runs import hf_vocab_entries, vocab_entries
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
+from trainer.data.tokenizer_identity import DIGEST_ARG, identify, resume_refusal
 from trainer.formulas import model_vocab_size
 
 
@@ -69,6 +70,7 @@ def _model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
     except CheckpointError:
         return []  # not a Slipway checkpoint (torch_dist, foreign): the trainer says what to do with it
     tc = plan.stage(TRAIN).job.trainer_config
+    out = _tokenizer_problems(tc, args, ckpt_dir, iteration)
     model = dict(tc["model"])
     tok = tc["tokenizer"]  # the tokenizer is read only when its size matters (loading one takes seconds)
     entries = None if model.get("vocab_size") else (
@@ -78,17 +80,29 @@ def _model_problems(plan: Plan, ckpt_dir: str, iteration: int) -> list[Problem]:
     try:
         wrong = config_differences(args, ModelConfig(**model))
     except (ConfigError, TypeError, ValueError):
-        return []  # a broken model section: the config checks report it
+        return out  # a broken model section: the config checks report it
     if not wrong:
-        return []
+        return out
     diffs = ", ".join(f"{k} {saved} → {now}" for k, (saved, now) in wrong.items())
     old = " ".join(f"model.{k}={saved}" for k, (saved, _) in wrong.items())
-    return [Problem(
+    return out + [Problem(
         "checkpoint_model", "model", diffs,
         f"the run's checkpoints ({ckpt_dir}, iteration {iteration}) are a different model (saved → "
         f"configured): {diffs}; the training job would refuse to load them",
         f"start a new run (another run_id; to start from these weights use checkpoint.load=model-only "
         f"checkpoint.load_dir={ckpt_dir}), or keep the old values: {old}")]
+
+
+def _tokenizer_problems(tc: dict, args: object, ckpt_dir: str, iteration: int) -> list[Problem]:
+    """The checkpoint the job would resume from must have been trained with the run's tokenizer, by the
+    digest its args record (the trainer refuses it too, before loading); an unrecorded one (Megatron-LM's,
+    an older Slipway's) loads with a note."""
+    from trainer.checkpoint.files import arg
+
+    saved = arg(args, DIGEST_ARG)
+    current = identify(tc["tokenizer"])
+    refusal = resume_refusal(saved, current, ckpt_dir, iteration) if saved else None
+    return [Problem("checkpoint_tokenizer", "tokenizer", current.files, *refusal)] if refusal else []
 
 
 def record_problems(ctx: Context) -> list[Problem]:

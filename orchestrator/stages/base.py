@@ -13,6 +13,7 @@ Nothing here imports submitit or torch at module level: planning and the status 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -28,9 +29,10 @@ from orchestrator.base.schema import SlipwayConfig
 from orchestrator.render import mem_flag
 from orchestrator.world.queue import marker_of, process_alive
 from orchestrator.world.runs import CACHE_DIR, write_json
+from trainer import disk
 from trainer.formulas import padded_vocab_size, stage_params
 from trainer.log import get_logger
-from trainer.run_files import COMPLETE, FAILED, RunDir
+from trainer.run_files import COMPLETE, FAILED, FAILED_RESERVE, RunDir
 from trainer.signals import EXIT_PERMANENT
 
 log = get_logger(__name__)
@@ -194,6 +196,46 @@ def mark(output_dir: str, name: str, info: dict[str, Any]) -> None:
     write_json(Path(output_dir) / name, info)
 
 
+def failure_reason(err: BaseException) -> str:
+    """A stage's error in one line for its _FAILED marker (status shows it); a full disk says so."""
+    reason = f"{type(err).__name__}: {err}"
+    return reason if not disk.out_of_space(err) or "disk full" in reason else f"disk full: {reason}"
+
+
+def reserve_marker(output_dir: str) -> None:
+    """Take the space of a _FAILED marker now (``FAILED_RESERVE``, trainer.disk.reserve), so that a stage
+    whose disk fills up still reports why it failed (:func:`mark_failed`)."""
+    with contextlib.suppress(OSError):
+        os.makedirs(output_dir, exist_ok=True)
+    disk.reserve(str(Path(output_dir) / FAILED_RESERVE))
+
+
+def mark_failed(output_dir: str, info: dict[str, Any]) -> None:
+    """The _FAILED marker. When the disk is too full to write it, it goes through the space the stage
+    reserved at its start (:func:`reserve_marker`), its texts shortened to fit: a failure is reported as
+    what it was even when its own marker could not otherwise be written."""
+    reserved = Path(output_dir) / FAILED_RESERVE
+    try:
+        mark(output_dir, FAILED, info)
+    except OSError:
+        if not reserved.is_file():
+            raise
+        short = {k: v[:2000] if isinstance(v, str) else v for k, v in info.items()}
+        disk.write_reserved(str(Path(output_dir) / FAILED), str(reserved), json.dumps(short, default=str))
+    reserved.unlink(missing_ok=True)
+
+
+def mark_complete(output_dir: str, info: dict[str, Any]) -> None:
+    """The _COMPLETE marker; a disk too full to write it fails the stage, saying so."""
+    try:
+        mark(output_dir, COMPLETE, info)
+    except OSError as err:
+        mark_failed(output_dir, {"key": info.get("key"), "job": info.get("job"), "error": repr(err),
+                                 "time": time.time(), "reason": failure_reason(err)})
+        raise
+    (Path(output_dir) / FAILED_RESERVE).unlink(missing_ok=True)
+
+
 def job_of_task() -> str:
     """This task's job id as the launch recorded it (Slurm's, or the local controller's pid); "local"
     outside a submitit job."""
@@ -279,6 +321,8 @@ class NodeStage:
 
     def __call__(self) -> Any:
         rank, job = _job()
+        if rank == 0:  # room for _FAILED, taken before the work can fill the disk
+            reserve_marker(self.output_dir)
         try:
             wait_for(self.upstream, self.upstream_timeout_s)
         except UpstreamFailed as err:
@@ -287,13 +331,13 @@ class NodeStage:
             result = self.run()
         except Exception as err:
             if rank == 0:
-                mark(self.output_dir, FAILED, {"key": self.key, "job": job, "error": repr(err),
-                                               "time": time.time(), "reason": f"{type(err).__name__}: {err}"})
+                mark_failed(self.output_dir, {"key": self.key, "job": job, "error": repr(err),
+                                              "time": time.time(), "reason": failure_reason(err)})
             raise
         if rank == 0:  # only rank 0 writes the markers; the others must not race it with a stale _FAILED
             (Path(self.output_dir) / FAILED).unlink(missing_ok=True)
-            mark(self.output_dir, COMPLETE, {"key": self.key, "job": job, "result": result,
-                                             "time": time.time()})
+            mark_complete(self.output_dir, {"key": self.key, "job": job, "result": result,
+                                            "time": time.time()})
         return result
 
     def _not_run(self, rank: int, job: str | None, err: UpstreamFailed) -> None:
@@ -302,8 +346,8 @@ class NodeStage:
         job it exits with the code of a failure a retry would repeat (a Slurm train job's batch script then
         stops); called directly (no job), it raises."""
         if rank == 0:
-            mark(self.output_dir, FAILED, {"key": self.key, "job": job, "error": repr(err),
-                                           "time": time.time(), "reason": str(err), "not_run": True})
+            mark_failed(self.output_dir, {"key": self.key, "job": job, "error": repr(err),
+                                          "time": time.time(), "reason": str(err), "not_run": True})
         if job is None:
             raise err
         log.error("%s", err)

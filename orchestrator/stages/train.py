@@ -32,6 +32,7 @@ from orchestrator.world.runs import write_json
 from trainer import faults
 from trainer.checkpoint.verify import read_warnings
 from trainer.config import RunConfig
+from trainer.data.tokenizer_identity import data_refusal, identify
 from trainer.health import read_heartbeats, summarize
 from trainer.log import get_logger
 from trainer.metrics_file import kernel_cell, kernel_fallbacks, last_kernel_check
@@ -106,6 +107,14 @@ def write_data_report(summaries: list[str], run_dir: str) -> Path | None:
     return out
 
 
+def check_data_tokenizer(summaries: list[str], tokenizer: dict[str, Any]) -> None:
+    """The data must have been tokenized by the run's tokenizer (its preprocessing summaries record which:
+    trainer.data.tokenizer_identity); a ValueError, not retried, when a file changed in between."""
+    refusal = data_refusal(summaries, identify(tokenizer))
+    if refusal:
+        raise ValueError(refusal)
+
+
 class TrainStage(NodeStage):
     """Training: one task per device. Exits with the requeue code when the trainer stopped on a signal.
 
@@ -132,6 +141,7 @@ class TrainStage(NodeStage):
         job_id = job_of_task()  # a relaunch (new job) never reads an old marker, local jobs included
         marker = Path(self.output_dir, FATAL_MARKER.format(job=job_id, restart=restart, attempt=attempt))
         try:
+            check_data_tokenizer(job.data_summaries, config.get("tokenizer") or {})
             result = run(RunConfig.from_dict(config), hooks)
         except Exception as err:
             reason = permanent_reason(err)

@@ -111,8 +111,12 @@ def write_text(path: Path, text: str) -> None:
     then a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no empty leftover
+        raise
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

@@ -13,6 +13,7 @@ from tests.convert.conftest import make_checkpoint
 from trainer.convert.shard_io import TRACKER, CheckpointError
 from trainer.convert.to_hf import INVALID, ToHFConfig, VerificationFailed, convert_checkpoint
 from trainer.convert.verify import VerifyConfig
+from trainer.data.tokenizer_identity import DIGEST_ARG
 
 SHARD = "model_optim_rng.pt"
 
@@ -111,6 +112,11 @@ def test_args_disagree_with_weights_or_tokenizer(tmp_path, tokenizer_dir):
     ckpt = make_checkpoint(tmp_path / "c", tokenizer_dir, 1, 1, vocab_file="/gone/vocab.json")[0]
     with pytest.raises(CheckpointError, match="tokenizer .* was not found.*--vocab-file"):
         _convert(ckpt, tmp_path)
+    # The same size, another vocabulary (the checkpoint records its tokenizer's digest): never shipped.
+    ckpt = make_checkpoint(tmp_path / "d", tokenizer_dir, 1, 1, **{DIGEST_ARG: "sha256:" + "0" * 64})[0]
+    with pytest.raises(CheckpointError, match=r"trained with another tokenizer \(sha256 000000000000…\) "
+                       r"than .*vocab.json \(sha256 [0-9a-f]{12}…\): pass the run's own"):
+        _convert(ckpt, tmp_path)
 
 
 class Unlisted:
@@ -140,8 +146,10 @@ def test_output_dir_not_empty_and_failed_verification(tmp_path, ckpt):
     assert (out / "keep.txt").read_text() == "user data"
     with pytest.raises(VerificationFailed, match="FAILED"):
         _convert(ckpt, tmp_path, overwrite=True, verify=VerifyConfig(tolerance=1e-12))
-    assert "FAILED" in (out / INVALID).read_text()
-    assert not (out / "config.json").exists()  # nothing loads an unverified model by mistake
+    assert (out / "keep.txt").read_text() == "user data"  # replaced only by a verified model
+    failed = tmp_path / "out.partial"
+    assert "FAILED" in (failed / INVALID).read_text()
+    assert not (failed / "config.json").exists()  # nothing loads an unverified model by mistake
 
 
 def test_verification_detects_a_different_model(tmp_path, tokenizer_dir):

@@ -11,6 +11,7 @@ import pytest
 
 from orchestrator.launch.flow import launch
 from orchestrator.planning.plan import PlanInputs, make_plan
+from tests.convert.conftest import tokenizer_dir as tokenizer_dir  # the fixture
 from tests.fixtures import MEGATRON_FIXTURES
 from tests.orchestrator.conftest import compose_cfg
 
@@ -97,3 +98,40 @@ def test_an_architecture_change_of_the_same_shape_is_refused_as_the_trainer_refu
     gpt = gpt_config(compose_cfg([*SAME_MODEL, "model.normalization=rmsnorm"]).model, 1024)
     with pytest.raises(CheckpointError, match="'normalization': \\('LayerNorm', 'RMSNorm'\\)"):
         _check_model(saved_layout(str(ckpt), 7)[2], gpt, str(ckpt), 7)
+
+
+def test_another_tokenizer_than_the_checkpoints_is_refused_before_anything_is_submitted(
+        tmp_path, tokenizer_dir):  # noqa: F811 (the fixture)
+    """The run's checkpoints record their tokenizer's digest; a relaunch whose vocab/merges differ (replaced
+    in place, or tokenizer.* pointed elsewhere) is refused at plan time, as the trainer would refuse it.
+    A Megatron-LM checkpoint (no record) is not refused."""
+    from orchestrator.base.problems import PlanError
+    from tests.convert.conftest import make_checkpoint
+    from trainer.data.tokenizer_identity import DIGEST_ARG, identify
+
+    tok = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok)
+    files = [f"tokenizer.vocab_file={tok / 'vocab.json'}", f"tokenizer.merge_file={tok / 'merges.txt'}"]
+    digest = identify({"vocab_file": str(tok / "vocab.json"), "merge_file": str(tok / "merges.txt")}).digest
+    ckpt = make_checkpoint(tmp_path, tok, 1, 1, **{DIGEST_ARG: digest})[0]
+    over = [*SMOKE, f"runs_root={tmp_path}/runs", f"cache_dir={tmp_path}/cache", "run_id=r1",
+            f"checkpoint.dir={ckpt}", "train.iters=1000", *files]
+
+    def hits(*extra: str) -> list[str]:
+        plan = launch(compose_cfg([*over, "dry_run=true", *extra]), out=io.StringIO()).plan
+        return [str(p) for p in plan.problems if p.code == "checkpoint_tokenizer"]
+
+    assert hits() == []
+    merges = (tok / "merges.txt").read_text().splitlines()
+    (tok / "merges.txt").write_text("\n".join([merges[0], *merges[2:], merges[1]]) + "\n")  # in place
+    found = hits()
+    assert len(found) == 1, found
+    said = f"the checkpoint {ckpt} iteration 150 was trained with another tokenizer (sha256 {digest[7:19]}…)"
+    assert said in found[0] and "resuming would continue training on another vocabulary" in found[0]
+    assert f"checkpoint.load=model-only checkpoint.load_dir={ckpt}" in found[0] and "run_id" in found[0]
+    with pytest.raises(PlanError, match=r"\[checkpoint_tokenizer\]"):  # the real launch: nothing submitted
+        launch(compose_cfg(over), out=io.StringIO())
+    assert not (tmp_path / "runs" / "codeparrot_smoke" / "r1" / "run.json").exists()
+    assert hits("checkpoint.load=none") == []  # not resuming: nothing to compare
+    plan, _ = _dry(tmp_path / "megatron")  # Megatron-LM's checkpoint records none: loaded with a note
+    assert [p for p in plan.problems if p.code == "checkpoint_tokenizer"] == []

@@ -165,7 +165,8 @@ class CheckpointConfig(Section):
     load: str | int | None = "latest"
     """What to load at start: latest or null (resume from the newest complete checkpoint if there is one),
     none (start fresh), an iteration number, or model-only (weights from load_dir; fresh optimizer,
-    schedule and iteration count). Once dir holds a checkpoint and load_dir is another folder, every
+    schedule and iteration count; the one way to start from weights trained with another tokenizer: a
+    resume with another is refused). Once dir holds a checkpoint and load_dir is another folder, every
     restart resumes from dir (so a requeued fine-tuning run does not start over)."""
     load_dir: str | None = None
     """Where load looks when it is not dir: another run's checkpoints, one written by

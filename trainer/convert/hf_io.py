@@ -72,17 +72,23 @@ def llama_config(spec: GPTSpec, eod_id: int, dropout: dict[str, float]) -> Any:
     return config
 
 
-def write_config(config: Any, dtype: torch.dtype, out_dir: Path) -> None:
-    """config.json with both ``dtype`` (transformers ≥ 4.56) and ``torch_dtype`` (older readers); a
-    Llama's rope θ also as ``rope_theta`` (transformers < 5 and other readers; 5 nests it in
-    ``rope_parameters``)."""
+def write_config(config: Any, dtype: torch.dtype, out_dir: Path, name: str = "config.json") -> None:
+    """config.json (or ``name``: the converter writes it unverified first, trainer.convert.swap) with both
+    ``dtype`` (transformers ≥ 4.56) and ``torch_dtype`` (older readers); a Llama's rope θ also as
+    ``rope_theta`` (transformers < 5 and other readers; 5 nests it in ``rope_parameters``)."""
     d = config.to_dict()
-    name = str(dtype).removeprefix("torch.")
-    d["dtype"] = d["torch_dtype"] = name
+    d["dtype"] = d["torch_dtype"] = str(dtype).removeprefix("torch.")
     theta = (d.get("rope_parameters") or {}).get("rope_theta", getattr(config, "rope_theta", None))
     if d.get("model_type") == "llama" and theta is not None:
         d["rope_theta"] = theta
-    (out_dir / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+    (out_dir / name).write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
+
+
+def read_config(path: Path) -> Any:
+    """A config file written by :func:`write_config`, as transformers reads it (any file name)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
 
 
 def write_generation_config(config: Any, out_dir: Path) -> None:

@@ -6,13 +6,18 @@
 
 Reads and merges the shards on CPU in one process, writes config.json, (sharded) model.safetensors,
 generation_config.json, the run's tokenizer and a model card, then verifies the written directory against
-the merged source model (``verify.py``). A failed check exits non-zero and leaves the directory marked
-invalid: an ``INVALID`` file saying why, and no config.json, so nothing loads it by mistake.
+the merged source model (``verify.py``). Everything is written into ``<output-dir>.partial`` beside the
+output and renamed into place only once verified (:mod:`trainer.convert.swap`): a model already in the
+output directory stays there, loadable, until its replacement passed. A failed check exits non-zero and
+leaves ``<output-dir>.partial`` marked invalid: an ``INVALID`` file saying why, and no config.json, so
+nothing loads it by mistake; a full disk removes it (giving the space back) and says so.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,18 +25,23 @@ from typing import Any
 
 import torch
 
+from trainer import faults
 from trainer.cli import Flags, add_dataclass_args, from_args
-from trainer.convert import card, hf_io, llama, names
+from trainer.convert import card, hf_io, llama, names, swap
 from trainer.convert.reference import make_source
-from trainer.convert.shard_io import CheckpointError, iteration_path, prepare_output
+from trainer.convert.shard_io import CheckpointError, iteration_path
 from trainer.convert.shards import MergedCheckpoint, load_merged
 from trainer.convert.spec import LLAMA, GPTSpec, arg, spec_from_checkpoint
-from trainer.convert.tokenizer import AnyRunTokenizer, find_tokenizer, save_tokenizer
+from trainer.convert.tokenizer import AnyRunTokenizer, HFRunTokenizer, find_tokenizer, save_tokenizer
 from trainer.convert.verify import VerifyConfig, VerifyReport, verify
+from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
+from trainer.data.tokenizer_identity import DIGEST_ARG, short, tokenizer_digest
+from trainer.disk import free_bytes, out_of_space
+from trainer.disk import size as bytes_text
 from trainer.log import get_logger
 
 log = get_logger(__name__)
-INVALID = "INVALID"
+INVALID = swap.INVALID
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -90,38 +100,69 @@ def _tokenizer(cfg: ToHFConfig, merged: MergedCheckpoint) -> AnyRunTokenizer:
     if stated is not None and int(stated) != tok.size:
         raise CheckpointError(f"the checkpoint was trained with vocab_size={stated} but {tok.source} has "
                               f"{tok.size} tokens: pass the run's own tokenizer files")
+    recorded, found = arg(merged.args, DIGEST_ARG), _digest(tok)
+    if recorded and found and recorded != found:  # the same size, another vocabulary: never ship it
+        raise CheckpointError(f"the checkpoint was trained with another tokenizer (sha256 "
+                              f"{short(recorded)}…) than {tok.source} (sha256 {short(found)}…): pass the "
+                              "run's own tokenizer files")
     return tok
 
 
-def _prepare_output(out: Path, overwrite: bool) -> None:
-    prepare_output(out, overwrite)
-    (out / INVALID).write_text("conversion did not finish\n")
+def _digest(tok: AnyRunTokenizer) -> str | None:
+    if isinstance(tok, HFRunTokenizer):
+        return tokenizer_digest(HF_TOKENIZER_TYPE, None, None, str(tok.model_dir))
+    return tokenizer_digest("GPT2BPETokenizer", str(tok.vocab_file), str(tok.merge_file), None)
 
 
-def _mark_invalid(out: Path, reason: str) -> None:
-    (out / "config.json").unlink(missing_ok=True)
-    (out / INVALID).write_text(reason.rstrip() + "\n")
-
-
-def _write_model(cfg: ToHFConfig, merged: MergedCheckpoint, spec: GPTSpec, tok: AnyRunTokenizer
+def _write_model(cfg: ToHFConfig, merged: MergedCheckpoint, spec: GPTSpec, tok: AnyRunTokenizer, out: Path
                  ) -> list[str]:
-    """Weights, configs and tokenizer into the output directory; returns the weight files written."""
+    """Weights and configs into ``out`` (the config as ``config.json.unverified``); returns the weight
+    files written."""
     dtype = next(iter(merged.state.values())).dtype
     table = llama if spec.check_family() == LLAMA else names  # the rules table's llama or GPT-2 column
     # Shapes and dtypes from the map run on meta tensors; the real tensors are made while writing.
     layout = table.megatron_to_hf({k: v.to("meta") for k, v in merged.state.items()}, spec.shapes)
-    files = hf_io.save_weights(layout, lambda n: table.hf_tensor(n, merged.state, spec.shapes),
-                               cfg.output_dir, cfg.max_shard_size)
+    files = hf_io.save_weights(layout, lambda n: table.hf_tensor(n, merged.state, spec.shapes), out,
+                               cfg.max_shard_size)
     dropout = {"hidden": arg(merged.args, "hidden_dropout", 0.1),
                "attention": arg(merged.args, "attention_dropout", 0.1)}
     config = hf_io.hf_config(spec, tok.eod_id, dropout)
-    hf_io.write_config(config, dtype, cfg.output_dir)
-    hf_io.write_generation_config(config, cfg.output_dir)
+    hf_io.write_config(config, dtype, out, swap.UNVERIFIED_CONFIG)
+    hf_io.write_generation_config(config, out)
     return files
 
 
+def _build(cfg: ToHFConfig, merged: MergedCheckpoint, spec: GPTSpec, tok: AnyRunTokenizer, out: Path
+           ) -> tuple[list[str], VerifyReport, card.Provenance]:
+    """Write, verify and document the model in ``out`` (its config still unverified)."""
+    files = _write_model(cfg, merged, spec, tok, out)
+    config = hf_io.read_config(out / swap.UNVERIFIED_CONFIG)
+    hf_tok = save_tokenizer(tok, out, spec.max_position_embeddings, config)
+    faults.at("convert:written")
+    report = verify(make_source(merged.state, spec), out, hf_tok, cfg.verify, config)
+    if cfg.write_bin and report.passed:  # written from the verified safetensors: the same weights
+        torch.save(hf_io.load_weights(out), out / hf_io.BIN_SINGLE)
+        files.append(hf_io.BIN_SINGLE)
+    prov = card.Provenance.from_args(merged.args, iteration=merged.iteration, source=str(cfg.checkpoint_dir),
+                                     tp_size=merged.tp_size, pp_size=merged.pp_size, **cfg.provenance)
+    dtype = str(next(iter(merged.state.values())).dtype).removeprefix("torch.")
+    card.write_card(out, card.render_card(spec, prov, report, {"dtype": dtype, "eos/bos/pad id": str(
+        tok.eod_id)}))
+    return files, report, prov
+
+
+def _disk_full(err: BaseException, partial: Path, out: Path, merged: MergedCheckpoint) -> OSError:
+    """The error of a conversion that ran out of space (its partial folder is already gone)."""
+    need = sum(t.numel() * t.element_size() for t in merged.state.values())
+    kept = f"the model in {out} is unchanged" if out.exists() else f"nothing was written to {out}"
+    free = bytes_text(free_bytes(str(out)))
+    return OSError(errno.ENOSPC, f"disk full: converting into {partial} ran out of space ({err}); {kept}. "
+                   f"Free at least {bytes_text(need)} on that filesystem (now {free} free) and convert again")
+
+
 def convert_checkpoint(cfg: ToHFConfig) -> ConversionResult:
-    """Convert, verify and document one checkpoint; raises VerificationFailed if the check fails."""
+    """Convert, verify and document one checkpoint beside the output, then swap it in; raises
+    VerificationFailed if the check fails (the output directory is left as it was)."""
     iter_dir, iteration = iteration_path(cfg.checkpoint_dir, cfg.iteration)
     log.info("reading %s", iter_dir)
     merged = load_merged(iter_dir, iteration, cfg.trust_pickle)
@@ -132,26 +173,21 @@ def convert_checkpoint(cfg: ToHFConfig) -> ConversionResult:
     log.info("merged tp=%d pp=%d: %d layers, hidden %d, vocab %d (padded %d)", merged.tp_size,
              merged.pp_size, spec.num_layers, spec.hidden_size, spec.vocab_size, spec.padded_vocab_size)
     out = cfg.output_dir
-    _prepare_output(out, cfg.overwrite)
+    partial = swap.partial_dir(out)
     try:
-        files = _write_model(cfg, merged, spec, tok)
-        hf_tok = save_tokenizer(tok, out, spec.max_position_embeddings)
-        report = verify(make_source(merged.state, spec), out, hf_tok, cfg.verify)
+        swap.begin(out, cfg.overwrite)
+        files, report, prov = _build(cfg, merged, spec, tok, partial)
     except BaseException as e:
-        _mark_invalid(out, f"conversion failed: {e.__class__.__name__}: {e}")
+        shutil.rmtree(partial, ignore_errors=True)  # nothing half-written stays; a full disk gets space back
+        if out_of_space(e):
+            raise _disk_full(e, partial, out, merged) from e
         raise
-    if cfg.write_bin and report.passed:  # written from the verified safetensors: the same weights
-        torch.save(hf_io.load_weights(out), out / hf_io.BIN_SINGLE)
-        files.append(hf_io.BIN_SINGLE)
-    prov = card.Provenance.from_args(merged.args, iteration=merged.iteration, source=str(cfg.checkpoint_dir),
-                                     tp_size=merged.tp_size, pp_size=merged.pp_size, **cfg.provenance)
-    dtype = str(next(iter(merged.state.values())).dtype).removeprefix("torch.")
-    card.write_card(out, card.render_card(spec, prov, report, {"dtype": dtype, "eos/bos/pad id": str(
-        tok.eod_id)}))
     if not report.passed:
-        _mark_invalid(out, report.summary())
-        raise VerificationFailed(f"{out}: {report.summary()}; the directory is marked {INVALID}")
-    (out / INVALID).unlink()
+        swap.mark_invalid(partial, report.summary())
+        raise VerificationFailed(f"{partial}: {report.summary()}; the directory is marked {INVALID} and "
+                                 f"{out} is left as it was")
+    swap.mark_verified(partial)
+    swap.commit(partial, out)
     log.info("wrote %s (%s)", out, ", ".join(files))
     return ConversionResult(out, spec, report, prov, files)
 
@@ -185,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         if token:
             sys.stdout.write(f"pushed: {push(result.output_dir, a.push_to_hub, token, private=True)}\n")
     except (CheckpointError, FileExistsError, HubUnavailable, ValueError) as e:
+        sys.stderr.write(f"to_hf: error: {e}\n")
+        return 2
+    except OSError as e:
+        if not out_of_space(e):
+            raise
         sys.stderr.write(f"to_hf: error: {e}\n")
         return 2
     except VerificationFailed as e:

@@ -145,8 +145,9 @@ def build_hf_tokenizer(tok: RunTokenizer, model_max_length: int) -> Any:
                              add_prefix_space=False)
 
 
-def _save_hf_dir(tok: HFRunTokenizer, out_dir: Path) -> Any:
-    """Copy the tokenizer's files (the model's config.json is the converter's own) and check the copy."""
+def _save_hf_dir(tok: HFRunTokenizer, out_dir: Path, config: Any = None) -> Any:
+    """Copy the tokenizer's files (the model's config.json is the converter's own) and check the copy,
+    loaded as users will load it: with the model's ``config`` (not in ``out_dir`` yet while unverified)."""
     from transformers import AutoTokenizer
 
     from trainer.data.hf_tokenizer import tokenizer_files
@@ -154,7 +155,7 @@ def _save_hf_dir(tok: HFRunTokenizer, out_dir: Path) -> Any:
     for path in tokenizer_files(tok.model_dir):
         if path.name != "config.json":
             shutil.copyfile(path, out_dir / path.name)
-    copy = AutoTokenizer.from_pretrained(str(out_dir))
+    copy = AutoTokenizer.from_pretrained(str(out_dir), config=config)
     probe = f"def f(x):\n    return x  # é {EOD_TOKEN}"
     if (len(copy), copy.eos_token_id, copy(probe).input_ids) != (tok.size, tok.eod_id, tok.encode(probe)):
         raise CheckpointError(f"the tokenizer copied from {tok.model_dir} into {out_dir} loads differently "
@@ -163,11 +164,11 @@ def _save_hf_dir(tok: HFRunTokenizer, out_dir: Path) -> Any:
     return copy
 
 
-def save_tokenizer(tok: AnyRunTokenizer, out_dir: Path, model_max_length: int) -> Any:
+def save_tokenizer(tok: AnyRunTokenizer, out_dir: Path, model_max_length: int, config: Any = None) -> Any:
     """Write the run's tokenizer into ``out_dir`` (GPT-2 BPE: all of TOKENIZER_FILES); returns the HF
-    tokenizer."""
+    tokenizer. ``config``: the model's, when ``out_dir`` has no config.json yet."""
     if isinstance(tok, HFRunTokenizer):
-        return _save_hf_dir(tok, out_dir)
+        return _save_hf_dir(tok, out_dir, config)
     hf_tok = build_hf_tokenizer(tok, model_max_length)
     hf_tok.save_pretrained(str(out_dir))
     shutil.copyfile(tok.vocab_file, out_dir / "vocab.json")

@@ -98,11 +98,13 @@ def _intra_op_threads(n: int | None) -> Iterator[None]:
 
 
 @torch.no_grad()
-def verify(source: SourceModel, hf_dir: Path, tokenizer: Any | None, cfg: VerifyConfig) -> VerifyReport:
-    """Load ``hf_dir`` with ``AutoModelForCausalLM`` in fp32 and compare it with ``source``."""
+def verify(source: SourceModel, hf_dir: Path, tokenizer: Any | None, cfg: VerifyConfig, config: Any = None
+           ) -> VerifyReport:
+    """Load ``hf_dir`` with ``AutoModelForCausalLM`` in fp32 and compare it with ``source``; ``config``: the
+    model's config when it is not ``hf_dir/config.json`` yet (an unverified model: trainer.convert.swap)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32, config=config).eval()
     n_pos = hf_positions(hf.config)
     new_tokens = min(cfg.new_tokens, n_pos - 1)
     worst, identical, samples = 0.0, True, []

@@ -11,7 +11,6 @@ the data, weights, seed and sample counts, so a resumed run (the sampler restart
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from trainer.data.gpt_dataset import (
     build_gpt_datasets,
     default_cache_dir,
 )
-from trainer.data.index_cache import IndexCacheConfig, _atomic_write, _wait_for, cache_key
+from trainer.data.index_cache import IndexCacheConfig, cache_key, load_or_build_entry
 from trainer.data.splits import SPLIT_NAMES
 from trainer.log import get_logger
 
@@ -84,29 +83,23 @@ class BlendRequest:
 
 def _load_or_build_indices(weights: list[float], size: int, split: str, cache: IndexCacheConfig
                            ) -> tuple[np.ndarray, np.ndarray]:
+    """The blend's two arrays, an index cache entry like the GPT indices' (checked against its digests;
+    built by the builder rank, waited for by the others)."""
     description = {"algorithm": BLEND_ALGORITHM_VERSION, "split": split, "weights": weights, "size": size}
     base = os.path.join(cache.cache_dir, f"{cache_key(description)}-blend-{split}")
-    paths = {name: f"{base}-{name}.npy" for name in _ARRAYS}
-    marker = f"{base}-description.json"
-    if cache.is_builder and not os.path.exists(marker):
+    files = {name: f"{base}-{name}.npy" for name in _ARRAYS}
+
+    def build() -> tuple[dict[str, np.ndarray], dict]:
         t0 = time.perf_counter()
         arrays = dict(zip(_ARRAYS, blending_indices(weights, size), strict=True))
-        os.makedirs(cache.cache_dir, exist_ok=True)
-        for name, array in arrays.items():
-            _atomic_write(paths[name], lambda f, a=array: np.save(f, a, allow_pickle=False))
-        _atomic_write(marker, lambda f: f.write(json.dumps(description, indent=2).encode()))  # commit marker
         log.info("%s blend indices: %d positions built in %.2f s", split, size, time.perf_counter() - t0)
-    elif not cache.is_builder:
-        _wait_for(marker, cache)
-    with open(marker, encoding="utf-8") as f:
-        if json.load(f) != description:
-            raise ValueError(f"{marker} describes another blend (hash collision or a foreign file); "
-                             "delete it")
-    out = tuple(np.load(paths[name], mmap_mode="r", allow_pickle=False) for name in _ARRAYS)
-    if any(a.shape != (size,) for a in out):
-        raise ValueError(f"the blend indices next to {marker} are not {size} long (truncated or replaced "
-                         "files); delete them to rebuild")
-    return out
+        return arrays, {}
+
+    _, arrays = load_or_build_entry(f"{base}-description.json", files, description, cache, build)
+    if any(a.shape != (size,) for a in arrays.values()):
+        raise ValueError(f"the blend indices of {base}-description.json are not {size} long: delete the "
+                         "entry's files to rebuild")
+    return arrays["dataset_index"], arrays["dataset_sample_index"]
 
 
 def build_blended_datasets(request: BlendRequest, num_samples: dict[str, int | None],

@@ -61,6 +61,7 @@ from trainer.data.preprocess_io import (
 )
 from trainer.data.progress import MODES, Progress
 from trainer.data.tokenizer import BACKENDS, load_gpt2_bpe
+from trainer.data.tokenizer_identity import tokenizer_digest
 from trainer.disk import out_of_space
 from trainer.log import get_logger
 from trainer.run_files import document_prefix, preprocess_summary
@@ -206,6 +207,7 @@ class PreprocessSummary:
     dtype: str
     append_eod: bool
     summary_path: str = ""
+    tokenizer_digest: str | None = None  # trainer.data.tokenizer_identity: the training stage compares it
 
 
 class _Run:
@@ -271,6 +273,8 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
     """Run one preprocessing job; raises :class:`PreprocessError` on a bad line in fail mode."""
     config.check()
     files = resolve_inputs(config.input)
+    digest = tokenizer_digest(config.tokenizer_type, config.vocab_file, config.merge_file,
+                              config.tokenizer_model)  # read before loading: the bytes it then encodes with
     tok = config.load_tokenizer()
     dtype = best_fitting_dtype(tok.vocab_size)
     settings = EncodeSettings(tok.spec, tuple(config.json_keys), config.append_eod,
@@ -318,7 +322,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessSummary:
         skipped_examples=[asdict(b) for b in run.examples], blank_lines=run.blank_lines,
         input_bytes=run.input_bytes, seconds=round(seconds, 3), mb_per_s=mb_per_s,
         backend=tok.backend, vocab_size=tok.vocab_size, eod_id=tok.eod_id, dtype=dtype.name,
-        append_eod=config.append_eod, summary_path=config.summary_path)
+        append_eod=config.append_eod, summary_path=config.summary_path, tokenizer_digest=digest)
     _write_summary(summary)
     _report(summary)
     return summary

@@ -18,7 +18,8 @@ architecture's fixed values), with the run's own facts added:
     seed, lr, min_lr, lr_decay_style, lr_warmup_iters, lr_decay_iters, weight_decay, adam_beta1,
     adam_beta2, adam_eps, clip_grad, tokenizer_type, vocab_file, merge_file, tokenizer_model (the
     HuggingFaceTokenizer directory, Megatron's name), eod_token_id, data_path,
-    split, kernels, slipway_attention_backend, run_id, run_dir, slipway_version.
+    split, kernels, slipway_attention_backend, run_id, run_dir, slipway_version, slipway_tokenizer_digest
+    (the tokenizer's content digest: trainer.data.tokenizer_identity).
 
 With interleaving the shard holds ``model0`` … ``model{v-1}`` instead of ``model`` (Megatron's layout,
 :mod:`trainer.checkpoint.chunks`). Checkpoints of older Slipway versions carry a dict; everything here
@@ -42,6 +43,7 @@ from trainer.checkpoint.megatron_args import megatron_args
 from trainer.config.model import ModelConfig
 from trainer.convert.mcore import LEGACY_PREFIX, gpt_flat, to_mcore_model
 from trainer.convert.shards import load_merged
+from trainer.data.tokenizer_identity import DIGEST_ARG, TokenizerId, resume_refusal, unrecorded_note
 from trainer.log import get_logger
 from trainer.model.names import nest
 from trainer.optim.lr import OptimizerParamScheduler
@@ -78,6 +80,7 @@ class RunFacts:
     global_batch_size: int
     eod_token_id: int | None
     run_id: str | None
+    tokenizer_digest: str | None = None  # trainer.data.tokenizer_identity: recorded in every checkpoint
 
 
 def checkpoint_args(gpt: ModelConfig, model: ParallelModel, facts: RunFacts,
@@ -113,6 +116,8 @@ def checkpoint_args(gpt: ModelConfig, model: ParallelModel, facts: RunFacts,
         # Not Megatron's attention_backend (an AttnBackend enum since core_v0.11): Slipway's own choice.
         "slipway_attention_backend": gpt.attention_backend, "run_id": facts.run_id, "run_dir": c["run_dir"],
         "slipway_version": trainer.__version__,
+        # Which tokenizer, by content (trainer.data.tokenizer_identity): a resume with another is refused.
+        DIGEST_ARG: facts.tokenizer_digest,
         # The distributed optimizer (also the master_weights recipe's layout) keeps 16-bit weights; the
         # fp32 masters are in distrib_optim.pt.
         "use_distributed_optimizer": master or bool(o.get("distributed", False)),
@@ -210,6 +215,23 @@ def named_weights(model: ParallelModel, shard: dict) -> dict[str, torch.Tensor]:
         return flats[0]
     return {chunk.global_name(n): t for chunk, flat in zip(model.chunks, flats, strict=True)
             for n, t in flat.items()}
+
+
+def check_tokenizer(args: Any, tok: TokenizerId, plan: tuple[str, int, bool]) -> None:
+    """A checkpoint resumes only with the tokenizer it was trained with (its args record the digest:
+    trainer.data.tokenizer_identity); checkpoint.load=model-only is the explicit way to start from weights
+    of another one. A checkpoint without the record (Megatron-LM's, an older Slipway's) loads with a note."""
+    ckpt_dir, iteration, model_only = plan
+    saved = arg(args, DIGEST_ARG)
+    if saved is None:
+        log.warning("%s", unrecorded_note(ckpt_dir, iteration))
+        return
+    refusal = resume_refusal(saved, tok, ckpt_dir, iteration)
+    if refusal and model_only:
+        log.warning("checkpoint.load=model-only: starting from the weights of %s iteration %d, trained with "
+                    "another tokenizer than this run's %s", ckpt_dir, iteration, tok.files)
+    elif refusal:
+        raise ckpt.CheckpointError(f"{refusal[0]}. Fix: {refusal[1]}")
 
 
 def train_state_from(shard: dict) -> TrainState:

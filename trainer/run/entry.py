@@ -38,6 +38,7 @@ from trainer.config.train import precision_recipe, recipe_line
 from trainer.config_issues import ConfigError
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.spec import unsupported_options
+from trainer.data.tokenizer_identity import TokenizerId, identify
 from trainer.log import get_logger
 from trainer.metrics_file import metrics_path, truncate_after
 from trainer.model import attention
@@ -57,6 +58,7 @@ from trainer.restore.state import (
     RunFacts,
     TrainState,
     build_state,
+    check_tokenizer,
     checkpoint_args,
     restore_merged,
     restore_resharded,
@@ -165,23 +167,24 @@ def _latest(ckpt_dir: str, run_dir: str | None, act: bool) -> int | None:
 
 
 def load_checkpoint(plan: tuple[str, int, bool], gpt: ModelConfig, model: ParallelModel,
-                    parts: Restorable) -> TrainState:
-    """Restore from ``plan`` (see resolve_load), resharding when the saved (tp, pp) differ."""
-    state = _load_checkpoint(plan, gpt, model, parts)
+                    parts: Restorable, tok: TokenizerId | None = None) -> TrainState:
+    """Restore from ``plan`` (see resolve_load), resharding when the saved (tp, pp) differ; ``tok``: the
+    run's tokenizer, which a resumed checkpoint must have been trained with (None: not compared)."""
+    state = _load_checkpoint(plan, gpt, model, parts, tok or TokenizerId(None, ""))
     if plan[2] and is_distributed(parts.optimizer):  # weights only: the 16-bit masters follow them
         parts.optimizer.reload_model_params()
     return state
 
 
 def _load_checkpoint(plan: tuple[str, int, bool], gpt: ModelConfig, model: ParallelModel,
-                     parts: Restorable) -> TrainState:
+                     parts: Restorable, tok: TokenizerId) -> TrainState:
     ckpt_dir, iteration, model_only = plan
     iter_dir = Path(ckpt.iter_path(ckpt_dir, iteration))
     if dist_ckpt.is_dist(iter_dir):  # Megatron-core's torch_dist: Megatron-LM's (weights only) or Slipway's
-        _check_model(dist_ckpt.read_common(iter_dir).get("args"), gpt, ckpt_dir, iteration)
+        _check_saved(dist_ckpt.read_common(iter_dir).get("args"), gpt, tok, plan)
         return restore_merged(iter_dir, model) if model_only else restore_dist(iter_dir, model, parts)
     tp, pp, args = ckpt.saved_layout(ckpt_dir, iteration)
-    _check_model(args, gpt, ckpt_dir, iteration)
+    _check_saved(args, gpt, tok, plan)
     ps = model.pstate
     restore = None if model_only else parts
     if tp == ps.tp_size and saved_split(args) == model.pcfg.split(gpt.num_layers):  # the same stages
@@ -193,6 +196,12 @@ def _load_checkpoint(plan: tuple[str, int, bool], gpt: ModelConfig, model: Paral
     log.info("loaded %s from %s iteration %d (consumed samples %d)", "weights" if model_only else
              "checkpoint", ckpt_dir, iteration, state.consumed_train_samples)
     return state
+
+
+def _check_saved(args: Any, gpt: ModelConfig, tok: TokenizerId, plan: tuple[str, int, bool]) -> None:
+    """Before anything is loaded: the saved model is the configured one, trained with this run's tokenizer."""
+    _check_model(args, gpt, plan[0], plan[1])
+    check_tokenizer(args, tok, plan)
 
 
 def _check_model(args: Any, gpt: ModelConfig, ckpt_dir: str, iteration: int) -> None:
@@ -311,13 +320,14 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
         os.makedirs(cfg.run_dir, exist_ok=True)
         hb.begin(pstate.device)  # heartbeats, then the preflight (multi-rank worlds)
         plan = resolve_load(cfg.checkpoint, cfg.run_dir)
+        tok = identify(cfg.tokenizer)  # read once: what is checked is what the checkpoints record
         b = build_components(cfg, pstate, plan[1] if plan and not plan[2] else 0)
-        state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
+        state = load_checkpoint(plan, b.gpt, b.model, b.parts, tok) if plan else TrainState()
         if pstate.rank == 0:  # the iterations after the checkpoint are logged again: once, not twice
             truncate_after(metrics_path(cfg.run_dir), state.iteration)
         if hooks.on_build is not None:
             hooks.on_build(b.model)
-        facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id)
+        facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id, tok.digest)
         hb.iteration = state.iteration
         loop = _loop(cfg, b, state, hooks, facts, hb)  # the loop's progress ticks arm the hang watchdog
         reason = ""
