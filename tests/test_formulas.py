@@ -9,7 +9,7 @@ from orchestrator.base import estimate
 from orchestrator.base.layout import layout_of
 from orchestrator.planning.plan import PlanInputs, make_plan
 from tests.orchestrator.conftest import compose_cfg
-from trainer import formulas
+from trainer import formulas, memory_formulas
 from trainer.formulas import flops_per_iteration, padded_vocab_size
 
 CP = ["+experiment=codeparrot"]
@@ -71,17 +71,18 @@ def test_one_definition():
 def test_activation_bytes_follow_korthikanti_table_2():
     s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B, the paper's example
     sbh = s * b * h
-    assert formulas.activation_bytes_per_layer(s, b, h, a) == sbh * (34 + 5 * a * s / h)
-    assert formulas.activation_bytes_per_layer(s, b, h, a, tp=8) == sbh * (10 + 24 / 8 + 5 * a * s / (h * 8))
-    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, True) == sbh * (34 + 5 * a * s / h) / 8
-    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, True, "selective") == 34 * sbh / 8
-    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, False, "selective") == sbh * (10 + 24 / 8)
-    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, True, "full") == 2 * sbh / 8
-    full = formulas.activation_bytes_per_layer(s, b, h, a, recompute="full")
-    none = formulas.activation_bytes_per_layer(s, b, h, a)
-    assert formulas.stage_activation_bytes(8, s, b, h, a, granularity="full", recompute_layers=2) == 4 * full
-    assert formulas.stage_activation_bytes(8, s, b, h, a, granularity="full", method="block",
-                                           recompute_layers=3) == 3 * full + 5 * none
+    per_layer = memory_formulas.activation_bytes_per_layer
+    assert per_layer(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert per_layer(s, b, h, a, tp=8) == sbh * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert per_layer(s, b, h, a, 8, True) == sbh * (34 + 5 * a * s / h) / 8
+    assert per_layer(s, b, h, a, 8, True, "selective") == 34 * sbh / 8
+    assert per_layer(s, b, h, a, 8, False, "selective") == sbh * (10 + 24 / 8)
+    assert per_layer(s, b, h, a, 8, True, "full") == 2 * sbh / 8
+    full = per_layer(s, b, h, a, recompute="full")
+    none = per_layer(s, b, h, a)
+    stage = memory_formulas.stage_activation_bytes
+    assert stage(8, s, b, h, a, granularity="full", recompute_layers=2) == 4 * full
+    assert stage(8, s, b, h, a, granularity="full", method="block", recompute_layers=3) == 3 * full + 5 * none
 
 
 @pytest.mark.parametrize("granularity", ["selective", "full"])
