@@ -1,6 +1,7 @@
-"""The plan's text sections that say what the run will be: the layout, the training recipe, the hardware
-with the source of every value, and the time estimate with the figures it used (flow.format_plan puts
-them together with the memory table, the stages and the problems)."""
+"""The dry run's text of a plan: its sections that say what the run will be — the layout, the training
+recipe, the hardware with the source of every value, the time estimate with the figures it used — and
+:func:`format_plan`, which puts them together with the memory table, the stages, the problems and the job
+scripts (what ``dry_run=true`` prints)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ from orchestrator.base.layout import Layout
 from orchestrator.base.measured import measured_recipes
 from orchestrator.base.plan_types import Plan
 from orchestrator.base.schema import SlipwayConfig
-from trainer.config.train import PRECISION_FACTS, precision_recipe
+from orchestrator.planning.autolayout import proposal_lines
+from orchestrator.planning.data_shares import corpus_shares, shares_table
+from orchestrator.stages import get as stage_def
+from orchestrator.stages import preprocess
+from trainer.config.train import PRECISION_FACTS, precision_recipe, recipe_line
 from trainer.run_files import RunDir
 
 
@@ -163,3 +168,48 @@ def time_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
         f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {DEVICE_HOURS} ({cfg.cluster.device_name} × "
         f"{lay.world}); first checkpoint after {fmt_duration(t.first_checkpoint_s)}",
     ]
+
+
+def _data_prefixes(plan: Plan) -> list[str]:
+    return preprocess.prefixes(plan.stage(preprocess.NAME).job)
+
+
+def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
+    lay = plan.layout
+    precision = recipe_line(cfg.train.precision, cfg.train.precision_recipe, cfg.optim.distributed)
+    lines = [f"Slipway plan: experiment {plan.experiment}, run {plan.run_id}", f"  run dir: {plan.run_dir}"]
+    if plan.sweep:
+        lines.append(
+            f"  sweep {plan.sweep.sweep_id} point {plan.sweep.point}: {' '.join(plan.sweep.overrides)}"
+        )
+    lines += [
+        layout_line(cfg, lay),
+        *(proposal_lines(cfg, plan.proposal) if plan.proposal is not None else []),
+        *recipe_lines(cfg, lay, plan.vocab_size),
+        f"  precision recipe: {precision}",
+        *precision_notes(cfg),
+        *wandb_lines(cfg, plan),
+        *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
+        "",
+        *hardware_lines(cfg),
+        "",
+        *memory_lines(cfg, plan),
+        "",
+        *time_lines(cfg, plan),
+        "",
+        "Stages:",
+    ]
+    for s in plan.stages:
+        where = "shared cache" if s.shared else "run dir"
+        deps = f" after {', '.join(s.depends_on)}" if s.depends_on else ""
+        lines.append(f"  {s.name:<11} key {s.key}  {s.state_dir} ({where}){deps}")
+        done = stage_def(s.name).complete(s)  # what a launch would not submit again (submit.py)
+        lines += [f"              no job: {done}"] if done else []
+    if plan.warnings:
+        lines += ["", "Warnings:", *(f"  - {w}" for w in plan.warnings)]
+    if plan.problems:
+        lines += ["", f"PROBLEMS ({len(plan.problems)}) — nothing would be submitted:"]
+        lines += [f"  - {p}" for p in plan.problems]
+    for name, text in scripts.items():
+        lines += ["", f"----- {name} job script -----", text.rstrip()]
+    return "\n".join(lines) + "\n"

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from orchestrator.base.estimate import GIB
-from orchestrator.launch.flow import format_plan
 from orchestrator.planning.plan import PlanInputs, make_plan
+from orchestrator.planning.plan_format import format_plan
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.sites import H100_X4, H100_X4_LIMITS, site_file
 

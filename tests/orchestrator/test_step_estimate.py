@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.base.estimate import GIB, stage_balance
-from orchestrator.launch.flow import format_plan
 from orchestrator.planning.plan import PlanInputs, make_plan
+from orchestrator.planning.plan_format import format_plan
 from tests.orchestrator.conftest import compose_cfg
 from tests.orchestrator.sites import H100_X4, site_file
 from trainer import formulas
