@@ -3,6 +3,8 @@ the trainer's throughput log and the orchestrator's run-time estimate."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from orchestrator.base import estimate
@@ -11,6 +13,7 @@ from orchestrator.planning.plan import PlanInputs, make_plan
 from tests.orchestrator.conftest import compose_cfg
 from trainer import formulas, memory_formulas
 from trainer.formulas import flops_per_iteration, padded_vocab_size
+from trainer.time_formulas import fit_saturation, gemm_size, saturation
 
 CP = ["+experiment=codeparrot"]
 
@@ -103,3 +106,35 @@ def test_selective_recompute_saves_nothing_with_flash_attention_on_gpu():
         return estimate.estimate_memory(cfg, 32768, layout_of(cfg)).activations_bytes
 
     assert activations(["train.recompute_granularity=selective"]) == activations([])
+
+
+def test_the_micro_batch_efficiency_rises_monotonically_and_saturates():
+    """saturation(x, half) = x / (x + half): a half at ``half``, rising with the size, below 1, and 1 at an
+    infinite size (a figure that means saturated); the size is tokens × hidden² / tp."""
+    half = 2.6e9
+    sizes = [half * 2.0**k for k in range(-8, 12)]
+    shares = [saturation(x, half) for x in sizes]
+    assert all(0 < a < b < 1 for a, b in zip(shares, shares[1:], strict=False))
+    assert saturation(half, half) == 0.5 and saturation(math.inf, half) == 1.0
+    assert 1 - shares[-1] < 1e-3 and shares[0] < 4e-3  # saturated above, a small share below
+    assert gemm_size(8, 1024, 768) == 8 * 1024 * 768**2
+    assert gemm_size(16, 1024, 768, tp=2) == gemm_size(8, 1024, 768)  # tp splits each product
+    assert gemm_size(1, 2048, 2048) == gemm_size(1, 2048, 768) * (2048 / 768) ** 2
+
+
+def test_the_fit_recovers_a_curve_and_is_a_least_squares_minimum():
+    """Points on a known curve give it back; noisy points give the least-squares minimum (nudging either
+    parameter adds squared error); fewer than two sizes cannot fix two parameters."""
+    exact = [(x, 0.4 * saturation(x, 3e9)) for x in (1e9, 4e9, 1.6e10, 6.4e10)]
+    top, half = fit_saturation(exact)
+    assert top == pytest.approx(0.4, rel=1e-6) and half == pytest.approx(3e9, rel=1e-6)
+    noisy = [(x, y * f) for (x, y), f in zip(exact, (1.03, 0.96, 1.01, 1.02), strict=True)]
+    top, half = fit_saturation(noisy)
+
+    def error(t: float, h: float) -> float:
+        return sum((y - t * saturation(x, h)) ** 2 for x, y in noisy)
+
+    for t, h in ((top * 1.01, half), (top * 0.99, half), (top, half * 1.02), (top, half * 0.98)):
+        assert error(t, h) > error(top, half)
+    with pytest.raises(ValueError, match="two or more positive sizes"):
+        fit_saturation([(1e9, 0.2), (1e9, 0.21)])

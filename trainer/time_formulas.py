@@ -1,8 +1,57 @@
-"""Torch-free step-time formulas the plan's estimate uses (one definition each): the pipeline bubble,
-recomputation's extra forward, the collectives at a bus bandwidth (tensor-parallel all-reduces, pipeline
-transfers). trainer/formulas.py holds the FLOPs they divide; trainer/memory_formulas.py the memory's."""
+"""Torch-free step-time formulas the plan's estimate uses (one definition each): how a device's efficiency
+grows with the size of its matrix products (the micro-batch), the pipeline bubble, recomputation's extra
+forward, the collectives at a bus bandwidth (tensor-parallel all-reduces, pipeline transfers).
+trainer/formulas.py holds the FLOPs they divide; trainer/memory_formulas.py the memory's."""
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def gemm_size(micro_batch: int, seq: int, hidden: int, tp: int = 1) -> float:
+    """How large a transformer layer's matrix products are for one micro-batch on one device, as
+    ``tokens · h² / tp``: each of them multiplies the micro-batch's b·s tokens by an h × (k·h) weight that
+    tensor parallelism splits t ways, so its work is a fixed multiple of this. What the micro-batch
+    efficiency (:func:`saturation`) depends on: a micro-batch of another model or tp is as large as one
+    of this size, whatever its tokens."""
+    return micro_batch * seq * hidden**2 / max(tp, 1)
+
+
+def saturation(size: float, half: float) -> float:
+    """The share of its saturated speed a device reaches on matrix products of ``size`` (:func:`gemm_size`):
+    ``size / (size + half)``, with ``half`` the size at which it reaches half of it; 1 at an infinite size
+    (a figure that means "saturated"). The form of a fixed cost per kernel (its launch, a wave's tail) beside
+    work that grows with the size: a time ``c + size/r`` runs at ``size/(size + c·r)`` of the rate ``r``."""
+    return 1.0 if math.isinf(size) else size / (size + half)
+
+
+def fit_saturation(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """``(top, half)`` of ``y = top · saturation(x, half)`` by least squares over ``points`` (x, y), each
+    x > 0: for a given half the best top is linear, Σy·g / Σg² (g = saturation(x, half)), so only half is
+    searched, on a logarithmic grid across a thousandth to a thousand times the sizes measured, then by
+    golden section around the grid's best. ValueError with fewer than two distinct sizes."""
+    xs = sorted({x for x, _ in points})
+    if len(xs) < 2 or xs[0] <= 0:
+        raise ValueError(f"a saturation curve needs two or more positive sizes, not {sorted(xs)}")
+
+    def top_and_error(log_half: float) -> tuple[float, float]:
+        g = [(saturation(x, math.exp(log_half)), y) for x, y in points]
+        top = sum(gi * y for gi, y in g) / sum(gi * gi for gi, _ in g)
+        return top, sum((y - top * gi) ** 2 for gi, y in g)
+
+    lo, hi, n = math.log(xs[0] / 1e3), math.log(xs[-1] * 1e3), 240
+    grid = [lo + (hi - lo) * i / n for i in range(n + 1)]
+    best = min(range(n + 1), key=lambda i: top_and_error(grid[i])[1])
+    a, b = grid[max(best - 1, 0)], grid[min(best + 1, n)]
+    ratio = (math.sqrt(5) - 1) / 2
+    while b - a > 1e-12:
+        c, d = b - ratio * (b - a), a + ratio * (b - a)
+        if top_and_error(c)[1] <= top_and_error(d)[1]:
+            b = d
+        else:
+            a = c
+    return top_and_error((a + b) / 2)[0], math.exp((a + b) / 2)
 
 
 def bubble_fraction(pp: int, num_microbatches: int, virtual_pp: int = 1) -> float:

@@ -13,7 +13,9 @@ Run time uses Megatron's FLOPs formula (performance.md), the trainer's own defin
 (:func:`trainer.formulas.flops_per_iteration`, padded vocabulary), so the ETA and the trainer's logged
 TFLOP/s count the same work; recomputation adds its forward FLOPs
 (:func:`trainer.time_formulas.recompute_time_factor`), at the device's peak and MFU
-(orchestrator/base/hardware.py: the site file, the device table, the figure measured in bench/); tensor
+(orchestrator/base/hardware.py: the site file, the device table, the figure measured in bench/) scaled to
+the run's micro-batch by the measured efficiency curve (:func:`mfu_of`: a micro-batch's matrix products,
+tokens × hidden² / tp, run at ``x/(x + half)`` of the saturated speed); tensor
 parallelism adds its all-reduces at the node's bus bandwidth (:func:`tensor_parallel_seconds`); the
 pipeline stretches both by its bubble, ``(p − 1)/(v·m)`` of the ideal time for 1F1B
 (:func:`trainer.time_formulas.bubble_fraction`); the data-parallel exchange adds what backward does not
@@ -155,6 +157,7 @@ class TimeEstimate:
     exposed_s: float = 0.0  # the part of it not hidden behind the last micro-batch's backward
     tp_comm_s: float = 0.0  # the tensor-parallel all-reduces of one step (every micro-batch's), not hidden
     p2p_s: float = 0.0  # the pipeline's stage-to-stage transfers of one step, not hidden
+    mfu: float = math.nan  # the MFU the compute ran at: the figure at this run's micro-batch (mfu_of)
 
     @property
     def known(self) -> bool:
@@ -234,6 +237,15 @@ def pipeline_seconds(cfg: SlipwayConfig, lay: Layout) -> float:
                                          m.hidden_size, element_bytes(t.precision), pipeline_gbps(cfg, lay))
 
 
+def mfu_of(cfg: SlipwayConfig, lay: Layout) -> float:
+    """The MFU of this run's micro-batch: the hardware's figure scaled by its efficiency curve
+    (Hardware.mfu_at) to the size of one micro-batch's matrix products on one device, which tensor
+    parallelism splits (:func:`trainer.time_formulas.gemm_size`)."""
+    m = cfg.model
+    size = time_formulas.gemm_size(cfg.train.micro_batch_size, m.seq_length, m.hidden_size, max(lay.tp, 1))
+    return hardware(cfg).mfu_at(size)
+
+
 def stage_balance(cfg: SlipwayConfig, padded_vocab: int) -> float:
     """How much longer than an evenly loaded pipeline a step takes: pp × the busiest stage's share of the
     FLOPs (its layers, and on the last stage the logits), 1 without a pipeline. The slowest stage paces
@@ -254,7 +266,8 @@ def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
     v = formulas.padded_vocab_size(vocab, max(cfg.parallel.tp_size, 1), m.make_vocab_size_divisible_by)
     flops = formulas.model_flops_per_iteration(m, lay.global_batch, v)
     peak = hw.peak_tflops.value if hw.peak_tflops.value else math.nan
-    rate = max(lay.world, 1) * peak * 1e12 * max(hw.mfu.value, 1e-6)
+    mfu = mfu_of(cfg, lay)
+    rate = max(lay.world, 1) * peak * 1e12 * max(mfu, 1e-6)
     mb = max(lay.num_microbatches, 1)
     # The step takes (1 + bubble) times the ideal compute (performance.md), interleaving included.
     bubble = time_formulas.bubble_fraction(lay.pp, mb, cfg.parallel.virtual_pp_size)
@@ -270,7 +283,7 @@ def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
     step = (compute + tp_comm + p2p) * (1 + bubble) + exposed
     eta = step * t.iters
     return TimeEstimate(flops, step, bubble, eta, eta / 3600 * max(lay.world, 1),
-                        step * min(t.save_interval or t.iters, t.iters), exchange, exposed, tp_comm, p2p)
+                        step * min(t.save_interval or t.iters, t.iters), exchange, exposed, tp_comm, p2p, mfu)
 
 
 def fmt_bytes(n: float) -> str:

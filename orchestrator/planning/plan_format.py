@@ -6,6 +6,7 @@ scripts (what ``dry_run=true`` prints)."""
 from __future__ import annotations
 
 import textwrap
+from math import inf
 
 from orchestrator.base.estimate import (
     DEVICE_HOURS,
@@ -87,7 +88,13 @@ def hardware_lines(cfg: SlipwayConfig) -> list[str]:
         lines += [_row("bf16", "yes" if hw.bf16.value else "no", hw.bf16.source),
                   _row("bus bandwidth", f"{c.bus_bandwidth_gbps:g} GB/s", source(c, "bus_bandwidth_gbps")),
                   _row("within a node", f"{hw.intra_node_gbps.value:g} GB/s", hw.intra_node_gbps.source)]
-    lines.append(_row("MFU for the ETA", f"{hw.mfu.value:.1%}", hw.mfu.source))
+    lines.append(_row("MFU for the ETA", f"{hw.mfu.value:.1%}" + (" (at saturation)" if hw.mfu_size == inf
+                                                                   and hw.efficiency.value else ""),
+                      hw.mfu.source))
+    curve, h, tp = hw.efficiency.value, cfg.model.hidden_size, max(cfg.parallel.tp_size, 1)
+    half = f"half at {curve.tokens_at_half(h, tp):,.0f} tokens" if curve else "none"
+    lines.append(_row("by micro-batch", half, (f"hidden {h}, tp {tp}: " if curve else "")
+                      + hw.efficiency.source))
     return lines
 
 
@@ -161,8 +168,14 @@ def time_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
     if t.exchange_s:
         comm.append(f"data-parallel exchange {t.exchange_s:.3g} s ({t.exposed_s:.3g} s of it not hidden "
                     f"behind backward, at {exchange_gbps(cfg, lay):g} GB/s)")
+    scaled = ""
+    if f"{t.mfu:.1%}" != f"{hw.mfu.value:.1%}":  # the efficiency curve's share at this micro-batch
+        split = f", split over tp {lay.tp}" if lay.tp > 1 else ""
+        mb, seq = cfg.train.micro_batch_size, cfg.model.seq_length
+        share = t.mfu / hw.mfu.value
+        scaled = f" ({hw.mfu.value:.1%} × {share:.2f} at micro-batch {mb} × {seq} tokens{split})"
     return [
-        f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {hw.mfu.value:.1%} MFU of "
+        f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {t.mfu:.1%} MFU{scaled} of "
         f"{hw.peak_tflops.value:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}"
         + "".join(f", {c}" for c in comm) + f": {t.step_s:.3f} s/iteration",
         f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {DEVICE_HOURS} ({cfg.cluster.device_name} × "
