@@ -136,11 +136,18 @@ def test_one_gpu_searches_micro_batches_and_recomputation_within_its_memory(tmp_
     assert plan.stage(TUNE).array == (4, 1)
 
 
-def test_the_1p3b_on_the_docs_site_takes_a_large_micro_batch_under_the_headroom(tmp_path):
-    """docs/cluster.md's site (nodes of 4 H100 80GB), the 1.3B on 16 GPUs: the first choice is data
-    parallel with micro-batch 8 below the headroom, not micro-batch 1 (the slowest there), and among the
-    layouts that differ only in their micro-batch the larger one is faster."""
-    _, plan = _plan(["+experiment=gpt_1p3b", *site_file(tmp_path, "mysite", docs_site()), "layout=auto"])
+def test_the_docs_sites_examples_take_the_largest_micro_batch_under_the_headroom(tmp_path):
+    """docs/cluster.md's site (nodes of 4 H100 80GB). CodeParrot-small on 8 GPUs: the guide's micro-batch
+    12 first (the largest searched that splits 24 sequences per GPU; it tied with 8 and lost on memory
+    before the micro-batch efficiency), tp1 before any tp2 or tp4. The 1.3B on 16 GPUs: data parallel
+    with micro-batch 8 below the headroom, not micro-batch 1 (the slowest there); among the layouts that
+    differ only in their micro-batch the larger one is faster."""
+    site = site_file(tmp_path, "mysite", docs_site())
+    _, small = _plan(["+experiment=codeparrot", *site, "layout=auto"])
+    assert small.proposal.ranked[0].candidate.name == "tp1 pp1 mb12"
+    tps = [r.candidate.tp for r in small.proposal.ranked]
+    assert tps.index(2) > tps.index(1) and tps.index(4) > tps.index(2)
+    _, plan = _plan(["+experiment=gpt_1p3b", *site, "layout=auto"])
     first = plan.proposal.ranked[0]
     assert first.candidate.name == "tp1 pp1 mb8" and first.memory.total_bytes <= first.memory.limit_bytes
     same = {r.candidate.micro_batch: r.time.step_s for r in plan.proposal.ranked

@@ -64,9 +64,6 @@ def test_tp1_tp2_and_tp4_no_longer_tie(h100):
         best.setdefault(r.candidate.tp, r.time.step_s)
     assert best[1] < best[2] < best[4], best
     assert [r.candidate.tp for r in plan.proposal.trials(4)].count(1) >= 3
-    # The guide's micro-batch 12, the largest searched that splits 24 sequences per GPU, computes fastest
-    # (the micro-batch efficiency); without that term mb 8 tied it and won on memory.
-    assert plan.proposal.ranked[0].candidate.name == "tp1 pp1 mb12"
 
 
 def test_the_bubble_stretches_a_pipelined_step_by_p_minus_1_over_m(tmp_path):
