@@ -2,7 +2,7 @@
 run of the product uses them).
 
 - :func:`saved_activation_bytes`: the activation bytes autograd keeps for backward, behind
-  ``trainer.formulas.ACTIVATION_PROFILES`` (bench/recompute.py, tests/model/test_activation_memory.py).
+  ``trainer.memory_formulas.ACTIVATION_PROFILES`` (bench/recompute.py, tests/model/test_activation_memory.py).
   A ``saved_tensors_hooks`` pack hook sees every tensor autograd saves; each storage is counted once
   (views of one buffer are one allocation) and the parameters' storages are excluded (weights, counted
   by the optimizer's table). Exact and allocator-independent, so a CPU count predicts any device with
@@ -11,7 +11,7 @@ run of the product uses them).
   storages: parameters (weights), gradient buckets and any ``.grad`` outside them, and the optimizer's
   tensors not already counted (the distributed optimizer's fp32 master shards, a view of the weights for
   fp32, and moments; a torch optimizer's ``state``). Compared with
-  ``trainer.formulas.state_bytes_per_param`` by bench/dist_optim.py and its test.
+  ``trainer.memory_formulas.state_bytes_per_param`` by bench/dist_optim.py and its test.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 For dp = 1, 2, 4 (gloo worlds on CPU) and fp32 / bf16, with optim.distributed off and on: build the
 model, take one optimizer step (so lazily created state exists), and count what one rank holds by its
 tensors' storages (bench.counters: weights, gradient buffers, optimizer state incl. fp32
-masters), next to ``trainer.formulas.state_bytes_per_param`` (Megatron's table: fp32 4 + 4 + 8/d, bf16
+masters), next to ``trainer.memory_formulas.state_bytes_per_param`` (Megatron's table: fp32 4 + 4 + 8/d, bf16
 2 + 4 + 12/d; 16 without the option). The only expected difference is each bucket's padding to a
 multiple of dp (under dp elements per bucket).
 
@@ -31,7 +31,7 @@ from bench.counters import measure_state_bytes  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 from trainer.config import OptimConfig  # noqa: E402
 from trainer.config.model import ModelConfig  # noqa: E402
-from trainer.formulas import state_bytes_per_param  # noqa: E402
+from trainer.memory_formulas import state_bytes_per_param  # noqa: E402
 from trainer.ops.dtypes import DTYPES  # noqa: E402
 from trainer.optim.optimizer import build_optimizer  # noqa: E402
 from trainer.parallel import (  # noqa: E402

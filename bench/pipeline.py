@@ -3,7 +3,7 @@
 With p stages and m micro-batches, 1F1B's step takes (1 + (p−1)/m) × t_stage, where t_stage is the
 compute time of one stage's share of the step without any pipelining (performance.md, "Pipeline bubble");
 the interleaved schedule with v model chunks per stage (``--virtual``) takes (1 + (p−1)/(v·m)) × t_stage
-(``trainer.formulas.bubble_fraction``).
+(``trainer.time_formulas.bubble_fraction``).
 Baseline, measured in the same run: the whole model's train_step over the same m micro-batches in one
 process (T1); t_stage = T1 / p. Each pipeline stage is one process with one thread, as is the baseline,
 which rank 0 times right after the pipelined steps (the other ranks wait), so that both see the same
@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.meta import commit  # noqa: E402
 from trainer.config.model import ModelConfig  # noqa: E402
-from trainer.formulas import bubble_fraction  # noqa: E402
 from trainer.parallel import ParallelConfig, ParallelState, build_model, train_step  # noqa: E402
 from trainer.parallel.interleaved import ACTIVATION_TAG, GRADIENT_TAG, RingP2P  # noqa: E402
 from trainer.parallel.pipeline import P2P  # noqa: E402
+from trainer.time_formulas import bubble_fraction  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "pipeline.json"
 

@@ -5,8 +5,8 @@ The count is exact and device-independent (bench.counters: a ``saved_tensors_hoo
 records every tensor autograd saves during one layer's forward, each storage once, the parameters'
 storages excluded). The model runs in bf16 (16-bit activations, as the paper counts them) on CPU, one
 layer, no tensor parallelism. Each row is compared with the paper's coefficients and with the kernel
-set's profile (trainer.formulas.ACTIVATION_PROFILES, what the plan uses). The time is forward + backward
-of the layer, median of the runs, next to no recomputation measured in the same run.
+set's profile (trainer.memory_formulas.ACTIVATION_PROFILES, what the plan uses). The time is forward +
+backward of the layer, median of the runs, next to no recomputation measured in the same run.
 
     python bench/recompute.py [--out bench/results/recompute.json]
 """
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.counters import saved_activation_bytes  # noqa: E402
 from bench.meta import run_meta  # noqa: E402
 from trainer.config.model import ModelConfig  # noqa: E402
-from trainer.formulas import activation_bytes_per_layer, activation_profile  # noqa: E402
+from trainer.memory_formulas import activation_bytes_per_layer, activation_profile  # noqa: E402
 from trainer.model import recompute as R  # noqa: E402
 from trainer.model.gpt import build_gpt  # noqa: E402
 

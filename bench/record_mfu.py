@@ -5,6 +5,13 @@ the run and the file holding the raw output (``--source``, the gpu_check log).
 
     python bench/record_mfu.py --results bench/results --source bench/results/gpu_check_<UTC>.txt
 
+``--log`` reads a gpu_check log instead: the points of bench/train_gpu.py's search for the best micro-batch
+("best micro-batch by csrc's tokens/s:", one line per size) become rows of their own (trainer.measured.SWEEP:
+how the MFU grows with the micro-batch, the curve the plan's estimate fits), dated and attributed by the log
+(its file name's UTC date, its ``commit`` line):
+
+    python bench/record_mfu.py --log bench/results/gpu_check_20261204T131708Z.txt
+
 Rows of the same device, model, measurement, settings and commit are replaced (a rerun); others are kept
 (the reader takes the newest). Rows without an MFU (CPU rehearsals) are not recorded.
 """
@@ -15,12 +22,14 @@ import argparse
 import glob
 import json
 import os
+import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 from bench.gpt_step import model_section  # noqa: E402
-from trainer.measured import FORMAT, LOOP, MFU_FILE, STEP  # noqa: E402
+from trainer.measured import FORMAT, LOOP, MFU_FILE, STEP, SWEEP  # noqa: E402
 
 KEY = ("device", "model", "what", "micro_batch", "precision", "recipe", "kernels", "attention", "commit")
 
@@ -68,6 +77,44 @@ def loop_rows(doc: dict, source: str) -> list[dict]:
                       f"{r['iteration']}"}]
 
 
+# bench/train_gpu.py's lines: the device and shape, the probe's kernels, one line per micro-batch.
+_HEAD = re.compile(r"^(?P<device>\S.*?)  torch \S+  model (?P<model>\w+) \(.*?\) seq \d+ (?P<precision>\w+)  "
+                   r"peak (?P<peak>[\d.]+) TFLOP/s$", re.M)
+_PROBE = re.compile(r"^best micro-batch by (?P<kernels>\w+)'s tokens/s:$", re.M)
+_POINT = re.compile(r"^  micro-batch +(?P<mb>\d+): +(?P<tokens>\d+) tokens/s +(?P<tflops>[\d.]+) TFLOP/s +"
+                    r"peak (?P<mem>[\d.]+) GiB$")
+
+
+def sweep_rows(text: str, source: str) -> list[dict]:
+    """The micro-batch sweep of a gpu_check log ``text`` (committed as ``source``, whose name holds the UTC
+    date: gpu_check_<YYYYMMDD>T...): one row per size that ran, its MFU the TFLOP/s over the peak the line
+    above states; [] without a sweep or a peak (a CPU rehearsal prints "peak -")."""
+    head, probe = _HEAD.search(text), _PROBE.search(text)
+    date = re.search(r"gpu_check_(\d{4})(\d{2})(\d{2})T", source)
+    commit = re.search(r"^commit (\w+)", text, re.M)
+    if not (head and probe and date and commit) or probe.start() < head.start():
+        return []
+    m = model_section(head["model"], 0)
+    out = []
+    for line in text[probe.end():].splitlines()[1:]:
+        point = _POINT.match(line)
+        if point is None:
+            if line.startswith("  micro-batch"):
+                continue  # a size that ran out of memory
+            break
+        out.append({"device": head["device"], "model": head["model"], **_shape(head["model"]), "what": SWEEP,
+                    "micro_batch": int(point["mb"]), "precision": head["precision"], "recipe": "autocast",
+                    "kernels": probe["kernels"],
+                    "attention": f"sdpa (torch default), dropout {m['attention_dropout']}",
+                    "tokens_per_s": int(point["tokens"]),
+                    "mfu": round(float(point["tflops"]) / float(head["peak"]), 4),
+                    "peak_mem_gib": float(point["mem"]), "date": "-".join(date.groups()), "commit": commit[1],
+                    "source": source,
+                    "notes": "bench/train_gpu.py's search for the best micro-batch: the step alone (model + "
+                             "optimizer, one micro-batch per step), a few steps at each size"})
+    return out
+
+
 def merge(path: str, new: list[dict]) -> int:
     doc = {"format": FORMAT, "rows": []}
     if os.path.exists(path):
@@ -84,11 +131,18 @@ def merge(path: str, new: list[dict]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--results", required=True, help="folder holding ab_*.json and loop_*.json of this run")
-    ap.add_argument("--source", required=True, help="the committed file with the run's raw output")
+    ap.add_argument("--results", help="folder holding ab_*.json and loop_*.json of this run")
+    ap.add_argument("--source", help="the committed file with the run's raw output (with --log: the log)")
+    ap.add_argument("--log", help="a gpu_check log: record its micro-batch sweep (bench/train_gpu.py)")
     ap.add_argument("--mfu-file", default=str(MFU_FILE))
     ap.add_argument("--device", default=None, help="the device name for loop rows (default: torch's)")
     a = ap.parse_args(argv)
+    if a.log:
+        with open(a.log, encoding="utf-8") as f:
+            new = sweep_rows(f.read(), a.source or os.path.relpath(a.log, REPO))
+        return _report(a.mfu_file, new) if new else _fail(f"{a.log}: no micro-batch sweep with a peak in it")
+    if not (a.results and a.source):
+        return _fail("give --results and --source (a GPU run's result files), or --log (a gpu_check log)")
     device = a.device
     if device is None:
         import torch
@@ -101,11 +155,20 @@ def main(argv: list[str] | None = None) -> int:
     for path in sorted(glob.glob(os.path.join(a.results, "loop_*.json"))):
         with open(path, encoding="utf-8") as f:
             new += loop_rows({"device": device, **json.load(f)}, a.source)
-    print(f"record_mfu: {merge(a.mfu_file, new)} row(s) into {a.mfu_file}")
+    return _report(a.mfu_file, new)
+
+
+def _report(mfu_file: str, new: list[dict]) -> int:
+    print(f"record_mfu: {merge(mfu_file, new)} row(s) into {mfu_file}")
     for r in new:
         print(f"  {r['device']} {r['model']} {r['what']} mb{r['micro_batch']} {r['recipe']} {r['kernels']} "
               f"{r['attention']}: {100 * r['mfu']:.1f}%")
     return 0
+
+
+def _fail(message: str) -> int:
+    print(f"record_mfu: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":

@@ -3,14 +3,17 @@ the trainer's throughput log and the orchestrator's run-time estimate."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from orchestrator.base import estimate
 from orchestrator.base.layout import layout_of
 from orchestrator.planning.plan import PlanInputs, make_plan
 from tests.orchestrator.conftest import compose_cfg
-from trainer import formulas
+from trainer import formulas, memory_formulas
 from trainer.formulas import flops_per_iteration, padded_vocab_size
+from trainer.time_formulas import fit_saturation, gemm_size, saturation
 
 CP = ["+experiment=codeparrot"]
 
@@ -71,17 +74,18 @@ def test_one_definition():
 def test_activation_bytes_follow_korthikanti_table_2():
     s, b, h, a = 2048, 1, 12288, 96  # GPT-3 175B, the paper's example
     sbh = s * b * h
-    assert formulas.activation_bytes_per_layer(s, b, h, a) == sbh * (34 + 5 * a * s / h)
-    assert formulas.activation_bytes_per_layer(s, b, h, a, tp=8) == sbh * (10 + 24 / 8 + 5 * a * s / (h * 8))
-    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, True) == sbh * (34 + 5 * a * s / h) / 8
-    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, True, "selective") == 34 * sbh / 8
-    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, False, "selective") == sbh * (10 + 24 / 8)
-    assert formulas.activation_bytes_per_layer(s, b, h, a, 8, True, "full") == 2 * sbh / 8
-    full = formulas.activation_bytes_per_layer(s, b, h, a, recompute="full")
-    none = formulas.activation_bytes_per_layer(s, b, h, a)
-    assert formulas.stage_activation_bytes(8, s, b, h, a, granularity="full", recompute_layers=2) == 4 * full
-    assert formulas.stage_activation_bytes(8, s, b, h, a, granularity="full", method="block",
-                                           recompute_layers=3) == 3 * full + 5 * none
+    per_layer = memory_formulas.activation_bytes_per_layer
+    assert per_layer(s, b, h, a) == sbh * (34 + 5 * a * s / h)
+    assert per_layer(s, b, h, a, tp=8) == sbh * (10 + 24 / 8 + 5 * a * s / (h * 8))
+    assert per_layer(s, b, h, a, 8, True) == sbh * (34 + 5 * a * s / h) / 8
+    assert per_layer(s, b, h, a, 8, True, "selective") == 34 * sbh / 8
+    assert per_layer(s, b, h, a, 8, False, "selective") == sbh * (10 + 24 / 8)
+    assert per_layer(s, b, h, a, 8, True, "full") == 2 * sbh / 8
+    full = per_layer(s, b, h, a, recompute="full")
+    none = per_layer(s, b, h, a)
+    stage = memory_formulas.stage_activation_bytes
+    assert stage(8, s, b, h, a, granularity="full", recompute_layers=2) == 4 * full
+    assert stage(8, s, b, h, a, granularity="full", method="block", recompute_layers=3) == 3 * full + 5 * none
 
 
 @pytest.mark.parametrize("granularity", ["selective", "full"])
@@ -102,3 +106,35 @@ def test_selective_recompute_saves_nothing_with_flash_attention_on_gpu():
         return estimate.estimate_memory(cfg, 32768, layout_of(cfg)).activations_bytes
 
     assert activations(["train.recompute_granularity=selective"]) == activations([])
+
+
+def test_the_micro_batch_efficiency_rises_monotonically_and_saturates():
+    """saturation(x, half) = x / (x + half): a half at ``half``, rising with the size, below 1, and 1 at an
+    infinite size (a figure that means saturated); the size is tokens × hidden² / tp."""
+    half = 2.6e9
+    sizes = [half * 2.0**k for k in range(-8, 12)]
+    shares = [saturation(x, half) for x in sizes]
+    assert all(0 < a < b < 1 for a, b in zip(shares, shares[1:], strict=False))
+    assert saturation(half, half) == 0.5 and saturation(math.inf, half) == 1.0
+    assert 1 - shares[-1] < 1e-3 and shares[0] < 4e-3  # saturated above, a small share below
+    assert gemm_size(8, 1024, 768) == 8 * 1024 * 768**2
+    assert gemm_size(16, 1024, 768, tp=2) == gemm_size(8, 1024, 768)  # tp splits each product
+    assert gemm_size(1, 2048, 2048) == gemm_size(1, 2048, 768) * (2048 / 768) ** 2
+
+
+def test_the_fit_recovers_a_curve_and_is_a_least_squares_minimum():
+    """Points on a known curve give it back; noisy points give the least-squares minimum (nudging either
+    parameter adds squared error); fewer than two sizes cannot fix two parameters."""
+    exact = [(x, 0.4 * saturation(x, 3e9)) for x in (1e9, 4e9, 1.6e10, 6.4e10)]
+    top, half = fit_saturation(exact)
+    assert top == pytest.approx(0.4, rel=1e-6) and half == pytest.approx(3e9, rel=1e-6)
+    noisy = [(x, y * f) for (x, y), f in zip(exact, (1.03, 0.96, 1.01, 1.02), strict=True)]
+    top, half = fit_saturation(noisy)
+
+    def error(t: float, h: float) -> float:
+        return sum((y - t * saturation(x, h)) ** 2 for x, y in noisy)
+
+    for t, h in ((top * 1.01, half), (top * 0.99, half), (top, half * 1.02), (top, half * 0.98)):
+        assert error(t, h) > error(top, half)
+    with pytest.raises(ValueError, match="two or more positive sizes"):
+        fit_saturation([(1e9, 0.2), (1e9, 0.21)])

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from bench import record_mfu
-from trainer.measured import LOOP, MFU_FILE, STEP, load_measured, measured_mfu
+from trainer.measured import LOOP, MFU_FILE, STEP, SWEEP, load_measured, measured_mfu
+from trainer.time_formulas import gemm_size
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,3 +71,35 @@ def test_a_malformed_file_is_refused_naming_it(tmp_path):
     bad.write_text(json.dumps({"rows": []}))
     with pytest.raises(ValueError, match="mfu.json"):
         load_measured(bad)
+
+
+SWEEP_LOG = "bench/results/gpu_check_20261204T131708Z.txt"
+
+
+def test_the_micro_batch_sweep_is_recorded_from_its_log_and_the_fit_reproduces_it(tmp_path):
+    """bench/train_gpu.py's search for the best micro-batch on the H200 (micro-batch 8, 16, 32, 64 at
+    183.8, 244.4, 260.8, 270.3 TFLOP/s of 989) is in mfu.json as record_mfu --log writes it from the
+    committed log; the curve the plan fits to it (least squares, x/(x + half) of a saturated MFU, x =
+    tokens × hidden² / tp) reproduces each point within 6 % (the worst, micro-batch 16, is 5.4 % off: the
+    measured curve bends more sharply than the form); the sweep's points never become the plan's figure
+    (the A/B row at micro-batch 64, 27.3 %, measured over more steps, stays it)."""
+    from orchestrator.base.measured import efficiency_curves, measured_figures
+
+    path = tmp_path / "mfu.json"
+    args = ["--log", str(REPO / SWEEP_LOG), "--source", SWEEP_LOG, "--mfu-file", str(path)]
+    assert record_mfu.main(args) == 0
+    recorded = load_measured(path)
+    points = [(8, 0.1858), (16, 0.2471), (32, 0.2637), (64, 0.2733)]
+    assert [(r.micro_batch, r.mfu) for r in recorded] == points
+    assert recorded == [r for r in load_measured() if r.what == SWEEP]  # the committed rows are these
+    assert record_mfu.main(["--log", str(REPO / "bench/results/stress.txt"), "--mfu-file", str(path)]) == 2
+    (curve,) = efficiency_curves()
+    assert curve.gpu == "H200-SXM-141GB" and curve.points == tuple((r.micro_batch, r.mfu) for r in recorded)
+    for mb, mfu in curve.points:
+        assert abs(curve.top * curve.efficiency(gemm_size(mb, 1024, 768)) / mfu - 1) < 0.06, mb
+    # An independent least-squares fit of the same four points (scipy.optimize.curve_fit on the TFLOP/s):
+    # 294.5 TFLOP/s at saturation, half at 4,393 tokens of 1024 × 768² (the rounded MFUs: 4,396).
+    assert curve.top * 989 == pytest.approx(294.5, rel=2e-3)
+    assert curve.tokens_at_half(768) == pytest.approx(4393, rel=2e-3)
+    (figure,) = measured_figures()
+    assert (figure.mfu, figure.size) == (0.273, gemm_size(64, 1024, 768)) and "bench step" in figure.what

@@ -10,8 +10,9 @@ perplexity of the converted model), and ``run``: the training run itself (``run(
 ``python -m trainer.run``, the loop, its data and kernel set-up, metrics and W&B).
 
 Facts several packages share, and the orchestrator too, live torch-free in ``config`` and in the
-top-level modules: ``config_issues``, ``formulas`` (FLOPs, vocab padding, batch rules), ``signals`` (exit
-codes), ``metrics_file``, ``run_files`` (every file of a run), ``devices`` (the GPU table),
+top-level modules: ``config_issues``, ``formulas`` (FLOPs, vocab padding, batch rules, the pipeline split),
+``memory_formulas`` (activations, state bytes per parameter), ``time_formulas`` (the step time's terms),
+``signals`` (exit codes), ``metrics_file``, ``run_files`` (every file of a run), ``devices`` (the GPU table),
 ``wandb_key``, ``wandb_online``, ``disk``, ``faults`` (the fault tests' seam) and ``log`` (the logger);
 :data:`CONTRACT` lists every module the orchestrator may import. ``cli`` generates a command line's
 flags from a config dataclass; ``extension`` loads the csrc kernels.
@@ -27,7 +28,8 @@ __version__ = "0.1.0"
 # builds, and the readers of what a run writes. Anything else of the trainer the orchestrator reaches only
 # inside a stage's node callable or an input check (tests/test_imports.py).
 CONTRACT = (
-    "trainer.run_files", "trainer.formulas", "trainer.signals", "trainer.config_issues", "trainer.log",
+    "trainer.run_files", "trainer.formulas", "trainer.memory_formulas", "trainer.time_formulas",
+    "trainer.signals", "trainer.config_issues", "trainer.log",
     "trainer.faults", "trainer.disk", "trainer.field_docs",
     "trainer.config", "trainer.data.corpus_config", "trainer.data.preprocess", "trainer.convert.run_config",
     "trainer.eval.config", "trainer.data.tokenizer_identity",

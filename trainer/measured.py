@@ -19,6 +19,10 @@ from trainer.devices import find_gpu
 MFU_FILE = Path(__file__).resolve().parents[1] / "bench" / "results" / "mfu.json"
 FORMAT = "slipway-measured-mfu/1"
 LOOP, STEP = "trainer.run loop", "bench step"
+SWEEP = "bench micro-batch sweep"
+"""A point of bench/train_gpu.py's search for the best micro-batch (a few steps of the step alone at each
+size): the rows that show how the MFU grows with the micro-batch (orchestrator/base/measured.py fits them)."""
+WHAT_ORDER = (LOOP, STEP, SWEEP)  # the better evidence of a run's speed first
 
 
 @dataclass(frozen=True)
@@ -82,12 +86,14 @@ DEFAULT_SETTINGS = ("csrc", "autocast")
 
 def rank(r: MeasuredMFU, num_layers: int | None = None, hidden_size: int | None = None) -> tuple:
     """Sort key, best first, of the rows that describe a run: its shape (layers, hidden) first, else the
-    model closest in hidden size; the real loop before the bench step; the newest; the default settings
-    (and no deliberate per-step sync) before other rows; the higher MFU."""
+    model closest in hidden size; the real loop before the bench step before a micro-batch sweep's point
+    (:data:`WHAT_ORDER`); the newest; the default settings (and no deliberate per-step sync) before other
+    rows; the higher MFU."""
     same = num_layers is None or (num_layers, hidden_size) == (r.num_layers, r.hidden_size)
     distance = abs(r.hidden_size - hidden_size) if hidden_size else 0
     default = (r.kernels, r.recipe) == DEFAULT_SETTINGS and "sync every step" not in r.notes
-    return (not same, distance, r.what != LOOP, _neg_date(r.date), not default, -r.mfu)
+    what = WHAT_ORDER.index(r.what) if r.what in WHAT_ORDER else len(WHAT_ORDER)
+    return (not same, distance, what, _neg_date(r.date), not default, -r.mfu)
 
 
 def measured_mfu(device_name: str, num_layers: int | None = None, hidden_size: int | None = None,

@@ -1,22 +1,25 @@
 """Per-device memory and run-time estimates (pure arithmetic on the typed config).
 
 Memory: weights, gradients and optimizer state per parameter are
-:func:`trainer.formulas.state_bytes_per_param`
-(Slipway's autocast layout keeps 4 + 4 + 8 = 16 bytes in every precision; ``optim.distributed`` gives
-Megatron's 4 + 4 + 8/d in fp32 and 2 + 4 + 12/d in bf16/fp16). Activations per transformer layer follow
-Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", table 2;
-:func:`trainer.formulas.stage_activation_bytes`, which follows train.recompute_*) with the coefficients of
-the run's kernels (:func:`trainer.formulas.activation_profile`: measured on CPU, the paper's on GPU, where
-flash SDPA keeps no s×s scores); 1F1B keeps up to p micro-batches in flight on the first stage, so that
-stage holds the activations of L layers in total, times ``1 + (p − 1)/(p·v)`` when interleaved.
+:func:`trainer.memory_formulas.state_bytes_per_param` (Slipway's autocast layout keeps 4 + 4 + 8 = 16 bytes
+in every precision; ``optim.distributed`` gives Megatron's 4 + 4 + 8/d in fp32 and 2 + 4 + 12/d in
+bf16/fp16). Activations per transformer layer follow Korthikanti et al. 2022 ("Reducing Activation
+Recomputation in Large Transformer Models", table 2; :func:`trainer.memory_formulas.stage_activation_bytes`,
+which follows train.recompute_*) with the coefficients of the run's kernels
+(:func:`trainer.memory_formulas.activation_profile`: measured on CPU, the paper's on GPU, where flash SDPA
+keeps no s×s scores); 1F1B keeps up to p micro-batches in flight on the first stage, so that stage holds
+the activations of L layers in total, times ``1 + (p − 1)/(p·v)`` when interleaved.
 Run time uses Megatron's FLOPs formula (performance.md), the trainer's own definition
 (:func:`trainer.formulas.flops_per_iteration`, padded vocabulary), so the ETA and the trainer's logged
 TFLOP/s count the same work; recomputation adds its forward FLOPs
-(:func:`trainer.formulas.recompute_time_factor`), at the device's peak and MFU (orchestrator/base/hardware.py:
-the site file, the device table, the figure measured in bench/); tensor parallelism adds its all-reduces
-at the node's bus bandwidth (:func:`tensor_parallel_seconds`); the pipeline stretches both by its bubble,
-``(p − 1)/(v·m)`` of the ideal time for 1F1B (:func:`trainer.formulas.bubble_fraction`); the data-parallel
-exchange adds what backward does not hide (:func:`exchange_seconds`).
+(:func:`trainer.time_formulas.recompute_time_factor`), at the device's peak and MFU
+(orchestrator/base/hardware.py: the site file, the device table, the figure measured in bench/) scaled to
+the run's micro-batch by the measured efficiency curve (:func:`mfu_of`: a micro-batch's matrix products,
+tokens × hidden² / tp, run at ``x/(x + half)`` of the saturated speed); tensor
+parallelism adds its all-reduces at the node's bus bandwidth (:func:`tensor_parallel_seconds`); the
+pipeline stretches both by its bubble, ``(p − 1)/(v·m)`` of the ideal time for 1F1B
+(:func:`trainer.time_formulas.bubble_fraction`); the data-parallel exchange adds what backward does not
+hide (:func:`exchange_seconds`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from orchestrator.base.hardware import hardware
 from orchestrator.base.layout import Layout
 from orchestrator.base.schema import SlipwayConfig
-from trainer import formulas
+from trainer import formulas, memory_formulas, time_formulas
 from trainer.config.train import PRECISION_FACTS, precision_recipe
 
 GIB = 1024**3
@@ -93,11 +96,12 @@ def stage_layers(cfg: SlipwayConfig) -> list[int]:
     return [m.num_layers // pp] * pp if split.problem() else split.stage_counts()
 
 
-def activation_profile(cfg: SlipwayConfig) -> formulas.ActivationProfile:
+def activation_profile(cfg: SlipwayConfig) -> memory_formulas.ActivationProfile:
     """The measured (CPU) or published (GPU) activation coefficients for this run's kernels."""
     device = "cuda" if cfg.cluster.gpus_per_node else "cpu"
     m = cfg.model
-    profile = formulas.activation_profile(device, cfg.kernels, m.attention_backend, cfg.train.precision)
+    profile = memory_formulas.activation_profile(device, cfg.kernels, m.attention_backend,
+                                                 cfg.train.precision)
     return profile.for_architecture(m)
 
 
@@ -113,18 +117,18 @@ def sharded_masters(cfg: SlipwayConfig) -> bool:
 def estimate_memory(cfg: SlipwayConfig, vocab: int, lay: Layout) -> MemoryEstimate:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     params, _ = stage_params(cfg, vocab)
-    w_bytes, g_bytes, o_bytes = formulas.state_bytes_per_param(t.precision, sharded_masters(cfg),
+    w_bytes, g_bytes, o_bytes = memory_formulas.state_bytes_per_param(t.precision, sharded_masters(cfg),
                                                                max(lay.dp, 1))
     tp, pp = max(p.tp_size, 1), max(p.pp_size, 1)
     # 1F1B: stage r keeps up to p − r micro-batches in flight; with an uneven split the busiest stage is
     # the one whose layers × micro-batches is largest.
     in_flight, layers = max(((min(pp - r, lay.num_microbatches or pp), n)
                              for r, n in enumerate(stage_layers(cfg))), key=lambda f: f[0] * f[1])
-    per_microbatch = formulas.stage_activation_bytes(
+    per_microbatch = memory_formulas.stage_activation_bytes(
         layers, m.seq_length, t.micro_batch_size, m.hidden_size, m.num_attention_heads, tp,
         p.sequence_parallel, t.recompute_granularity, t.recompute_method, t.recompute_num_layers,
         activation_profile(cfg))
-    interleave = formulas.interleaved_memory_factor(pp, p.virtual_pp_size)
+    interleave = memory_formulas.interleaved_memory_factor(pp, p.virtual_pp_size)
     # fp32 logits for the vocab-parallel cross-entropy (last stage; counted on the same device when pp=1).
     v = formulas.padded_vocab_size(vocab, tp, m.make_vocab_size_divisible_by)
     logits = 4 * m.seq_length * t.micro_batch_size * v // tp if pp == 1 else 0
@@ -153,6 +157,7 @@ class TimeEstimate:
     exposed_s: float = 0.0  # the part of it not hidden behind the last micro-batch's backward
     tp_comm_s: float = 0.0  # the tensor-parallel all-reduces of one step (every micro-batch's), not hidden
     p2p_s: float = 0.0  # the pipeline's stage-to-stage transfers of one step, not hidden
+    mfu: float = math.nan  # the MFU the compute ran at: the figure at this run's micro-batch (mfu_of)
 
     @property
     def known(self) -> bool:
@@ -185,26 +190,27 @@ def pipeline_gbps(cfg: SlipwayConfig, lay: Layout) -> float:
 def exchange_seconds(cfg: SlipwayConfig, params: int, lay: Layout) -> tuple[float, float]:
     """(the data-parallel exchange of one step, the part of it hidden behind backward at most).
 
-    Gradients (fp32 buckets, :func:`trainer.formulas.state_bytes_per_param`) are all-reduced over dp, or
-    with ``optim.distributed`` reduce-scattered and the updated weights all-gathered after the step
-    (:func:`trainer.formulas.collective_seconds`, at :func:`exchange_gbps`). With
+    Gradients (fp32 buckets, :func:`trainer.memory_formulas.state_bytes_per_param`) are all-reduced over dp,
+    or with ``optim.distributed`` reduce-scattered and the updated weights all-gathered after the step
+    (:func:`trainer.time_formulas.collective_seconds`, at :func:`exchange_gbps`). With
     ``parallel.overlap_grad_reduce`` the gradient buckets go while the last micro-batch's backward still
     runs (about 2/3 of its compute); the weights' all-gather waits for the optimizer step."""
     t, dp, bus = cfg.train, max(lay.dp, 1), exchange_gbps(cfg, lay)
-    w_bytes, g_bytes, _ = formulas.state_bytes_per_param(t.precision, sharded_masters(cfg), dp)
+    w_bytes, g_bytes, _ = memory_formulas.state_bytes_per_param(t.precision, sharded_masters(cfg), dp)
     if sharded_masters(cfg):
-        grads = formulas.collective_seconds("reduce_scatter", params * g_bytes, dp, bus)
-        weights = formulas.collective_seconds("all_gather", params * w_bytes, dp, bus)
+        grads = time_formulas.collective_seconds("reduce_scatter", params * g_bytes, dp, bus)
+        weights = time_formulas.collective_seconds("all_gather", params * w_bytes, dp, bus)
     else:
-        grads = formulas.collective_seconds("all_reduce", params * g_bytes, dp, bus)
+        grads = time_formulas.collective_seconds("all_reduce", params * g_bytes, dp, bus)
         weights = 0.0
     return grads + weights, grads if cfg.parallel.overlap_grad_reduce else 0.0
 
 
 def tensor_parallel_seconds(cfg: SlipwayConfig, lay: Layout) -> float:
     """The tensor-parallel all-reduces of one step on the busiest stage's devices
-    (:func:`trainer.formulas.tensor_parallel_seconds` for each of its micro-batches), at the bus bandwidth
-    between the GPUs of a node (a tensor-parallel group stays within one: Hardware.intra_node_gbps)."""
+    (:func:`trainer.time_formulas.tensor_parallel_seconds` for each of its micro-batches), at the bus
+    bandwidth between the GPUs of a node (a tensor-parallel group stays within one:
+    Hardware.intra_node_gbps)."""
     t, m, tp = cfg.train, cfg.model, max(lay.tp, 1)
     if tp < 2:
         return 0.0
@@ -215,20 +221,29 @@ def tensor_parallel_seconds(cfg: SlipwayConfig, lay: Layout) -> float:
         recomputed = layers
     else:
         recomputed = min(t.recompute_num_layers, layers)
-    per_microbatch = formulas.tensor_parallel_seconds(
+    per_microbatch = time_formulas.tensor_parallel_seconds(
         layers, t.micro_batch_size, m.seq_length, m.hidden_size, tp, element_bytes(t.precision),
         hardware(cfg).intra_node_gbps.value, recomputed)
     return per_microbatch * max(lay.num_microbatches, 1)
 
 
 def pipeline_seconds(cfg: SlipwayConfig, lay: Layout) -> float:
-    """The pipeline's point-to-point traffic of one step (:func:`trainer.formulas.pipeline_p2p_seconds`)
+    """The pipeline's point-to-point traffic of one step (:func:`trainer.time_formulas.pipeline_p2p_seconds`)
     at :func:`pipeline_gbps`."""
     if lay.pp < 2:
         return 0.0
     t, m = cfg.train, cfg.model
-    return formulas.pipeline_p2p_seconds(max(lay.num_microbatches, 1), t.micro_batch_size, m.seq_length,
+    return time_formulas.pipeline_p2p_seconds(max(lay.num_microbatches, 1), t.micro_batch_size, m.seq_length,
                                          m.hidden_size, element_bytes(t.precision), pipeline_gbps(cfg, lay))
+
+
+def mfu_of(cfg: SlipwayConfig, lay: Layout) -> float:
+    """The MFU of this run's micro-batch: the hardware's figure scaled by its efficiency curve
+    (Hardware.mfu_at) to the size of one micro-batch's matrix products on one device, which tensor
+    parallelism splits (:func:`trainer.time_formulas.gemm_size`)."""
+    m = cfg.model
+    size = time_formulas.gemm_size(cfg.train.micro_batch_size, m.seq_length, m.hidden_size, max(lay.tp, 1))
+    return hardware(cfg).mfu_at(size)
 
 
 def stage_balance(cfg: SlipwayConfig, padded_vocab: int) -> float:
@@ -251,13 +266,14 @@ def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
     v = formulas.padded_vocab_size(vocab, max(cfg.parallel.tp_size, 1), m.make_vocab_size_divisible_by)
     flops = formulas.model_flops_per_iteration(m, lay.global_batch, v)
     peak = hw.peak_tflops.value if hw.peak_tflops.value else math.nan
-    rate = max(lay.world, 1) * peak * 1e12 * max(hw.mfu.value, 1e-6)
+    mfu = mfu_of(cfg, lay)
+    rate = max(lay.world, 1) * peak * 1e12 * max(mfu, 1e-6)
     mb = max(lay.num_microbatches, 1)
     # The step takes (1 + bubble) times the ideal compute (performance.md), interleaving included.
-    bubble = formulas.bubble_fraction(lay.pp, mb, cfg.parallel.virtual_pp_size)
+    bubble = time_formulas.bubble_fraction(lay.pp, mb, cfg.parallel.virtual_pp_size)
     t, layers = cfg.train, max(stage_layers(cfg))  # the slowest stage sets the pace
-    recompute = formulas.recompute_time_factor(t.recompute_granularity, m.seq_length, m.hidden_size, layers,
-                                               t.recompute_method, t.recompute_num_layers)
+    recompute = time_formulas.recompute_time_factor(t.recompute_granularity, m.seq_length, m.hidden_size,
+                                                    layers, t.recompute_method, t.recompute_num_layers)
     compute = flops * recompute * stage_balance(cfg, v) / rate
     # The all-reduces and the stage-to-stage transfers sit inside every micro-batch's forward and backward:
     # the bubble stretches them as it does the compute.
@@ -267,7 +283,7 @@ def estimate_time(cfg: SlipwayConfig, vocab: int, lay: Layout) -> TimeEstimate:
     step = (compute + tp_comm + p2p) * (1 + bubble) + exposed
     eta = step * t.iters
     return TimeEstimate(flops, step, bubble, eta, eta / 3600 * max(lay.world, 1),
-                        step * min(t.save_interval or t.iters, t.iters), exchange, exposed, tp_comm, p2p)
+                        step * min(t.save_interval or t.iters, t.iters), exchange, exposed, tp_comm, p2p, mfu)
 
 
 def fmt_bytes(n: float) -> str:

@@ -5,15 +5,18 @@ The site file (``hydra_conf/cluster/<site>.yaml``) is the one place for a site's
 orchestrator/base/site.py, which knows Hydra, records where each value came from in
 ``cluster.hardware_sources``; this module adds what the device table (trainer/devices.py) and the measured
 figures (orchestrator/base/measured.py) fill in for the values the site leaves null, so the plan can print
-every figure it used and its source.
+every figure it used and its source. An MFU figure holds at the micro-batch it was measured at (a site's
+``cluster.mfu``: at saturation); the measured efficiency curve scales it to another
+(:meth:`Hardware.mfu_at`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.base.measured import MeasuredMfu, measured_figures
+from orchestrator.base.measured import EfficiencyCurve, MeasuredMfu, efficiency_curves, measured_figures
 from orchestrator.base.schema import ClusterConfig, SlipwayConfig
 from trainer.devices import Gpu, find_gpu
 
@@ -42,7 +45,8 @@ class Fact:
 @dataclass(frozen=True)
 class Hardware:
     """What the plan uses of one device: its table entry, memory, peak, bf16, the MFU for the ETA and the
-    bus bandwidth between the GPUs of a node (the tensor-parallel all-reduces')."""
+    bus bandwidth between the GPUs of a node (the tensor-parallel all-reduces'), and how the MFU grows with
+    the micro-batch."""
 
     gpu: Gpu | None
     memory_gb: Fact  # 0: unknown
@@ -50,6 +54,16 @@ class Hardware:
     bf16: Fact
     mfu: Fact
     intra_node_gbps: Fact
+    efficiency: Fact = Fact(None, "none")  # an EfficiencyCurve; None: every micro-batch at the MFU
+    mfu_size: float = math.inf  # the matrix products' size the MFU holds at (inf: saturated)
+
+    def mfu_at(self, size: float) -> float:
+        """The MFU on matrix products of ``size`` (trainer.time_formulas.gemm_size): the figure, scaled by the
+        efficiency curve from the size it holds at to this one; the figure itself without a curve."""
+        curve: EfficiencyCurve | None = self.efficiency.value
+        if curve is None:
+            return self.mfu.value
+        return self.mfu.value * curve.efficiency(size) / curve.efficiency(self.mfu_size)
 
 
 def source(c: ClusterConfig, key: str) -> str:
@@ -73,24 +87,44 @@ def _from_table(c: ClusterConfig, key: str, value: Any, gpu: Gpu | None, table: 
 
 
 def plan_mfu(c: ClusterConfig, gpu: Gpu | None, precision: str,
-             figures: tuple[MeasuredMfu, ...] | None = None) -> Fact:
-    """The MFU of the ETA: the configured one, else the figure measured on this GPU (in this precision
-    first), else the one measured on another GPU (named), else :data:`CPU_MFU` on CPUs."""
+             figures: tuple[MeasuredMfu, ...] | None = None) -> tuple[Fact, float]:
+    """The MFU of the ETA and the size of matrix products it holds at: the configured one (at saturation),
+    else the figure measured on this GPU (in this precision first; at the size it was measured at), else
+    the one measured on another GPU (named), else :data:`CPU_MFU` on CPUs."""
     if c.mfu is not None:
-        return Fact(c.mfu, source(c, "mfu"))
+        return Fact(c.mfu, source(c, "mfu")), math.inf
     if is_cpu(c):
-        return Fact(CPU_MFU, "assumed for CPUs (none measured)")
+        return Fact(CPU_MFU, "assumed for CPUs (none measured)"), math.inf
     figures = measured_figures() if figures is None else figures
     name = gpu.name if gpu else c.device_name
     ranked = sorted(figures, key=lambda f: (f.gpu != name, f.precision != precision))
     if not ranked:
-        return Fact(CPU_MFU, f"assumed: no MFU measured on any GPU in bench/ (set cluster.mfu for {name})")
+        return (Fact(CPU_MFU, f"assumed: no MFU measured on any GPU in bench/ (set cluster.mfu for {name})"),
+                math.inf)
     f = ranked[0]
     where = f"measured on {f.gpu}" if f.gpu == name else f"measured on {f.gpu}, none yet on {name}"
-    return Fact(f.mfu, f"{where} ({f.what}; {f.source})")
+    return Fact(f.mfu, f"{where} ({f.what}; {f.source})"), f.size
 
 
-def hardware(cfg: SlipwayConfig, figures: tuple[MeasuredMfu, ...] | None = None) -> Hardware:
+def plan_curve(c: ClusterConfig, gpu: Gpu | None, precision: str,
+               curves: tuple[EfficiencyCurve, ...] | None = None) -> Fact:
+    """How the MFU grows with the micro-batch: the curve fitted on this GPU (this precision first), else on
+    another GPU (named); none on CPUs (nothing measured there: every micro-batch runs at the MFU)."""
+    if is_cpu(c):
+        return Fact(None, "none measured on CPUs: every micro-batch at the MFU")
+    curves = efficiency_curves() if curves is None else curves
+    name = gpu.name if gpu else c.device_name
+    ranked = sorted(curves, key=lambda f: (f.gpu != name, f.precision != precision))
+    if not ranked:
+        return Fact(None, "none measured in bench/: every micro-batch at the MFU")
+    f = ranked[0]
+    where = f"measured on {f.gpu}" if f.gpu == name else f"measured on {f.gpu}, none yet on {name}"
+    return Fact(f, f"x/(x + half) of {f.top:.1%} MFU, x = tokens × hidden² / tp, least squares to "
+                   f"micro-batches {where} ({f.what}; {f.source})")
+
+
+def hardware(cfg: SlipwayConfig, figures: tuple[MeasuredMfu, ...] | None = None,
+             curves: tuple[EfficiencyCurve, ...] | None = None) -> Hardware:
     c, precision = cfg.cluster, cfg.train.precision
     if is_cpu(c):
         mem = Fact(c.device_memory_gb or 0.0,
@@ -101,7 +135,8 @@ def hardware(cfg: SlipwayConfig, figures: tuple[MeasuredMfu, ...] | None = None)
         link = Fact(c.intra_node_bandwidth_gbps or CPU_INTRA_NODE_GBPS,
                     source(c, "intra_node_bandwidth_gbps") if c.intra_node_bandwidth_gbps
                     else "assumed for CPUs (gloo within a node)")
-        return Hardware(None, mem, peak, bf16, plan_mfu(c, None, precision, figures), link)
+        mfu, size = plan_mfu(c, None, precision, figures)
+        return Hardware(None, mem, peak, bf16, mfu, link, plan_curve(c, None, precision, curves), size)
     gpu = find_gpu(c.device_name)
     memory = _from_table(c, "device_memory_gb", c.device_memory_gb, gpu, gpu and gpu.memory_gb)
     if memory.value is None:
@@ -120,4 +155,5 @@ def hardware(cfg: SlipwayConfig, figures: tuple[MeasuredMfu, ...] | None = None)
                                 "each way (a ring's)")
     elif link.value is None:  # a GPU the table does not know: no faster than the network, at least
         link = Fact(c.bus_bandwidth_gbps, f"cluster.bus_bandwidth_gbps ({link.source})")
-    return Hardware(gpu, memory, peak, bf16, plan_mfu(c, gpu, precision, figures), link)
+    mfu, size = plan_mfu(c, gpu, precision, figures)
+    return Hardware(gpu, memory, peak, bf16, mfu, link, plan_curve(c, gpu, precision, curves), size)

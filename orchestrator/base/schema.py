@@ -133,8 +133,10 @@ class ClusterConfig(Section):
     within a node): the plan's tensor-parallel all-reduces (4 per layer and micro-batch) run at it; null:
     half the device table's NVLink figure (a ring sends each byte one way: H100 SXM 450), 1 on CPUs."""
     mfu: float | None = None
-    """Planning: model FLOPs utilisation for the ETA; null: the figure measured in bench/ on this GPU (or,
-    for a GPU not measured yet, on the one that was; the plan names the figure), 0.3 on CPUs."""
+    """Planning: model FLOPs utilisation for the ETA at a large micro-batch (saturated matrix products; on
+    GPUs the plan scales it down for this run's micro-batch by the efficiency curve measured in bench/);
+    null: the figure measured in bench/ on this GPU at the micro-batch it was measured at (or, for a GPU
+    not measured yet, on the one that was; the plan names the figure), 0.3 on CPUs."""
     reserved_memory_gb: float = 2.0
     """Planning: memory per device taken by the CUDA context, allocator fragmentation and communication
     buffers."""

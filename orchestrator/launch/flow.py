@@ -39,24 +39,12 @@ from orchestrator.launch.submit import (
     stage_log_dir,
     submit_plan,
 )
-from orchestrator.planning.autolayout import proposal_lines
-from orchestrator.planning.data_shares import corpus_shares, shares_table
 from orchestrator.planning.plan import make_plan
-from orchestrator.planning.plan_format import (
-    hardware_lines,
-    layout_line,
-    memory_lines,
-    precision_notes,
-    recipe_lines,
-    time_lines,
-    wandb_lines,
-)
+from orchestrator.planning.plan_format import format_plan
 from orchestrator.readback.follow import LogFollower, failure_tails, log_path
 from orchestrator.readback.summary import write_summary
 from orchestrator.record import launches
 from orchestrator.record.writer_lock import record_writer, single_writer
-from orchestrator.stages import get as stage_def
-from orchestrator.stages import preprocess
 from orchestrator.stages.base import NOT_RUN
 from orchestrator.stages.train import NAME as TRAIN
 from orchestrator.stages.train import run_name
@@ -76,7 +64,6 @@ from orchestrator.world.runs import (
     write_json,
 )
 from trainer import faults
-from trainer.config.train import recipe_line
 from trainer.data.hf_tokenizer import HF_TOKENIZER_TYPE
 from trainer.log import get_logger
 from trainer.run_files import SLURM_LOGS, RunDir
@@ -127,51 +114,6 @@ def gather_facts(cfg: SlipwayConfig, sweep: SweepInfo | None = None) -> PlanInpu
         sweep,
         dict(os.environ),
     )
-
-
-def _data_prefixes(plan: Plan) -> list[str]:
-    return preprocess.prefixes(plan.stage(preprocess.NAME).job)
-
-
-def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
-    lay = plan.layout
-    precision = recipe_line(cfg.train.precision, cfg.train.precision_recipe, cfg.optim.distributed)
-    lines = [f"Slipway plan: experiment {plan.experiment}, run {plan.run_id}", f"  run dir: {plan.run_dir}"]
-    if plan.sweep:
-        lines.append(
-            f"  sweep {plan.sweep.sweep_id} point {plan.sweep.point}: {' '.join(plan.sweep.overrides)}"
-        )
-    lines += [
-        layout_line(cfg, lay),
-        *(proposal_lines(cfg, plan.proposal) if plan.proposal is not None else []),
-        *recipe_lines(cfg, lay, plan.vocab_size),
-        f"  precision recipe: {precision}",
-        *precision_notes(cfg),
-        *wandb_lines(cfg, plan),
-        *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
-        "",
-        *hardware_lines(cfg),
-        "",
-        *memory_lines(cfg, plan),
-        "",
-        *time_lines(cfg, plan),
-        "",
-        "Stages:",
-    ]
-    for s in plan.stages:
-        where = "shared cache" if s.shared else "run dir"
-        deps = f" after {', '.join(s.depends_on)}" if s.depends_on else ""
-        lines.append(f"  {s.name:<11} key {s.key}  {s.state_dir} ({where}){deps}")
-        done = stage_def(s.name).complete(s)  # what a launch would not submit again (submit.py)
-        lines += [f"              no job: {done}"] if done else []
-    if plan.warnings:
-        lines += ["", "Warnings:", *(f"  - {w}" for w in plan.warnings)]
-    if plan.problems:
-        lines += ["", f"PROBLEMS ({len(plan.problems)}) — nothing would be submitted:"]
-        lines += [f"  - {p}" for p in plan.problems]
-    for name, text in scripts.items():
-        lines += ["", f"----- {name} job script -----", text.rstrip()]
-    return "\n".join(lines) + "\n"
 
 
 def scripts_of(cfg: SlipwayConfig, plan: Plan, launch_n: int = 1) -> dict[str, str]:

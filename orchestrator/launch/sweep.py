@@ -34,7 +34,8 @@ from orchestrator.base.estimate import DEVICE_HOURS, GIB, fmt_duration
 from orchestrator.base.facts import SweepInfo
 from orchestrator.base.problems import PlanError
 from orchestrator.base.schema import SlipwayConfig
-from orchestrator.launch.flow import EXIT_PROBLEMS, LaunchResult, Prepared, execute, format_plan, prepare
+from orchestrator.launch.flow import EXIT_PROBLEMS, LaunchResult, Prepared, execute, prepare
+from orchestrator.planning.plan_format import format_plan
 from orchestrator.record.launches import RunRecordError
 
 MULTIRUN_YAML = "multirun.yaml"  # Hydra's record of a sweep's config, written once the sweep is submitted

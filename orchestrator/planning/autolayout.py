@@ -17,12 +17,14 @@ the pipeline split (:func:`orchestrator.checks.layout.pipeline_split`), the layo
 (:func:`orchestrator.checks.layout.layout_problems`), each section's rules — and then by the plan's memory
 estimate against the device less its headroom (``cluster.memory_headroom``, MemoryEstimate.limit_bytes);
 the first rule it breaks is why it was dropped. What is left is ranked by the plan's estimated step time
-(orchestrator/base/estimate.py: FLOPs at the measured MFU, the tensor-parallel all-reduces at the node's
-bandwidth, the pipeline bubble, the data-parallel exchange). It has no term for how a GEMM's efficiency
-grows with the micro-batch, so layouts that differ only there tie; ties (equal to 9 significant digits) go
-to the layout that needs less memory, then the smaller tp × pp, less recomputation, no distributed
-optimizer, no interleaving. Which of them is really fastest is what the trials measure
-(orchestrator/stages/tune.py).
+(orchestrator/base/estimate.py: FLOPs at the measured MFU scaled to the candidate's micro-batch by the
+measured efficiency curve — a micro-batch's matrix products on one GPU, tokens × hidden² / tp, run at
+x/(x + half) of the saturated speed, so a larger micro-batch or a smaller tp computes faster —, the
+tensor-parallel all-reduces at the node's bandwidth, the pipeline bubble, the data-parallel exchange).
+Ties (equal to 9 significant digits: layouts that differ only in memory, or micro-batches on CPUs, where
+no curve is measured) go to the layout that needs less memory, then the smaller tp × pp, less
+recomputation, no distributed optimizer, no interleaving. Which of them is really fastest is what the
+trials measure (orchestrator/stages/tune.py).
 """
 
 from __future__ import annotations

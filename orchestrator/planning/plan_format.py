@@ -1,10 +1,12 @@
-"""The plan's text sections that say what the run will be: the layout, the training recipe, the hardware
-with the source of every value, and the time estimate with the figures it used (flow.format_plan puts
-them together with the memory table, the stages and the problems)."""
+"""The dry run's text of a plan: its sections that say what the run will be — the layout, the training
+recipe, the hardware with the source of every value, the time estimate with the figures it used — and
+:func:`format_plan`, which puts them together with the memory table, the stages, the problems and the job
+scripts (what ``dry_run=true`` prints)."""
 
 from __future__ import annotations
 
 import textwrap
+from math import inf
 
 from orchestrator.base.estimate import (
     DEVICE_HOURS,
@@ -21,7 +23,11 @@ from orchestrator.base.layout import Layout
 from orchestrator.base.measured import measured_recipes
 from orchestrator.base.plan_types import Plan
 from orchestrator.base.schema import SlipwayConfig
-from trainer.config.train import PRECISION_FACTS, precision_recipe
+from orchestrator.planning.autolayout import proposal_lines
+from orchestrator.planning.data_shares import corpus_shares, shares_table
+from orchestrator.stages import get as stage_def
+from orchestrator.stages import preprocess
+from trainer.config.train import PRECISION_FACTS, precision_recipe, recipe_line
 from trainer.run_files import RunDir
 
 
@@ -82,7 +88,13 @@ def hardware_lines(cfg: SlipwayConfig) -> list[str]:
         lines += [_row("bf16", "yes" if hw.bf16.value else "no", hw.bf16.source),
                   _row("bus bandwidth", f"{c.bus_bandwidth_gbps:g} GB/s", source(c, "bus_bandwidth_gbps")),
                   _row("within a node", f"{hw.intra_node_gbps.value:g} GB/s", hw.intra_node_gbps.source)]
-    lines.append(_row("MFU for the ETA", f"{hw.mfu.value:.1%}", hw.mfu.source))
+    lines.append(_row("MFU for the ETA", f"{hw.mfu.value:.1%}" + (" (at saturation)" if hw.mfu_size == inf
+                                                                   and hw.efficiency.value else ""),
+                      hw.mfu.source))
+    curve, h, tp = hw.efficiency.value, cfg.model.hidden_size, max(cfg.parallel.tp_size, 1)
+    half = f"half at {curve.tokens_at_half(h, tp):,.0f} tokens" if curve else "none"
+    lines.append(_row("by micro-batch", half, (f"hidden {h}, tp {tp}: " if curve else "")
+                      + hw.efficiency.source))
     return lines
 
 
@@ -156,10 +168,61 @@ def time_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
     if t.exchange_s:
         comm.append(f"data-parallel exchange {t.exchange_s:.3g} s ({t.exposed_s:.3g} s of it not hidden "
                     f"behind backward, at {exchange_gbps(cfg, lay):g} GB/s)")
+    scaled = ""
+    if f"{t.mfu:.1%}" != f"{hw.mfu.value:.1%}":  # the efficiency curve's share at this micro-batch
+        split = f", split over tp {lay.tp}" if lay.tp > 1 else ""
+        mb, seq = cfg.train.micro_batch_size, cfg.model.seq_length
+        share = t.mfu / hw.mfu.value
+        scaled = f" ({hw.mfu.value:.1%} × {share:.2f} at micro-batch {mb} × {seq} tokens{split})"
     return [
-        f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {hw.mfu.value:.1%} MFU of "
+        f"Time: {t.flops_per_iter / 1e12:.1f} TFLOP per iteration; at {t.mfu:.1%} MFU{scaled} of "
         f"{hw.peak_tflops.value:g} TFLOP/s per device, pipeline bubble {t.bubble_fraction:.0%}"
         + "".join(f", {c}" for c in comm) + f": {t.step_s:.3f} s/iteration",
         f"  ETA {fmt_duration(t.eta_s)}, {t.device_hours:.1f} {DEVICE_HOURS} ({cfg.cluster.device_name} × "
         f"{lay.world}); first checkpoint after {fmt_duration(t.first_checkpoint_s)}",
     ]
+
+
+def _data_prefixes(plan: Plan) -> list[str]:
+    return preprocess.prefixes(plan.stage(preprocess.NAME).job)
+
+
+def format_plan(cfg: SlipwayConfig, plan: Plan, scripts: dict[str, str]) -> str:
+    lay = plan.layout
+    precision = recipe_line(cfg.train.precision, cfg.train.precision_recipe, cfg.optim.distributed)
+    lines = [f"Slipway plan: experiment {plan.experiment}, run {plan.run_id}", f"  run dir: {plan.run_dir}"]
+    if plan.sweep:
+        lines.append(
+            f"  sweep {plan.sweep.sweep_id} point {plan.sweep.point}: {' '.join(plan.sweep.overrides)}"
+        )
+    lines += [
+        layout_line(cfg, lay),
+        *(proposal_lines(cfg, plan.proposal) if plan.proposal is not None else []),
+        *recipe_lines(cfg, lay, plan.vocab_size),
+        f"  precision recipe: {precision}",
+        *precision_notes(cfg),
+        *wandb_lines(cfg, plan),
+        *shares_table(corpus_shares(cfg, lay.global_batch, _data_prefixes(plan))),
+        "",
+        *hardware_lines(cfg),
+        "",
+        *memory_lines(cfg, plan),
+        "",
+        *time_lines(cfg, plan),
+        "",
+        "Stages:",
+    ]
+    for s in plan.stages:
+        where = "shared cache" if s.shared else "run dir"
+        deps = f" after {', '.join(s.depends_on)}" if s.depends_on else ""
+        lines.append(f"  {s.name:<11} key {s.key}  {s.state_dir} ({where}){deps}")
+        done = stage_def(s.name).complete(s)  # what a launch would not submit again (submit.py)
+        lines += [f"              no job: {done}"] if done else []
+    if plan.warnings:
+        lines += ["", "Warnings:", *(f"  - {w}" for w in plan.warnings)]
+    if plan.problems:
+        lines += ["", f"PROBLEMS ({len(plan.problems)}) — nothing would be submitted:"]
+        lines += [f"  - {p}" for p in plan.problems]
+    for name, text in scripts.items():
+        lines += ["", f"----- {name} job script -----", text.rstrip()]
+    return "\n".join(lines) + "\n"

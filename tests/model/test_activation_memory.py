@@ -1,4 +1,4 @@
-"""The plan's activation coefficients (trainer.formulas.ACTIVATION_PROFILES) against what autograd
+"""The plan's activation coefficients (trainer.memory_formulas.ACTIVATION_PROFILES) against what autograd
 really keeps (bench.counters, a saved_tensors_hooks byte count): per layer for every CPU kernel set,
 recompute setting and precision, under tensor and sequence parallelism on 2 gloo ranks, and the plan's
 whole-stage figure for a composed config. Each must agree within 10 %."""
@@ -17,7 +17,7 @@ from orchestrator.base.estimate import estimate_memory
 from orchestrator.base.layout import layout_of
 from tests.orchestrator.conftest import compose_cfg
 from tests.parallel import harness as H
-from trainer import formulas
+from trainer import memory_formulas
 from trainer.config.model import ModelConfig
 from trainer.model import recompute as R
 from trainer.model.gpt import build_gpt
@@ -44,14 +44,14 @@ def _layer_bytes(model, granularity: str, x: torch.Tensor, layer_index: int = 0)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_profile_matches_what_a_layer_keeps(kernels, backend, dtype):
     precision = "fp32" if dtype == torch.float32 else "bf16"
-    profile = formulas.activation_profile("cpu", kernels, backend, precision)
+    profile = memory_formulas.activation_profile("cpu", kernels, backend, precision)
     torch.manual_seed(0)
     for s, b, h, a in SHAPES:
         model = build_gpt(_cfg(s, h, a, backend), 0, kernels=kernels).to(dtype).train()
         x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
         for granularity in ("none", "selective", "full"):
             measured = _layer_bytes(model, granularity, x)
-            expected = formulas.activation_bytes_per_layer(s, b, h, a, recompute=granularity,
+            expected = memory_formulas.activation_bytes_per_layer(s, b, h, a, recompute=granularity,
                                                                      profile=profile)
             assert abs(measured / expected - 1) < TOLERANCE, (kernels, backend, dtype, (s, b, h, a),
                                                               granularity, measured, expected)
@@ -64,7 +64,7 @@ def test_paper_figures_do_not_describe_the_cpu_kernels():
     model = build_gpt(_cfg(s, h, a, "sdpa"), 0, kernels="csrc").to(torch.bfloat16).train()
     x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
     measured = _layer_bytes(model, "none", x)
-    assert abs(measured / formulas.activation_bytes_per_layer(s, b, h, a) - 1) > TOLERANCE
+    assert abs(measured / memory_formulas.activation_bytes_per_layer(s, b, h, a) - 1) > TOLERANCE
 
 
 def _tp_job(ranks: list[int], sp: bool, backend: str, outdir: str) -> None:
@@ -91,12 +91,13 @@ def test_tensor_and_sequence_parallel_split(tmp_path: Path):
                      [([0, 1], _tp_job, (False, "sdpa", d)), ([2, 3], _tp_job, (True, "sdpa", d))]], tmp_path)
     s, b, h, a = SHAPES[0]
     for backend in ("softmax", "sdpa"):
-        profile = formulas.activation_profile("cpu", "csrc", backend)
+        profile = memory_formulas.activation_profile("cpu", "csrc", backend)
         for sp in (False, True):
             for rank in (0, 1):
                 got = torch.load(tmp_path / f"tp_{int(sp)}_{backend}.{rank}.pt")
                 for granularity, measured in got.items():
-                    expected = formulas.activation_bytes_per_layer(s, b, h, a, 2, sp, granularity, profile)
+                    expected = memory_formulas.activation_bytes_per_layer(s, b, h, a, 2, sp, granularity,
+                                                                          profile)
                     assert abs(measured / expected - 1) < TOLERANCE, (backend, sp, rank, granularity,
                                                                       measured, expected)
 
@@ -144,11 +145,13 @@ def test_architecture_options_match_what_a_layer_keeps(kernels, dtype, arch):
             options["ffn_hidden_size"] *= h
         cfg = ModelConfig(num_layers=1, hidden_size=h, num_attention_heads=a, seq_length=s, vocab_size=256,
                         attention_backend="softmax", **options)
-        profile = formulas.activation_profile("cpu", kernels, "softmax", precision).for_architecture(cfg)
+        profile = memory_formulas.activation_profile("cpu", kernels, "softmax", precision)
+        profile = profile.for_architecture(cfg)
         model = build_gpt(cfg, 0, kernels=kernels).to(dtype).train()
         x = torch.randn(s, b, h, dtype=dtype, requires_grad=True)
         for granularity in ("none", "selective"):
             measured = _layer_bytes(model, granularity, x)
-            expected = formulas.activation_bytes_per_layer(s, b, h, a, recompute=granularity, profile=profile)
+            expected = memory_formulas.activation_bytes_per_layer(s, b, h, a, recompute=granularity,
+                                                                  profile=profile)
             assert abs(measured / expected - 1) < TOLERANCE, (arch, kernels, dtype, (s, b, h, a), granularity,
                                                               measured, expected)

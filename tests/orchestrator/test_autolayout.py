@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 from collections import Counter
+from itertools import groupby
 
 import pytest
 
@@ -17,7 +18,7 @@ from orchestrator.stages import get as stage_def
 from orchestrator.stages.tune import NAME as TUNE
 from orchestrator.stages.tuning import spelled, write_table
 from tests.orchestrator.conftest import compose_cfg
-from tests.orchestrator.sites import H100_X4, site_file
+from tests.orchestrator.sites import H100_X4, docs_site, site_file
 from trainer.formulas import PipelineSplit
 
 KEY = {"WANDB_API_KEY": "k" * 40}
@@ -116,20 +117,55 @@ def test_the_dry_run_prints_the_table_and_the_trial_array_and_submits_nothing(h1
 
 def test_one_gpu_searches_micro_batches_and_recomputation_within_its_memory(tmp_path):
     """The GPU case of issue 41 (1.3B on one H200): only micro-batch and recomputation vary; what does not
-    fit below the headroom is dropped for memory; the estimate cannot tell micro-batches apart (same FLOPs,
-    no pipeline, no exchange), and a tie goes to the layout that needs less memory (issue 52 item 5)."""
+    fit below the headroom is dropped for memory. Same FLOPs, no pipeline, no exchange: the estimate once
+    tied every micro-batch and the tie went to micro-batch 1 (issue 52 item 5's follow-up). With the
+    measured micro-batch efficiency a larger micro-batch computes faster: the first choice is the largest
+    that fits without recomputation (16, 76 of 127 GiB) and micro-batch 1 is the slowest of those."""
     over = site_file(tmp_path, "h200", H200_X1)
     _, plan = _plan(["+experiment=gpt_1p3b", *over, "cluster.gpus=1", "layout=auto", "tune=true"])
     p = plan.proposal
     assert p.world == 1 and all((r.candidate.tp, r.candidate.pp, r.dp) == (1, 1, 1) for r in p.ranked)
     assert {d.code for d in p.dropped} == {"memory"} and max(d.candidate.micro_batch for d in p.dropped) == 64
-    trials = [r for r in p.trials(4)]
-    assert [r.candidate.recompute for r in trials] == ["none"] * 4
-    assert len({r.time.step_s for r in trials}) == 1  # a tie ...
-    memory = [r.memory.total_bytes for r in trials]
-    assert memory == sorted(memory)  # ... to less memory first
-    assert [r.candidate.micro_batch for r in trials] == [1, 2, 4, 8]
+    plain = [r for r in p.ranked if r.candidate.recompute == "none"]
+    assert [r.candidate.micro_batch for r in plain] == [16, 8, 4, 2, 1]
+    steps = [r.time.step_s for r in plain]
+    assert steps == sorted(steps) and len(set(steps)) == len(steps)  # no tie left among them
+    first = p.ranked[0]
+    assert first.candidate.name == "tp1 pp1 mb16" and first.memory.total_bytes <= first.memory.limit_bytes
+    assert [r.candidate.micro_batch for r in p.trials(4)] == [16, 8, 16, 4]  # the third selective
     assert plan.stage(TUNE).array == (4, 1)
+
+
+def test_the_docs_sites_examples_take_the_largest_micro_batch_under_the_headroom(tmp_path):
+    """docs/cluster.md's site (nodes of 4 H100 80GB). CodeParrot-small on 8 GPUs: the guide's micro-batch
+    12 first (the largest searched that splits 24 sequences per GPU; it tied with 8 and lost on memory
+    before the micro-batch efficiency), tp1 before any tp2 or tp4. The 1.3B on 16 GPUs: data parallel
+    with micro-batch 8 below the headroom, not micro-batch 1 (the slowest there); among the layouts that
+    differ only in their micro-batch the larger one is faster."""
+    site = site_file(tmp_path, "mysite", docs_site())
+    _, small = _plan(["+experiment=codeparrot", *site, "layout=auto"])
+    assert small.proposal.ranked[0].candidate.name == "tp1 pp1 mb12"
+    tps = [r.candidate.tp for r in small.proposal.ranked]
+    assert tps.index(2) > tps.index(1) and tps.index(4) > tps.index(2)
+    _, plan = _plan(["+experiment=gpt_1p3b", *site, "layout=auto"])
+    first = plan.proposal.ranked[0]
+    assert first.candidate.name == "tp1 pp1 mb8" and first.memory.total_bytes <= first.memory.limit_bytes
+    same = {r.candidate.micro_batch: r.time.step_s for r in plan.proposal.ranked
+            if r.candidate.name.startswith("tp1 pp1 mb") and r.candidate.name.count(" ") == 2}
+    assert list(same) == [8, 4, 2, 1] and same[8] < same[4] < same[2] < same[1]
+
+
+def test_equal_estimates_go_to_the_layout_that_needs_less_memory():
+    """Where the estimate cannot tell layouts apart — micro-batches on CPUs, where no efficiency curve is
+    measured (the smoke run on the local executor) — the one with less memory comes first."""
+    _, plan = _plan(["+experiment=codeparrot_smoke", "layout=auto"])
+    ties = [list(g) for _, g in groupby(plan.proposal.ranked, key=lambda r: f"{r.time.step_s:.9g}")]
+    ties = [g for g in ties if len(g) > 1]
+    assert len(ties) >= 3
+    assert [r.candidate.name for r in ties[0]] == ["tp1 pp1 mb1", "tp1 pp1 mb2", "tp1 pp1 mb4"]
+    for group in ties:
+        memory = [r.memory.total_bytes for r in group]
+        assert memory == sorted(memory), [r.candidate.name for r in group]
 
 
 def test_nothing_that_fits_is_one_problem_naming_why(tmp_path):

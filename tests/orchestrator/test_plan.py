@@ -14,8 +14,9 @@ import pytest
 from orchestrator.base.estimate import GIB, estimate_memory, stage_params
 from orchestrator.base.hardware import hardware
 from orchestrator.base.layout import layout_of
-from orchestrator.launch.flow import format_plan, launch
+from orchestrator.launch.flow import launch
 from orchestrator.planning.plan import PlanInputs, SweepInfo, make_plan
+from orchestrator.planning.plan_format import format_plan
 from orchestrator.stages.corpus import NAME as CORPUS
 from orchestrator.stages.train import trainer_config
 from orchestrator.stages.tune import NAME as TUNE

@@ -14,8 +14,8 @@ import pytest
 from orchestrator.base.estimate import estimate_memory
 from orchestrator.base.layout import layout_of
 from orchestrator.base.problems import PlanError
-from orchestrator.launch.flow import format_plan
 from orchestrator.planning.plan import PlanInputs, make_plan
+from orchestrator.planning.plan_format import format_plan
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.sites import H100_X4, site_file
 

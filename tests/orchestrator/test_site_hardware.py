@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from orchestrator.base.estimate import GIB
-from orchestrator.launch.flow import format_plan
 from orchestrator.planning.plan import PlanInputs, make_plan
+from orchestrator.planning.plan_format import format_plan
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.sites import H100_X4, H100_X4_LIMITS, site_file
 
@@ -213,13 +213,20 @@ def test_the_eta_uses_the_mfu_measured_in_bench_and_says_which(tmp_path):
     h200 = H100_X4.replace("H100-80GB", "H200")
     cfg, plan = _plan(["+experiment=codeparrot", "train.precision=bf16", *site_file(tmp_path, "h200", h200)])
     text = format_plan(cfg, plan, {})
-    assert "at 27.3% MFU of 989 TFLOP/s" in text
+    # At micro-batch 64, where it was measured, the figure itself; at the guide's 12, the curve's share of it.
+    _, at64 = _plan(["+experiment=codeparrot", "train.precision=bf16", *site_file(tmp_path, "h200", h200),
+                     "train.global_batch_size=512", "train.micro_batch_size=64"])
+    assert "at 27.3% MFU of 989 TFLOP/s" in format_plan(cfg, at64, {})
+    assert (f"at {plan.time.mfu:.1%} MFU (27.3% × {plan.time.mfu / 0.273:.2f} at micro-batch 12 × 1024 "
+            "tokens) of 989 TFLOP/s") in text
     assert "measured on H200-SXM-141GB (codeparrot_small bf16" in text and fig.source in text
+    assert re.search(r"by micro-batch +half at 4,396 tokens +hidden 768, tp 1: x/\(x \+ half\) of 29\.8% MFU",
+                     text) and "micro-batches 8, 16, 32, 64" in text
     # Another GPU: the H200's figure, named as such; a site's own figure wins.
     cfg, plan = _plan(["+experiment=codeparrot", *site_file(tmp_path, "mysite", H100_X4)])
     assert "measured on H200-SXM-141GB, none yet on H100-SXM-80GB" in format_plan(cfg, plan, {})
     cfg, plan = _plan(["+experiment=codeparrot", *site_file(tmp_path, "mysite", H100_X4 + "mfu: 0.35\n")])
-    assert re.search(r"MFU for the ETA +35\.0% +site file", format_plan(cfg, plan, {}))
+    assert re.search(r"MFU for the ETA +35\.0% \(at saturation\) +site file", format_plan(cfg, plan, {}))
 
 
 def test_the_eta_adds_the_data_parallel_exchange_at_the_sites_bus_bandwidth(tmp_path):

@@ -9,11 +9,13 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.base.estimate import GIB, stage_balance
-from orchestrator.launch.flow import format_plan
+from orchestrator.base.measured import efficiency_curves
 from orchestrator.planning.plan import PlanInputs, make_plan
+from orchestrator.planning.plan_format import format_plan
 from tests.orchestrator.conftest import compose_cfg
 from tests.orchestrator.sites import H100_X4, site_file
 from trainer import formulas
+from trainer.time_formulas import gemm_size, saturation
 
 KEY = {"WANDB_API_KEY": "k" * 40}
 CP = ["+experiment=codeparrot"]
@@ -73,7 +75,9 @@ def test_the_bubble_stretches_a_pipelined_step_by_p_minus_1_over_m(tmp_path):
     _, twelve = _plan([*pp2, "train.micro_batch_size=8"])
     assert (six.time.bubble_fraction, twelve.time.bubble_fraction) == (1 / 6, 1 / 12)
     ratio = six.time.step_s / twelve.time.step_s
-    assert ratio == pytest.approx((1 + 1 / 6) / (1 + 1 / 12), rel=1e-6)
+    # The larger micro-batch computes at a higher MFU (its own test below): that factor aside, the bubble's.
+    mfu = twelve.time.mfu / six.time.mfu
+    assert mfu < 1 and ratio == pytest.approx((1 + 1 / 6) / (1 + 1 / 12) * mfu, rel=1e-6)
 
 
 def test_the_busiest_stage_paces_the_pipeline(tmp_path):
@@ -85,10 +89,36 @@ def test_the_busiest_stage_paces_the_pipeline(tmp_path):
     head = formulas.model_flops_per_iteration(cfg.model, 1, 32768) - body
     assert stage_balance(cfg, 32768) == pytest.approx(2 * (body / 2 + head) / (body + head))
     _, flat = _plan([*CP, *site, "cluster.gpus=4", "train.micro_batch_size=12"])  # the same 4 GPUs, dp 4
-    assert even.time.step_s / (1 + 1 / 96) == pytest.approx(flat.time.step_s * stage_balance(cfg, 32768))
+    mfu = flat.time.mfu / even.time.mfu  # micro-batch 1 computes at a lower MFU than 12
+    balanced = flat.time.step_s * mfu
+    assert even.time.step_s / (1 + 1 / 96) == pytest.approx(balanced * stage_balance(cfg, 32768))
     _, uneven = _plan([*CP, *site, "parallel.pp_size=2", "cluster.gpus=4", "train.micro_batch_size=1",
                        "parallel.first_stage_layers=7"])
     assert uneven.time.step_s < even.time.step_s
+
+
+def test_the_mfu_follows_the_micro_batch_by_the_measured_curve(tmp_path):
+    """The figure measured at micro-batch 64 (27.3 %, CodeParrot-small bf16 on one H200) holds there; a
+    smaller micro-batch, or tensor parallelism splitting the same one, computes its matrix products at the
+    curve's share of it, tokens × hidden² / tp deciding; a site's cluster.mfu means saturation; on CPUs,
+    with no curve measured, every micro-batch runs at the MFU. The compute time follows the MFU alone."""
+    (curve,) = efficiency_curves()
+    h200 = site_file(tmp_path, "h200", H100_X4.replace("H100-80GB", "H200") + FAST)
+    bf16 = [*CP, *h200, "train.precision=bf16"]
+    _, at64 = _plan([*bf16, "train.global_batch_size=512", "train.micro_batch_size=64"])
+    assert at64.time.mfu == 0.273  # where it was measured: the measurement, unscaled
+    _, at12 = _plan(bf16)  # the guide's micro-batch 12
+    eff = saturation(gemm_size(12, 1024, 768), curve.half) / saturation(gemm_size(64, 1024, 768), curve.half)
+    assert at12.time.mfu == pytest.approx(0.273 * eff) and 0.75 < eff < 0.8
+    _, at24 = _plan([*bf16, "train.micro_batch_size=24"])
+    assert at24.time.step_s / at12.time.step_s == pytest.approx(at12.time.mfu / at24.time.mfu, rel=1e-3)
+    _, tp2 = _plan([*bf16, "train.micro_batch_size=24", "parallel.tp_size=2"])
+    assert tp2.time.mfu == pytest.approx(at12.time.mfu)  # half of 24 sequences' products on each GPU
+    _, site = _plan([*bf16, "cluster.mfu=0.35"])
+    assert site.time.mfu == pytest.approx(0.35 * saturation(gemm_size(12, 1024, 768), curve.half))
+    _, cpu = _plan(["+experiment=codeparrot_smoke", "train.micro_batch_size=1"])
+    _, cpu4 = _plan(["+experiment=codeparrot_smoke", "train.micro_batch_size=4"])
+    assert cpu.time.mfu == cpu4.time.mfu == 0.3
 
 
 def test_pipeline_transfers_cross_the_network_between_nodes(h100):

@@ -1,5 +1,5 @@
 """Bytes per parameter, measured from the tensors' storages (bench.counters), equal
-``trainer.formulas.state_bytes_per_param`` for dp = 1, 2, 4, fp32 and bf16, with and without
+``trainer.memory_formulas.state_bytes_per_param`` for dp = 1, 2, 4, fp32 and bf16, with and without
 optim.distributed (bench/dist_optim.py's measurement on a smaller model); only the buckets' padding to a
 multiple of dp may add (< 1 %)."""
 

@@ -2,7 +2,7 @@
 order, refusals with fixes, and on real gloo groups gradients equal to the all-forward-all-backward
 order over the same chunks and to the single-process model, with at most Megatron's warm-up count of
 micro-batches in flight (1F1B's memory bound, not AFAB's m·v) — on the first stage the
-``formulas.interleaved_memory_factor`` × 1F1B's activations."""
+``memory_formulas.interleaved_memory_factor`` × 1F1B's activations."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from tests.parallel import harness as H
-from trainer.formulas import PipelineSplit, interleaved_memory_factor
+from trainer.formulas import PipelineSplit
+from trainer.memory_formulas import interleaved_memory_factor
 from trainer.parallel import ParallelConfig, ParallelState, build_model, finish_grad_sync, sharding
 from trainer.parallel import engine as E
 from trainer.parallel.apply import check_compatible, stage_spec

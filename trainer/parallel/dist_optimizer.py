@@ -18,8 +18,8 @@ boundary is split between two ranks). A step is then
 Precision (Megatron's layout): fp32 keeps fp32 parameters — the shard of the parameter buffer *is* the
 master — 4 + 4 + 8/d bytes per parameter; bf16/fp16 keep 16-bit parameters, fp32 gradient buffers (the
 16-bit ``.grad`` of each micro-batch is folded into them by hook) and an fp32 master of the shard beside
-the moments, 2 + 4 + 12/d (trainer.formulas.state_bytes_per_param; measured by bench/dist_optim.py). The
-master starts from the fp32 initialisation, so every precision starts from the same weights.
+the moments, 2 + 4 + 12/d (trainer.memory_formulas.state_bytes_per_param; measured by bench/dist_optim.py).
+The master starts from the fp32 initialisation, so every precision starts from the same weights.
 
 The LR scheduler drives it through ``param_groups`` (``lr``, ``weight_decay``, ``wd_mult``, ``lr_mult``)
 like any torch optimizer; the checkpoint form (``distrib_optim.pt``, independent of dp) is

@@ -6,9 +6,9 @@ c·p + r of the p·v equal blocks of layers), so a micro-batch goes round the ri
 rank p−1's chunk c feeds rank 0's chunk c+1, and gradients come back the same way. Each rank runs its
 m·v (chunk, micro-batch) forwards in groups of p micro-batches per chunk — forward k runs chunk
 :func:`chunk_id` (k) — and its backwards in the mirrored chunk order. The bubble shrinks from
-(p−1)/m to (p−1)/(v·m) of the ideal step (``trainer.formulas.bubble_fraction``) at the price of v times
+(p−1)/m to (p−1)/(v·m) of the ideal step (``trainer.time_formulas.bubble_fraction``) at the price of v times
 the point-to-point messages and more warm-up activations on early ranks
-(``formulas.interleaved_memory_factor``).
+(``memory_formulas.interleaved_memory_factor``).
 
 The schedules drive a :class:`ChunkRunner` (``forward(x, chunk)`` for that chunk's next micro-batch,
 ``backward(x, y, dy, chunk)`` for its oldest one in flight) and a :class:`RingP2P`. As in Megatron, the
