@@ -243,7 +243,7 @@ def wait(plan: Plan, poll_s: float = 5.0, out=sys.stderr, follow: LogFollower | 
             extra = ""
             if follow is None and r.stage == TRAIN and r.loss:
                 extra = f" checkpoint {r.checkpoint_iter}, last loss {r.loss:.4f}"
-            line = f"{r.state}{extra}"
+            line = f"{r.state}{f' ({r.reason})' if r.reason else ''}{extra}"
             if seen.get(r.stage) != line:
                 seen[r.stage] = line
                 out.write(f"[{time.strftime('%H:%M:%S')}] {r.stage} job {r.job_id}: {line}\n")
