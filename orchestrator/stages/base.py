@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,10 @@ from orchestrator.base.plan_types import JobResources, StagePlan
 from orchestrator.base.schema import SlipwayConfig
 from orchestrator.world.queue import marker_of, process_alive
 from orchestrator.world.runs import CACHE_DIR, write_json
+from trainer.log import get_logger
 from trainer.run_files import COMPLETE, FAILED, RunDir
+
+log = get_logger(__name__)
 
 
 def stable_hash(obj: Any, n: int = 16) -> str:
@@ -231,6 +235,15 @@ class NodeStage:
         try:
             wait_for(self.upstream, self.upstream_timeout_s)
             result = self.run()
+        except KeyboardInterrupt:
+            if job is None:
+                raise
+            # SIGINT reaches a job's processes only from Slipway's cancel (local_jobs.cancel; an interrupted
+            # launch.py): the cause, in one line, ends the log instead of a traceback.
+            log.warning("job %s rank %d interrupted by SIGINT: the job was cancelled (Ctrl-C or a signal to "
+                        "launch.py, or python -m orchestrator cancel); launch the same run_id again to "
+                        "resume", job, rank)
+            raise SystemExit(128 + signal.SIGINT) from None
         except Exception as err:
             if rank == 0:
                 mark(self.output_dir, FAILED, {"key": self.key, "job": job, "error": repr(err),
