@@ -22,13 +22,15 @@ def beat(rank: int, phase: str, written: float, message: str = "", iteration: in
 
 def test_srun_lines_of_the_last_attempt_say_which_task_ended_first_and_how():
     """srun's own words (Slurm's launch plugin: ``srun: error: <node>: task <n>: <strsignal or exit>``) of
-    the last step attempt only; every task after the first line was ended by --kill-on-bad-exit."""
+    the last step attempt only; every task after the first line was ended by --kill-on-bad-exit. The lines
+    as the devcluster's Slurm 22.05 wrote them (test_first_failure_slurm.py reads them back for real)."""
     log = "\n".join([
         "srun: error: n1: task 0: Exited with exit code 1",  # an earlier attempt: not this one's
         "slipway: train step attempt 0 (restart 0) exited with 1",
         "srun: error: n2: task 1: Killed",
-        "srun: Terminating StepId=12.1",
+        "srun: launch/slurm: _step_signal: Terminating StepId=56200014.1",
         "srun: error: n1: tasks 0,2-3: Terminated",
+        "srun: Force Terminated StepId=56200014.1",
         "slipway: train step attempt 1 (restart 0) exited with 137",
     ])
     ends = srun_ends(log)
