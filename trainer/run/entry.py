@@ -20,8 +20,7 @@ import argparse
 import dataclasses
 import os
 import signal
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,7 +62,7 @@ from trainer.restore.state import (
     restore_resharded,
     restore_same_layout,
 )
-from trainer.run import metrics
+from trainer.run import metrics, oom
 from trainer.run.data import DataShape, build_data, resolve_vocab
 from trainer.run.host import host_group
 from trainer.run.kernels import checked_kernels, optimizer_after_check
@@ -75,7 +74,6 @@ from trainer.signals import (
     EXIT_REQUEUE,
     STOP_SIGNALS,
     StopRequest,
-    out_of_memory,
     permanent_reason,
 )
 
@@ -102,44 +100,6 @@ class RunResult:
     wandb_run_id: str | None = None
     kernel_check: dict | None = None  # the start-up self-check's record (trainer.ops.selfcheck)
     reason: str = ""  # why a run that did not reach train.iters stopped, in one line (status shows it)
-
-
-class OutOfMemory(RuntimeError):
-    """A rank ran out of memory: the allocator's words, the rank's layout and what to change (one line).
-    ``allocator``: the allocator's own line alone (what layout=auto's trial table shows)."""
-
-    def __init__(self, message: str, allocator: str) -> None:
-        super().__init__(message)
-        self.allocator = allocator
-
-
-def oom_message(cfg: RunConfig, rank: int, world_size: int, iteration: int | None, what: str) -> str:
-    """Why a rank ran out of memory and the fixes: the same layout needs the same memory on every
-    attempt, so the job is not retried (trainer.signals.out_of_memory)."""
-    t, p = cfg.train, cfg.parallel
-    dp = max(world_size // max(p.tp_size * p.pp_size, 1), 1)
-    layout = (f"tp={p.tp_size} pp={p.pp_size} dp={dp}, micro-batch {t.micro_batch_size}, sequence "
-              f"{cfg.model.seq_length}, recompute {t.recompute_granularity}, {t.precision}")
-    fixes = [f"a smaller train.micro_batch_size (now {t.micro_batch_size})"] if t.micro_batch_size > 1 else []
-    if t.recompute_granularity != "full":
-        fixes.append("activation recomputation (train.recompute_granularity=full)")
-    fixes.append(f"more pipeline stages (parallel.pp_size above {p.pp_size})")
-    at = "at start-up" if iteration is None else f"at iteration {iteration}"
-    return (f"rank {rank} ran out of memory {at} with layout {layout}: {what}. The same layout needs the "
-            f"same memory on every attempt, so it is not retried; use {', or '.join(fixes)}")
-
-
-@contextmanager
-def _oom_named(cfg: RunConfig, hb: health.Monitor) -> Iterator[None]:
-    """An out-of-memory error leaves as :class:`OutOfMemory`, naming this rank's layout and the fixes (the
-    heartbeat, the log and the stage's fatal marker carry that line)."""
-    try:
-        yield
-    except Exception as e:
-        what = out_of_memory(e)
-        if what is None or isinstance(e, OutOfMemory):
-            raise
-        raise OutOfMemory(oom_message(cfg, hb.rank, hb.world_size, hb.iteration, what), what) from e
 
 
 def gpt_config(model: ModelConfig, vocab_size: int) -> ModelConfig:
@@ -345,7 +305,7 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
     metrics.check_wandb_credentials(cfg.logging.wandb.mode)  # before anything slow or collective
     _configure_determinism(cfg.train.deterministic)
     # StopRequest from the start: a signal during set-up stops at the first step boundary.
-    with StopRequest() as stop, health.Monitor(cfg.train.health(), cfg.run_dir) as hb, _oom_named(cfg, hb):
+    with StopRequest() as stop, health.Monitor(cfg.train.health(), cfg.run_dir) as hb, oom.named(cfg, hb):
         if pstate is None:
             pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None)
         os.makedirs(cfg.run_dir, exist_ok=True)
