@@ -299,8 +299,10 @@ def local_state(entry: dict, cancelled: bool = False) -> str:
     if results:
         outcomes = {pickle.loads(r.read_bytes())[0] for r in results}
         return "FAILED" if "error" in outcomes else "COMPLETED"
-    if not alive and any(e.get("code") not in (0, None) for e in read_exits(folder, jid)):
-        return "FAILED"  # a task ended by a signal or an exit code, as its controller saw it
+    ends = read_exits(folder, jid)
+    last = [e for e in ends if e.get("attempt") == ends[-1].get("attempt")] if ends else []
+    if not alive and any(e.get("code") not in (0, None) for e in last):
+        return "FAILED"  # a task of its last attempt ended by a signal or an exit code (the controller saw)
     state_dir = entry.get("state_dir", "")
     if marker_of(state_dir, FAILED_MARKER, jid) is not None:
         return "FAILED"

@@ -15,7 +15,7 @@ import pytest
 from orchestrator.launch import flow
 from orchestrator.world import queue
 from tests.waits import NEVER_S, wait_until
-from trainer.run_files import COMPLETE
+from trainer.run_files import COMPLETE, LOCAL_EXITS
 
 # Slurm's job states (squeue --help / sacct's JOB STATE CODES), each with the category it must have.
 SLURM_STATES = {
@@ -136,6 +136,19 @@ def test_a_local_job_waiting_for_its_upstream_is_pending_with_slurms_reason(tmp_
     finally:
         upstream.kill()
         upstream.wait()
+
+
+def test_a_local_job_whose_task_was_killed_is_failed_not_ended(monkeypatch, tmp_path):
+    """No task left a result (killed by a signal, or ended by its hang watchdog's os._exit) and no marker:
+    the controller's record of its last attempt still says it failed (ENDED is for a job nobody saw end)."""
+    entry = {"job_id": "7", "folder": str(tmp_path), "state_dir": str(tmp_path)}
+    monkeypatch.setattr(queue, "local_job_alive", lambda pid, folder: False)
+    exits = tmp_path / LOCAL_EXITS.format(job=7)
+    lines = [{"attempt": 0, "task": 1, "code": -9}, {"attempt": 1, "task": 0, "code": 0}]
+    exits.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert queue.local_state(entry) == "ENDED"  # the last attempt's tasks ended well (a lost marker)
+    exits.write_text(exits.read_text() + json.dumps({"attempt": 1, "task": 1, "code": 70}) + "\n")
+    assert queue.local_state(entry) == "FAILED"
 
 
 def test_local_state_of_a_live_process_owned_by_someone_else(monkeypatch, tmp_path):
