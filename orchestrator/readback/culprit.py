@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.readback.logs import log_dir
-from orchestrator.world.queue import read_exits
+from orchestrator.world.queue import read_exits, signal_name
 from trainer.health import RankHealth, read_hangs
 from trainer.signals import EXIT_HANG, EXIT_REQUEUE
 
@@ -65,13 +65,6 @@ class Verdict:
     cause: str
     rank: int | None
     consequences: list[str] = field(default_factory=list)
-
-
-def signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def local_ends(folder: str, job_id: str) -> list[TaskEnd]:

@@ -44,7 +44,7 @@ import submitit
 from submitit.local.local import LOCAL_REQUEUE_RETURN_CODE, LocalJob, LocalJobEnvironment
 from submitit.local.local import Controller as SubmititController
 
-from orchestrator.world.queue import proc_stat
+from orchestrator.world.queue import proc_stat, signal_name
 from trainer.run_files import LOCAL_EXITS
 
 # The module each job's controller runs as: this one (``python -m``); jobs an older Slipway started run
@@ -215,7 +215,7 @@ class Controller(SubmititController):
     def _end_attempt(self, task: int, code: int) -> None:
         """Slurm's step teardown: SIGCONT + SIGTERM to every process of the attempt, SIGKILL after the
         kill wait to what is left, every task reaped."""
-        how = f"was killed by {_signal_name(-code)}" if code < 0 else f"exited with code {code}"
+        how = f"was killed by {signal_name(-code)}" if code < 0 else f"exited with code {code}"
         self._say(f"slipway: task {task} (pid {self.tasks[task].pid}) {how}: ending the attempt's other "
                   f"processes (SIGTERM, SIGKILL after {self.kill_wait_s:g} s), as srun --kill-on-bad-exit "
                   "does")
@@ -245,13 +245,6 @@ class Controller(SubmititController):
                 f.flush()
             except (OSError, ValueError):
                 pass
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 from pathlib import Path
 
@@ -118,6 +119,14 @@ def proc_stat(pid: int) -> tuple[str, int, int] | None:
         return None
     fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
     return fields[0], int(fields[1]), int(fields[3])
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9: the name of the signal that ended a process (exit status -9, srun's "Killed")."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
 
 
 def process_alive(pid: int | str) -> bool:
