@@ -60,7 +60,8 @@ class JobRow:
     overrides: str = ""  # a sweep point's overrides (lr ...): what tells the points apart
     bad_nodes: list[str] = field(default_factory=list)  # nodes a preflight/watchdog named, what was done
     note: str = ""  # what a stage says below the table (the tune stage: its trials and the decision)
-    # a failed training job: the ranks that ended because of the first failure (readback/culprit.py)
+    # a failed training job: the rank that failed first and those that ended because of it (culprit.py)
+    first_rank: int | None = None
     consequences: list[str] = field(default_factory=list)
 
 
@@ -149,7 +150,8 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
                 row = dataclasses.replace(row, **definition.status(look))
             first = verdict(run_dir, stage, e, row.ranks) if category(state) == FAILED and row.ranks else None
             row.failure = _failure(state, e, sa.get(jid, {}), first)
-            row.consequences = first.consequences if first is not None else []
+            if first is not None:
+                row.first_rank, row.consequences = first.rank, first.consequences
             rows.append(row)
     return rows
 

@@ -272,6 +272,14 @@ HANG_S = 20  # the watchdog's timeout in the stopped-rank test: far above the te
 FOUR_RANKS = ["parallel=tp2_pp2", "train.iters=10", "train.save_interval=2", "train.heartbeat_interval_s=0.5"]
 
 
+def _logs(run: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m orchestrator logs RUN`` as a user runs it."""
+    res = subprocess.run([sys.executable, "-m", "orchestrator", "logs", str(run), *args], cwd=REPO,
+                         capture_output=True, text=True, timeout=NEVER_S)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
 def _rank_pid(run: Path, rank: int) -> int:
     return int(RunDir(run).rank_pid(rank).read_text().split()[0])
 
@@ -342,6 +350,9 @@ def test_the_rank_killed_first_is_the_reason_not_its_peers_errors(tmp_path, cach
         after = re.findall(r"\n  after it: rank ([013]) .*", table)
         assert sorted(after) == ["0", "1", "3"], table
         assert "FAILED: run r rank" not in table  # the peers' errors are consequences, not failures
+        logs = _logs(run, "-n", "3")  # by default the log of the rank that failed first, not rank 0's
+        assert "task 2, stderr" in logs.stderr, logs.stderr
+        assert f"task 2 (pid {killed}) was killed by SIGKILL" in logs.stdout, logs.stdout
     finally:
         _end_cleanly(proc, pids)
 
@@ -365,3 +376,5 @@ def test_a_rank_out_of_memory_is_the_reason_with_its_layout_and_fix(tmp_path, ca
     assert sorted(re.findall(r"\n  after it: rank ([013]) ", table)) == ["0", "1", "3"], table
     fatal = list((run / "stages" / "train").glob(FATAL_MARKER.format(job=m[1], restart="*", attempt="*")))
     assert len(fatal) == 1 and fatal[0].read_text().startswith("78 OutOfMemory: rank 2 ran out of memory")
+    logs = _logs(run)
+    assert "task 2, stderr" in logs.stderr and "OutOfMemory: rank 2 ran out of memory" in logs.stdout
