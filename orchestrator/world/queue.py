@@ -21,9 +21,10 @@ States Slurm may requeue:
 
 Local jobs (submitit's LocalExecutor) are processes of this machine; their ids are pids. They report the
 same words: PENDING (reason ``Dependency``, :data:`LOCAL_PENDING_REASON`) while the process waits for its
-upstream jobs, RUNNING while it exists otherwise, COMPLETED / FAILED from their results and markers,
-CANCELLED once Slipway cancelled it, and ENDED (failed) for a process that is gone without either. A
-zombie (ended, not yet reaped by its parent) is gone.
+upstream jobs, RUNNING while it exists otherwise, COMPLETED / FAILED from their results and markers (or
+FAILED from the controller's record of how its tasks ended: :func:`read_exits`), CANCELLED once Slipway
+cancelled it, and ENDED (failed) for a process that is gone without any of them. A zombie (ended, not yet
+reaped by its parent) is gone.
 
 A job array (layout=auto's trials) is recorded under its array id ``A``; squeue and sacct list its
 elements (``A_0``, ``A_[2-3%1]``). Each element is answered under its own id, and the array under ``A``
