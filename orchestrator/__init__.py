@@ -16,7 +16,8 @@ layers; each imports only those before it (tests/test_imports.py checks the fold
 6. ``checks`` — every configuration check, one module per subject, tagged pure/inputs/world.
 7. ``planning`` — config → Plan (pure): ``plan`` (the stage graph), ``autolayout``, ``plan_format``,
    ``data_shares``.
-8. ``readback`` — reading a run back: ``status``, ``summary``, ``logs``, ``follow``, ``listing``.
+8. ``readback`` — reading a run back: ``status``, ``summary``, ``logs``, ``follow``, ``listing``,
+   ``culprit`` (which rank of a failed training job failed first, and why).
 9. ``launch`` — the side effects behind launch.py: ``flow`` (record, check, submit), ``submit`` (submitit
    executors, afterok chains), ``sweep``, ``cancel``.
 

@@ -46,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     lg.add_argument("--restart", type=int, default=None, help="the requeue (default: the latest)")
     lg.add_argument("--attempt", type=int, default=None,
                     help="the retry in the allocation (default: the latest)")
-    lg.add_argument("--task", default="0", help="the rank (default 0)")
+    lg.add_argument("--task", default=None,
+                    help="the rank (default: the rank a failed training job failed with first, else 0)")
     out = lg.add_mutually_exclusive_group()
     out.add_argument("--stdout", action="store_true", help="the task's stdout instead of its stderr")
     out.add_argument("--batch", action="store_true",
@@ -104,11 +105,13 @@ def _logs(args: argparse.Namespace) -> int:
 
     try:
         run = _one_run(args.path)
-        stage = args.stage or logs.default_stage(collect(str(run)))
+        rows = collect(str(run))
+        stage = args.stage or logs.default_stage(rows)
         if args.list:
             sys.stdout.write(logs.listing(run, stage) + "\n")
             return 0
-        sel = logs.Selection(args.job, args.restart, args.attempt, "batch" if args.batch else args.task,
+        task = args.task or logs.default_task(rows, stage, args.job)
+        sel = logs.Selection(args.job, args.restart, args.attempt, "batch" if args.batch else task,
                              "out" if (args.stdout or args.batch) else "err")
         if args.follow:
             logs.Follower(run, stage, sel, sys.stdout, 10 if args.lines is None else args.lines).run()

@@ -13,7 +13,9 @@ job.
   ``SLIPWAY_PREFLIGHT_FAILPOINT=stop@NODE`` SIGSTOPs NODE's leader after it checked in, ``slow@NODE:MS``
   delays each of its sends by MS ms (a sick link); every training rank writes ``pids/rank<N>.pid`` (the
   fault tests signal ranks).
-- ``SLIPWAY_FAIL_TRAIN=start``: the training stage raises at start (afterok, retries, failure reports).
+- ``SLIPWAY_FAIL_TRAIN=start``: the training stage raises at start (afterok, retries, failure reports);
+  ``oom@<rank>:<iteration>``: that rank runs out of memory after that iteration (the real CPU allocator
+  refuses an impossible request), as a layout too big for the memory does.
 - ``SLIPWAY_FAIL_TRIAL=<i>[:oom|hang],...``: layout=auto's trial ``i`` fails at its iteration 2 on rank 0:
   ``oom`` (the default) raises torch's OutOfMemoryError, as a layout too big for the device does; ``hang``
   stops the rank there for good, as a deadlock would, until the trial's hang watchdog ends it.
@@ -150,9 +152,44 @@ def trial_on_step(index: int, rank: int, environ: Mapping[str, str] | None = Non
 
 def train_on_step(marker_dir: str, rank: int, environ: Mapping[str, str] | None = None
                   ) -> Callable[[int, float], None] | None:
-    """The trainer's ``on_step`` hook for ``SLIPWAY_STALL_TRAIN`` (None when it is unset)."""
-    value = (os.environ if environ is None else environ).get(STALL_TRAIN)
-    return stall_hook(int(value), marker_dir, rank) if value else None
+    """The trainer's ``on_step`` hook for ``SLIPWAY_STALL_TRAIN`` and ``SLIPWAY_FAIL_TRAIN=oom@R:N``
+    (None when neither is set)."""
+    env = os.environ if environ is None else environ
+    value = env.get(STALL_TRAIN)
+    hooks = [h for h in (stall_hook(int(value), marker_dir, rank) if value else None,
+                         oom_hook(env.get(FAIL_TRAIN, ""), rank)) if h is not None]
+    if not hooks:
+        return None
+
+    def on_step(iteration: int, loss: float) -> None:
+        for hook in hooks:
+            hook(iteration, loss)
+
+    return on_step
+
+
+def oom_hook(value: str, rank: int) -> Callable[[int, float], None] | None:
+    """``SLIPWAY_FAIL_TRAIN=oom@<rank>:<iteration>``: after that iteration that rank asks the real CPU
+    allocator for 4 EiB, which refuses as it does when memory runs out ("DefaultCPUAllocator: can't
+    allocate memory"), without exhausting this machine's memory; None for other ranks and values."""
+    what, _, where = value.partition("@")
+    if what != "oom":
+        return None
+    target, _, at = where.partition(":")
+    if not (target.isdigit() and at.isdigit()):
+        raise ValueError(f"{FAIL_TRAIN}={value!r}: expected start or oom@<rank>:<iteration>; unset it "
+                         "(a test hook)")
+    if int(target) != rank:
+        return None
+
+    def on_step(iteration: int, loss: float) -> None:
+        if iteration == int(at):
+            log.warning("%s=%s (test hook): rank %d runs out of memory on purpose", FAIL_TRAIN, value, rank)
+            import torch
+
+            torch.empty(1 << 62, dtype=torch.uint8)
+
+    return on_step
 
 
 def _wakeup_pipe() -> int:

@@ -42,7 +42,8 @@ CONVERT_FAILPOINT = "SLIPWAY_CONVERT_FAILPOINT"
 
 # Environment variables → what they do.
 ENV_HOOKS = {
-    FAIL_TRAIN: "start: the training stage raises at start on purpose",
+    FAIL_TRAIN: "start | oom@<rank>:<iteration>: the training stage raises at start, or that rank runs out "
+                "of memory after that iteration, on purpose",
     FAIL_TRIAL: "<trial>[:oom|hang],...: those layout=auto trials run out of memory or hang on purpose",
     STALL_TRAIN: "every rank pauses after that iteration until a signal arrives",
     KERNEL_FAULT: "makes the named fused ops wrong on purpose (the kernel self-check's tests)",

@@ -15,7 +15,7 @@ literal file name of a run anywhere else is a second copy (tests/test_run_files.
                                swap (trainer/convert/swap.py)
       eval/                    results.json of the eval stage
       logs/                    job logs (train_<jobid>_r<restart>_a<attempt>_<rank>.err, ...)
-      jobs/<stage>/            submitit's pickles and local logs (<job>_<task>_log.err/.out)
+      jobs/<stage>/            submitit's pickles, local logs (<job>_<task>_log.err/.out), <job>_exits.jsonl
       stages/<stage>/          stage state: _COMPLETE / _FAILED markers (_FAILED.reserve while it runs),
                                requeues, retries, fatal_*
       heartbeats/              rank_<rank>.json per training rank; hangs.jsonl beside it (trainer/health)
@@ -93,6 +93,9 @@ FATAL_MARKER = "fatal_{job}_r{restart}_a{attempt}"
 # <stage>_<job>_batch.out, ...), submitit's per task in the job folder (its JobPaths names).
 SLURM_LOGS = "{stage}_{job}_*.{stream}"
 SUBMITIT_LOG = "{job}_{task}_log.{stream}"
+# A local job's controller (orchestrator/world/local_jobs.py), in the job's submitit folder: one JSON line
+# per task that ended (attempt, task, pid, exit code or -signal, time), in the order it saw them.
+LOCAL_EXITS = "{job}_exits.jsonl"
 
 # The environment variable the training job script sets per attempt (0, 1, ...), read by the stage.
 ATTEMPT_ENV = "SLIPWAY_ATTEMPT"

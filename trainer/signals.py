@@ -17,7 +17,8 @@ Exit codes (the contract with the orchestrator and with ``python -m trainer.run`
   requeue blindly.
 - ``EXIT_PERMANENT`` (78, EX_CONFIG): a failure a retry would repeat (:func:`permanent_reason`: no
   checkpoint verifies or fits the model, the disk is full, the data or an input file is missing or
-  corrupt, a bad configuration value, a W&B problem at start-up). Not retried; the reason is in the log
+  corrupt, a bad configuration value, a W&B problem at start-up, a rank out of memory — the layout's
+  memory need is the same on every attempt: :func:`out_of_memory`). Not retried; the reason is in the log
   and in the stage's ``fatal_<job>_r<restart>_a<attempt>`` marker.
 - ``EXIT_HANG`` (70, EX_SOFTWARE): the hang watchdog (:mod:`trainer.health`) ended a rank that made no
   progress for ``health.hang_timeout_s``. Not 0/65/75/78, so the sbatch script retries it from the last
@@ -49,10 +50,33 @@ _PERMANENT_NAMES = {"CheckpointError", "WandbError"}
 STOP_SIGNALS = (signal.SIGUSR2, signal.SIGTERM)
 
 
+# How the allocators say it (by text: this module stays free of torch). CUDA's caching allocator raises
+# torch.OutOfMemoryError ("CUDA out of memory. Tried to allocate ..."); the CPU allocator a RuntimeError
+# ("[enforce fail at alloc_cpu.cpp:...] ... DefaultCPUAllocator: can't allocate memory: you tried to
+# allocate N bytes"), measured with torch 2.13; ROCm's HIP allocator "HIP out of memory".
+_OOM_NAMES = {"OutOfMemoryError"}
+_OOM_TEXT = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def out_of_memory(exc: BaseException) -> str | None:
+    """The allocator's own line when ``exc`` says a device or the host ran out of memory, else None.
+
+    Deterministic for a layout: the same model, micro-batch and parallel layout need the same memory on
+    every attempt, so a retry repeats it (the fix is a smaller micro-batch, activation recomputation or
+    more pipeline stages: trainer/run/entry.py names them)."""
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    names = {c.__name__ for c in type(exc).__mro__}
+    hit = next((line for line in lines if any(t in line.lower() for t in _OOM_TEXT)), None)
+    if names & _OOM_NAMES or hit is not None:
+        text = hit or (lines[0] if lines else "")
+        return text[text.index("DefaultCPUAllocator"):] if "DefaultCPUAllocator" in text else text
+    return None
+
+
 def permanent_reason(exc: BaseException) -> str | None:
     """Why ``exc`` will repeat on a retry (a one-line reason), or None when a retry may succeed."""
     names = {c.__name__ for c in type(exc).__mro__}
-    if isinstance(exc, _PERMANENT) or names & _PERMANENT_NAMES:
+    if isinstance(exc, _PERMANENT) or names & _PERMANENT_NAMES or out_of_memory(exc) is not None:
         return f"{type(exc).__name__}: {exc}"
     return None
 

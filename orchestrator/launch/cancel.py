@@ -35,7 +35,9 @@ def cancel_run(run_dir: str, launch_n: int | None = None, started: dict[str, Any
             for j in live:
                 lines.append(f"{slurm[j][1]} job {j} cancelled (scancel)")
                 done.setdefault(slurm[j][0], []).append(j)
-    for n, stage, e in entries:
+    # Dependants first (the stages' reverse order): a job still waiting for its upstream must be cancelled
+    # as it waits, not find its upstream gone first and fail "not running (afterok)".
+    for n, stage, e in reversed(entries):
         jid = str(e["job_id"])
         if e.get("executor") != "local" or not local_job_alive(jid, e.get("folder")):
             continue

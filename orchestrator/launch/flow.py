@@ -193,7 +193,7 @@ def wait(plan: Plan, poll_s: float = 5.0, out=sys.stderr, follow: LogFollower | 
                 extra = f" checkpoint {r.checkpoint_iter}, last loss {r.loss:.4f}"
             if r.failure.startswith(NOT_RUN):  # its one line: the cause is upstream's, shown there
                 extra = f" ({r.failure})"
-            line = f"{r.state}{extra}"
+            line = f"{r.state}{f' ({r.reason})' if r.reason else ''}{extra}"
             if seen.get(r.stage) != line:
                 seen[r.stage] = line
                 out.write(f"[{time.strftime('%H:%M:%S')}] {r.stage} job {r.job_id}: {line}\n")

@@ -286,13 +286,18 @@ def _submit_job(ex: Any, fn: Any, stage: StagePlan, local: bool) -> tuple[Any, s
 
 
 def _record(plan: Plan, record: LaunchRecord, stage: StagePlan, sub: Submitted,
-            deps: tuple[tuple[str, ...], tuple[str, ...]], comment: str) -> None:
-    """The job's record (run.json, a shared stage's _JOB.json) and script; ``deps``: (afterok, afterany)."""
+            deps: tuple[tuple[str, ...], tuple[str, ...], list[Upstream]], comment: str) -> None:
+    """The job's record (run.json, a shared stage's _JOB.json) and script; ``deps``: (afterok, afterany,
+    the upstream its callable waits for: the local ones are recorded, so that status shows the job
+    PENDING (Dependency) while it waits, as Slurm does: queue.local_state)."""
+    local = [{"job_id": u.job_id, "state_dir": u.output_dir, "after_any": u.after_any}
+             for u in deps[2] if u.executor == "local" and u.job_id]
     entry = {
         "job_id": sub.job_id,
         "executor": sub.executor,
         "key": stage.key,
         "depends_on": [*deps[0], *deps[1]],
+        **({"waits_for": local} if local else {}),
         "folder": stage_folder(plan, stage),
         "state_dir": stage.state_dir,
         "log_dir": _abs(stage_log_dir(plan, stage)),  # Slurm's job logs (orchestrator/readback/logs.py)
@@ -305,7 +310,7 @@ def _record(plan: Plan, record: LaunchRecord, stage: StagePlan, sub: Submitted,
         path = launch_dir(plan.run_dir, record.n) / "scripts" / f"{stage.name}.sbatch"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(sub.script)
-    kinds = zip(("afterok", "afterany"), deps, strict=True)
+    kinds = zip(("afterok", "afterany"), deps[:2], strict=True)
     after = ",".join(f"{kind}:{':'.join(ids)}" for kind, ids in kinds if ids)
     log.info("%s: submitted job %s%s", stage.name, sub.job_id, f" ({after})" if after else "")
 
@@ -351,6 +356,6 @@ def submit_plan(cfg: SlipwayConfig, plan: Plan, record: LaunchRecord) -> list[Su
         script = getattr(ex, "script", None)  # Slurm: the text submitit wrote and sbatch got
         sub = Submitted(stage.name, "submitted", job_id, cfg.cluster.executor, script, job)
         done[stage.name] = sub
-        _record(plan, record, stage, sub, (deps, deps_any), comment)
+        _record(plan, record, stage, sub, (deps, deps_any, upstream), comment)
         faults.at(f"launch:after_record:{stage.name}")
     return list(done.values())

@@ -10,7 +10,8 @@ Where a job logs (the names are render.py's and submitit's):
 ``<log_dir>`` is the run's ``logs/`` for a run's own stage and ``<output>/logs/`` for a shared one (the
 job's record names it; submit.stage_log_dir is the rule). By default the stage is the first one that
 failed, else the first still queued or running, else training; its latest job (that of the run's latest
-launch), that job's latest restart and attempt, task 0, and the trainer's stream, stderr. ``--follow``
+launch), that job's latest restart and attempt, task 0 — or the rank a failed training job failed with
+first — and the trainer's stream, stderr. ``--follow``
 prints as the job writes, moves on to the next attempt's file when a retry or requeue starts one, and
 returns when the job has ended.
 """
@@ -106,6 +107,15 @@ def default_stage(rows: list) -> str:
             return hit
     names = [r.stage for r in rows]
     return TRAIN if TRAIN in names or not names else names[-1]
+
+
+def default_task(rows: list, stage: str, job: str | None) -> str:
+    """The task ``logs`` shows without one named: the rank the stage's latest job failed with first (its
+    status row: readback/culprit.py), whose log holds the cause — rank 0's often holds only a peer's
+    consequence — else 0."""
+    row = next((r for r in rows if r.stage == stage), None)
+    first = getattr(row, "first_rank", None)
+    return str(first) if first is not None and job in (None, getattr(row, "job_id", None)) else "0"
 
 
 @dataclass(frozen=True)

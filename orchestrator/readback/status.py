@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from orchestrator.readback.culprit import Verdict, verdict
 from orchestrator.record import launches
 from orchestrator.record.launches import INCOMPLETE, current, history, is_incomplete
 from orchestrator.stages import get as stage_def
@@ -20,6 +21,7 @@ from orchestrator.world.progress import log_records
 from orchestrator.world.queue import (
     CANCELLED,
     FAILED,
+    LOCAL_PENDING_REASON,
     PENDING,
     alive,
     category,
@@ -60,17 +62,21 @@ class JobRow:
     overrides: str = ""  # a sweep point's overrides (lr ...): what tells the points apart
     bad_nodes: list[str] = field(default_factory=list)  # nodes a preflight/watchdog named, what was done
     note: str = ""  # what a stage says below the table (the tune stage: its trials and the decision)
+    # a failed training job: the rank that failed first and those that ended because of it (culprit.py)
+    first_rank: int | None = None
+    consequences: list[str] = field(default_factory=list)
 
 
-def _failure(state: str, entry: dict, acct: dict) -> str:
+def _failure(state: str, entry: dict, acct: dict, first: Verdict | None = None) -> str:
     """Why a stage that failed or was cancelled ended: the trainer's own verdict (the newest ``fatal_*``
-    marker of this job), else the error its callable recorded (this job's ``_FAILED``), else what Slurm
-    says. Markers an earlier job left are never this job's reason."""
+    marker of this job), else the rank that failed first and why (``first``: readback/culprit.py), else
+    the error its callable recorded (this job's ``_FAILED``: rank 0's, which may only be the consequence),
+    else what Slurm says. Markers an earlier job left are never this job's reason."""
     if category(state) not in (FAILED, CANCELLED):
         return ""
     state_dir = Path(entry.get("state_dir", ""))
     marker = marker_of(state_dir, FAILED_MARKER, str(entry["job_id"])) or {}
-    reason = marker.get("reason") or marker.get("error")
+    reason = first.cause if first is not None else marker.get("reason") or marker.get("error")
     pattern = FATAL_MARKER.format(job=entry["job_id"], restart="*", attempt="*")
     fatal = sorted(state_dir.glob(pattern), key=lambda p: p.stat().st_mtime)
     if fatal:
@@ -80,7 +86,10 @@ def _failure(state: str, entry: dict, acct: dict) -> str:
         exit_code = acct.get("exit", "")
         why = ", ".join(x for x in (f"exit code {exit_code}" if exit_code else "", acct.get("reason", ""))
                         if x and x != "None")
-        hint = ("cancelled: scancel, or an upstream stage failed (afterok)" if category(state) == CANCELLED
+        cancelled = ("cancelled by Slipway (Ctrl-C or a signal to launch.py, or python -m orchestrator "
+                     "cancel); launch the same run_id again to resume" if entry.get("executor") == "local"
+                     else "cancelled: scancel, or an upstream stage failed (afterok)")
+        hint = (cancelled if category(state) == CANCELLED
                 else FORGOTTEN if state == "ENDED" and entry.get("executor", "slurm") == "slurm"
                 else "no error was recorded (killed, or lost its node?)")
         reason = f"{state}{f' ({why})' if why else ''}; {hint}"
@@ -99,7 +108,8 @@ def job_state(entry: dict, launch: dict, sq: dict, sa: dict, squeue_answered: bo
     stage's markers. ``launch``: its launch's record (cancellations)."""
     jid = str(entry["job_id"])
     if entry.get("executor") == "local":
-        return local_state(entry, jid in launch.get("cancelled", ())), ""
+        state = local_state(entry, jid in launch.get("cancelled", ()))
+        return state, LOCAL_PENDING_REASON if category(state) == PENDING else ""
     if jid in sq:
         state, reason = sq[jid]
     elif jid not in sa and squeue_answered:
@@ -144,13 +154,16 @@ def collect(path: str, stale_after_s: float | None = None) -> list[JobRow]:
             state, reason = job_state(e, data, sq, sa, not squeue_error)
             row = JobRow(run_dir.name, stage, jid, state, reason, name=str(data.get("name") or run_dir.name),
                          overrides=" ".join((data.get("sweep") or {}).get("overrides") or ()))
-            row.failure = _failure(state, e, sa.get(jid, {}))
             if squeue_error and e.get("executor") == "slurm":
                 row.slurm_error = squeue_error
             definition = stage_def(stage)  # None: a stage this version does not know (an old run's record)
             if definition is not None:
                 look = StageLook(run_dir, e, data, sa.get(jid, {}), stale_after_s, state)
                 row = dataclasses.replace(row, **definition.status(look))
+            first = verdict(run_dir, stage, e, row.ranks) if category(state) == FAILED and row.ranks else None
+            row.failure = _failure(state, e, sa.get(jid, {}), first)
+            if first is not None:
+                row.first_rank, row.consequences = first.rank, first.consequences
             rows.append(row)
     return rows
 
@@ -293,9 +306,11 @@ def rank_problems(rows: list[JobRow]) -> list[str]:
     out = []
     for r in rows:
         out += [f"{r.state}: run {r.run} stage {r.stage} (job {r.job_id}): {r.failure}"] if r.failure else []
+        out += [f"  after it: {c}" for c in r.consequences]
         out += [f"{r.stage.upper()}: run {r.run}: {r.note}"] if r.note else []
+        explained = bool(r.failure)  # its failed ranks are the reason above and the lines after it
         for h in r.ranks:
-            if h.state in ("ok", "exited"):
+            if h.state in ("ok", "exited", "interrupted") or explained and h.state == "failed":
                 continue
             where = f"{h.state.upper()}: run {r.run} rank {h.rank} on {h.host} (pid {h.pid}), iteration " + (
                 "-" if h.iteration is None else str(h.iteration))

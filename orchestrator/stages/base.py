@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -324,13 +325,22 @@ class NodeStage:
         if rank == 0:  # room for _FAILED, taken before the work can fill the disk
             reserve_marker(self.output_dir)
         try:
-            wait_for(self.upstream, self.upstream_timeout_s)
-        except UpstreamFailed as err:
-            self._not_run(rank, job, err)
-        try:
+            try:
+                wait_for(self.upstream, self.upstream_timeout_s)
+            except UpstreamFailed as err:
+                self._not_run(rank, job, err)  # its own marker and line; raises
             result = self.run()
+        except KeyboardInterrupt:
+            if job is None:
+                raise
+            # SIGINT reaches a job's processes only from Slipway's cancel (local_jobs.cancel; an interrupted
+            # launch.py): the cause, in one line, ends the log instead of a traceback.
+            log.warning("job %s rank %d interrupted by SIGINT: the job was cancelled (Ctrl-C or a signal to "
+                        "launch.py, or python -m orchestrator cancel); launch the same run_id again to "
+                        "resume", job, rank)
+            raise SystemExit(128 + signal.SIGINT) from None
         except Exception as err:
-            if rank == 0:
+            if rank == 0 and not isinstance(err, UpstreamFailed):  # not_run is already its marker
                 mark_failed(self.output_dir, {"key": self.key, "job": job, "error": repr(err),
                                               "time": time.time(), "reason": failure_reason(err)})
             raise

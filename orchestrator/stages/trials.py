@@ -36,7 +36,7 @@ from trainer.health import read_hangs
 from trainer.log import get_logger
 from trainer.metrics_file import read_metrics
 from trainer.run_files import TRIAL_RECORD, RunDir
-from trainer.signals import EXIT_HANG
+from trainer.signals import EXIT_HANG, out_of_memory
 
 if TYPE_CHECKING:
     from orchestrator.base.schema import AutotuneConfig
@@ -129,11 +129,13 @@ def write_record(spec: TrialSpec, job: str, rank: int, status: str, **fields: An
 
 
 def failure_reason(err: BaseException) -> str:
-    """One line: out of memory (the CUDA allocator's or the host's) said as such, else the error."""
+    """One line: out of memory (the CUDA allocator's or the host's: trainer.signals.out_of_memory; the
+    allocator's own words, the table already names the layout) said as such, else the error."""
     text = next((line for line in str(err).strip().splitlines() if line.strip()), "")
     name = type(err).__name__
-    if name == "OutOfMemoryError" or "out of memory" in text.lower():
-        return f"out of memory: {text}"[:400]
+    oom = getattr(err, "allocator", None) or out_of_memory(err)
+    if oom is not None:
+        return f"out of memory: {oom}"[:400]
     return f"{name}: {text}"[:400] if text else name
 
 

@@ -20,8 +20,11 @@ States Slurm may requeue:
   same checkpoints, while the opposite only makes a wait or a refusal last longer.
 
 Local jobs (submitit's LocalExecutor) are processes of this machine; their ids are pids. They report the
-same words: RUNNING while the process exists, COMPLETED / FAILED from their results and markers, and
-ENDED (failed) for a process that is gone without either.
+same words: PENDING (reason ``Dependency``, :data:`LOCAL_PENDING_REASON`) while the process waits for its
+upstream jobs, RUNNING while it exists otherwise, COMPLETED / FAILED from their results and markers (or
+FAILED from the controller's record of how its tasks ended: :func:`read_exits`), CANCELLED once Slipway
+cancelled it, and ENDED (failed) for a process that is gone without any of them. A zombie (ended, not yet
+reaped by its parent) is gone.
 
 A job array (layout=auto's trials) is recorded under its array id ``A``; squeue and sacct list its
 elements (``A_0``, ``A_[2-3%1]``). Each element is answered under its own id, and the array under ``A``
@@ -34,10 +37,11 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import subprocess
 from pathlib import Path
 
-from trainer.run_files import COMPLETE
+from trainer.run_files import COMPLETE, LOCAL_EXITS
 from trainer.run_files import FAILED as FAILED_MARKER
 
 PENDING, RUNNING, DONE, FAILED, CANCELLED = "pending", "running", "done", "failed", "cancelled"
@@ -74,6 +78,7 @@ _CATEGORY = {
     "REVOKED": CANCELLED,  # federation: this cluster's sibling withdrawn (it runs elsewhere, not here)
 }
 UNKNOWN_CATEGORY = PENDING  # see the docstring: an unknown job is never taken for ended
+LOCAL_PENDING_REASON = "Dependency"  # a local job waiting for its upstream: Slurm's reason for the same
 STATES = frozenset(_CATEGORY)
 ACTIVE = frozenset(s for s, c in _CATEGORY.items() if c in (PENDING, RUNNING))
 ENDED = STATES - ACTIVE
@@ -103,17 +108,45 @@ def succeeded(state: str) -> bool:
     return category(state) == DONE
 
 
-def process_alive(pid: int | str) -> bool:
-    """Whether a local process exists. ``kill(pid, 0)`` raising PermissionError means it exists and
-    belongs to someone else, so it is alive; only ProcessLookupError (or a pid that is no number) is
-    gone."""
+_GONE = ("Z", "X")  # /proc states of a process that has ended: a zombie (not yet reaped) or dead
+
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, parent pid, session id) from ``/proc/<pid>/stat``, None when it cannot be read (no such
+    process, or no /proc)."""
     try:
-        os.kill(int(pid), 0)
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+    return fields[0], int(fields[1]), int(fields[3])
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9: the name of the signal that ended a process (exit status -9, srun's "Killed")."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def process_alive(pid: int | str) -> bool:
+    """Whether a local process exists and has not ended. ``kill(pid, 0)`` raising PermissionError means it
+    exists and belongs to someone else; ProcessLookupError (or a pid that is no number) means it is gone.
+    ``kill`` also succeeds on a zombie — a process that ended but whose parent has not collected its exit
+    status yet (a job shell whose launcher is busy) — so /proc's state decides: a zombie has ended, and
+    whatever waits for it (a downstream stage, the launcher, a relaunch) must not wait on."""
+    try:
+        pid = int(pid)
+        if pid <= 0:  # kill(0 or -n, 0) asks about a whole process group
+            return False
+        os.kill(pid, 0)
     except PermissionError:
-        return True
+        pass
     except (ProcessLookupError, ValueError, OverflowError):
         return False
-    return True
+    stat = proc_stat(pid)
+    return stat is None or stat[0] not in _GONE
 
 
 def _run(cmd: list[str]) -> tuple[str | None, str]:
@@ -285,7 +318,7 @@ def forgotten_state(entry: dict) -> str:
 def local_state(entry: dict, cancelled: bool = False) -> str:
     """A local job's state from its run.json entry: cancelled (by Slipway, as run.json records), its
     submitit results, then the stage's markers that this job wrote, then whether the controller process
-    still exists."""
+    still exists: PENDING while it waits for its upstream jobs (:func:`_waiting`), else RUNNING."""
     folder = Path(entry.get("folder", ""))
     jid = str(entry["job_id"])
     alive = local_job_alive(jid, entry.get("folder"))  # before the files: an ended job has written them
@@ -295,12 +328,52 @@ def local_state(entry: dict, cancelled: bool = False) -> str:
     if results:
         outcomes = {pickle.loads(r.read_bytes())[0] for r in results}
         return "FAILED" if "error" in outcomes else "COMPLETED"
+    ends = read_exits(folder, jid)
+    last = [e for e in ends if e.get("attempt") == ends[-1].get("attempt")] if ends else []
+    if not alive and any(e.get("code") not in (0, None) for e in last):
+        return "FAILED"  # a task of its last attempt ended by a signal or an exit code (the controller saw)
     state_dir = entry.get("state_dir", "")
     if marker_of(state_dir, FAILED_MARKER, jid) is not None:
         return "FAILED"
-    if alive:
-        return "RUNNING"
+    if alive:  # waiting for its upstream jobs is Slurm's PENDING (Dependency), not RUNNING
+        return "PENDING" if _waiting(entry) else "RUNNING"
     return "COMPLETED" if marker_of(state_dir, COMPLETE, jid) is not None else "ENDED"
+
+
+def read_exits(folder: str | Path, job_id: str | int) -> list[dict]:
+    """The task ends a local job's controller recorded (orchestrator/world/local_jobs.py ``Controller``),
+    oldest first; [] when none (the job still runs every task, or an older Slipway's controller ran
+    it)."""
+    try:
+        lines = (Path(folder) / LOCAL_EXITS.format(job=job_id)).read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line cut by a full disk
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def _waiting(entry: dict) -> bool:
+    """A live local job is still held by its dependencies (``waits_for``, recorded at submission: the local
+    upstream jobs its callable waits for, stages/base.py wait_for): an afterok one has not written its
+    ``_COMPLETE``, an afterany one has not ended. Slurm holds such a job PENDING (Dependency) the same way,
+    including after the upstream failed (DependencyNeverSatisfied) until it is cancelled; a local one then
+    fails within a second."""
+    for up in entry.get("waits_for") or ():
+        jid, state_dir = str(up.get("job_id")), up.get("state_dir", "")
+        if marker_of(state_dir, COMPLETE, jid) is not None:
+            continue
+        if not up.get("after_any"):
+            return True
+        if marker_of(state_dir, FAILED_MARKER, jid) is None and process_alive(jid):
+            return True
+    return False
 
 
 def jobs_by_comment(comments: list[str]) -> dict[str, tuple[str, str]]:

@@ -186,6 +186,12 @@ def test_the_watchdog_blames_the_ranks_the_others_wait_for():
     assert stopped_ranks([*waiting, beat(3, "n2", 9, 12)], 4, 0)[1].host == "n2"
     assert [r.rank for r in stopped_ranks([*waiting, beat(2, "n2", 0.5, 11)], 3, 0)] == [2]  # behind
     assert stopped_ranks(waiting, 2, 0) == []
+    # A rank that was stopped (SIGSTOP) and continued: its own heartbeat is behind, yet it waited for no one
+    # of them; the ranks its peers' watchdogs ended are gone from the collective.
+    assert stopped_ranks([*waiting, beat(2, "n2", 0.5, 11)], 3, 2) == []
+    hung = judge({"rank": 1, "host": "n1", "pid": 11, "iteration": 12, "phase": "hung", "interval_s": 1.0,
+                  "time": now - 0.5, "progress_time": now - 9}, now, stale_after_s=3)
+    assert [r.rank for r in stopped_ranks([waiting[0], hung, beat(2, "n2", 0.5, 11)], 3, 2)] == [1]
 
 
 def test_settable_from_launch_overrides():

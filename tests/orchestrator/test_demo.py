@@ -45,6 +45,20 @@ def demo(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_demo_says_only_what_happened(demo):
+    """Issue 52, item 6: a stage waiting for its upstream is PENDING (Dependency) meanwhile, never RUNNING
+    before the upstream completed; the eval job, which replays no iteration, does not warn that W&B keeps
+    earlier values."""
+    res, _ = demo
+    states = re.findall(r"\] (\w+) job \d+: (\w+)", res.stderr)
+    for stage, upstream in (("train", "preprocess"), ("convert", "train"), ("eval", "convert")):
+        assert (stage, "PENDING") in states, (stage, states)
+        assert (stage, "RUNNING") not in states[:states.index((upstream, "COMPLETED"))], (stage, states)
+    assert "W&B keeps the earlier values" not in res.stderr and "resumes from iteration" not in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_demo_runs_every_stage_at_tp2_pp2(demo):
     _, run = demo
     meta = json.loads((run / "run.json").read_text())

@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 
 from orchestrator.base.problems import PlanError
-from orchestrator.launch.flow import RunFailed, launch
+from orchestrator.launch.flow import EXIT_RUN_FAILED, RunFailed, launch
 from orchestrator.readback.status import collect, format_rows
 from orchestrator.record.launches import current_jobs
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL
-from tests.seam import hook_env
+from tests.seam import enabled, hook_env
 from tests.waits import JOB_S, NEVER_S, wait_until
-from trainer.run_files import RunDir
+from trainer.run_files import FATAL_MARKER, RunDir
 
 SMALL = [
     "+experiment=codeparrot_smoke",
@@ -175,7 +175,9 @@ def _stalled_run(over: list[str], run: Path, stall: int, env: dict,
 def _launch_and_stop(over: list[str], run: Path, stop: int | str, stall: int) -> None:
     """A run paused after iteration ``stall``, then stopped: ``stop`` a signal to the launcher's pid alone,
     or "cancel" (``python -m orchestrator cancel`` of a run whose launcher has returned, wait=false). Then
-    every process of the run must be gone and its training CANCELLED."""
+    every process of the run must be gone, its training and the conversion waiting for it CANCELLED (not
+    FAILED "not running (afterok)"), no rank listed as failed, and each rank's log end with why it ended,
+    not a traceback (issue 52, item 6)."""
     env = dict(os.environ, **hook_env(STALL_TRAIN=str(stall)))
     out = run.parent / f"launcher_{stall}.log"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -197,7 +199,16 @@ def _launch_and_stop(over: list[str], run: Path, stop: int | str, stall: int) ->
             assert "Traceback" not in err, err[-3000:]
             assert re.search(r"interrupted: \d local job\(s\) of run r cancelled", err), err[-3000:]
         wait_until(lambda: not any(_alive(p) for p in pids), "every process of the run to end", NEVER_S)
-        assert _states(run)["train"] == "CANCELLED"
+        states = _states(run)
+        assert (states["train"], states["convert"]) == ("CANCELLED", "CANCELLED"), states
+        table = format_rows(collect(str(run)))
+        assert "FAILED" not in table and "interrupted 4/4" in table, table
+        entry = current_jobs(json.loads((run / "run.json").read_text()))["train"][-1]
+        for rank in range(4):
+            log = (Path(entry["folder"]) / f"{entry['job_id']}_{rank}_log.err").read_text()
+            assert "Traceback" not in log and re.search(r"interrupted by SIGINT: the job was cancelled .*; "
+                                                        r"launch the same run_id again to resume\n$", log), \
+                log[-3000:]
     finally:  # on a failure, leave nothing running
         for p in pids:
             if _alive(p):
@@ -217,8 +228,12 @@ def test_a_signal_to_the_launcher_alone_cancels_every_process_and_the_run_resume
     run = tmp_path / "runs" / "codeparrot_smoke" / "r"
     extra = ["parallel=tp2_pp2", "train.iters=10", "train.save_interval=2"]
     over = [*SMALL, f"runs_root={tmp_path}/runs", f"cache_dir={cache}", "run_id=r", *extra]
-    for stall, stop in ((3, signal.SIGTERM), (5, signal.SIGINT), (7, signal.SIGHUP), (9, "cancel")):
-        _launch_and_stop(over, run, stop, stall)
+    # Ctrl-C with W&B on (offline): its service, a process of the job too, gets the cancel's SIGINT; its
+    # atexit hook's ConnectionResetError traceback used to end rank 0's log instead of the cause.
+    wandb = ["logging.wandb.mode=offline"]
+    for stall, stop, more in ((3, signal.SIGTERM, []), (5, signal.SIGINT, wandb), (7, signal.SIGHUP, []),
+                              (9, "cancel", [])):
+        _launch_and_stop([*over, *more], run, stop, stall)
 
     res = _launch(tmp_path, cache, *extra)
     train = next(s for s in res.submitted if s.stage == "train")
@@ -251,3 +266,118 @@ def test_a_pid_the_system_reused_is_not_the_runs_job(tmp_path):
     finally:
         other.kill()
         other.wait()
+
+
+HANG_S = 20  # the watchdog's timeout in the stopped-rank test: far above the test's reaction to the pause
+FOUR_RANKS = ["parallel=tp2_pp2", "train.iters=10", "train.save_interval=2", "train.heartbeat_interval_s=0.5"]
+
+
+def _logs(run: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m orchestrator logs RUN`` as a user runs it."""
+    res = subprocess.run([sys.executable, "-m", "orchestrator", "logs", str(run), *args], cwd=REPO,
+                         capture_output=True, text=True, timeout=NEVER_S)
+    assert res.returncode == 0, res.stderr
+    return res
+
+
+def _rank_pid(run: Path, rank: int) -> int:
+    return int(RunDir(run).rank_pid(rank).read_text().split()[0])
+
+
+def _end_cleanly(proc: subprocess.Popen | None, pids: set[int]) -> None:
+    """On a failure, leave nothing running (a stopped process needs SIGKILL)."""
+    for p in pids:
+        if _alive(p):
+            os.kill(p, signal.SIGKILL)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.timeout(900)
+def test_a_stopped_rank_ends_its_attempt_and_the_run_on_the_local_executor(tmp_path, cache):
+    """``kill -STOP`` of rank 2 while every rank is paused (issue 50, item 4): the others' hang watchdogs
+    end them naming rank 2; the local controller then ends the stopped rank too (SIGCONT, SIGTERM, SIGKILL
+    after its kill wait) and reaps it, so the train job FAILS instead of staying RUNNING, the convert job
+    waiting for it — PENDING (Dependency) until then, never RUNNING — ends at once (no zombie counts as
+    its upstream alive), the launcher returns and no process of the run is left."""
+    run = tmp_path / "runs" / "codeparrot_smoke" / "r"
+    over = [*SMALL, f"runs_root={tmp_path}/runs", f"cache_dir={cache}", "run_id=r", *FOUR_RANKS,
+            f"train.hang_timeout_s={HANG_S}"]
+    out = run.parent / "launcher.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc, pids = None, set()
+    try:
+        proc, pids = _stalled_run(over, run, 3, dict(os.environ, **hook_env(STALL_TRAIN="3")), out)
+        stopped = _rank_pid(run, 2)
+        os.kill(stopped, signal.SIGSTOP)
+        assert proc.wait(timeout=HANG_S + NEVER_S) == EXIT_RUN_FAILED, out.read_text()[-3000:]
+        wait_until(lambda: not any(_alive(p) for p in pids), "every process of the run to end", NEVER_S)
+        assert {s: st for s, st in _states(run).items() if s in ("train", "convert")} == \
+            {"train": "FAILED", "convert": "FAILED"}
+        table = format_rows(collect(str(run)))
+        assert re.search(rf"FAILED: run r stage train \(job \d+\): rank 2 \(on \S+, pid {stopped}\) stopped "
+                         r"progressing at iteration 3; the hang watchdog of rank [013] ended the step "
+                         r"\(exit 70\)\n", table), table
+        assert len(re.findall(r"\n  after it: rank [013] ", table)) == 3, table
+        # convert never ran: its upstream failed (rank 0 raised: _FAILED) or ended without completing (rank
+        # 0's watchdog ended it: no marker), whichever rank 0 met first
+        assert re.search(r"FAILED: run r stage convert \(job \d+\): RuntimeError: upstream .*; not running "
+                         r"\(afterok\)$", table, re.M), table
+        launcher = out.read_text()
+        assert re.search(r"convert job \d+: PENDING \(Dependency\)\n", launcher), launcher[-3000:]
+        assert not re.search(r"convert job \d+: RUNNING", launcher), launcher[-3000:]
+    finally:
+        _end_cleanly(proc, pids)
+
+
+@pytest.mark.timeout(900)
+def test_the_rank_killed_first_is_the_reason_not_its_peers_errors(tmp_path, cache):
+    """``kill -9`` of rank 2 while every rank is paused (issue 50, item 5): it dies without a Python error
+    of its own, its peers then fail with gloo's "Connection closed by peer". The reason is rank 2, killed by
+    SIGKILL; ranks 0, 1 and 3 are listed after it, never as the failure."""
+    run = tmp_path / "runs" / "codeparrot_smoke" / "r"
+    over = [*SMALL, f"runs_root={tmp_path}/runs", f"cache_dir={cache}", "run_id=r", *FOUR_RANKS,
+            "convert.enabled=false"]
+    out = run.parent / "launcher.log"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    proc, pids = None, set()
+    try:
+        proc, pids = _stalled_run(over, run, 3, dict(os.environ, **hook_env(STALL_TRAIN="3")), out)
+        killed = _rank_pid(run, 2)
+        os.kill(killed, signal.SIGKILL)
+        assert proc.wait(timeout=NEVER_S) == EXIT_RUN_FAILED, out.read_text()[-3000:]
+        table = format_rows(collect(str(run)))
+        assert re.search(rf"FAILED: run r stage train \(job \d+\): rank 2 \(on \S+, pid {killed}\) was "
+                         r"killed by SIGKILL at iteration \d, without an error of its own\n", table), table
+        after = re.findall(r"\n  after it: rank ([013]) .*", table)
+        assert sorted(after) == ["0", "1", "3"], table
+        assert "FAILED: run r rank" not in table  # the peers' errors are consequences, not failures
+        logs = _logs(run, "-n", "3")  # by default the log of the rank that failed first, not rank 0's
+        assert "task 2, stderr" in logs.stderr, logs.stderr
+        assert f"task 2 (pid {killed}) was killed by SIGKILL" in logs.stdout, logs.stdout
+    finally:
+        _end_cleanly(proc, pids)
+
+
+@pytest.mark.timeout(900)
+def test_a_rank_out_of_memory_is_the_reason_with_its_layout_and_fix(tmp_path, cache):
+    """Rank 2 runs out of memory after iteration 2 (the real CPU allocator refuses, through the fault
+    seam): the reason is its allocator's words with the layout and the fixes, and a retry would repeat it
+    (exit 78: the sbatch script's fatal marker); its peers' gloo errors are listed after it."""
+    run = tmp_path / "runs" / "codeparrot_smoke" / "r"
+    with enabled(FAIL_TRAIN="oom@2:2"), pytest.raises(RunFailed):
+        _launch(tmp_path, cache, *FOUR_RANKS, "convert.enabled=false")
+    table = format_rows(collect(str(run)))
+    m = re.search(r"FAILED: run r stage train \(job (\d+)\): OutOfMemory: rank 2 ran out of memory at "
+                  r"iteration 2 with layout tp=2 pp=2 dp=1, micro-batch 2, sequence 64, recompute none, "
+                  r"fp32: DefaultCPUAllocator: can't allocate memory: .*; use a smaller "
+                  r"train.micro_batch_size \(now 2\), or activation recomputation "
+                  r"\(train.recompute_granularity=full\), or more pipeline stages \(parallel.pp_size "
+                  r"above 2\) \(exit 78\)\n", table)
+    assert m, table
+    assert sorted(re.findall(r"\n  after it: rank ([013]) ", table)) == ["0", "1", "3"], table
+    fatal = list((run / "stages" / "train").glob(FATAL_MARKER.format(job=m[1], restart="*", attempt="*")))
+    assert len(fatal) == 1 and fatal[0].read_text().startswith("78 OutOfMemory: rank 2 ran out of memory")
+    logs = _logs(run)
+    assert "task 2, stderr" in logs.stderr and "OutOfMemory: rank 2 ran out of memory" in logs.stdout

@@ -103,7 +103,8 @@ def _to_wandb(run: EvalRun, results: dict[str, Any]) -> None:
     from trainer.config import WandbConfig
     from trainer.run.metrics import WandbLogger
 
-    logger = WandbLogger(WandbConfig(**run.wandb), run.run_dir, run.run_id, {}, True)
+    # start=None: evaluation replays no training iteration; it only logs after the run's last step.
+    logger = WandbLogger(WandbConfig(**run.wandb), run.run_dir, run.run_id, {}, True, start=None)
     metrics = flat_metrics(results)
     logger.log(metrics, step=logger.last_step + 1)
     if logger.run is not None:

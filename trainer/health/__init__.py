@@ -253,7 +253,8 @@ class Monitor:
             self._thread.join()
             if self._backstop:
                 faulthandler.cancel_dump_traceback_later()
-            self.phase = "failed" if exc_type is not None else "exited"
+            interrupted = exc_type is not None and issubclass(exc_type, KeyboardInterrupt)
+            self.phase = "interrupted" if interrupted else "failed" if exc_type is not None else "exited"
             self.write(**({"message": f"{exc_type.__name__}: {exc}"} if exc_type is not None else {}))
 
 

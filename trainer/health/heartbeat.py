@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from trainer.faults import NODE_NAME
 from trainer.run_files import RunDir
 
-FINAL_PHASES = ("exited", "failed", "hung")
+# How a rank's training ended, as its last heartbeat says: normally, by an error, by its hang watchdog, or
+# interrupted (SIGINT: a local job being cancelled, Ctrl-C of a standalone run), which is no failure.
+FINAL_PHASES = ("exited", "failed", "hung", "interrupted")
 
 def node_name() -> str:
     """This process's node: ``SLIPWAY_NODE_NAME``, else Slurm's node name, else the host name (Slurm node
@@ -39,8 +41,10 @@ class RankHealth:
     phase: str
     age_s: float  # since the heartbeat was written
     idle_s: float  # since the rank last made progress
-    state: str  # ok | stale | stalled | exited | failed | hung
+    state: str  # ok | stale | stalled | exited | failed | hung | interrupted
     message: str = ""
+    job: str | None = None  # the Slurm job that wrote it (None: a local job's, or a standalone run's)
+    written: float = 0.0  # when it was written (wall time)
 
 
 def judge(beat: dict, now: float, stale_after_s: float | None = None) -> RankHealth:
@@ -57,8 +61,10 @@ def judge(beat: dict, now: float, stale_after_s: float | None = None) -> RankHea
         state = "stalled"
     else:
         state = "ok"
+    job = beat.get("job")
     return RankHealth(int(beat["rank"]), str(beat.get("host", "?")), int(beat.get("pid", 0)),
-                      beat.get("iteration"), phase, age, idle, state, str(beat.get("message", "")))
+                      beat.get("iteration"), phase, age, idle, state, str(beat.get("message", "")),
+                      None if job is None else str(job), float(beat["time"]))
 
 
 def read_heartbeats(run_dir: str, now: float | None = None, stale_after_s: float | None = None
@@ -85,7 +91,7 @@ def summarize(ranks: list[RankHealth]) -> str:
     the problems, e.g. 'stale: rank 1@n2 (95 s)'. A bare count read as an exit code ('exited 4')."""
     if not ranks:
         return ""
-    bad = [r for r in ranks if r.state not in ("ok", "exited")]
+    bad = [r for r in ranks if r.state not in ("ok", "exited", "interrupted")]
     if not bad:
         label = ranks[0].state if all(r.state == ranks[0].state for r in ranks) else "ok"
         return f"{label} {len(ranks)}/{len(ranks)}"
@@ -98,18 +104,21 @@ def summarize(ranks: list[RankHealth]) -> str:
 
 def stopped_ranks(ranks: list[RankHealth], world_size: int, reporter: int) -> list[RankHealth]:
     """The ranks the others wait for, judged by a watchdog that fired on ``reporter``: ranks whose heartbeat
-    went stale, failed or is missing (the process stopped, died, or its node is gone); failing that, the
-    ranks behind the others (a lower iteration). Empty when every other rank looks like the reporter (all
-    alive, same iteration: no single culprit is visible from the heartbeats)."""
+    went stale, ended (failed, hung, exited, interrupted) or is missing (the process stopped, died, or its
+    node is gone); failing that, the other ranks behind the others (a lower iteration). Empty when every
+    other rank looks like the reporter (all alive, same iteration: no single culprit is visible from the
+    heartbeats). Never the reporter itself: a rank that was stopped (SIGSTOP) and continued finds its own
+    heartbeat behind, but it is not the rank it waited for."""
     found = {r.rank for r in ranks}
     missing = [RankHealth(r, "?", 0, None, "?", float("inf"), float("inf"), "missing",
                           "no heartbeat file") for r in range(world_size) if r not in found]
-    gone = [r for r in ranks if r.rank != reporter and r.state in ("stale", "failed", "exited")]
+    ended = ("stale", "failed", "hung", "exited", "interrupted")
+    gone = [r for r in ranks if r.rank != reporter and r.state in ended]
     if gone or missing:
         return sorted(gone + missing, key=lambda r: r.rank)
     its = [r.iteration for r in ranks if r.iteration is not None]
     if its and min(its) < max(its):
-        return [r for r in ranks if r.iteration == min(its)]
+        return [r for r in ranks if r.iteration == min(its) and r.rank != reporter]
     return []
 
 

@@ -64,7 +64,7 @@ from trainer.restore.state import (
     restore_resharded,
     restore_same_layout,
 )
-from trainer.run import metrics
+from trainer.run import metrics, oom
 from trainer.run.data import DataShape, build_data, resolve_vocab
 from trainer.run.host import host_group
 from trainer.run.kernels import checked_kernels, optimizer_after_check
@@ -314,7 +314,7 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
     metrics.check_wandb_credentials(cfg.logging.wandb.mode)  # before anything slow or collective
     _configure_determinism(cfg.train.deterministic)
     # StopRequest from the start: a signal during set-up stops at the first step boundary.
-    with StopRequest() as stop, health.Monitor(cfg.train.health(), cfg.run_dir) as hb:
+    with StopRequest() as stop, health.Monitor(cfg.train.health(), cfg.run_dir) as hb, oom.named(cfg, hb):
         if pstate is None:
             pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None)
         os.makedirs(cfg.run_dir, exist_ok=True)
@@ -339,6 +339,11 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
                       "optim.lr, check the data, or resume from an earlier iteration.", reason,
                       cfg.checkpoint.dir)
             code = EXIT_NONFINITE
+        except BaseException as e:
+            # W&B's run ends here, not in W&B's atexit hook: after a cancel its service got the same SIGINT,
+            # and the hook's ConnectionResetError traceback would end the log instead of the cause.
+            loop.wandb.finish(128 + signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1)
+            raise
     loop.wandb.finish(0 if code in (EXIT_OK, EXIT_REQUEUE) else code)
     check = b.kernel_check.record() if b.kernel_check and b.kernel_check.results else None
     return RunResult(code, state.iteration, loop.losses, loop.eval_losses, state.skipped_iters,

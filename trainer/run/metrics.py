@@ -194,8 +194,9 @@ class WandbLogger:
     """The W&B face of the trainer (a no-op on ranks other than 0 or when disabled)."""
 
     def __init__(self, wandb_cfg, run_dir: str, run_id: str | None, config: dict, enabled: bool,
-                 start: int = 0) -> None:
-        """``start``: the iteration this job resumes from (its checkpoint's)."""
+                 start: int | None = 0) -> None:
+        """``start``: the iteration this job resumes from (its checkpoint's); None for a job that trains
+        nothing and only adds to the run after its last logged step (the eval stage)."""
         self.run = None
         self.id: str | None = None
         self.state_path = str(RunDir(run_dir).wandb_run)
@@ -282,12 +283,13 @@ def can_rewind() -> bool:
     return "resume_from" in inspect.signature(wandb.init).parameters
 
 
-def _resume(wid: str, last: int, start: int, mode: str, run_dir: str) -> tuple[dict, int]:
+def _resume(wid: str, last: int, start: int | None, mode: str, run_dir: str) -> tuple[dict, int]:
     """How this job continues W&B run ``wid`` (wandb.init's arguments) and the last step it must not log
     again. An earlier job may have logged past this job's checkpoint (a crash after logging, or a relaunch
     from an earlier checkpoint): online, the run is rewound to ``start`` so W&B's history is what the
-    metrics file holds; otherwise those steps keep their earlier values, and the log says so."""
-    if start >= last:
+    metrics file holds; otherwise those steps keep their earlier values, and the log says so. ``start``
+    None: the job replays no iteration (the eval stage), so nothing logged earlier is in question."""
+    if start is None or start >= last:
         return {"id": wid, "resume": "allow"}, last
     if mode == "online" and can_rewind():
         log.info("W&B: rewinding run %s to step %d: steps %d..%d logged by an earlier job are replaced by "
