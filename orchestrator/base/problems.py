@@ -45,12 +45,16 @@ class Cascade:
 # whole number of nodes) makes every figure of the layout another run's — the world's split, the batch's
 # micro-batches, the interleaved schedule's groups, the time limit's first checkpoint, the search, the
 # partition's node count — each still worth a look once the count is right. A learning rate that is no
-# learning rate leaves min_lr's range [0, lr] empty: "set min_lr <= lr" would be wrong advice.
+# learning rate leaves min_lr's range [0, lr] empty: "set min_lr <= lr" would be wrong advice. While
+# another job of the run is active its checkpoints are being written: one mid-save does not verify yet, and
+# "restore a good copy" would be wrong advice (the refusal is the active run; seen in test_fault_matrix's
+# double launch when the second launch planned during the first job's save).
 _LAYOUT_FOLLOWERS = ("world", "batch", "vpp_microbatches", "time_limit", "auto_layout", "auto_batch",
                      "partition_nodes")
 CASCADES: tuple[Cascade, ...] = (
     *(Cascade(root, None, f, True) for root in ("max_nodes", "gpus") for f in _LAYOUT_FOLLOWERS),
     Cascade("positive", "optim.lr", "lr_range", False),
+    Cascade("run_active", None, "checkpoint_damaged", False),
 )
 
 

@@ -154,3 +154,15 @@ def test_arrange_is_one_table_and_idempotent():
     assert [p.code for p in once] == ["file_missing", "max_nodes", "batch"]
     assert arrange(once) == once and once[2].follows == "[max_nodes] cluster.nodes"
     assert {(c.root, c.follower) for c in CASCADES} >= {("max_nodes", "batch"), ("positive", "lr_range")}
+
+
+def test_a_checkpoint_mid_save_of_an_active_run_is_not_called_damaged():
+    """While another job of the run is active its newest checkpoint may be mid-save and not verify yet:
+    the refusal is [run_active]; "restore a good copy of a checkpoint" would be wrong advice (test_fault_
+    matrix's double launch once planned during the first job's save and got it)."""
+    from orchestrator.base.problems import Problem, arrange
+
+    damaged = Problem("checkpoint_damaged", "checkpoint.dir", "/r/checkpoints", "m", "restore a good copy")
+    active = Problem("run_active", "run_id", "r", "m", "wait or cancel")
+    assert [p.code for p in arrange([damaged, active])] == ["run_active"]
+    assert [p.code for p in arrange([damaged])] == ["checkpoint_damaged"]  # alone it stands
