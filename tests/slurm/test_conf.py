@@ -25,7 +25,7 @@ def test_binding_follows_what_the_machine_allows(tmp_path, problem):
     layout.make_dirs()
     machine = Machine(sockets=1, cores_per_socket=2, threads_per_core=1, memory_mb=4096,
                       cgroup_problem=problem)
-    settings = Settings(port_base=17100, db_password="x")
+    settings = Settings(port_base=17100, db_password="x", subnet="198.18.0.16/28")
     conf.write_all(layout, settings, "host", machine)
     text = layout.slurm_conf.read_text()
     assert "TaskPluginParam=autobind=cores" in text and "SelectTypeParameters=CR_Core_Memory" in text
@@ -54,7 +54,7 @@ def test_pyxis_is_loaded_where_installed_with_enroot_folders_per_node(tmp_path, 
     layout = Layout(tmp_path / "state")
     layout.make_dirs()
     machine = Machine(sockets=1, cores_per_socket=2, threads_per_core=1, memory_mb=4096, cgroup_problem=None)
-    settings = Settings(port_base=17100, db_password="x")
+    settings = Settings(port_base=17100, db_password="x", subnet="198.18.0.16/28")
     plugin, enroot = tmp_path / "spank_pyxis.so", tmp_path / "bin" / "enroot"
     monkeypatch.setattr(pyxis, "PLUGINS", (plugin,))
     monkeypatch.setattr(pyxis, "ENROOTS", (enroot,))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.devcluster import NODES
 from tests.slurm_cli import sacct_final_state, sacct_states
 from tests.waits import JOB_S
 from trainer.formulas import master_port
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
 DEVCLUSTER = REPO / "slurm" / "devcluster"
-DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2", "slurmd-g1", "slurmd-g2")
+DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", *(f"slurmd-{n}" for n in NODES))
 
 
 @pytest.fixture(scope="module")
