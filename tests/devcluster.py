@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[1]
 DEVCLUSTER = REPO / "slurm" / "devcluster"
 sys.path.insert(0, str(REPO / "slurm"))
 from devcluster_lib import hosts as _hosts  # noqa: E402
-from devcluster_lib.layout import NODES, Layout, Settings, load_settings  # noqa: E402, F401 (NODES: re-exported)
+from devcluster_lib.layout import NODES, SLURMD0, Layout, Settings, load_settings  # noqa: E402, F401 (re-exported)
 
 
 def state_dir(environ: dict[str, str] | None = None) -> Path | None:
@@ -53,6 +53,10 @@ def require_hosts() -> None:
 
 def node_addresses() -> dict[str, str]:
     return _hosts.node_addresses(settings().subnet)
+
+
+def slurmd_port(node: str) -> int:
+    return settings().port(SLURMD0 + NODES.index(node))
 
 
 def bridge_address() -> str:
