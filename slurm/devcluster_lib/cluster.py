@@ -258,6 +258,29 @@ def link(layout: Layout, node: str, up_: bool, say: Say) -> None:
                               "nodes that are hosts of their own (`up` without --single-host)")
     hosts.set_link(layout, node, up_)
     say(f"link of node {node} ({layout.netns(node)}) {'up' if up_ else 'down'}")
+    if up_ and procs.running_pid(layout, "slurmctld") is not None:
+        _back_in_service(layout, node, say)
+
+
+def _back_in_service(layout: Layout, node: str, say: Say, timeout: float = 60.0) -> None:
+    """A node Slurm set DOWN while it was cut off returns at its next registration (ReturnToService=2),
+    which slurmctld asks a DOWN node for only now and then: resume it now, as an admin would, and wait
+    until it answers."""
+    deadline = time.monotonic() + timeout
+    resumed = False
+    while True:
+        state = (sinfo_states(layout) or {}).get(node, "")
+        if state.rstrip("~#$@^-") in GOOD_STATES:
+            return
+        if state.startswith(("down", "drain", "fail")) and not resumed:
+            subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True,
+                           timeout=15, env=daemons.client_env(layout))
+            say(f"resumed node {node} (was {state})")
+            resumed = True
+        if time.monotonic() > deadline:
+            raise DaemonError(f"node {node} not back in service {timeout:.0f} s after its link came up "
+                              f"(state {state or '?'}; sinfo -R says why)")
+        time.sleep(0.5)
 
 
 def _conf_value(layout: Layout, key: str) -> str:

@@ -31,23 +31,25 @@ class Node:
 
 # Partitions, as on a real site: "cpu" (the default: CPU stages and the gloo training of the tests) and
 # "gpu", whose nodes carry gres/gpu on device files the cluster makes (no CUDA: Slurm counts, assigns and
-# exports them); "spare" holds the cpu nodes plus n3, so that a two-node job there has a node to move to
-# when one of its nodes fails (the network fault tests). n3 is in no other partition: it stays idle.
+# exports them); "spare", three CPU nodes of their own, where a two-node job has a node to move to when one
+# of its nodes fails (the network fault tests cut a node off there without touching the others' jobs).
 CPU_PARTITION, GPU_PARTITION, SPARE_PARTITION = "cpu", "gpu", "spare"
 GPUS_PER_GPU_NODE = 2
 NODE_SPECS = (Node("n1", CPU_PARTITION), Node("n2", CPU_PARTITION),
               Node("g1", GPU_PARTITION, GPUS_PER_GPU_NODE), Node("g2", GPU_PARTITION, GPUS_PER_GPU_NODE),
-              Node("n3", SPARE_PARTITION))
+              Node("n3", SPARE_PARTITION), Node("n4", SPARE_PARTITION), Node("n5", SPARE_PARTITION))
 NODES = tuple(n.name for n in NODE_SPECS)
-# Partition -> its nodes; the default partition first. A partition may share nodes with another.
-PARTITIONS = {CPU_PARTITION: ("n1", "n2"), GPU_PARTITION: ("g1", "g2"), SPARE_PARTITION: ("n1", "n2", "n3")}
+# Partition -> its nodes; the default partition first.
+PARTITIONS = {p: tuple(n.name for n in NODE_SPECS if n.partition == p)
+              for p in (CPU_PARTITION, GPU_PARTITION, SPARE_PARTITION)}
 CLUSTER_NAME = "devcluster"
 # Ports live below 20000: jobs' MASTER_PORT starts there (trainer.formulas.master_port; submitit's own pick
 # would be in [20000, 60000]) and the kernel's ephemeral range starts at 32768, so neither can collide
 # with a daemon of ours.
 PORT_RANGE = (17000, 19990)
 PORT_STEP = 10
-# Offsets from the port base: slurmctld, slurmdbd, MariaDB, then one slurmd per node (PORT_STEP holds them).
+# Offsets from the port base: slurmctld, slurmdbd, MariaDB, then one slurmd per node (PORT_STEP holds them:
+# 3 + 7 nodes = 10).
 CTLD, DBD, MYSQL, SLURMD0 = 0, 1, 2, 3
 # The nodes' addresses: one /28 per cluster out of 198.18.0.0/15, the range RFC 2544 sets aside for
 # testing (no real network uses it). The cluster's bridge takes the first address, the nodes the next ones.

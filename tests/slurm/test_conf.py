@@ -100,3 +100,20 @@ def test_the_daemons_ports_stay_below_every_jobs_master_port():
     from trainer.formulas import PORT_BASE
 
     assert PORT_RANGE[1] + PORT_STEP <= PORT_BASE, (PORT_RANGE, PORT_STEP, PORT_BASE)
+
+
+def test_every_slurmd_has_a_port_of_the_clusters_block_and_an_address_of_its_range():
+    """Each node's slurmd port lies in the cluster's block of PORT_STEP ports (single host: they share this
+    host's ports), and each node's address in its /28 (nodes as hosts), the bridge's first."""
+    import ipaddress
+
+    from devcluster_lib import hosts
+    from devcluster_lib.layout import NET_PREFIX, NODES, PORT_STEP, SLURMD0
+
+    assert SLURMD0 + len(NODES) <= PORT_STEP, (SLURMD0, NODES, PORT_STEP)
+    net = ipaddress.ip_network("198.18.0.16/28")
+    assert 2 + len(NODES) <= net.num_addresses - 1 and net.prefixlen == NET_PREFIX  # network, bridge, nodes
+    addresses = hosts.node_addresses(str(net))
+    assert hosts.bridge_address(str(net)) == "198.18.0.17" and addresses["n1"] == "198.18.0.18"
+    assert len(set(addresses.values())) == len(NODES) and all(ipaddress.ip_address(a) in net
+                                                                for a in addresses.values())

@@ -23,6 +23,7 @@ import pytest
 
 from tests.devcluster import (
     DEVCLUSTER,
+    NODES,
     bridge_address,
     devcluster,
     layout,
@@ -92,7 +93,7 @@ def _this_machines_other_address() -> str:
 def test_every_node_is_a_host_of_its_own(tmp_path):
     seen = _steps(tmp_path, "-p", "spare", "-N3", "-n3")
     addresses = node_addresses()
-    assert sorted(seen) == ["n1", "n2", "n3"], seen
+    assert sorted(seen) == ["n3", "n4", "n5"], seen
     assert len({s["netns"] for s in seen.values()}) == 3  # a network namespace each
     assert len({s["uts"] for s in seen.values()}) == 3 and len({s["mntns"] for s in seen.values()}) == 3
     me = {os.readlink(f"/proc/self/ns/{k}") for k in ("net", "uts", "mnt")}
@@ -107,17 +108,21 @@ def test_every_node_is_a_host_of_its_own(tmp_path):
     # /tmp is each node's own (every node wrote the same name, each its own name in it: a shared /tmp would
     # hold one file), kept in the node's folder of the state folder, as on a disk of its own; the login
     # node's /tmp has none of them.
-    marker = seen["n1"]["marker"]
-    for node in seen:
-        own = layout().node_dir(node) / "tmp" / marker
-        assert own.exists() and own.read_text() == node, f"{node} wrote no {marker} into its own /tmp"
-    assert not (Path("/tmp") / marker).exists() and not (Path("/dev/shm") / marker).exists()
+    marker = seen["n3"]["marker"]
+    try:
+        for node in seen:
+            own = layout().node_dir(node) / "tmp" / marker
+            assert own.exists() and own.read_text() == node, f"{node} wrote no {marker} into its own /tmp"
+        assert not (Path("/tmp") / marker).exists() and not (Path("/dev/shm") / marker).exists()
+    finally:
+        for node in seen:
+            (layout().node_dir(node) / "tmp" / marker).unlink(missing_ok=True)
 
 
 def test_slurm_reaches_the_nodes_at_their_addresses_and_they_reach_the_controller():
     require_hosts()
     addresses = node_addresses()
-    for node in ("n1", "n2", "n3", "g1", "g2"):
+    for node in NODES:
         shown = slurm("scontrol", "show", "node", node)
         assert f"NodeAddr={addresses[node]} " in shown and f"NodeHostName={node} " in shown, shown
     conf = layout().slurm_conf.read_text()

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from trainer import faults
 from trainer.health.badnodes import PREFLIGHT, record_bad_nodes
 from trainer.health.config import HealthConfig
-from trainer.health.heartbeat import node_name
+from trainer.health.heartbeat import expand_hostlist, node_name  # expand_hostlist: re-exported
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -55,21 +55,6 @@ class PreflightError(RuntimeError):
                  ) -> None:
         super().__init__(message)
         self.nodes, self.missing = dict(nodes or {}), missing  # missing: the ranks that never checked in
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """Slurm hostlist → names: 'n[1-3,07],gpu' → ['n1', 'n2', 'n3', 'n07', 'gpu']."""
-    out: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", text):
-        head, ranges, tail = m.group(1), m.group(2), m.group(3)
-        if not ranges:
-            out.append(head + tail)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                out.append(f"{head}{i:0{len(lo)}d}{tail}")
-    return out
 
 
 def slurm_node_of(rank: int, env: dict[str, str] | None = None) -> str | None:
