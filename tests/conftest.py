@@ -8,11 +8,6 @@
   missing cluster skips them; with CI set (``1``/``true``/``yes``; ``.ci/run`` sets it) a missing cluster
   fails every one of them, never a skip. ``tests/test_ci_guard.py`` proves the guard fires.
 
-- Where SLURM_CONF names a devcluster, pytest's temporary folders (``tmp_path``) live in its state folder's
-  ``scratch/`` (PYTEST_DEBUG_TEMPROOT, unless set): the Slurm tests put their runs there, and a node's
-  /tmp is its own (slurm/devcluster_lib/hosts.py), as on a site, where jobs share only what the site
-  mounts on every node.
-
 Markers are read with ``get_closest_marker`` (a marker, wherever it was applied), never from
 ``item.keywords``, where any test or class *name* containing "slurm" would count as the marker.
 """
@@ -64,16 +59,6 @@ def _cached_devcluster_problem() -> str | None:
     if _slurm_problem is _UNCHECKED:
         _slurm_problem = devcluster_problem()
     return _slurm_problem  # type: ignore[return-value]
-
-
-def pytest_configure(config):
-    """Temporary folders on storage the devcluster's nodes share (the module doc)."""
-    from tests.devcluster import state_dir
-
-    root = state_dir()
-    if root is not None and "PYTEST_DEBUG_TEMPROOT" not in os.environ:
-        (root / "scratch").mkdir(mode=0o700, exist_ok=True)
-        os.environ["PYTEST_DEBUG_TEMPROOT"] = str(root / "scratch")
 
 
 def pytest_collection_modifyitems(config, items):

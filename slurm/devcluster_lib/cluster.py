@@ -86,6 +86,7 @@ def _network(layout: Layout, settings: Settings, hostname: str, say: Say) -> Non
     if hosts.ensure_shared_root():
         say("made / a shared mount (mount --make-shared /, as systemd does at boot): what this machine "
             "mounts later reaches the nodes")
+    hosts.prepare_shared(layout)
     for node in NODES:
         hosts.prepare_node_dirs(layout, node)
     conf.write_if_changed(layout.hosts_file, hosts.hosts_text(layout, settings, hostname))

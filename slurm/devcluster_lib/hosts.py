@@ -16,7 +16,8 @@ UTS and a mount namespace (mounts of this machine still reach it: propagation ``
 name, bind the node's own folders over /tmp and /var/tmp, mount a fresh tmpfs on /dev/shm, bind the
 cluster's hosts file over /etc/hosts, then exec slurmd. Job steps are slurmd's children, so they run in
 the node's namespaces too. Everything else of this machine is shared, as a site's nodes share their
-filesystems (the checkout, runs_root, the cache, the data and tokenizer folders).
+filesystems (the checkout, runs_root, the cache, the data and tokenizer folders), and so is the test
+suite's folder in /tmp (SUITE_TMP), where the tests keep their runs.
 
 The hosts file names every node at its address and this machine (the login node) at the bridge address.
 This machine's own /etc/hosts is not changed for the nodes: two clusters both have a node n1, at two
@@ -29,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import pwd
 import shlex
 import subprocess
 from pathlib import Path
@@ -37,6 +39,9 @@ from .layout import NET_PREFIX, NET_RANGE, NODES, Layout, Settings
 
 NODE_IFNAME = "eth0"  # the node's interface, as on a real node (GLOO_SOCKET_IFNAME=eth0 on this site)
 PRIVATE_DIRS = ("/tmp", "/var/tmp")  # each node's own; /dev/shm is a tmpfs of its own
+# The test suite's folder (pytest's tmp_path lives below it): the tests keep their runs there, as a site
+# keeps runs on a filesystem every node mounts, so the nodes share it; the rest of /tmp is each node's own.
+SUITE_TMP = "/tmp/pytest-of-{user}"
 IP_TIMEOUT_S = 30
 # `ip route` words that come before a route's destination.
 ROUTE_TYPES = ("local", "broadcast", "unreachable", "prohibit", "blackhole", "multicast", "anycast", "nat")
@@ -236,16 +241,27 @@ def _under(path: Path, folder: str) -> str | None:
         return None
 
 
+def shared_folders(layout: Layout) -> list[Path]:
+    """Folders under /tmp or /var/tmp that every node shares: the cluster's own state there (a state folder
+    in /tmp, the short socket folder) and the test suite's (SUITE_TMP)."""
+    return [layout.root, layout.short, Path(SUITE_TMP.format(user=pwd.getpwuid(os.geteuid()).pw_name))]
+
+
+def prepare_shared(layout: Layout) -> None:
+    """The shared folders exist on this machine before a node binds them (mode 0700, as pytest makes its)."""
+    for folder in shared_folders(layout):
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
 def node_script(layout: Layout, node: str) -> str:
-    """The shell that makes a fresh UTS + mount namespace into the node and execs its arguments. Folders
-    of the cluster's own state under /tmp or /var/tmp (a state folder there, or the short socket folder)
-    are bound back from the machine's: through the working directory, which still sees the folder the new
-    mount covers."""
+    """The shell that makes a fresh UTS + mount namespace into the node and execs its arguments. The
+    shared folders under /tmp or /var/tmp (:func:`shared_folders`) are bound back from the machine's:
+    through the working directory, which still sees the folder the new mount covers."""
     q = shlex.quote
     lines = ["set -e", f"hostname {q(node)}"]
     for private in PRIVATE_DIRS:
         own = layout.node_dir(node) / private.strip("/").replace("/", "-")
-        keep = sorted({r for p in {layout.root, layout.short} if (r := _under(p, private)) is not None})
+        keep = sorted({r for p in shared_folders(layout) if (r := _under(p, private)) is not None})
         lines += [f"cd {q(private)}", f"mount --bind {q(str(own))} {q(private)}"]
         # --no-canonicalize: mount(8) would make ./r absolute, which names the new, empty folder.
         lines += [f"mkdir -p {q(f'{private}/{r}')} && "

@@ -1,9 +1,9 @@
-"""The devcluster's nodes are hosts of their own (slurm/devcluster_lib/hosts.py), checked from inside real
-job steps: each node has its own network namespace, address, host name, /tmp and /dev/shm; the nodes
-resolve each other's names to their addresses; the folders a site shares (here: pytest's, in the
-cluster's scratch folder) are the same everywhere; nothing outside the cluster's bridge is reachable;
-``link NODE down`` cuts a node off and ``link NODE up`` brings it back; ``up`` refuses in one line where
-namespaces are not to be had, and will not switch a running cluster to the single-host mode.
+"""The devcluster's nodes are hosts of their own (slurm/devcluster_lib/hosts.py), checked from inside real job
+steps: each node has its own network namespace, address, host name, /tmp and /dev/shm; the nodes resolve each
+other's names to their addresses; the folders a site shares (here: the test suite's, /tmp/pytest-of-<user>,
+which the cluster shares as a site shares its scratch) are the same everywhere; nothing outside the cluster's
+bridge is reachable; ``link NODE down`` cuts a node off and ``link NODE up`` brings it back; ``up`` refuses in
+one line where namespaces are not to be had, and will not switch a running cluster to the single-host mode.
 
 Needs the devcluster with its nodes as hosts (``slurm/devcluster up``, as ``make test`` starts it).
 """
