@@ -70,6 +70,11 @@ def devcluster(*args: str, root: Path | None = None, timeout: float = 300) -> su
                           timeout=timeout)
 
 
+def net_leftovers(root: Path) -> list[str]:
+    """The namespaces and links of the cluster in ``root`` that exist now (none after its ``down``)."""
+    return _hosts.leftovers(Layout(root))
+
+
 def set_link(node: str, up: bool) -> None:
     res = devcluster("link", node, "up" if up else "down", timeout=60)
     assert res.returncode == 0, res.stdout + res.stderr

@@ -3,7 +3,8 @@ steps: each node has its own network namespace, address, host name, /tmp and /de
 other's names to their addresses; the folders a site shares (here: the test suite's, /tmp/pytest-of-<user>,
 which the cluster shares as a site shares its scratch) are the same everywhere; nothing outside the cluster's
 bridge is reachable; ``link NODE down`` cuts a node off and ``link NODE up`` brings it back; ``up`` refuses in
-one line where namespaces are not to be had, and will not switch a running cluster to the single-host mode.
+one line where namespaces are not to be had, and will not switch a running cluster to the single-host mode;
+that lenient mode still works.
 
 Needs the devcluster with its nodes as hosts (``slurm/devcluster up``, as ``make test`` starts it).
 """
@@ -27,6 +28,7 @@ from tests.devcluster import (
     bridge_address,
     devcluster,
     layout,
+    net_leftovers,
     node_addresses,
     require_hosts,
     set_link,
@@ -193,3 +195,25 @@ def test_a_running_cluster_of_hosts_is_not_switched_to_a_single_host():
     assert res.returncode == 1 and len(res.stderr.splitlines()) == 1, res.stderr
     assert "this cluster runs as hosts" in res.stderr and "down" in res.stderr, res.stderr
     assert settings().hosts
+
+
+def test_the_single_host_mode_still_runs_jobs_on_this_host(tmp_path):
+    """The lenient option (``up --single-host``): every node is this host, in its namespaces, with its
+    /tmp; a cluster of it comes up beside the suite's and goes down leaving no namespace or link."""
+    state = tmp_path / "lenient"
+    try:
+        res = devcluster("up", "--single-host", root=state, timeout=240)
+        assert res.returncode == 0, res.stdout + res.stderr
+        env = dict(os.environ, SLURM_CONF=str(state / "etc" / "slurm.conf"))
+        out = subprocess.run(["srun", "-N2", "-n2", "-t", "1", "bash", "-c",
+                              "echo $SLURMD_NODENAME $(hostname) $(readlink /proc/self/ns/net)"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        rows = sorted(line.split() for line in out.stdout.splitlines())
+        me = [_hostname(), os.readlink("/proc/self/ns/net")]
+        assert rows == [["n1", *me], ["n2", *me]], rows
+        assert "single host: every node is this machine" in devcluster("status", root=state).stdout
+    finally:
+        down = devcluster("down", root=state, timeout=120)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not net_leftovers(state)
