@@ -116,7 +116,9 @@ devcluster-status:
 	$(DEVCLUSTER) status
 
 # Brings the devcluster up around the suite and always down after it, keeping pytest's exit status.
-# A cluster that fails to come up fails the target at once (its error and log tail are on stderr).
+# A cluster that fails to come up fails the target at once (its error and log tail are on stderr). `up`
+# makes every node a host of its own (network, UTS and mount namespaces, slurm/README.md), as the Slurm
+# tests need (CI runs as root); where namespaces are not to be had it refuses in one line (no --single-host).
 test: install mcore lint cuda-check dev-image
 	@set -o pipefail; $(DEVCLUSTER) up | tail -n 5 || { $(DEVCLUSTER) down >/dev/null 2>&1; \
 	  echo "make test: slurm/devcluster up failed (see above)" >&2; exit 1; }; \

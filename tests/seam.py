@@ -19,8 +19,9 @@ job.
 - ``SLIPWAY_FAIL_TRIAL=<i>[:oom|hang],...``: layout=auto's trial ``i`` fails at its iteration 2 on rank 0:
   ``oom`` (the default) raises torch's OutOfMemoryError, as a layout too big for the device does; ``hang``
   stops the rank there for good, as a deadlock would, until the trial's hang watchdog ends it.
-- ``SLIPWAY_STALL_TRAIN=N``: after iteration N every rank pauses until a signal arrives (at most 10 min), so
-  fault tests preempt, time out or kill a job at a known point instead of racing a fast run.
+- ``SLIPWAY_STALL_TRAIN=N``: after iteration N every rank pauses until a signal arrives or the file
+  ``resume_N`` appears beside the stall markers (at most 10 min), so fault tests preempt, time out, kill or
+  cut off a job at a known point instead of racing a fast run.
 - ``SLIPWAY_KERNEL_FAULT=op[:kind],...``: a resolved op made wrong (tests/seam_kernels.py).
 
 The plugin loads no torch itself: the launcher loads it for its failpoints and stays torch-free.
@@ -204,10 +205,11 @@ def _wakeup_pipe() -> int:
 def stall_hook(iteration: int, marker_dir: str, rank: int, max_s: float = 600.0
                ) -> Callable[[int, float], None]:
     """``on_step`` callback of the ``SLIPWAY_STALL_TRAIN`` test hook: after ``iteration`` the rank pauses
-    until a signal arrives (Slurm's time-limit USR2, a preemption, srun's kill after another rank died) or
-    ``max_s`` passes, so fault tests act at a known iteration instead of racing a fast run. The wait wakes
-    on any signal that has a Python handler (``signal.set_wakeup_fd``); the trainer's own handler then
-    stops the run at this step boundary.
+    until a signal arrives (Slurm's time-limit USR2, a preemption, srun's kill after another rank died),
+    the file ``resume_<iteration>`` appears in ``marker_dir`` (the test's go: training goes on as if
+    nothing happened) or ``max_s`` passes, so fault tests act at a known iteration instead of racing a fast
+    run. The wait wakes on any signal that has a Python handler (``signal.set_wakeup_fd``); the trainer's
+    own handler then stops the run at this step boundary.
 
     Call it in the main thread before the trainer starts, so a signal that comes early is not missed.
     The marker ``stalled_<iteration>_rank<rank>`` (written when the pause starts) makes it once per run:
@@ -222,8 +224,11 @@ def stall_hook(iteration: int, marker_dir: str, rank: int, max_s: float = 600.0
         marker.parent.mkdir(parents=True, exist_ok=True)
         marker.write_text(f"{time.time()}\n")
         log.warning("%s=%d (test hook): pausing until a signal arrives", STALL_TRAIN, iteration)
-        ready, _, _ = select.select([wake], [], [], max_s)
-        log.warning(f"{STALL_TRAIN}: %s", "signal received, continuing" if ready else "no signal, continuing")
+        go, deadline, ready = Path(marker_dir) / f"resume_{iteration}", time.monotonic() + max_s, []
+        while not ready and not go.exists() and time.monotonic() < deadline:
+            ready, _, _ = select.select([wake], [], [], 0.1)
+        why = "signal received" if ready else f"{go.name} found" if go.exists() else "no signal"
+        log.warning(f"{STALL_TRAIN}: %s, continuing", why)
 
     return on_step
 

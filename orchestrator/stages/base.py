@@ -19,6 +19,7 @@ import json
 import math
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,10 +29,12 @@ from orchestrator.base.facts import PlanInputs
 from orchestrator.base.plan_types import JobResources, StagePlan
 from orchestrator.base.schema import SlipwayConfig
 from orchestrator.render import mem_flag
+from orchestrator.world import queue
 from orchestrator.world.queue import marker_of, process_alive
 from orchestrator.world.runs import CACHE_DIR, write_json
 from trainer import disk
 from trainer.formulas import padded_vocab_size, stage_params
+from trainer.health import node_name
 from trainer.log import get_logger
 from trainer.run_files import COMPLETE, FAILED, FAILED_RESERVE, RunDir
 from trainer.signals import EXIT_PERMANENT
@@ -277,13 +280,26 @@ class UpstreamFailed(RuntimeError):
     """An upstream stage failed or ended without completing: this stage does not run (afterok)."""
 
 
+# How long a file another node wrote may take to appear here (a shared filesystem's attribute cache; NFS
+# keeps a directory's for up to 60 s by default, acdirmax).
+STORAGE_LAG_S = 60.0
+
+
+class UpstreamNotVisible(FileNotFoundError):
+    """An upstream job completed, but its output is not on this node: storage the nodes do not share.
+    A FileNotFoundError: a retry on the same nodes would repeat it (trainer.signals.permanent_reason)."""
+
+
 def wait_for(upstream: list[Upstream], timeout_s: float) -> None:
     """Block until every upstream job completed its output; raise if it failed or ended without completing
     (one marked ``after_any``: until it ended).
 
     This is Slurm's ``afterok`` for local jobs (and a guard against shared-storage lag under Slurm): an
     upstream with a job id is satisfied only by the marker *that job* wrote, never by one an earlier launch
-    or attempt left (queue.marker_of); an upstream without one (a reused complete output) by any."""
+    or attempt left (queue.marker_of); an upstream without one (a reused complete output) by any. Under
+    Slurm the job completed before this one started, so a marker still missing after STORAGE_LAG_S is on
+    storage this node does not see (a node-local /tmp, say): :class:`UpstreamNotVisible` names the folder
+    and this node."""
     deadline = time.monotonic() + timeout_s
     for up in upstream:
         if up.after_any:  # Slurm's afterany held this job until it ended; a local one is waited for here
@@ -292,6 +308,7 @@ def wait_for(upstream: list[Upstream], timeout_s: float) -> None:
                     raise TimeoutError(f"upstream job {up.job_id} still running after {timeout_s:.0f} s")
                 time.sleep(1.0)
             continue
+        lag = time.monotonic() + STORAGE_LAG_S if up.executor == "slurm" and up.job_id else float("inf")
         while marker_of(up.output_dir, COMPLETE, up.job_id) is None:
             alive = _job_alive(up)  # read before the markers: a job that just ended has written them
             if marker_of(up.output_dir, FAILED, up.job_id) is not None:
@@ -299,9 +316,25 @@ def wait_for(upstream: list[Upstream], timeout_s: float) -> None:
             if not alive and marker_of(up.output_dir, COMPLETE, up.job_id) is None:
                 raise UpstreamFailed(f"{NOT_RUN}: upstream job {up.job_id} ended without completing "
                                      f"{up.output_dir} (afterok)")
+            if time.monotonic() > lag:
+                raise UpstreamNotVisible(_not_visible(up))
             if time.monotonic() > deadline:
                 raise TimeoutError(f"upstream {up.output_dir} not complete after {timeout_s:.0f} s")
             time.sleep(1.0)
+
+
+def _not_visible(up: Upstream) -> str:
+    where = queue.query_slurm([str(up.job_id)])[1].get(str(up.job_id), {}).get("nodes", "")
+    return (f"upstream output {up.output_dir}/{COMPLETE} is not on node {node_name()} (host "
+            f"{socket.gethostname()}) {STORAGE_LAG_S:.0f} s after its job {up.job_id} completed"
+            f"{f' on {where}' if where else ''} (afterok): {up.output_dir} is on storage this node does not "
+            "share with the node that wrote it (a node-local /tmp, /var/tmp or /dev/shm?). Put runs_root and "
+            "cache_dir on a filesystem every node mounts")
+
+
+def _where() -> dict[str, str]:
+    """The node (Slurm's name) and host a marker was written on: where an output came from."""
+    return {"node": node_name(), "host": socket.gethostname()}
 
 
 class NodeStage:
@@ -319,6 +352,10 @@ class NodeStage:
 
     def run(self) -> Any:  # pragma: no cover - overridden
         raise NotImplementedError
+
+    def failed(self, err: Exception) -> None:
+        """What the stage records of a failure of this task, before it is raised (waiting for upstream
+        included); nothing by default."""
 
     def __call__(self) -> Any:
         rank, job = _job()
@@ -340,13 +377,15 @@ class NodeStage:
                         "resume", job, rank)
             raise SystemExit(128 + signal.SIGINT) from None
         except Exception as err:
-            if rank == 0 and not isinstance(err, UpstreamFailed):  # not_run is already its marker
-                mark_failed(self.output_dir, {"key": self.key, "job": job, "error": repr(err),
-                                              "time": time.time(), "reason": failure_reason(err)})
+            if not isinstance(err, UpstreamFailed):  # not_run is already its marker
+                self.failed(err)
+                if rank == 0:
+                    mark_failed(self.output_dir, {"key": self.key, "job": job, "error": repr(err), **_where(),
+                                                  "time": time.time(), "reason": failure_reason(err)})
             raise
         if rank == 0:  # only rank 0 writes the markers; the others must not race it with a stale _FAILED
             (Path(self.output_dir) / FAILED).unlink(missing_ok=True)
-            mark_complete(self.output_dir, {"key": self.key, "job": job, "result": result,
+            mark_complete(self.output_dir, {"key": self.key, "job": job, "result": result, **_where(),
                                             "time": time.time()})
         return result
 

@@ -122,6 +122,23 @@ class TrainStage(NodeStage):
     :meth:`checkpoint`, which resubmits this same callable; the trainer resumes from its latest checkpoint.
     """
 
+    def _fatal_marker(self) -> tuple[str, Path]:
+        """(this task's job id, its attempt's fatal marker): a relaunch (new job) never reads an old
+        marker, local jobs included."""
+        attempt = os.environ.get(ATTEMPT_ENV, "0")
+        restart = os.environ.get("SLURM_RESTART_COUNT", "0")
+        job_id = job_of_task()
+        name = FATAL_MARKER.format(job=job_id, restart=restart, attempt=attempt)
+        return job_id, Path(self.output_dir, name)
+
+    def failed(self, err: Exception) -> None:
+        """A failure a retry would repeat (trainer.signals.permanent_reason; an upstream output this node
+        cannot see among them) leaves the fatal marker: the batch script stops instead of retrying."""
+        reason = permanent_reason(err)
+        if reason is not None:
+            self._fatal_marker()[1].write_text(f"{EXIT_PERMANENT} {reason.splitlines()[0][:2000]}\n")
+            log.error("a retry would repeat this failure; not retrying: %s", reason)
+
     def run(self) -> dict[str, Any]:
         job: TrainJob = self.job
         export_torch_env()
@@ -138,17 +155,9 @@ class TrainStage(NodeStage):
 
         on_step = faults.hook("train_on_step", self.output_dir, rank)
         hooks = RunHooks(on_step=on_step) if on_step is not None else None
-        job_id = job_of_task()  # a relaunch (new job) never reads an old marker, local jobs included
-        marker = Path(self.output_dir, FATAL_MARKER.format(job=job_id, restart=restart, attempt=attempt))
-        try:
-            check_data_tokenizer(job.data_summaries, config.get("tokenizer") or {})
-            result = run(RunConfig.from_dict(config), hooks)
-        except Exception as err:
-            reason = permanent_reason(err)
-            if reason is not None:  # the batch script reads the marker and stops instead of retrying
-                marker.write_text(f"{EXIT_PERMANENT} {reason.splitlines()[0][:2000]}\n")
-                log.error("a retry would repeat this failure; not retrying: %s", reason)
-            raise
+        job_id, marker = self._fatal_marker()
+        check_data_tokenizer(job.data_summaries, config.get("tokenizer") or {})
+        result = run(RunConfig.from_dict(config), hooks)
         code = int(getattr(result, "exit_code", result) or 0)
         verdict = getattr(result, "reason", "")
         why = f"{verdict} (exit {code})" if verdict else f"the trainer exited with code {code}"
@@ -219,7 +228,7 @@ class Train(StageDef):
             checkpoint_iter=progress.checkpoint_iter(run_dir, look.run),
             wandb=progress.wandb_path(run_dir, look.run), wandb_offline=progress.wandb_offline(run_dir),
             hangs=progress.hangs(run_dir), log=str(RunDir(run_dir).logs), ranks=ranks,
-            bad_nodes=progress.bad_nodes(run_dir, state_dir),
+            bad_nodes=progress.bad_nodes(run_dir, state_dir, slurm_runs - 1),
             health="; ".join(x for x in (summarize(ranks), kernel_cell(check)) if x),
             kernel_fallbacks=kernel_fallbacks(check), checkpoint_warnings=read_warnings(str(run_dir)))
         if recs:

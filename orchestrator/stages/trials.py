@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from orchestrator.world.runs import write_json
 from trainer import faults
-from trainer.health import read_hangs
+from trainer.health import node_name, read_hangs
 from trainer.log import get_logger
 from trainer.metrics_file import read_metrics
 from trainer.run_files import TRIAL_RECORD, RunDir
@@ -124,7 +124,7 @@ def load_spec(path: str | Path) -> TrialSpec:
 
 def write_record(spec: TrialSpec, job: str, rank: int, status: str, **fields: Any) -> None:
     record = {"key": spec.key, "job": job, "index": spec.index, "rank": rank, "status": status,
-              "time": time.time(), **fields}
+              "node": node_name(), "host": socket.gethostname(), "time": time.time(), **fields}
     write_json(spec.record_path(rank), record)
 
 

@@ -78,11 +78,14 @@ def hangs(run_dir: Path) -> list[str]:
     """One line per recorded hang (several ranks' watchdogs report the same one: merged)."""
     merged: dict[tuple, list[int]] = {}
     for h in read_hangs(str(run_dir)):
-        key = (h.get("job"), h.get("iteration"), tuple(h.get("stopped") or ()))
+        cut = tuple(sorted(h.get("lost_contact") or ()))  # trainer/health/contact.py: the nodes cut off
+        key = (h.get("job"), h.get("iteration"), tuple(h.get("stopped") or ()), cut)
         merged.setdefault(key, []).append(h.get("reporter"))
     out = []
-    for (job, it, stopped), reporters in merged.items():
-        who = "; ".join(stopped) if stopped else "no rank identifiable from the heartbeats"
+    for (job, it, stopped, cut), reporters in merged.items():
+        who = "; ".join(stopped) if stopped else \
+            f"{', '.join(f'node {n}' for n in cut)} lost contact" if cut else \
+            "no rank identifiable from the heartbeats"
         by = ", ".join(map(str, sorted(reporters)))
         out.append(f"{f'job {job}, ' if job else ''}iteration {it}: stopped progressing: {who} (watchdog "
                    f"fired on rank{'s' if len(reporters) > 1 else ''} {by}, exit 70)")
@@ -108,9 +111,10 @@ def _decisions(state_dir: Path) -> dict[tuple[str, int, int], dict[str, str]]:
     return out
 
 
-def bad_nodes(run_dir: Path, state_dir: Path) -> list[str]:
+def bad_nodes(run_dir: Path, state_dir: Path, slurm_restarts: int = 0) -> list[str]:
     """One line per node a preflight or watchdog named (trainer/health/badnodes.py): which, why, in which
-    attempt, and what the batch script did about it."""
+    attempt, and what the batch script did about it (``slurm_restarts``: how often Slurm's accounting says
+    the job was requeued, which it does itself when a node stops answering)."""
     decided = _decisions(state_dir)
     out = []
     for rec in read_bad_nodes(str(run_dir)):
@@ -120,6 +124,9 @@ def bad_nodes(run_dir: Path, state_dir: Path) -> list[str]:
         d = decided.get((str(job), restart, attempt))
         if job is None:
             what = "a local run: nothing to exclude"
+        elif d is None and restart < slurm_restarts:
+            what = ("Slurm ended that run of the job before its batch script decided (a node that stops "
+                    "answering is set DOWN and the job requeued, without it)")
         elif d is None:
             what = "no decision recorded (the job is still deciding, or was cancelled)"
         elif d["what"] == "excluded":

@@ -15,15 +15,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from . import cluster
-from .install import SetupError
-from .layout import Layout, default_root
+from .hosts import NetError
+from .install import Refusal, SetupError
+from .layout import HOSTS, NODES, SINGLE_HOST, Layout, default_root
 from .procs import DaemonError
 
 USAGE = """Examples:
-  slurm/devcluster up                  # install if needed, start, wait for nodes n1,n2 idle
+  slurm/devcluster up                  # install if needed, start, wait for every node idle
   eval "$(slurm/devcluster env)"       # then sinfo / srun / sbatch / sacct / submitit work
   slurm/devcluster status
-  slurm/devcluster down                # stop everything it started
+  slurm/devcluster link n2 down        # cut node n2 off the network (and `link n2 up` again)
+  slurm/devcluster down                # stop everything it started, remove its network
 State folder: --dir, else $DEVCLUSTER_DIR, else .devcluster/ at the repository root."""
 
 
@@ -55,10 +57,16 @@ def _parser() -> argparse.ArgumentParser:
                                      description="A real Slurm cluster (2 nodes) on this machine.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("up", parents=[common], help="install if needed, start, wait until nodes are idle")
+    up = sub.add_parser("up", parents=[common], help="install if needed, start, wait until nodes are idle")
+    up.add_argument("--single-host", action="store_true",
+                    help="lenient: every node is this host (one network, host name and /tmp); by default "
+                         "each node is a host of its own (network, UTS and mount namespaces)")
     sub.add_parser("down", parents=[common], help="stop every process this cluster started")
     sub.add_parser("status", parents=[common], help="daemons, nodes and jobs; exit 0 when healthy")
     sub.add_parser("env", parents=[common], help="print `export SLURM_CONF=...` for eval")
+    link = sub.add_parser("link", parents=[common], help="take a node's network link down or up")
+    link.add_argument("node", choices=NODES)
+    link.add_argument("state", choices=("up", "down"))
     return parser
 
 
@@ -85,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "up":
             layout.root.mkdir(mode=0o700, parents=True, exist_ok=True)
             with _exclusive(layout):
-                cluster.up(layout, _say)
+                cluster.up(layout, _say, SINGLE_HOST if args.single_host else HOSTS)
             _export(layout)
         elif args.command == "down":
             with _exclusive(layout):
@@ -97,7 +105,13 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stderr.write(f"devcluster: no cluster in {layout.root}; run: slurm/devcluster up\n")
                 return 1
             _export(layout)
-    except (DaemonError, SetupError) as exc:
+        elif args.command == "link":
+            cluster.link(layout, args.node, args.state == "up", _say)
+    except Refusal as exc:
+        sys.stdout.flush()
+        sys.stderr.write(f"devcluster {args.command}: {exc}\n")
+        return 1
+    except (DaemonError, SetupError, NetError) as exc:
         sys.stdout.flush()
         sys.stderr.write(f"devcluster {args.command} failed: {exc}\n")
         if args.command == "up":

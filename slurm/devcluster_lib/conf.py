@@ -1,12 +1,16 @@
 """slurm.conf and slurmdbd.conf for the devcluster.
 
 Choices that matter (and why). The cluster is as strict as a real site where that costs nothing:
-- Several slurmd daemons on one host (``slurmd -N <node>``), each with its own port and spool; node names
-  resolve to 127.0.0.1 through /etc/hosts because torch.distributed uses the first node name as
-  MASTER_ADDR.
-- Two partitions: ``cpu`` (default; n1, n2) and ``gpu`` (g1, g2), whose nodes carry ``gres/gpu`` on files
+- Every node is a host of its own (hosts.py): slurmd (``slurmd -N <node>``) runs in the node's network,
+  UTS and mount namespaces, at its own address on the cluster's bridge (``NodeAddr``, ``NodeHostname`` the
+  node's name). slurmctld and slurmdbd listen on the bridge's address on this machine, which the nodes
+  reach; the nodes resolve each other's names through the cluster's hosts file (torch.distributed uses
+  the first node's name as MASTER_ADDR). In the lenient ``single-host`` mode every node is this host
+  (127.0.0.1, its names in /etc/hosts).
+- Three partitions: ``cpu`` (default; n1, n2), ``gpu`` (g1, g2), whose nodes carry ``gres/gpu`` on files
   the cluster makes (``gres.conf File=``): Slurm counts and assigns them and sets CUDA_VISIBLE_DEVICES and
-  SLURM_JOB_GPUS, and refuses a request for more than a node has.
+  SLURM_JOB_GPUS, and refuses a request for more than a node has; and ``spare`` (n1, n2, n3), where a
+  two-node job has a node to move to.
 - Every node declares this machine's real sockets, cores and threads (machine.py): tasks are bound to the
   cores they were given (``task/affinity``, ``autobind=cores``; since Slurm 22.05 srun must be told
   ``--cpus-per-task``, or each task gets one core).
@@ -18,7 +22,9 @@ Choices that matter (and why). The cluster is as strict as a real site where tha
 - Short KillWait/MinJobAge/cred_expire and JobRequeue=1 so requeue/cancel tests are quick (a requeued
   job waits cred_expire seconds before it may start again).
 - ``--signal=SIG@T`` works as on any Slurm: slurmctld checks deadlines every 30 s and sends up to 30 s early.
-- Everything listens on loopback only (``NoCtldInAddrAny,NoInAddrAny``, MariaDB bind-address).
+- Nodes as hosts: each slurmd listens inside its node (which has only the node's addresses), slurmctld and
+  slurmdbd on every address of this machine (the nodes reach them at the bridge's; MUNGE authenticates
+  every message), MariaDB on loopback. Single host: everything on loopback (``NoCtldInAddrAny,NoInAddrAny``).
 """
 
 from __future__ import annotations
@@ -28,12 +34,14 @@ import pwd
 import stat
 from pathlib import Path
 
+from .hosts import bridge_address, node_addresses
 from .layout import (
     CLUSTER_NAME,
     CTLD,
     DBD,
     MYSQL,
     NODE_SPECS,
+    PARTITIONS,
     PORT_RANGE,
     PORT_STEP,
     SLURMD0,
@@ -71,21 +79,36 @@ def binding(machine: Machine) -> list[str]:
 MAX_TIME = {"cpu": "1-00:00:00", "gpu": "12:00:00"}
 
 
+def controller_address(settings: Settings) -> str:
+    """Where slurmctld and slurmdbd listen: the bridge's address, which the nodes reach (loopback when every
+    node is this host)."""
+    return bridge_address(settings.subnet) if settings.hosts else LOOPBACK
+
+
 def node_lines(settings: Settings, hostname: str, machine: Machine) -> list[str]:
     shape = (f"CPUs={machine.cpus} Boards=1 SocketsPerBoard={machine.sockets} "
              f"CoresPerSocket={machine.cores_per_socket} ThreadsPerCore={machine.threads_per_core} "
              f"RealMemory={machine.memory_mb}")
+    addresses = node_addresses(settings.subnet) if settings.hosts else {}
     lines = []
     for i, node in enumerate(NODE_SPECS):
         gres = f" Gres=gpu:{node.gpus}" if node.gpus else ""
-        lines.append(f"NodeName={node.name} NodeHostname={hostname} NodeAddr={LOOPBACK} "
-                     f"Port={settings.port(SLURMD0 + i)} {shape}{gres} State=UNKNOWN")
-    partitions = dict.fromkeys(n.partition for n in NODE_SPECS)
-    for k, part in enumerate(partitions):
-        members = ",".join(n.name for n in NODE_SPECS if n.partition == part)
-        lines.append(f"PartitionName={part} Nodes={members} Default={'YES' if k == 0 else 'NO'} "
+        where = (f"NodeHostname={node.name} NodeAddr={addresses[node.name]}" if settings.hosts
+                 else f"NodeHostname={hostname} NodeAddr={LOOPBACK}")
+        lines.append(f"NodeName={node.name} {where} Port={settings.port(SLURMD0 + i)} {shape}{gres} "
+                     "State=UNKNOWN")
+    for k, (part, members) in enumerate(PARTITIONS.items()):
+        lines.append(f"PartitionName={part} Nodes={','.join(members)} Default={'YES' if k == 0 else 'NO'} "
                      f"MaxTime={MAX_TIME.get(part, 'INFINITE')} State=UP OverSubscribe=NO")
     return lines
+
+
+def communication(settings: Settings) -> list[str]:
+    """Nodes as hosts: slurmctld, and srun on this machine, listen on any address, so that the nodes reach
+    them through the bridge (NoCtldInAddrAny/NoInAddrAny bind to what this host's name resolves to,
+    127.0.0.1 here); each slurmd listens inside its own node, which has only that node's addresses. A
+    single host: everything on loopback."""
+    return [] if settings.hosts else ["CommunicationParameters=NoCtldInAddrAny,NoInAddrAny"]
 
 
 def job_ids(settings: Settings) -> tuple[int, int]:
@@ -101,10 +124,11 @@ def slurm_conf(layout: Layout, settings: Settings, hostname: str, machine: Machi
     """The text of slurm.conf; ``hostname`` is this machine's short name (slurmctld checks it)."""
     # cred_expire also holds a requeued job back that long before it may start again (default 120 s).
     auth = f"socket={layout.munge_socket},cred_expire={CRED_EXPIRE_S}"
+    ctl = controller_address(settings)
     lines = [
         "# Generated by slurm/devcluster; edits are overwritten on the next `up`.",
         f"ClusterName={CLUSTER_NAME}",
-        f"SlurmctldHost={hostname}({LOOPBACK})",
+        f"SlurmctldHost={hostname}({ctl})",
         f"SlurmctldPort={settings.port(CTLD)}",
         f"SlurmdPort={settings.port(SLURMD0)}",
         f"SlurmUser={user()}",
@@ -112,7 +136,7 @@ def slurm_conf(layout: Layout, settings: Settings, hostname: str, machine: Machi
         "AuthType=auth/munge",
         "CredType=cred/munge",
         f"AuthInfo={auth}",
-        "CommunicationParameters=NoCtldInAddrAny,NoInAddrAny",
+        *communication(settings),
         f"StateSaveLocation={layout.ctld_state}",
         f"SlurmdSpoolDir={layout.spool_root}/%n",
         f"SlurmctldPidFile={layout.run}/slurmctld.pid",
@@ -146,12 +170,13 @@ def slurm_conf(layout: Layout, settings: Settings, hostname: str, machine: Machi
         "JobAcctGatherFrequency=30",
         "AccountingStorageType=accounting_storage/slurmdbd",
         "AccountingStorageTRES=gres/gpu",
-        f"AccountingStorageHost={LOOPBACK}",
+        f"AccountingStorageHost={ctl}",
         f"AccountingStoragePort={settings.port(DBD)}",
         # For auth/munge, the socket clients and slurmctld use to authenticate to slurmdbd (not AuthInfo).
         f"AccountingStoragePass={layout.munge_socket}",
         "JobCompType=jobcomp/none",
-        f"TmpFS={layout.root}/tmp",
+        # The node's own /tmp (nodes as hosts); the state folder's when every node is this host.
+        f"TmpFS={'/tmp' if settings.hosts else layout.root / 'tmp'}",
         *([] if machine.cgroups else [f"# cgroups not used: {machine.cgroup_problem}"]),
         *node_lines(settings, hostname, machine),
     ]
@@ -190,7 +215,7 @@ def slurmdbd_conf(layout: Layout, settings: Settings, hostname: str) -> str:
         "AuthType=auth/munge",
         f"AuthInfo=socket={layout.munge_socket}",
         f"DbdHost={hostname}",
-        f"DbdAddr={LOOPBACK}",
+        f"DbdAddr={controller_address(settings)}",
         f"DbdPort={settings.port(DBD)}",
         f"SlurmUser={user()}",
         "DebugLevel=info",

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .conf import LOOPBACK, user
+from .hosts import node_argv
 from .layout import CLUSTER_NAME, CTLD, DBD, MYSQL, NODES, SLURMD0, Layout, Settings
 from .procs import Daemon, DaemonError, listens, tail
 
@@ -24,7 +25,8 @@ class Step:
     ready: Callable[[int], bool]  # given the daemon's pid
     timeout_s: float
     slurm: bool  # reads slurm.conf/slurmdbd.conf, so restarts when they change
-    port: int | None = None  # TCP port it listens on (must be free before it starts)
+    port: int | None = None  # TCP port it listens on (must be free on this host before it starts)
+    node: str | None = None  # the node it runs in (nodes as hosts: its namespaces, not this host's)
 
 
 def daemon_env(layout: Layout) -> dict[str, str]:
@@ -89,9 +91,13 @@ def steps(layout: Layout, settings: Settings) -> list[Step]:
     ]
     for i, node in enumerate(NODES):
         port = settings.port(SLURMD0 + i)
-        daemon = Daemon(f"slurmd-{node}", ("slurmd", "-D", "-N", node, "-f", conf),
-                        layout.log / f"slurmd-{node}.log")
-        out.append(Step(daemon, listening_on(port), 60, slurm=True, port=port))
+        argv: tuple[str, ...] = ("slurmd", "-D", "-N", node, "-f", conf)
+        if settings.hosts:  # inside the node: its port is its own, whatever this host listens on
+            out.append(Step(Daemon(f"slurmd-{node}", node_argv(layout, node, argv), layout.log /
+                                   f"slurmd-{node}.log"), listening_on(port), 60, slurm=True, node=node))
+        else:
+            out.append(Step(Daemon(f"slurmd-{node}", argv, layout.log / f"slurmd-{node}.log"),
+                            listening_on(port), 60, slurm=True, port=port, node=node))
     return out
 
 

@@ -1,4 +1,6 @@
-"""Machine preparation for ``up``: Debian packages when missing, and /etc/hosts entries for the nodes."""
+"""Machine preparation for ``up``: Debian packages when missing, and /etc/hosts entries: this host's name,
+and the nodes' names when every node is this host (single-host mode; as separate hosts the nodes resolve
+each other through the cluster's own hosts file, hosts.py)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ HOSTS = Path("/etc/hosts")
 
 class SetupError(RuntimeError):
     """The machine cannot be prepared (not root, apt failure, ...); the message says what to do."""
+
+
+class Refusal(SetupError):
+    """``up`` will not start as asked (no namespaces here, a mode change while running): one line."""
 
 
 def missing_programs() -> list[str]:
@@ -83,12 +89,13 @@ def _resolves(name: str) -> bool:
         return False
 
 
-def ensure_hosts(say, hostname: str) -> None:
-    """Make the node names resolve to 127.0.0.1, and this host's name resolve at all (srun binds to it).
+def ensure_hosts(say, hostname: str, node_names: bool = True) -> None:
+    """Make this host's name resolve at all (srun binds to it) and, with ``node_names`` (every node is this
+    host), the node names resolve to 127.0.0.1.
 
     Idempotent: appends at most one line to /etc/hosts, only for names that do not resolve as needed.
     """
-    names = [n for n in NODES if not _resolves_to_loopback(n)]
+    names = [n for n in NODES if node_names and not _resolves_to_loopback(n)]
     names += [] if _resolves(hostname) else [hostname]
     if not names:
         return

@@ -67,10 +67,12 @@ def is_ours(pid: int, layout: Layout) -> bool:
     return marker_value(layout).encode() in _environ(pid).split(b"\0")
 
 
-def listening_inodes(port: int) -> set[str]:
-    """Socket inodes listening on TCP ``port`` (any address), from /proc/net/tcp{,6}."""
+def listening_inodes(port: int, pid: int | None = None) -> set[str]:
+    """Socket inodes listening on TCP ``port`` (any address) in this process's network namespace, or in
+    process ``pid``'s (a node's), from /proc/<pid>/net/tcp{,6}."""
     inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    where = "self" if pid is None else str(pid)
+    for table in (f"/proc/{where}/net/tcp", f"/proc/{where}/net/tcp6"):
         try:
             rows = Path(table).read_text().splitlines()[1:]
         except OSError:
@@ -84,7 +86,7 @@ def listening_inodes(port: int) -> set[str]:
 
 def listens(pid: int, port: int) -> bool:
     """Whether process ``pid`` itself listens on ``port`` (not merely: something answers there)."""
-    wanted = {f"socket:[{i}]" for i in listening_inodes(port)}
+    wanted = {f"socket:[{i}]" for i in listening_inodes(port, pid)}
     if not wanted:
         return False
     try:
@@ -166,23 +168,28 @@ def wait_ready(daemon: Daemon, proc: subprocess.Popen, ready: Callable[[int], bo
         delay = min(delay * 1.5, 0.5)
 
 
-def _wait_gone(pids: list[int], layout: Layout, timeout: float) -> list[int]:
+def belongs(pid: int, layout: Layout, netns: frozenset[int] = frozenset()) -> bool:
+    """Ours by the marker, or (``netns``: this cluster's nodes' network namespaces) by where it runs."""
+    return is_ours(pid, layout) or bool(netns) and _netns_inode(pid) in netns and not _is_zombie(pid)
+
+
+def _wait_gone(pids: list[int], layout: Layout, timeout: float, netns: frozenset[int]) -> list[int]:
     deadline = time.monotonic() + timeout
-    left = [p for p in pids if is_ours(p, layout)]
+    left = [p for p in pids if belongs(p, layout, netns)]
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
-        left = [p for p in left if is_ours(p, layout)]
+        left = [p for p in left if belongs(p, layout, netns)]
     return left
 
 
-def terminate(pids: list[int], layout: Layout, timeout: float) -> None:
+def terminate(pids: list[int], layout: Layout, timeout: float, netns: frozenset[int] = frozenset()) -> None:
     """SIGTERM, wait up to ``timeout`` s, then SIGKILL whatever of ours is left."""
     for pid in pids:
-        if is_ours(pid, layout):
+        if belongs(pid, layout, netns):
             _signal(pid, signal.SIGTERM)
-    for pid in _wait_gone(pids, layout, timeout):
+    for pid in _wait_gone(pids, layout, timeout, netns):
         _signal(pid, signal.SIGKILL)
-    _wait_gone(pids, layout, 5.0)
+    _wait_gone(pids, layout, 5.0, netns)
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -212,11 +219,22 @@ def wait_reaped(pids: list[int], timeout: float) -> None:
         time.sleep(0.1)
 
 
-def marked_pids(layout: Layout) -> list[int]:
-    """Every live process carrying this cluster's marker (daemons and what they spawned), except us."""
+def marked_pids(layout: Layout, netns: frozenset[int] = frozenset()) -> list[int]:
+    """Every live process carrying this cluster's marker (daemons and what they spawned), or running in one
+    of the network namespaces whose inodes ``netns`` holds (a node's: its job steps carry the job's
+    environment, not the marker), except us."""
     own = {os.getpid(), os.getppid()}
     found = []
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) not in own and is_ours(int(entry), layout):
+        if not entry.isdigit() or int(entry) in own:
+            continue
+        if belongs(int(entry), layout, netns):
             found.append(int(entry))
     return found
+
+
+def _netns_inode(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None

@@ -37,6 +37,21 @@ TINY_MODEL = [
 ]
 
 
+def tiny_dataset(root: Path) -> list[str]:
+    """A small JSONL corpus and a BPE trained on it, built here (no corpus job): the overrides that use
+    them."""
+    from trainer.config import CorpusConfig
+    from trainer.data.corpus import build_corpus
+    from trainer.data.train_tokenizer import TokenizerTrainConfig, train_tokenizer
+
+    data = root / "corpus.jsonl"
+    build_corpus(CorpusConfig(max_files=12, max_bytes=200_000, exclude_tests=True), str(data))
+    vocab, merges = train_tokenizer(TokenizerTrainConfig(inputs=[str(data)], output_dir=str(root / "tok"),
+                                                         vocab_size=300))
+    return ["data.corpus=null", f"data.paths=[{data}]", f"tokenizer.vocab_file={vocab}",
+            f"tokenizer.merge_file={merges}"]
+
+
 def my_jobs() -> dict[str, str]:
     """{job id: state} of every Slipway job in the queue (each carries a ``slipway:`` comment naming its
     run, launch and stage: orchestrator/record/launches.py job_comment; its name is the run's)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 from datetime import datetime
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from orchestrator.launch.flow import launch
 from orchestrator.record.launches import launch_dir
 from orchestrator.stages.tune import NAME as TUNE
 from orchestrator.world.queue import query_slurm
+from tests.devcluster import settings
 from tests.orchestrator.conftest import compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, job_ids, wait_states
 from tests.seam import enabled
@@ -85,3 +87,7 @@ def test_the_trials_are_one_job_array_and_training_takes_the_fastest(tmp_path):
         win["parallel"]["pp_size"], win["train"]["micro_batch_size"], win["optim"]["distributed"])
     trained = "\n".join(p.read_text() for p in sorted(Path(run.logs).glob("train_*_0.err")))
     assert f"layout=auto: training with {rows[table['winner']]['name']}" in trained
+    if settings().hosts:  # the trials ran on the nodes, hosts other than the launcher's, and worked
+        for i in (1, 2, 3):  # rank 0 records the measurement, where it ran
+            ran = json.loads(run.trial_record(i, 0).read_text())
+            assert (ran["node"], ran["host"]) == ("n1", "n1") != (socket.gethostname(),) * 2, ran

@@ -28,27 +28,20 @@ import pytest
 from orchestrator.launch.flow import launch
 from orchestrator.readback.status import collect, format_rows
 from tests.orchestrator.conftest import REPO, compose_cfg
-from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, job_ids, wait_for, wait_states
+from tests.orchestrator.devcluster_helpers import (
+    TINY_MODEL,
+    cancel_runs,
+    job_ids,
+    tiny_dataset,
+    wait_for,
+    wait_states,
+)
 from tests.seam import enabled
 from tests.slurm_cli import slurm
 from tests.waits import JOB_S, NEVER_S
 from trainer.run_files import EXCLUSIONS, RunDir
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(900)]
-
-
-def _dataset(root: Path) -> list[str]:
-    """A small JSONL corpus and a BPE trained on it, built here (no corpus job)."""
-    from trainer.config import CorpusConfig
-    from trainer.data.corpus import build_corpus
-    from trainer.data.train_tokenizer import TokenizerTrainConfig, train_tokenizer
-
-    data = root / "corpus.jsonl"
-    build_corpus(CorpusConfig(max_files=12, max_bytes=200_000, exclude_tests=True), str(data))
-    vocab, merges = train_tokenizer(TokenizerTrainConfig(inputs=[str(data)], output_dir=str(root / "tok"),
-                                                         vocab_size=300))
-    return ["data.corpus=null", f"data.paths=[{data}]", f"tokenizer.vocab_file={vocab}",
-            f"tokenizer.merge_file={merges}"]
 
 
 def _nodes(job: str) -> list[str]:
@@ -75,7 +68,7 @@ class Scenario:
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory) -> Scenario:
     root = tmp_path_factory.mktemp("badnode")
-    overrides = ["+experiment=codeparrot_smoke", "cluster=devcluster", *TINY_MODEL, *_dataset(root),
+    overrides = ["+experiment=codeparrot_smoke", "cluster=devcluster", *TINY_MODEL, *tiny_dataset(root),
                  "parallel.tp_size=2", "parallel.pp_size=1", "cluster.nodes=1", "cluster.tasks_per_node=2",
                  "train.iters=6", "train.save_interval=3", "train.eval_interval=100",
                  "train.hang_timeout_s=10", "train.heartbeat_interval_s=0.5", "convert.enabled=false",

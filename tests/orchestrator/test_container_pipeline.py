@@ -1,8 +1,9 @@
 """The smoke pipeline end to end inside a real container runtime on the devcluster: corpus -> preprocess ->
-train (tp 2 x pp 2 on 2 nodes) -> convert -> eval, every task in the image, once through pyxis + enroot
-(``container=pyxis``: srun's --container-* flags, the image as a squashfs file; the devcluster loads them
-where they are installed, slurm/devcluster_lib/pyxis.py) and once through Charliecloud's ch-run
-(``container=charliecloud``: the per-task wrapper, as Apptainer's).
+train (tp 2 x pp 2 on 2 nodes, each a host of its own: slurm/devcluster_lib/hosts.py) -> convert -> eval,
+every task in the image, once through pyxis + enroot (``container=pyxis``: srun's --container-* flags, the
+image as a squashfs file; the devcluster loads them where they are installed,
+slurm/devcluster_lib/pyxis.py) and once through Charliecloud's ch-run (``container=charliecloud``: the per-
+task wrapper, as Apptainer's).
 
 The image (containers/dev_image.py; ``make test`` builds it, cached by its inputs) has its own Python
 (Debian's 3.11), its own CPU torch and Slipway's kernels built inside it at /opt/slipway. The run is
@@ -34,6 +35,7 @@ import pytest
 from orchestrator.record.launches import current
 from orchestrator.world.container import PYXIS_OPTIONS
 from tests.ci import IN_CI
+from tests.devcluster import node_addresses, settings
 from tests.orchestrator.conftest import REPO
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, wait_states
 from trainer.metrics_file import KERNEL_BUILDS, read_records
@@ -132,6 +134,11 @@ def test_the_pipeline_runs_in_the_image(run):
         assert "ch-run --unset-env='*'" in (run / "container_exec.sh").read_text()
     else:
         assert scripts.count("--container-image=") >= 3 and ".sqsh" in scripts, scripts[-3000:]
+    if settings().hosts:  # the ranks, in the image, on two nodes that are hosts of their own
+        ranks = json.loads((run / "preflight.json").read_text())["ranks"]
+        assert sorted((r["node"], r["host"]) for r in ranks) == [("n1", "n1")] * 2 + [("n2", "n2")] * 2, ranks
+        assert len({r["netns"] for r in ranks}) == 2 and {r["master"] for r in ranks} == \
+            {node_addresses()["n1"]}, ranks
 
 
 def test_every_rank_loaded_the_images_kernels_with_the_images_python(run):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from orchestrator.base.problems import PlanError
 from orchestrator.launch.flow import launch
 from orchestrator.record.launches import current, current_jobs
 from orchestrator.world.queue import query_slurm
+from tests.devcluster import settings
 from tests.orchestrator.conftest import REPO, compose_cfg
 from tests.orchestrator.devcluster_helpers import TINY_MODEL, cancel_runs, job_ids, my_jobs, wait_states
 from tests.seam import enabled
@@ -104,6 +106,10 @@ def test_smoke_pipeline_completes(runs):
     assert wait_states(run) == {"train": "COMPLETED", "convert": "COMPLETED", "eval": "COMPLETED"}
     stages = current(json.loads((run / "run.json").read_text()))["stages"]
     assert all((Path(stages[s]["dir"]) / "_COMPLETE").exists() for s in ("corpus", "preprocess"))
+    if settings().hosts:  # every stage ran on a node, a host other than the launcher's, and worked
+        for stage in ("corpus", "preprocess", "train", "convert", "eval"):
+            done = json.loads((Path(stages[stage]["dir"]) / "_COMPLETE").read_text())
+            assert done["node"] in ("n1", "n2") and done["host"] == done["node"] != socket.gethostname(), done
     ids = job_ids(run)
     _, sacct = query_slurm(list(ids.values()))
     assert sacct[ids["train"]]["nodes"] in ("n[1-2]", "n1,n2")  # two nodes

@@ -6,6 +6,7 @@ Needs a running devcluster (`eval "$(slurm/devcluster up)"`); `make test` brings
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.devcluster import NODES, Layout, load_settings
 from tests.slurm_cli import sacct_final_state, sacct_states
 from tests.waits import JOB_S
 from trainer.formulas import master_port
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.slurm
 
 REPO = Path(__file__).resolve().parents[2]
 DEVCLUSTER = REPO / "slurm" / "devcluster"
-DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2", "slurmd-g1", "slurmd-g2")
+DAEMONS = ("munged", "mariadbd", "slurmdbd", "slurmctld", *(f"slurmd-{n}" for n in NODES))
 
 
 @pytest.fixture(scope="module")
@@ -112,28 +114,52 @@ def test_submitit_two_nodes_two_tasks_allreduce_with_gloo(tmp_path):
 
 
 def test_second_cluster_starts_from_nothing_and_down_stops_only_its_own(tmp_path, state_dir):
-    """A fresh state folder (deep enough that its sockets must move to /tmp) beside the running cluster."""
+    """A fresh state folder (deep enough that its sockets must move to /tmp) beside the running cluster:
+    its own ports, address range, bridge and namespaces; its `down` removes exactly those."""
     other = tmp_path / ("deep" * 20) / "state"
     main_pids = daemon_pids(state_dir)
+    main_net = cluster_net(Layout(state_dir))
     try:
         res = devcluster(other, "up", timeout=240)
         assert res.returncode == 0, res.stdout + res.stderr
         conf = other / "etc" / "slurm.conf"
         assert res.stdout.splitlines()[-1] == f"export SLURM_CONF={conf}"
         env = dict(os.environ, SLURM_CONF=str(conf))
-        out = subprocess.run(["srun", "-N2", "-n2", "-t", "1", "printenv", "SLURMD_NODENAME"], env=env,
+        out = subprocess.run(["srun", "-N2", "-n2", "-t", "1", "bash", "-c",
+                              "echo $SLURMD_NODENAME $(hostname -i) $(readlink /proc/self/ns/net)"], env=env,
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stderr
-        assert sorted(out.stdout.split()) == ["n1", "n2"]
         other_pids = daemon_pids(other)
         assert set(other_pids) == set(DAEMONS) and not set(other_pids.values()) & set(main_pids.values())
+        theirs, ours = load_settings(Layout(other)), load_settings(Layout(state_dir))
+        if ours.hosts:
+            other_net = cluster_net(Layout(other))
+            assert not other_net & main_net and len(other_net) == len(main_net)  # links and namespaces
+            net = ipaddress.ip_network(theirs.subnet)
+            assert not net.overlaps(ipaddress.ip_network(ours.subnet)), (theirs.subnet, ours.subnet)
+            rows = sorted(line.split() for line in out.stdout.splitlines())
+            assert [r[0] for r in rows] == ["n1", "n2"], out.stdout
+            assert all(ipaddress.ip_address(r[1]) in net for r in rows), (rows, net)  # the second's nodes
     finally:
         down = devcluster(other, "down", timeout=120)
     assert down.returncode == 0, down.stdout + down.stderr
     assert not any(alive(p) for p in other_pids.values())
     assert not list((other / "pids").glob("*.pid"))
     assert all(alive(p) for p in main_pids.values())  # the main cluster was not touched
+    if ours.hosts:
+        assert not cluster_net(Layout(other)), cluster_net(Layout(other))  # every namespace and link gone
+        assert cluster_net(Layout(state_dir)) == main_net  # the main cluster's all there
     assert devcluster(state_dir, "status").returncode == 0
+
+
+def cluster_net(layout: Layout) -> set[str]:
+    """The cluster's network namespaces (``ip netns``) and links (``ip link``) that exist now."""
+    netns = {line.split()[0] for line in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                         text=True, timeout=30).stdout.splitlines() if line}
+    links = {line.split(":")[1].strip().split("@")[0] for line in subprocess.run(
+        ["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout.splitlines()}
+    return {f"netns {n}" for n in netns if n.startswith(layout.tag)} | \
+        {f"link {x}" for x in links if x.startswith(layout.tag)}
 
 
 SIGNAL_THEN_REQUEUE = """

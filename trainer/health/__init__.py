@@ -11,7 +11,9 @@ Every rank runs one daemon thread (``Monitor``) that
   ``hang_timeout_s`` once training started, logging the rank, host, last iteration and the idle time,
   and dumping every thread's stack.
   A collective that never returns (a rank died, was stopped, its node fell off the network) blocks the
-  others silently for the backend's own timeout (30 min or more, per collective); the job's retry policy
+  others silently for the backend's own timeout (30 min or more, per collective). When the heartbeats show
+  every rank alive at the same iteration, the watchdog asks the network which node lost contact
+  (trainer/health/contact.py) and names it. The job's retry policy
   (``orchestrator/render.py``: any exit other than 0/65/75 is retried from the last checkpoint) can only
   act once the step exits. The node of the rank the others waited for is named in ``bad_nodes``
   (trainer/health/badnodes.py), so the job's next attempt does not land on it again.
@@ -48,6 +50,7 @@ from typing import Any
 
 from trainer.health.badnodes import WATCHDOG, read_bad_nodes, record_bad_nodes  # noqa: F401 (read_bad_nodes: re-exported)
 from trainer.health.config import HealthConfig
+from trainer.health.contact import lost_contact
 from trainer.health.heartbeat import (  # noqa: F401 (re-exported: the package's reading API)
     FINAL_PHASES,
     RankHealth,
@@ -190,15 +193,19 @@ class Monitor:
         faulthandler.dump_traceback_later(30, exit=True)  # if logging itself blocks, still exit
         it = "none yet" if self.iteration is None else str(self.iteration)
         culprits = self._culprits() if self.world_size > 1 else []
+        # Every rank alive at the same iteration: a network fault? Ask the network who is cut off.
+        cut, look = lost_contact() if self.world_size > 1 and not culprits else ({}, "")
         me = f"rank {self.rank} of {self.world_size} (host {self.host}, pid {self.pid})"
         if self.world_size == 1:
             who = f"stopped progressing: {me} itself. It ends"
         elif culprits:
             who = (f"stopped progressing: {'; '.join(describe_rank(r) for r in culprits)}. This rank, {me}, "
                    "was waiting for it and ends")
+        elif cut:
+            who = f"{'; '.join(cut.values())} ({look}). This rank, {me}, was waiting for it and ends"
         else:
-            who = (f"no heartbeat shows which rank stopped (all alive at the same iteration). This rank, "
-                   f"{me}, ends")
+            who = (f"no heartbeat shows which rank stopped (all alive at the same iteration"
+                   f"{'; ' + look if look else ''}). This rank, {me}, ends")
         msg = (f"watchdog: no training progress for {idle:.1f} s (train.hang_timeout_s="
                f"{self.cfg.hang_timeout_s:g}) at iteration {it}, phase {self.phase}; {who} with exit code "
                f"{EXIT_HANG} so the job's retry policy resumes from the last checkpoint; the stacks of all "
@@ -209,10 +216,10 @@ class Monitor:
             record_hang(self.run_dir, {
                 "time": time.time(), "job": os.environ.get("SLURM_JOB_ID"), "reporter": self.rank,
                 "host": self.host, "iteration": self.iteration, "idle_s": round(idle, 1),
-                "stopped": [describe_rank(r) for r in culprits]})
+                "stopped": [describe_rank(r) for r in culprits], **({"lost_contact": cut} if cut else {})})
         except OSError as e:
             log.warning("could not record the hang in %s: %s", self.run_dir, e)
-        self._name_nodes(culprits, it)
+        self._name_nodes(culprits, it, cut)
         log.critical(msg)
         for handler in logging.getLogger().handlers + log.handlers:
             handler.flush()
@@ -220,9 +227,11 @@ class Monitor:
         sys.stderr.flush()
         os._exit(EXIT_HANG)
 
-    def _name_nodes(self, culprits: list[RankHealth], iteration: str) -> None:
-        """The culprits' nodes, so the job's next attempt keeps them out (trainer/health/badnodes.py)."""
-        nodes: dict[str, str] = {}
+    def _name_nodes(self, culprits: list[RankHealth], iteration: str, cut: dict[str, str]) -> None:
+        """The culprits' nodes (and those that lost contact), so the job's next attempt keeps them out
+        (trainer/health/badnodes.py)."""
+        ended = f"rank {self.rank}'s watchdog ended the step"
+        nodes: dict[str, str] = {n: f"{why} at iteration {iteration}; {ended}" for n, why in cut.items()}
         for r in culprits:
             if r.host not in ("", "?"):
                 nodes.setdefault(r.host, f"rank {r.rank} on {r.host} stopped progressing at iteration "

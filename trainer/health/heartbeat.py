@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass
@@ -24,6 +25,21 @@ def node_name() -> str:
     names are what an admin drains; several emulated nodes may share one host)."""
     env = os.environ
     return env.get(NODE_NAME) or env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm hostlist → names: 'n[1-3,07],gpu' → ['n1', 'n2', 'n3', 'n07', 'gpu']."""
+    out: list[str] = []
+    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", text):
+        head, ranges, tail = m.group(1), m.group(2), m.group(3)
+        if not ranges:
+            out.append(head + tail)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            for i in range(int(lo), int(hi or lo) + 1):
+                out.append(f"{head}{i:0{len(lo)}d}{tail}")
+    return out
 
 
 def heartbeat_path(run_dir: str, rank: int) -> str:

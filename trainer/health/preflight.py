@@ -11,11 +11,12 @@ like the others', and an all-reduce across all ranks completes — before any mo
    link is named as slow (with two nodes a slow link has no single culprit: it is recorded, not judged).
 3. A timed all-reduce of ``preflight_mb`` across all ranks (bus bandwidth as nccl-tests defines it).
 
-Rank 0 writes ``{run_dir}/preflight.json`` (nodes and their ranks, GB/s per node pair, the all-reduce
+Rank 0 writes ``{run_dir}/preflight.json`` (nodes and their ranks; per rank its host name, network namespace,
+the address MASTER_ADDR resolves to there and the one it reaches it from; GB/s per node pair, the all-reduce
 figures, problems); every rank raises the same ``PreflightError`` when there are problems, so the job fails
-within seconds instead of hanging or crawling through its allocation. A problem with one culprit node (a
-rank that never checked in, a silent or unreachable or slow node, ranks of some nodes missing from the
-all-reduce) names it in ``bad_nodes`` (trainer/health/badnodes.py): the job's next attempt keeps it out.
+within seconds instead of hanging or crawling through its allocation. A problem with one culprit node (a rank
+that never checked in, a silent or unreachable or slow node, ranks of some nodes missing from the all-reduce)
+names it in ``bad_nodes`` (trainer/health/badnodes.py): the job's next attempt keeps it out.
 When all ranks share one node there are no pairs: check-in and the all-reduce still run.
 """
 
@@ -25,6 +26,7 @@ import datetime
 import json
 import os
 import re
+import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ import torch.distributed as dist
 from trainer import faults
 from trainer.health.badnodes import PREFLIGHT, record_bad_nodes
 from trainer.health.config import HealthConfig
-from trainer.health.heartbeat import node_name
+from trainer.health.heartbeat import expand_hostlist, node_name  # expand_hostlist: re-exported
 from trainer.log import get_logger
 
 log = get_logger(__name__)
@@ -53,21 +55,6 @@ class PreflightError(RuntimeError):
                  ) -> None:
         super().__init__(message)
         self.nodes, self.missing = dict(nodes or {}), missing  # missing: the ranks that never checked in
-
-
-def expand_hostlist(text: str) -> list[str]:
-    """Slurm hostlist → names: 'n[1-3,07],gpu' → ['n1', 'n2', 'n3', 'n07', 'gpu']."""
-    out: list[str] = []
-    for m in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?([^,]*)", text):
-        head, ranges, tail = m.group(1), m.group(2), m.group(3)
-        if not ranges:
-            out.append(head + tail)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            for i in range(int(lo), int(hi or lo) + 1):
-                out.append(f"{head}{i:0{len(lo)}d}{tail}")
-    return out
 
 
 def slurm_node_of(rank: int, env: dict[str, str] | None = None) -> str | None:
@@ -100,8 +87,29 @@ def _wait_keys(store: Any, keys: list[str], timeout_s: float) -> list[str]:
         return [k for k in keys if not store.check([k])]
 
 
+def identity() -> dict[str, str]:
+    """Where this process runs, as the network sees it: its host name, network namespace, the address
+    MASTER_ADDR resolves to here and the address this host sends from to reach it (no packet is sent)."""
+    out = {"host": socket.gethostname()}
+    try:
+        out["netns"] = os.readlink("/proc/self/ns/net")
+    except OSError:
+        pass
+    master = os.environ.get("MASTER_ADDR")
+    try:
+        if master:
+            out["master"] = socket.gethostbyname(master)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((out["master"], 9))
+                out["addr"] = s.getsockname()[0]
+    except OSError:
+        pass
+    return out
+
+
 def _check_in(store: Any, rank: int, world: int, timeout_s: float) -> list[dict]:
-    store.set(f"hello/{rank}", json.dumps({"rank": rank, "node": node_name(), "pid": os.getpid()}))
+    store.set(f"hello/{rank}", json.dumps({"rank": rank, "node": node_name(), "pid": os.getpid(),
+                                           **identity()}))
     missing = _wait_keys(store, [f"hello/{r}" for r in range(world)], timeout_s)
     if missing:
         ranks = [int(k.split("/")[1]) for k in missing]
@@ -302,7 +310,7 @@ def run_preflight(cfg: HealthConfig, run_dir: str, device: torch.device) -> dict
     for node, message in judged:
         if node is not None:
             culprits.setdefault(node, message)
-    report: dict[str, Any] = {"world_size": size, "nodes": ranks_of, "links_gbps": links,
+    report: dict[str, Any] = {"world_size": size, "nodes": ranks_of, "ranks": hello, "links_gbps": links,
                               "problems": problems, "bad_nodes": culprits}
     if allreduce is not None:
         report["allreduce"] = allreduce

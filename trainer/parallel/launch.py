@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -102,10 +102,13 @@ def _accelerator() -> torch.device | None:
 
 
 def init_distributed(pcfg: ParallelConfig, backend: str | None = None, timeout_s: float = 1800.0,
-                     environ: Mapping[str, str] | None = None) -> ParallelState:
+                     environ: Mapping[str, str] | None = None,
+                     before: Callable[[DistEnv, str], object] | None = None) -> ParallelState:
     """Initialise the process group (if the world has more than one rank) and lay out the grid.
 
-    ``backend``: 'nccl' or 'gloo' to force one; by default NCCL on GPUs, gloo on CPUs.
+    ``backend``: 'nccl' or 'gloo' to force one; by default NCCL on GPUs, gloo on CPUs. ``before(env,
+    backend)`` runs just before the rendezvous of a multi-rank world (the start-up preflight's checks of
+    it, trainer/health/rendezvous.py): what it raises ends the start instead of a rendezvous timeout.
     """
     env = dist_env(environ)
     local_ranks = _local_world_size(os.environ if environ is None else environ, env.world_size)
@@ -124,6 +127,8 @@ def init_distributed(pcfg: ParallelConfig, backend: str | None = None, timeout_s
     if env.world_size == 1:
         return ParallelState.single(device)
     if not dist.is_initialized():
+        if before is not None:
+            before(env, backend)
         _init_process_group(backend, env, timeout_s)
     pstate = ParallelState.build(pcfg.tp_size, pcfg.pp_size, device=device)
     log.info("torch.distributed %s from %s: world %d = tp %d × pp %d × dp %d", backend, env.source,

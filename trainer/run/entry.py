@@ -39,6 +39,7 @@ from trainer.config_issues import ConfigError
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.spec import unsupported_options
 from trainer.data.tokenizer_identity import TokenizerId, identify
+from trainer.health.rendezvous import Rendezvous, check_rendezvous
 from trainer.log import get_logger
 from trainer.metrics_file import metrics_path, truncate_after
 from trainer.model import attention
@@ -51,6 +52,7 @@ from trainer.optim.precision import ScalerSettings, autocast_dtype, make_scaler
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed
 from trainer.parallel.dist_optimizer import build_distributed_optimizer
 from trainer.parallel.interleaved import check_microbatches
+from trainer.parallel.launch import DistEnv
 from trainer.restore.dist import restore_dist, save_torch_dist
 from trainer.restore.distrib_optim import extra_files, is_distributed, read_beside
 from trainer.restore.state import (
@@ -301,6 +303,15 @@ def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, fac
         stop_group=host_group())  # collective: every rank builds its loop
 
 
+def _rendezvous_check(cfg: RunConfig) -> Callable[[DistEnv, str], object] | None:
+    """The preflight's look at the rendezvous before the process group waits on it (unless preflight is
+    off): a MASTER_ADDR that does not resolve or answer, a socket interface the node lacks."""
+    if not cfg.train.preflight:
+        return None
+    return lambda env, backend: check_rendezvous(cfg.train.health(), Rendezvous(
+        env.rank, env.world_size, env.master_addr, env.master_port, backend))
+
+
 def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | None = None) -> RunResult:
     """Train per ``cfg``; resumes from ``cfg.checkpoint`` when there is something to resume.
 
@@ -316,7 +327,8 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
     # StopRequest from the start: a signal during set-up stops at the first step boundary.
     with StopRequest() as stop, health.Monitor(cfg.train.health(), cfg.run_dir) as hb, oom.named(cfg, hb):
         if pstate is None:
-            pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None)
+            pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None,
+                                      before=_rendezvous_check(cfg))
         os.makedirs(cfg.run_dir, exist_ok=True)
         hb.begin(pstate.device)  # heartbeats, then the preflight (multi-rank worlds)
         plan = resolve_load(cfg.checkpoint, cfg.run_dir)
