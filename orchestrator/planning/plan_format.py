@@ -27,6 +27,7 @@ from orchestrator.planning.autolayout import proposal_lines
 from orchestrator.planning.data_shares import corpus_shares, shares_table
 from orchestrator.stages import get as stage_def
 from orchestrator.stages import preprocess
+from orchestrator.stages.train import NAME as TRAIN
 from trainer.config.train import PRECISION_FACTS, precision_recipe, recipe_line
 from trainer.run_files import RunDir
 
@@ -126,7 +127,7 @@ def wandb_lines(cfg: SlipwayConfig, plan: Plan) -> list[str]:
     w = cfg.logging.wandb
     if w.mode == "disabled":
         return ["  W&B: disabled (logging.wandb.mode)"]
-    job = next((s.job for s in plan.stages if s.name == "train"), None)
+    job = next((s.job for s in plan.stages if s.name == TRAIN), None)
     given = getattr(job, "trainer_config", {}).get("logging", {}).get("wandb", {}) if job else {}
     group, name = given.get("group", w.group), given.get("name", w.name)
     entity = w.entity or "(the key's default)"
