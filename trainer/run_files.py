@@ -27,6 +27,7 @@ literal file name of a run anywhere else is a second copy (tests/test_run_files.
       summary.txt              what a finished local run printed (orchestrator/readback/summary.py)
       bad_nodes.jsonl          every node a preflight or hang watchdog named, and why (trainer/health)
       bad_nodes/               per attempt and reporter: the nodes the batch script keeps out of the next
+      goodput/                 one record per training attempt: where its wall time went (trainer/goodput)
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ BAD_NODES = "bad_nodes.jsonl"  # one JSON line per node a preflight or watchdog 
 BAD_NODES_DIR = "bad_nodes"  # per attempt: "<node>\t<why>" lines (the batch script reads them)
 # A file of BAD_NODES_DIR: one per job attempt and reporting process (no two ranks write the same file).
 BAD_NODES_MARKER = "{job}_r{restart}_a{attempt}.{reporter}"
+GOODPUT = "goodput"  # one JSON record per training attempt (trainer/goodput), rewritten while it runs
+# An attempt's record: its process start (ms since the epoch: the names sort in time order) and job.
+GOODPUT_RECORD = "{start_ms:013d}_{job}_r{restart}_a{attempt}.json"
 
 # layout=auto's trials (orchestrator/stages/tune.py) and the decision (orchestrator/tuning.py).
 TUNE = "tune"
@@ -147,6 +151,11 @@ class RunDir:
     pids = property(lambda self: self.root / PIDS)
     bad_nodes = property(lambda self: self.root / BAD_NODES)
     bad_nodes_dir = property(lambda self: self.root / BAD_NODES_DIR)
+    goodput = property(lambda self: self.root / GOODPUT)
+
+    def goodput_record(self, start_ms: int, job: str, restart: str, attempt: str) -> Path:
+        return self.goodput / GOODPUT_RECORD.format(start_ms=start_ms, job=job, restart=restart,
+                                                    attempt=attempt)
 
     def heartbeat(self, rank: int) -> Path:
         return self.heartbeats / f"rank_{rank:05d}.json"

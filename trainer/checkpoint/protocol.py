@@ -222,32 +222,52 @@ def check_space(ckpt_dir: str, iteration: int, state: dict, layout: ShardLayout)
             "checkpoint.keep, or set checkpoint.dir to a larger filesystem")
 
 
+def already_committed(ckpt_dir: str, iteration: int) -> bool:
+    """The iteration is the committed one (then nothing is rewritten: the state at an iteration is unique)."""
+    if read_tracker(ckpt_dir) == iteration and os.path.isdir(_iter_dir(ckpt_dir, iteration)):
+        log.info("checkpoint at iteration %d already committed in %s", iteration, ckpt_dir)
+        return True
+    return False
+
+
+def write_files(ckpt_dir: str, iteration: int, files: dict[str, Any], layout: ShardLayout) -> None:
+    """Step 1 on a writing rank: ``files`` (name → content: the shard first) into its shard folder."""
+    if layout.writes:
+        final = os.path.join(ckpt_dir, iter_dir_name(iteration),
+                             shard_dir_name(layout.tp_rank, layout.pp_rank, layout.pp_size))
+        files = dict(files)
+        _write_shard(files.pop(SHARD_FILE), final, iteration, files)
+
+
+def commit(ckpt_dir: str, iteration: int, layout: ShardLayout, keep: int | None) -> None:
+    """Step 3 on global rank 0, once every shard is complete: manifest, tracker, prune."""
+    missing = [p for t in range(layout.tp_size) for p in range(layout.pp_size)
+               if not os.path.isfile(shard_path(ckpt_dir, iteration, t, p, layout.pp_size))]
+    if missing:
+        raise CheckpointError(f"shards {missing} of iteration {iteration} are missing after the barrier; "
+                              f"is {ckpt_dir} on a filesystem shared by all nodes?")
+    ckpt_verify.write_manifest(_iter_dir(ckpt_dir, iteration), iteration, layout.tp_size,
+                               layout.pp_size, SHARD_FILE)
+    faults.at("checkpoint:before_manifest_commit", iteration=iteration)
+    _write_tracker(ckpt_dir, iteration)
+    prune(ckpt_dir, iteration, keep)
+
+
 def save_checkpoint(ckpt_dir: str, iteration: int, state: dict, layout: ShardLayout,
                     keep: int | None, extra_files: dict[str, dict] | None = None) -> bool:
     """Collective over all ranks: check the space, write this rank's shard, commit, prune. Returns False
     when the iteration was already committed (then nothing is rewritten: the state at an iteration is
-    unique). ``extra_files``: name → content written beside this rank's shard (``distrib_optim.pt``)."""
-    if read_tracker(ckpt_dir) == iteration and os.path.isdir(_iter_dir(ckpt_dir, iteration)):
-        log.info("checkpoint at iteration %d already committed in %s", iteration, ckpt_dir)
+    unique). ``extra_files``: name → content written beside this rank's shard (``distrib_optim.pt``).
+    The asynchronous counterpart runs the same steps in the background (trainer.checkpoint.background)."""
+    if already_committed(ckpt_dir, iteration):
         _barrier()
         return False
-    check_space(ckpt_dir, iteration, {SHARD_FILE: state, **(extra_files or {})}, layout)
-    if layout.writes:
-        final = os.path.join(ckpt_dir, iter_dir_name(iteration),
-                             shard_dir_name(layout.tp_rank, layout.pp_rank, layout.pp_size))
-        _write_shard(state, final, iteration, extra_files)
+    files = {SHARD_FILE: state, **(extra_files or {})}
+    check_space(ckpt_dir, iteration, files, layout)
+    write_files(ckpt_dir, iteration, files, layout)
     _barrier()  # step 2: every shard of this iteration is complete on disk
     if global_rank() == 0:
-        missing = [p for t in range(layout.tp_size) for p in range(layout.pp_size)
-                   if not os.path.isfile(shard_path(ckpt_dir, iteration, t, p, layout.pp_size))]
-        if missing:
-            raise CheckpointError(f"shards {missing} of iteration {iteration} are missing after the barrier; "
-                                  f"is {ckpt_dir} on a filesystem shared by all nodes?")
-        ckpt_verify.write_manifest(_iter_dir(ckpt_dir, iteration), iteration, layout.tp_size,
-                                   layout.pp_size, SHARD_FILE)
-        faults.at("checkpoint:before_manifest_commit", iteration=iteration)
-        _write_tracker(ckpt_dir, iteration)
-        prune(ckpt_dir, iteration, keep)
+        commit(ckpt_dir, iteration, layout, keep)
     _barrier()
     log.info("saved checkpoint at iteration %d to %s", iteration, ckpt_dir)
     return True

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,8 @@ from trainer.config.train import precision_recipe, recipe_line
 from trainer.config_issues import ConfigError
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.spec import unsupported_options
+from trainer.disk import folder_bytes
+from trainer.goodput import AttemptClock
 from trainer.log import get_logger
 from trainer.metrics_file import metrics_path, truncate_after
 from trainer.model import attention
@@ -50,14 +53,12 @@ from trainer.optim.precision import ScalerSettings, autocast_dtype, make_scaler
 from trainer.parallel import ParallelModel, ParallelState, build_model, init_distributed
 from trainer.parallel.dist_optimizer import build_distributed_optimizer
 from trainer.parallel.interleaved import check_microbatches
-from trainer.restore.dist import restore_dist, save_torch_dist
-from trainer.restore.distrib_optim import extra_files, is_distributed, read_beside
+from trainer.restore.dist import restore_dist
+from trainer.restore.distrib_optim import is_distributed, read_beside
 from trainer.restore.state import (
     Restorable,
     RunFacts,
     TrainState,
-    build_state,
-    checkpoint_args,
     restore_merged,
     restore_resharded,
     restore_same_layout,
@@ -67,6 +68,7 @@ from trainer.run.data import DataShape, build_data, resolve_vocab
 from trainer.run.host import host_group
 from trainer.run.kernels import checked_kernels, optimizer_after_check
 from trainer.run.loop import Cadence, Loop, NonFiniteError, Throughput, train
+from trainer.run.saving import Saver
 from trainer.signals import (
     EXIT_NONFINITE,
     EXIT_OK,
@@ -208,23 +210,6 @@ def _check_model(args: Any, gpt: ModelConfig, ckpt_dir: str, iteration: int) -> 
                                    f"(saved, configured): {wrong}; fix the model section or load another")
 
 
-def _saver(cfg: RunConfig, gpt: ModelConfig, model: ParallelModel, parts: Restorable,
-           facts: RunFacts) -> Callable[[TrainState], None]:
-    ps = model.pstate
-    layout = ckpt.ShardLayout(ps.tp_rank, ps.pp_rank, ps.tp_size, ps.pp_size, ps.dp_rank, ps.dp_size)
-
-    def save(state: TrainState) -> None:
-        args = checkpoint_args(gpt, model, facts, state)
-        if cfg.checkpoint.format == "torch_dist":
-            save_torch_dist(cfg.checkpoint.dir, cfg.checkpoint.keep, model, parts, args, state, facts.config)
-            return
-        shard = build_state(model, parts, args, state, facts.config)
-        beside = extra_files(parts.optimizer)  # distrib_optim.pt (collective over dp) or nothing
-        ckpt.save_checkpoint(cfg.checkpoint.dir, state.iteration, shard, layout, cfg.checkpoint.keep, beside)
-
-    return save
-
-
 @dataclass
 class Components:
     """This rank's model and what updates it (``build_components``)."""
@@ -263,33 +248,63 @@ def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int
 
 
 def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, facts: RunFacts,
-          monitor: health.Monitor) -> Loop:
+          monitor: health.Monitor, clock: AttemptClock) -> Loop:
     ps, t = b.model.pstate, cfg.train
     m = formulas.num_microbatches(b.global_batch_size, t.micro_batch_size, ps.dp_size)
     if len(b.model.chunks) > 1:  # refuse at start-up, not at the first step
         check_microbatches(m, ps.pp_size)
     shape = DataShape(b.gpt.seq_length, b.global_batch_size, cfg.run_dir)
+    clock.switch("data")
     train_data, valid_data = build_data(cfg.data, cfg.train, shape, ps, state)
     wandb_config = {**cfg.to_dict(), "derived": {"world_size": ps.world_size, "dp_size": ps.dp_size,
                                                  "global_batch_size": b.global_batch_size,
                                                  "num_microbatches": m,
                                                  "kernel_check": b.kernel_check.record() if b.kernel_check
                                                  else None}}
+    clock.switch("wandb")
     logger = metrics.WandbLogger(cfg.logging.wandb, cfg.run_dir, cfg.run_id, wandb_config, ps.rank == 0,
                                  state.iteration)
     padded = b.gpt.padded_vocab_size(ps.tp_size)
     flops = formulas.model_flops_per_iteration(b.gpt, b.global_batch_size, padded)
     peak = metrics.detect_peak_tflops(ps.device, cfg.logging.peak_tflops)
+    saver = Saver(cfg.checkpoint, b.gpt, b.model, b.parts, facts, clock)  # collective (its group)
     return Loop(
         model=b.model, optimizer=b.parts.optimizer, scheduler=b.parts.scheduler, scaler=b.parts.scaler,
         precision=t.precision, clip_grad=cfg.optim.clip_grad, global_batch_size=b.global_batch_size,
         num_microbatches=m, train_iters=t.iters, train_data=train_data, valid_data=valid_data,
-        save=_saver(cfg, b.gpt, b.model, b.parts, facts), wandb=logger,
+        save=saver, wandb=logger,
         cadence=Cadence(t.log_interval, t.eval_interval, t.eval_iters, t.save_interval),
         throughput=Throughput(flops, b.global_batch_size * b.gpt.seq_length, ps.world_size, peak),
         metrics_file=metrics_path(cfg.run_dir), on_step=hooks.on_step, monitor=monitor,
         kernel_fallbacks=tuple(b.kernel_check.fallbacks) if b.kernel_check else (),
-        stop_group=host_group())  # collective: every rank builds its loop
+        stop_group=host_group(), clock=clock, background=saver)  # collective: every rank builds its loop
+
+
+def _start(cfg: RunConfig, pstate: ParallelState | None, hb: health.Monitor, clock: AttemptClock
+           ) -> tuple[Components, TrainState]:
+    """Set-up up to the loaded state, each phase on the attempt's clock (trainer.goodput)."""
+    if pstate is None:
+        clock.switch("rendezvous")
+        pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None)
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    clock.switch("preflight")
+    hb.begin(pstate.device)  # heartbeats, then the preflight (multi-rank worlds)
+    clock.begin(pstate.rank, pstate.world_size)
+    hb.writers.append(clock.write)  # the record is rewritten at every heartbeat
+    clock.switch("checkpoint_select")
+    plan = resolve_load(cfg.checkpoint, cfg.run_dir)
+    clock.switch("build")
+    b = build_components(cfg, pstate, plan[1] if plan and not plan[2] else 0)
+    if b.kernel_check is not None:
+        clock.moved(b.kernel_check.seconds, "build", "kernel_check")
+    clock.switch("checkpoint_load")
+    t0 = time.monotonic()
+    state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
+    if plan:
+        clock.loaded(plan[1], folder_bytes(ckpt.iter_path(plan[0], plan[1])), time.monotonic() - t0)
+    if pstate.rank == 0:  # the iterations after the checkpoint are logged again: once, not twice
+        truncate_after(metrics_path(cfg.run_dir), state.iteration)
+    return b, state
 
 
 def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | None = None) -> RunResult:
@@ -301,25 +316,18 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
     group over the same ranks within one process would reuse its store keys.
     """
     hooks = hooks or RunHooks()
+    clock = AttemptClock(cfg.run_dir)  # first: the imports are measured up to here
     faults.warn_active(log, os.environ)  # a stray test hook must not go unnoticed in a real job
     metrics.check_wandb_credentials(cfg.logging.wandb.mode)  # before anything slow or collective
     _configure_determinism(cfg.train.deterministic)
     # StopRequest from the start: a signal during set-up stops at the first step boundary.
     with StopRequest() as stop, health.Monitor(cfg.train.health(), cfg.run_dir) as hb:
-        if pstate is None:
-            pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None)
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        hb.begin(pstate.device)  # heartbeats, then the preflight (multi-rank worlds)
-        plan = resolve_load(cfg.checkpoint, cfg.run_dir)
-        b = build_components(cfg, pstate, plan[1] if plan and not plan[2] else 0)
-        state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
-        if pstate.rank == 0:  # the iterations after the checkpoint are logged again: once, not twice
-            truncate_after(metrics_path(cfg.run_dir), state.iteration)
+        b, state = _start(cfg, pstate, hb, clock)
         if hooks.on_build is not None:
             hooks.on_build(b.model)
         facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id)
         hb.iteration = state.iteration
-        loop = _loop(cfg, b, state, hooks, facts, hb)  # the loop's progress ticks arm the hang watchdog
+        loop = _loop(cfg, b, state, hooks, facts, hb, clock)  # the loop's progress ticks arm the watchdog
         reason = ""
         try:
             code = train(loop, state, stop)
@@ -329,7 +337,12 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
                       "optim.lr, check the data, or resume from an earlier iteration.", reason,
                       cfg.checkpoint.dir)
             code = EXIT_NONFINITE
+        finally:
+            loop.save.settle()  # a save still in flight (an earlier, good iteration) is committed
+    clock.end(code)
+    clock.switch("shutdown")
     loop.wandb.finish(0 if code in (EXIT_OK, EXIT_REQUEUE) else code)
+    clock.write()
     check = b.kernel_check.record() if b.kernel_check and b.kernel_check.results else None
     return RunResult(code, state.iteration, loop.losses, loop.eval_losses, state.skipped_iters,
                      loop.wandb.run_id, check, reason)
