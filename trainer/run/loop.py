@@ -201,6 +201,8 @@ def _log_interval(loop: Loop, state: TrainState, stats: metrics.IntervalStats) -
     values = metrics.interval_metrics(report, stats, thr)
     loop.wandb.log({**values, **(loop.clock.run_values() if loop.clock is not None else {})},
                    step=state.iteration)
+    if loop.clock is not None:  # rank 0's record (no-op elsewhere): how far this attempt got
+        loop.clock.write()
     _append_metrics(loop, {"iteration": state.iteration, **values})
 
 
