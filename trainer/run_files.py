@@ -28,6 +28,7 @@ literal file name of a run anywhere else is a second copy (tests/test_run_files.
       bad_nodes.jsonl          every node a preflight or hang watchdog named, and why (trainer/health)
       bad_nodes/               per attempt and reporter: the nodes the batch script keeps out of the next
       goodput/                 one record per training attempt: where its wall time went (trainer/goodput)
+      compile_cache/           torch.compile's (Inductor's) cache, so a requeued job does not compile again
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ BAD_NODES = "bad_nodes.jsonl"  # one JSON line per node a preflight or watchdog 
 BAD_NODES_DIR = "bad_nodes"  # per attempt: "<node>\t<why>" lines (the batch script reads them)
 # A file of BAD_NODES_DIR: one per job attempt and reporting process (no two ranks write the same file).
 BAD_NODES_MARKER = "{job}_r{restart}_a{attempt}.{reporter}"
+COMPILE_CACHE = "compile_cache"  # TORCHINDUCTOR_CACHE_DIR of the run's jobs (trainer/run/kernels.py)
 GOODPUT = "goodput"  # one JSON record per training attempt (trainer/goodput), rewritten while it runs
 # An attempt's record: its process start (ms since the epoch: the names sort in time order) and job.
 GOODPUT_RECORD = "{start_ms:013d}_{job}_r{restart}_a{attempt}.json"
@@ -152,6 +154,7 @@ class RunDir:
     bad_nodes = property(lambda self: self.root / BAD_NODES)
     bad_nodes_dir = property(lambda self: self.root / BAD_NODES_DIR)
     goodput = property(lambda self: self.root / GOODPUT)
+    compile_cache = property(lambda self: self.root / COMPILE_CACHE)
 
     def goodput_record(self, start_ms: int, job: str, restart: str, attempt: str) -> Path:
         return self.goodput / GOODPUT_RECORD.format(start_ms=start_ms, job=job, restart=restart,

@@ -273,15 +273,16 @@ def save_checkpoint(ckpt_dir: str, iteration: int, state: dict, layout: ShardLay
     return True
 
 
-def select_latest(ckpt_dir: str, *, act: bool = True) -> ckpt_verify.Choice:
-    """Collective: the newest checkpoint of ``ckpt_dir`` that verifies (:func:`ckpt_verify.choose_latest`).
-    Global rank 0 decides — with ``act``, it moves damaged checkpoints aside and points the tracker at its
-    choice — and every rank gets the same answer. Raises :class:`CheckpointError` when checkpoints exist
-    but none verifies (starting over would overwrite them)."""
+def select_latest(ckpt_dir: str, *, act: bool = True, full: bool = True) -> ckpt_verify.Choice:
+    """Collective: the newest checkpoint of ``ckpt_dir`` that verifies (:func:`ckpt_verify.choose_latest`;
+    ``full=False``: by sizes, the checksums being the caller's: trainer.checkpoint.deferred). Global rank 0
+    decides — with ``act``, it moves damaged checkpoints aside and points the tracker at its choice — and
+    every rank gets the same answer. Raises :class:`CheckpointError` when checkpoints exist but none
+    verifies (starting over would overwrite them)."""
     out: list[Any] = [None]
     if global_rank() == 0:
         try:
-            choice = ckpt_verify.choose_latest(ckpt_dir, act=act)
+            choice = ckpt_verify.choose_latest(ckpt_dir, act=act, full=full)
             if act and choice.iteration is not None and choice.iteration != choice.tracker_iteration:
                 _write_tracker(ckpt_dir, choice.iteration)
             out = [choice]

@@ -31,10 +31,9 @@ import torch.distributed as dist
 
 from trainer import faults, formulas, health
 from trainer.checkpoint import protocol as ckpt
-from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import saved_split
 from trainer.checkpoint.files import config_differences
-from trainer.config import CheckpointConfig, ModelConfig, RunConfig
+from trainer.config import ModelConfig, RunConfig
 from trainer.config.train import precision_recipe, recipe_line
 from trainer.config_issues import ConfigError
 from trainer.convert import dist as dist_ckpt
@@ -64,9 +63,10 @@ from trainer.restore.state import (
     restore_same_layout,
 )
 from trainer.run import metrics
+from trainer.run.choice import LoadCheck, load_checked, resolve_load
 from trainer.run.data import DataShape, build_data, resolve_vocab
 from trainer.run.host import host_group
-from trainer.run.kernels import checked_kernels, optimizer_after_check
+from trainer.run.kernels import checked_kernels, optimizer_after_check, use_run_compile_cache
 from trainer.run.loop import Cadence, Loop, NonFiniteError, Throughput, train
 from trainer.run.saving import Saver
 from trainer.signals import (
@@ -125,45 +125,6 @@ def _configure_determinism(deterministic: bool) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cudnn.benchmark = False
-
-
-def resolve_load(cfg: CheckpointConfig, run_dir: str | None = None) -> tuple[str, int, bool] | None:
-    """(directory, iteration, model_only) to load at start, or None to start fresh. "Latest" means the
-    newest checkpoint that verifies (:func:`checkpoint.select_latest`): a damaged one is moved aside and
-    the one before it loaded, a missing tracker never means "start over" while checkpoints exist. What
-    was skipped is logged and recorded in ``<run_dir>/checkpoint_warnings.jsonl`` (status, summary)."""
-    if cfg.load == "none":
-        own = ckpt.read_tracker(cfg.dir)
-        if own is not None:
-            log.warning("checkpoint.load=none: starting fresh although %s holds iteration %d", cfg.dir, own)
-        return None
-    load_dir = cfg.load_dir or cfg.dir
-    foreign = os.path.abspath(load_dir) != os.path.abspath(cfg.dir)
-    own = _latest(cfg.dir, run_dir, act=True)
-    if own is not None and foreign:
-        return cfg.dir, own, False  # a restarted run continues from its own checkpoints
-    if cfg.load == "model-only":
-        if not foreign:
-            raise ValueError("checkpoint.load=model-only reads checkpoint.load_dir (another run's "
-                             "checkpoints); set load_dir to a directory other than checkpoint.dir")
-        it = _latest(load_dir, run_dir, act=False)  # another run's folder: verify, never move
-        if it is None:
-            raise ckpt.CheckpointError(f"checkpoint.load=model-only but {load_dir} holds no checkpoint "
-                                       f"({ckpt.TRACKER} and iter_* folders are missing)")
-        return load_dir, it, True
-    if cfg.load == "latest":
-        it = own if not foreign else _latest(load_dir, run_dir, act=False)
-        return None if it is None else (load_dir, it, False)
-    return load_dir, int(cfg.load), False
-
-
-def _latest(ckpt_dir: str, run_dir: str | None, act: bool) -> int | None:
-    choice = ckpt.select_latest(ckpt_dir, act=act)
-    for warning in choice.warnings:
-        log.warning("%s", warning)
-    if choice.warnings and run_dir and ckpt.global_rank() == 0:
-        ckpt_verify.record_warnings(run_dir, choice.warnings)
-    return choice.iteration
 
 
 def load_checkpoint(plan: tuple[str, int, bool], gpt: ModelConfig, model: ParallelModel,
@@ -292,14 +253,18 @@ def _start(cfg: RunConfig, pstate: ParallelState | None, hb: health.Monitor, clo
     clock.begin(pstate.rank, pstate.world_size)
     hb.writers.append(clock.write)  # the record is rewritten at every heartbeat
     clock.switch("checkpoint_select")
-    plan = resolve_load(cfg.checkpoint, cfg.run_dir)
+    chosen: list = []
+    plan = resolve_load(cfg.checkpoint, cfg.run_dir, full=False, deferred=chosen)  # sizes now:
+    check = LoadCheck.start(plan, chosen)  # checksums while it loads (rank 0, a thread)
     clock.switch("build")
     b = build_components(cfg, pstate, plan[1] if plan and not plan[2] else 0)
     if b.kernel_check is not None:
         clock.moved(b.kernel_check.seconds, "build", "kernel_check")
     clock.switch("checkpoint_load")
     t0 = time.monotonic()
-    state = load_checkpoint(plan, b.gpt, b.model, b.parts) if plan else TrainState()
+    plan, state = load_checked(plan, check, lambda p: load_checkpoint(p, b.gpt, b.model, b.parts),
+                               lambda: resolve_load(cfg.checkpoint, cfg.run_dir))
+    state = state or TrainState()
     if plan:
         clock.loaded(plan[1], folder_bytes(ckpt.iter_path(plan[0], plan[1])), time.monotonic() - t0)
     if pstate.rank == 0:  # the iterations after the checkpoint are logged again: once, not twice
@@ -317,6 +282,7 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
     """
     hooks = hooks or RunHooks()
     clock = AttemptClock(cfg.run_dir)  # first: the imports are measured up to here
+    use_run_compile_cache(cfg.run_dir)
     faults.warn_active(log, os.environ)  # a stray test hook must not go unnoticed in a real job
     metrics.check_wandb_credentials(cfg.logging.wandb.mode)  # before anything slow or collective
     _configure_determinism(cfg.train.deterministic)
