@@ -17,6 +17,9 @@ job.
   stops the rank there for good, as a deadlock would, until the trial's hang watchdog ends it.
 - ``SLIPWAY_STALL_TRAIN=N``: after iteration N every rank pauses until a signal arrives (at most 10 min), so
   fault tests preempt, time out or kill a job at a known point instead of racing a fast run.
+- ``SLIPWAY_CRASH_TRAIN=N,M,...``: after each of those iterations the first rank to get there SIGKILLs
+  itself (a marker per iteration makes it once per run: the retry that replays the iteration goes on),
+  as a node or process failure would (bench/goodput.py injects its failures so).
 - ``SLIPWAY_KERNEL_FAULT=op[:kind],...``: a resolved op made wrong (tests/seam_kernels.py).
 
 The plugin loads no torch itself: the launcher loads it for its failpoints and stays torch-free.
@@ -37,6 +40,7 @@ from trainer import faults
 from trainer.faults import (
     CKPT_FAILPOINT,
     CKPT_FAILPOINT_ONCE,
+    CRASH_TRAIN,
     FAIL_TRAIN,
     FAIL_TRIAL,
     LAUNCH_FAILPOINT,
@@ -145,9 +149,47 @@ def trial_on_step(index: int, rank: int, environ: Mapping[str, str] | None = Non
 
 def train_on_step(marker_dir: str, rank: int, environ: Mapping[str, str] | None = None
                   ) -> Callable[[int, float], None] | None:
-    """The trainer's ``on_step`` hook for ``SLIPWAY_STALL_TRAIN`` (None when it is unset)."""
-    value = (os.environ if environ is None else environ).get(STALL_TRAIN)
-    return stall_hook(int(value), marker_dir, rank) if value else None
+    """The trainer's ``on_step`` hook for ``SLIPWAY_STALL_TRAIN`` and ``SLIPWAY_CRASH_TRAIN`` (None when
+    both are unset)."""
+    env = os.environ if environ is None else environ
+    hooks = []
+    if env.get(STALL_TRAIN):
+        hooks.append(stall_hook(int(env[STALL_TRAIN]), marker_dir, rank))
+    if env.get(CRASH_TRAIN):
+        hooks.append(crash_hook(env[CRASH_TRAIN], marker_dir))
+    if not hooks:
+        return None
+
+    def on_step(it: int, loss: float) -> None:
+        for hook in hooks:
+            hook(it, loss)
+
+    return on_step
+
+
+def crash_hook(value: str, marker_dir: str) -> Callable[[int, float], None]:
+    """``on_step`` of ``SLIPWAY_CRASH_TRAIN``: after each listed iteration, the rank that creates the marker
+    ``crashed_<iteration>`` first SIGKILLs itself (once per run; the others die with it by srun's
+    --kill-on-bad-exit, or hang in a collective until they do)."""
+    try:
+        iterations = {int(x) for x in value.split(",") if x.strip()}
+    except ValueError:
+        raise ValueError(f"{CRASH_TRAIN}={value!r}: expected <iteration>,...; unset it (a test hook)"
+                         ) from None
+
+    def on_step(it: int, loss: float) -> None:
+        if it not in iterations:
+            return
+        marker = Path(marker_dir) / f"crashed_{it}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        log.warning("%s=%s (test hook): SIGKILL after iteration %d", CRASH_TRAIN, value, it)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    return on_step
 
 
 def _wakeup_pipe() -> int:

@@ -62,6 +62,13 @@ def test_an_allocation_without_slurms_start_begins_at_its_first_process():
     assert g.lost["launch"] == 0 and g.allocated_s == pytest.approx(1200 - 1010)
 
 
+def test_the_allocation_start_is_the_job_scripts_else_slurms():
+    script, slurm = {"SLIPWAY_ALLOC_START": "1000"}, {"SLURM_JOB_START_TIME": "900"}
+    assert clock.attempt_identity({**script, **slurm})["alloc_start"] == 1000.0
+    assert clock.attempt_identity(slurm)["alloc_start"] == 900.0
+    assert clock.attempt_identity({})["alloc_start"] is None and clock.attempt_identity({})["job"] == "local"
+
+
 class _Time:
     """The clock module's time, moved by hand."""
 

@@ -94,6 +94,9 @@ SUBMITIT_LOG = "{job}_{task}_log.{stream}"
 
 # The environment variable the training job script sets per attempt (0, 1, ...), read by the stage.
 ATTEMPT_ENV = "SLIPWAY_ATTEMPT"
+# When the job's allocation began (seconds since the epoch): Slurm's SLURM_JOB_START_TIME where it sets one
+# (23.02 on), else the batch script's own start; the goodput records' allocation start (trainer/goodput).
+ALLOC_START_ENV = "SLIPWAY_ALLOC_START"
 
 
 # The shared data stages' outputs (in their cache folders): the corpus stage's JSONL and the BPE it trains,

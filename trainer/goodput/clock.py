@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trainer.log import get_logger
-from trainer.run_files import ATTEMPT_ENV, RunDir
+from trainer.run_files import ALLOC_START_ENV, ATTEMPT_ENV, RunDir
 
 log = get_logger(__name__)
 
@@ -63,9 +63,10 @@ def process_start_time() -> float:
 
 def attempt_identity(environ: Mapping[str, str]) -> dict[str, Any]:
     """(job, restart, attempt, allocation start) of this process from the job's environment: Slurm's job
-    id, restart count and start time, the job script's attempt number (trainer.run_files.ATTEMPT_ENV);
-    a run outside Slurm is job ``local``."""
-    start = environ.get("SLURM_JOB_START_TIME", "")
+    id and restart count, the job script's attempt number and allocation start (trainer.run_files'
+    ATTEMPT_ENV, ALLOC_START_ENV; else Slurm's SLURM_JOB_START_TIME); a run outside Slurm is job
+    ``local``, its allocation starting with its first process."""
+    start = environ.get(ALLOC_START_ENV) or environ.get("SLURM_JOB_START_TIME", "")
     return {"job": environ.get("SLURM_JOB_ID") or "local", "restart": environ.get("SLURM_RESTART_COUNT", "0"),
             "attempt": environ.get(ATTEMPT_ENV, "0"),
             "alloc_start": float(start) if start.replace(".", "", 1).isdigit() else None}
