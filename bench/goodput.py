@@ -16,7 +16,8 @@ for writes, ``iflag=direct`` for reads):
   load throughput (its bytes / the checkpoint_load phase) against dd's (goal: writes ≥ 70 %);
 - time to the first step of every attempt, by phase; goodput and the time lost by cause;
 - bit-identical resume: both runs' per-iteration losses (replays included: each resumed from its own
-  checkpoints) and their final checkpoints' tensors must be equal.
+  checkpoints) and their final checkpoints' tensors must be equal;
+- start-up's checkpoint phases before and after the checksums moved beside the load, read cold.
 
     python bench/goodput.py            # the bench: results/goodput.json (tens of minutes; ~12 GB of RAM)
     python bench/goodput.py --tiny     # the same code on a tiny model (tests/bench/test_goodput_bench.py)
@@ -78,8 +79,8 @@ class Spec:
                 *([f"+cluster.env.SLIPWAY_STALL_TRAIN={self.requeue_at}"] if self.requeue_at else [])]
 
 
-BIG = Spec(layers=24, hidden=1024, heads=16, seq=128, iters=45, save=10, crashes=(15, 35), requeue_at=25,
-           tp=2, mem_gb=7, need_gib=13.0, dd_mib=2048)
+BIG = Spec(layers=24, hidden=1024, heads=16, seq=128, iters=50, save=12, crashes=(18, 42), requeue_at=30,
+           tp=2, mem_gb=8, need_gib=13.0, dd_mib=2048)
 TINY = Spec(layers=2, hidden=64, heads=4, seq=32, iters=12, save=4, crashes=(7,), requeue_at=10, tp=1,
             mem_gb=2, need_gib=2.0, dd_mib=64)
 
@@ -224,6 +225,60 @@ def _tensors(obj, prefix: str = "") -> dict:
     return {}
 
 
+def _evict(folder: Path) -> None:
+    """Drop a checkpoint's pages from the page cache (a restart on another node reads them from disk)."""
+    for f in (p for p in folder.rglob("*") if p.is_file()):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def verify_then_load(run_dir: Path, tp: int, repeats: int = 2) -> dict:
+    """Start-up's checkpoint phases before and after issue 53, on the run's last checkpoint read cold:
+    before, the choice hashed every file (checkpoint.select_latest(full=True)) and then the ranks loaded
+    them; now the choice checks sizes and the hash runs beside the load (trainer.run.choice.LoadCheck).
+    The ranks' shards are loaded one after the other here (one process); seconds, best of ``repeats``."""
+    from trainer.checkpoint import protocol as ckpt
+    from trainer.run.choice import LoadCheck
+
+    ckpts = RunDir(run_dir).checkpoints
+    it = ckpt.read_tracker(str(ckpts))
+
+    def load_all() -> None:
+        for t in range(tp):
+            ckpt.load_file(ckpt.shard_path(str(ckpts), it, t, 0, 1))
+
+    def before() -> None:
+        assert ckpt.select_latest(str(ckpts), act=False, full=True).iteration == it
+        load_all()
+
+    def after() -> None:
+        assert ckpt.select_latest(str(ckpts), act=False, full=False).iteration == it
+        check = LoadCheck(str(ckpts), it, act=False)
+        load_all()
+        assert check.confirm()
+
+    times: dict[str, list[float]] = {"before": [], "after": []}
+    for _ in range(repeats):
+        for name, fn in (("before", before), ("after", after)):
+            _evict(ckpts / f"iter_{it:07d}")
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    best = {k: min(v) for k, v in times.items()}
+    return {"iteration": it, "bytes": _bytes(ckpts / f"iter_{it:07d}"), "seconds": times, "best": best,
+            "after_over_before": best["after"] / best["before"]}
+
+
+def _bytes(folder: Path) -> int:
+    from trainer.disk import folder_bytes
+
+    return folder_bytes(str(folder))
+
+
 def summary(result: dict) -> dict:
     """The goals' ratios from both modes' figures."""
     s, a, disk = result["sync"], result["async"], result["disk"]
@@ -265,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{mode}: " + "\n  ".join(result[mode]["lines"]), flush=True)
     runs = [Path(result[f"{m}_run"]["dir"]) for m in ("sync", "async")]
     result["same_training"] = same_training(*runs, spec.iters, spec.tp)
+    result["verify_then_load"] = verify_then_load(runs[1], spec.tp)
     result["summary"] = summary(result)
     result["meta"]["load_after"] = load()
     out = Path(args.results) if args.results else (None if args.tiny else RESULTS)

@@ -138,20 +138,23 @@ def _write_shard(state: dict, final_dir: str, iteration: int, extra_files: dict[
     os.makedirs(tmp)
     faults.at("checkpoint:before_write", iteration=iteration)
     files = {SHARD_FILE: state, **(extra_files or {})}
+    digests = {}
     try:
         for name, content in files.items():
             with open(os.path.join(tmp, name), "wb") as f:
-                torch.save(content, f)
+                out = ckpt_verify.HashingWriter(f)
+                torch.save(content, out)
                 faults.at("checkpoint:mid_write", iteration=iteration)
                 f.flush()
                 os.fsync(f.fileno())
+            digests[name] = out.digest()
     except (OSError, RuntimeError) as e:  # torch.save wraps the OSError in a RuntimeError
         if not out_of_space(e):
             raise
         _discard(tmp, parent)
         raise CheckpointSpaceError(_enospc_message(final_dir, iteration, files)) from e
-    for name in files:
-        ckpt_verify.write_digest(tmp, name)  # for the manifest; hashed from what is on disk
+    for name in files:  # for the manifest: the bytes written, hashed as they were written
+        ckpt_verify.write_digest(tmp, name, digests[name])
     fsync_dir(tmp)
     faults.at("checkpoint:before_rename", iteration=iteration)
     if os.path.exists(final_dir):  # an uncommitted leftover of this iteration (see save_checkpoint)
