@@ -75,7 +75,7 @@ class Spec:
                 "+cluster.env.OMP_NUM_THREADS=1", "checkpoint.keep=2", "kernels=eager",
                 "convert.enabled=false", "logging.wandb.mode=disabled", "data.workers=1",
                 "cluster.stage_cpus=1", "wait=false",
-                f"+cluster.env.SLIPWAY_CRASH_TRAIN={','.join(map(str, self.crashes))}",
+                f"+cluster.env.SLIPWAY_CRASH_TRAIN='{','.join(map(str, self.crashes))}'",  # a string to Hydra
                 *([f"+cluster.env.SLIPWAY_STALL_TRAIN={self.requeue_at}"] if self.requeue_at else [])]
 
 

@@ -106,7 +106,13 @@ def test_every_second_of_an_attempt_lands_in_one_span(tmp_path, fake_time):
     for it in (12, 13, 14):
         fake_time.now += 1.0
         c.step(it)  # 12: an earlier attempt ran it (recompute); 13, 14: new (productive)
-    left = c.switch("checkpoint")
+    fake_time.now += 0.75  # step 15 runs its forward and backward ...
+    left = c.switch("checkpoint")  # ... then waits for a save's host copy before its update ...
+    fake_time.now += 0.25
+    c.switch(left)
+    fake_time.now += 0.25
+    c.step(15)  # ... and ends: all of its own time is productive, the wait is the checkpoint's
+    left = c.switch("evaluation")
     fake_time.now += 0.25
     c.switch(left)
     fake_time.now += 0.5  # a step in progress when the record is written
@@ -114,10 +120,10 @@ def test_every_second_of_an_attempt_lands_in_one_span(tmp_path, fake_time):
     s = rec["seconds"]
     assert s == pytest.approx({"imports": 3.0, "setup": 0.0, "rendezvous": 1.0, "build": 2.0,
                                "checkpoint_load": 0.5, "first_step": 4.0, "recompute": 1.0,
-                               "productive": 2.0, "checkpoint": 0.25, "step": 0.5})
+                               "productive": 3.0, "checkpoint": 0.25, "evaluation": 0.25, "step": 0.5})
     assert sum(s.values()) == pytest.approx(rec["updated"] - rec["process_start"])
     assert rec["first_step_end"] == pytest.approx(5000 + 100 + 3.5 + 4.0)
-    assert (rec["job"], rec["attempt"], rec["iteration"], rec["ended"]) == ("7", "1", 14, None)
+    assert (rec["job"], rec["attempt"], rec["iteration"], rec["ended"]) == ("7", "1", 15, None)
 
 
 def test_a_killed_attempts_last_record_counts_and_a_torn_one_is_skipped(tmp_path, fake_time):

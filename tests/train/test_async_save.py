@@ -61,8 +61,9 @@ def _digest(b: bytes) -> str:
 @pytest.mark.parametrize("distributed", [False, True])
 def test_background_write_is_the_synchronous_save_byte_for_byte(tmp_path, data, monkeypatch, distributed):
     """The same state saved both ways: identical files (model_optim_rng.pt, distrib_optim.pt with the
-    distributed optimizer, digests, manifest sums), although the live state changed after the host copy
-    and before the held background write began."""
+    distributed optimizer, digests, manifest sums), although the live state changed once the host copy
+    was made (Writer.before_update, where the loop waits before an update) and before the held background
+    write began."""
     from trainer.restore.distrib_optim import extra_files
     from trainer.restore.state import TrainState, build_state, checkpoint_args
 
@@ -85,6 +86,7 @@ def test_background_write_is_the_synchronous_save_byte_for_byte(tmp_path, data, 
     monkeypatch.setattr(faults, "at", held)
     writer, done = Writer(None), []
     assert start_shard_save(writer, HostStager(), async_dir, 4, files, layout, None, done.append)
+    writer.before_update()  # where the loop waits for the host copy before its next update
     with torch.no_grad():  # training goes on: the live parameters and Adam moments change in place
         for p in c.model.parameters():
             p.add_(1.0)
@@ -118,6 +120,7 @@ def test_background_torch_dist_write_is_the_synchronous_one(tmp_path, data):
     save_dist_checkpoint(sync_dir, 4, *content, ckpt.ShardLayout(), None)
     writer = Writer(None)
     assert start_dist_save(writer, HostStager(), async_dir, 4, content, ckpt.ShardLayout(), None, print)
+    writer.before_update()
     with torch.no_grad():
         for p in c.model.parameters():
             p.add_(1.0)
@@ -245,3 +248,55 @@ def test_a_rank_killed_mid_write_leaves_the_tracker_and_the_resume_is_exact(tmp_
 
 def _run_rank1_hooked(rank: int, d: dict, out: str, hooks: dict) -> None:
     _run(rank, d, out, hooks if rank == 1 else {})
+
+
+def _copy_held_until_the_update_waits(rank: int, d: dict, out: str) -> None:
+    """The host copy of the save at 4 is held until the training thread waits for it before its next
+    update (or, were it not to wait, until step 5 ended): which came first is recorded."""
+    from trainer.checkpoint import staging
+    from trainer.run import RunHooks
+
+    waiting, step5, released = threading.Event(), threading.Event(), []
+    real_run, real_wait = staging.HostCopy.run, staging.HostCopy.wait
+
+    def run(self):
+        if not released:
+            wait_until(lambda: waiting.is_set() or step5.is_set(), "the update to wait, or step 5 to end")
+            released.append("update waited" if waiting.is_set() else "step 5 ended first")
+        return real_run(self)
+
+    def wait(self):
+        waiting.set()
+        return real_wait(self)
+
+    staging.HostCopy.run, staging.HostCopy.wait = run, wait
+    r = run_cfg(d, RunHooks(on_step=lambda it, loss: step5.set() if it == 5 else None))
+    save_json(out, {"code": r.exit_code, "released": released})
+
+
+def test_the_update_after_a_save_waits_for_its_host_copy(tmp_path, data):
+    """Training runs the next forward and backward beside the copy but not the update: the checkpoint
+    holds the state of its own iteration, the one a synchronous save writes."""
+    sync = tiny_config(str(tmp_path / "sync"), data, train={"iters": 6, "save_interval": 4},
+                       checkpoint={"keep": None, "async_save": False})
+    spawn(1, str(tmp_path), _run, sync, str(tmp_path / "sync"), {})
+    d = tiny_config(str(tmp_path / "async"), data, train={"iters": 6, "save_interval": 4},
+                    checkpoint={"keep": None})
+    spawn(1, str(tmp_path), _copy_held_until_the_update_waits, d, str(tmp_path / "out.json"))
+    out = load_json(str(tmp_path / "out.json"))
+    assert out == {"code": EXIT_OK, "released": ["update waited"]}, out
+    theirs, ours = (ckpt.load_file(ckpt.shard_path(str(tmp_path / r / "checkpoints"), 4, 0, 0, 1))
+                    for r in ("sync", "async"))
+    for key in ("model", "optimizer"):
+        a, b = _tensors(theirs[key]), _tensors(ours[key])
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), key
+
+
+def _tensors(obj, prefix: str = "") -> dict:
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    if isinstance(obj, dict):
+        return {k: v for key, val in obj.items() for k, v in _tensors(val, f"{prefix}/{key}").items()}
+    if isinstance(obj, (list, tuple)):
+        return {k: v for i, val in enumerate(obj) for k, v in _tensors(val, f"{prefix}/{i}").items()}
+    return {}

@@ -1,6 +1,8 @@
-"""Asynchronous checkpoints (``checkpoint.async_save``): the training ranks block only while their state
-is copied to host memory (:mod:`trainer.checkpoint.staging`); a background thread per rank writes it and
-runs the rest of the save protocol (:mod:`trainer.checkpoint.protocol`'s numbered steps, unchanged):
+"""Asynchronous checkpoints (``checkpoint.async_save``): the training ranks block at most while their state
+is copied to host memory (:mod:`trainer.checkpoint.staging`: a background thread per rank makes the copy
+while training runs the next step's forward and backward, and training waits for it only before its next
+optimizer update, :meth:`Writer.before_update`); the same thread then writes it and runs the rest of the
+save protocol (:mod:`trainer.checkpoint.protocol`'s numbered steps, unchanged):
 
 1. this rank writes its files from the host copy (fsynced, renamed into place as a synchronous save does;
    torch_dist: ``torch.distributed.checkpoint.async_save``, whose own thread writes the data files);
@@ -42,7 +44,7 @@ from trainer.checkpoint import protocol as ckpt
 from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.dist_write import Piece
 from trainer.checkpoint.files import CheckpointError, CheckpointSpaceError
-from trainer.checkpoint.staging import HostStager
+from trainer.checkpoint.staging import HostCopy, HostStager
 from trainer.disk import out_of_space
 from trainer.log import get_logger
 
@@ -112,14 +114,17 @@ class Writer:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()
+        self._copy: HostCopy | None = None
 
-    def start(self, iteration: int, job: Callable[[], None], on_done: Callable[[float], None]) -> None:
-        """Run ``job`` (the format's write_then_commit) in the background; ``on_done(seconds)`` after it
-        succeeded, from that thread."""
+    def start(self, iteration: int, job: Callable[[], None], on_done: Callable[[float], None],
+              copy: HostCopy | None = None) -> None:
+        """Run ``job`` (the format's write_then_commit, which begins by making ``copy``) in the background;
+        ``on_done(seconds)`` after it succeeded, from that thread."""
         if self._thread is not None:
             raise RuntimeError("a background checkpoint is still in flight: wait() for it first")
         self._error = None
         self._done.clear()
+        self._copy = copy
 
         def run() -> None:
             t0 = time.monotonic()
@@ -139,6 +144,15 @@ class Writer:
     def in_flight(self) -> bool:
         return self._thread is not None
 
+    def copying(self) -> bool:
+        """The host copy of the save in flight is not made yet (training must not update the state)."""
+        return self._copy is not None and not self._copy.done()
+
+    def before_update(self) -> float:
+        """Where training waits, before it changes the parameters or the optimizer's state, for the host
+        copy of the save in flight (the seconds waited; 0 when it is made, or there is none)."""
+        return self._copy.wait() if self._copy is not None else 0.0
+
     def failed(self) -> bool:
         """The job in flight has ended with an error (raised by the next :meth:`wait`)."""
         return self._thread is not None and self._done.is_set() and self._error is not None
@@ -149,7 +163,7 @@ class Writer:
             return 0.0
         t0 = time.monotonic()
         self._thread.join()
-        self._thread, error, self._error = None, self._error, None
+        self._thread, error, self._error, self._copy = None, self._error, None, None
         if error is not None:
             raise error
         return time.monotonic() - t0
@@ -160,16 +174,17 @@ class Writer:
 def start_shard_save(w: Writer, stager: HostStager, ckpt_dir: str, iteration: int, files: dict[str, Any],
                      layout: ckpt.ShardLayout, keep: int | None, on_done: Callable[[float], None]) -> bool:
     """The asynchronous :func:`protocol.save_checkpoint` (``files``: the shard first, then any file
-    written beside it). Collective; blocks for the space check and the host copy. False: the iteration was
-    already committed (nothing written)."""
+    written beside it). Collective; blocks for the space check; the host copy is made by the writer
+    thread while training goes on (:meth:`Writer.before_update`). False: the iteration was already
+    committed (nothing written)."""
     if ckpt.already_committed(ckpt_dir, iteration):
         return False
     ckpt.check_space(ckpt_dir, iteration, files, layout)
-    staged = stager.stage(files) if layout.writes else {}
+    copy = stager.prepare(files) if layout.writes else None
     w.start(iteration, lambda: write_then_commit(
-        lambda: ckpt.write_files(ckpt_dir, iteration, staged, layout),
+        lambda: ckpt.write_files(ckpt_dir, iteration, copy.run() if copy else {}, layout),
         lambda: ckpt.commit(ckpt_dir, iteration, layout, keep), iteration, w.group,
-        discard=lambda: _discard_uncommitted(ckpt_dir, iteration)), on_done)
+        discard=lambda: _discard_uncommitted(ckpt_dir, iteration)), on_done, copy)
     return True
 
 
@@ -190,25 +205,26 @@ def start_dist_save(w: Writer, stager: HostStager, ckpt_dir: str, iteration: int
                     content: tuple[list[Piece], dict], layout: ckpt.ShardLayout, keep: int | None,
                     on_done: Callable[[float], None]) -> bool:
     """The asynchronous :func:`dist_write.save_dist_checkpoint` (``content``: this rank's pieces and rank
-    0's common state). ``torch.distributed.checkpoint.async_save`` writes the data files and
-    ``.metadata`` from the host copy in its own thread; this rank's writer thread then hashes them, rank 0
-    adds ``common.pt``, and the protocol's steps 2-3 follow. Collective; blocks for the space check, the
-    shared folder and the host copy."""
+    0's common state). Collective; blocks for the space check and the shared folder. The writer thread
+    makes the host copy (training goes on: :meth:`Writer.before_update`), then
+    ``torch.distributed.checkpoint.async_save`` writes the data files and ``.metadata`` from it in its own
+    thread (its collectives on the checkpoint group), then this rank's thread hashes them, rank 0 adds
+    ``common.pt``, and the protocol's steps 2-3 follow."""
     pieces, common = content
     if ckpt.already_committed(ckpt_dir, iteration):
         return False
     rank0 = ckpt.global_rank() == 0
-    ckpt.check_space(ckpt_dir, iteration, {"pieces": [p.data for p in pieces], "common": common if rank0
-                                           else {}}, layout)
+    mine = {"pieces": [p.data for p in pieces], "common": common if rank0 else {}}
+    ckpt.check_space(ckpt_dir, iteration, mine, layout)
     tmp = dist_write.shared_tmp(ckpt_dir, iteration)
-    staged = stager.stage({"pieces": [p.data for p in pieces], "common": common if rank0 else {}})
-    host = [dataclasses.replace(p, data=d) for p, d in zip(pieces, staged["pieces"], strict=True)]
-    faults.at("checkpoint:before_write", iteration=iteration)
-    future = dist_write.start_pieces(tmp, host, pieces, w.group)
+    copy = stager.prepare(mine)
 
     def write() -> None:
+        staged = copy.run()
+        host = [dataclasses.replace(p, data=d) for p, d in zip(pieces, staged["pieces"], strict=True)]
+        faults.at("checkpoint:before_write", iteration=iteration)
         try:
-            future.result()
+            dist_write.start_pieces(tmp, host, pieces, w.group).result()
             written = dist_write.own_files(tmp)
             if rank0:
                 dist_write.write_common(tmp, staged["common"])
@@ -222,5 +238,5 @@ def start_dist_save(w: Writer, stager: HostStager, ckpt_dir: str, iteration: int
 
     w.start(iteration, lambda: write_then_commit(
         write, lambda: dist_write.commit(ckpt_dir, tmp, iteration, layout, keep), iteration, w.group,
-        discard=lambda: shutil.rmtree(tmp, ignore_errors=True)), on_done)
+        discard=lambda: shutil.rmtree(tmp, ignore_errors=True)), on_done, copy)
     return True

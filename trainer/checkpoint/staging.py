@@ -1,8 +1,11 @@
 """The host copy an asynchronous save writes from: the only part of such a save that training waits for.
 
-:meth:`HostStager.stage` returns a copy of a checkpoint's content whose tensors live in host memory that
-training never touches again, so the background writer can serialise it while the next steps update the
-live parameters and optimizer state in place:
+:meth:`HostStager.prepare` describes a copy of a checkpoint's content whose tensors will live in host
+memory that training never touches again; the background writer makes it (:meth:`HostCopy.run`) while
+training runs the next step's forward and backward, which read the parameters but change none of them
+nor the optimizer's state; the training thread waits for the copy (:meth:`HostCopy.wait`) only before the
+next optimizer update, so the copy costs training only the part of it longer than a forward-backward. Then
+the writer serialises the copy while the next steps update the live state in place:
 
 - every tensor *storage* is copied once and each tensor is rebuilt as the same view of the copy (offset,
   shape, strides, dtype, Parameter or not): tensors sharing a storage still share one, so ``torch.save``
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from typing import Any
 
 import torch
@@ -65,20 +69,31 @@ class HostStager:
         return buf
 
     def stage(self, content: Any) -> Any:
-        """A copy of ``content`` whose tensors are in this stager's host buffers (see the module doc). The
-        buffers of the previous ``stage`` are reused: call it again only once that copy is written."""
+        """A copy of ``content`` whose tensors are in this stager's host buffers (see the module doc), now.
+        The buffers of the previous copy are reused: call it again only once that copy is written."""
+        return self.prepare(content).run()
+
+    def prepare(self, content: Any) -> HostCopy:
+        """The copy of ``content`` to be made later, from another thread (:meth:`HostCopy.run`): training
+        may go on meanwhile as long as it changes none of the tensors before :meth:`HostCopy.wait` (the
+        loop runs the next step's forward and backward, and waits before the optimizer updates them)."""
         tensors: dict[int, torch.Tensor] = {}
         _collect(content, tensors, set())
+        ready = None
+        if any(t.is_cuda for t in tensors.values()):  # the copy starts after the work queued so far
+            ready = torch.cuda.Event()
+            ready.record()
+        return HostCopy(self, content, list(tensors.values()), ready)
+
+    def _copy_all(self, content: Any, tensors: list[torch.Tensor]) -> Any:
         free, self._pool = self._pool, {}
         copies: dict[tuple[int, str], torch.UntypedStorage] = {}
         memo: dict[int, Any] = {}
-        cuda = False
-        for t in tensors.values():
+        for t in tensors:
             src = t.untyped_storage()
             key = (src.data_ptr(), str(src.device))
             if key not in copies:
                 pinned = src.device.type == "cuda"
-                cuda |= pinned
                 host = self._buffer(src.nbytes(), pinned, free)
                 _copy(host, src, pinned)
                 copies[key] = host
@@ -89,10 +104,47 @@ class HostStager:
         for b in (b for bufs in free.values() for b in bufs):  # not reused: freed with this dict
             self.bytes -= b.nbytes()
             _forget(b.data_ptr())
-        if cuda:
-            torch.cuda.synchronize()
-        memo[id(memo)] = list(tensors.values())  # deepcopy's keep-alive convention
+        memo[id(memo)] = tensors  # deepcopy's keep-alive convention
         return copy.deepcopy(content, memo)
+
+
+class HostCopy:
+    """One checkpoint's host copy, made by :meth:`run` (the writer thread; on CUDA on a stream of its own
+    that first waits for the work queued before :meth:`HostStager.prepare`) while training goes on;
+    :meth:`wait` is where training stops if it would otherwise change a tensor not yet copied."""
+
+    def __init__(self, stager: HostStager, content: Any, tensors: list[torch.Tensor],
+                 ready: Any = None) -> None:
+        self.stager, self.content, self.tensors, self.ready = stager, content, tensors, ready
+        self._done = threading.Event()
+
+    def run(self) -> Any:
+        """The copy (sets :meth:`done` even when it fails, so a waiting training thread goes on)."""
+        try:
+            if self.ready is None:
+                return self.stager._copy_all(self.content, self.tensors)
+            device = next(t.device for t in self.tensors if t.is_cuda)
+            with torch.cuda.device(device):
+                stream = torch.cuda.Stream()
+                stream.wait_event(self.ready)
+                with torch.cuda.stream(stream):
+                    staged = self.stager._copy_all(self.content, self.tensors)
+                stream.synchronize()
+            return staged
+        finally:
+            self.content = self.tensors = None  # the live state is no longer referenced from here
+            self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> float:
+        """Block until the copy is made; the seconds waited."""
+        if self._done.is_set():
+            return 0.0
+        t0 = time.monotonic()
+        self._done.wait()
+        return time.monotonic() - t0
 
 
 def _collect(obj: Any, out: dict[int, torch.Tensor], seen: set[int]) -> None:

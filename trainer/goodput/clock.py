@@ -84,6 +84,7 @@ class AttemptClock:
         self._wall_offset = wall - now
         self.seconds: dict[str, float] = {"imports": max(0.0, wall - self.process_start)}
         self.current, self._since = "setup", now
+        self._step_pending = 0.0  # a step's time before an interruption (a save's wait, an evaluation)
         self.path: str | None = None
         self.previous: list[dict] = []  # the run's earlier attempts' records (read at begin)
         self.previous_iteration: int | None = None  # the furthest iteration an earlier attempt reached
@@ -116,10 +117,14 @@ class AttemptClock:
 
     def switch(self, span: str) -> str:
         """Count the time since the last mark in the current span and start ``span``; returns the span
-        left (to switch back to after a save or an evaluation)."""
+        left (to switch back to after a save or an evaluation). The time of a step in progress is kept
+        for :meth:`step` to attribute, however often the step is interrupted."""
         with self._lock:
             now = time.monotonic()
-            self._add(self.current, now - self._since)
+            if self.current == STEP:
+                self._step_pending += now - self._since
+            else:
+                self._add(self.current, now - self._since)
             left, self.current, self._since = self.current, span, now
         return left
 
@@ -133,6 +138,9 @@ class AttemptClock:
         with self._lock:
             now = time.monotonic()
             span, first = now - self._since, self.first_step_end is None
+            if self.current == STEP:
+                span += self._step_pending
+            self._step_pending = 0.0
             if first:
                 self._add("first_step", span)
                 self.first_step_end = now + self._wall_offset
@@ -164,8 +172,10 @@ class AttemptClock:
         return entry
 
     def save_blocked(self, entry: dict, seconds: float) -> None:
+        """Training was blocked ``seconds`` more by this save (in the call, or waiting for its host copy
+        before the next update)."""
         with self._lock:
-            entry["blocked_s"] = round(seconds, 4)
+            entry["blocked_s"] = round((entry["blocked_s"] or 0.0) + seconds, 4)
             self.save_totals["blocked_s"] += seconds
 
     def save_written(self, entry: dict, seconds: float) -> None:
@@ -190,6 +200,8 @@ class AttemptClock:
             now = time.monotonic()
             seconds = dict(self.seconds)
             seconds[self.current] = seconds.get(self.current, 0.0) + (now - self._since)
+            if self._step_pending:
+                seconds[STEP] = seconds.get(STEP, 0.0) + self._step_pending
             saves, totals = [dict(s) for s in self.saves], dict(self.save_totals)
         return {"version": VERSION, **self.identity, "world_size": self.world_size,
                 "process_start": self.process_start, "updated": now + self._wall_offset,

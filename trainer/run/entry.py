@@ -183,16 +183,19 @@ class Components:
     kernel_check: KernelCheck | None = None
 
 
-def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int = 0) -> Components:
+def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int = 0,
+                     init: bool = True) -> Components:
     """Model, optimizer, scheduler and loss scaler for this rank, on the kernels that passed the start-up
-    self-check (``train.kernel_check``; its record names ``start_iteration``)."""
+    self-check (``train.kernel_check``; its record names ``start_iteration``). ``init=False``: the weights
+    are not initialised, a checkpoint's are loaded into all of them next (trainer.parallel.build_model)."""
     t = cfg.train
     gbs = formulas.global_batch_size(t.global_batch_size, t.micro_batch_size, pstate.dp_size)
     vocab_size, eod = resolve_vocab(cfg.model, cfg.tokenizer)
     gpt = gpt_config(cfg.model, vocab_size)
     check = checked_kernels(cfg, gpt, pstate, start_iteration)  # before the model: it takes the checked set
     recompute = Recompute(t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
-    model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=check.kernels, recompute=recompute)
+    model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=check.kernels, recompute=recompute,
+                        init=init)
     log.info("%s", attention.describe(gpt, pstate.device, DTYPES[t.precision], t.micro_batch_size,
                                       pstate.tp_size))  # raises when a named SDPA kernel cannot serve it
     recipe = _apply_recipe(model, t, cfg.optim.distributed)
@@ -257,7 +260,7 @@ def _start(cfg: RunConfig, pstate: ParallelState | None, hb: health.Monitor, clo
     plan = resolve_load(cfg.checkpoint, cfg.run_dir, full=False, deferred=chosen)  # sizes now:
     check = LoadCheck.start(plan, chosen)  # checksums while it loads (rank 0, a thread)
     clock.switch("build")
-    b = build_components(cfg, pstate, plan[1] if plan and not plan[2] else 0)
+    b = build_components(cfg, pstate, plan[1] if plan and not plan[2] else 0, init=plan is None)
     if b.kernel_check is not None:
         clock.moved(b.kernel_check.seconds, "build", "kernel_check")
     clock.switch("checkpoint_load")

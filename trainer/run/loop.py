@@ -69,7 +69,12 @@ class StepOutcome:
 
 
 class BackgroundSaves(Protocol):
-    """The loop's view of asynchronous saves: has the one in flight failed; wait for it (raising)."""
+    """The loop's view of asynchronous saves: is the host copy of the one in flight still being made, wait
+    for it before an update; has it failed; wait for all of it (raising)."""
+
+    def copying(self) -> bool: ...
+
+    def before_update(self) -> None: ...
 
     def failed(self) -> bool: ...
 
@@ -135,6 +140,7 @@ def step(loop: Loop, batches: list[dict]) -> StepOutcome:
     loss = train_step(model, batches)
     unscale_main_grads_(model, loop.scaler.scale)  # the distributed optimizer's are its shards
     norm = clip_by_global_norm(model, loop.clip_grad)
+    _before_update(loop)
     applied = True
     if loop.scaler.dynamic:  # fp16: skip the update on overflow, decided now (one read per step)
         applied = bool(torch.isfinite(norm) & torch.isfinite(loss))
@@ -143,6 +149,17 @@ def step(loop: Loop, batches: list[dict]) -> StepOutcome:
         loop.optimizer.step()
     loop.scheduler.step(loop.global_batch_size)  # Megatron advances the schedule on skipped steps too
     return StepOutcome(loss, norm, applied)
+
+
+def _before_update(loop: Loop) -> None:
+    """The forward and backward ran beside the host copy of a save in flight; the update changes what it
+    copies, so it waits for the copy here (checkpoint time, not training time)."""
+    if loop.background is None or not loop.background.copying():
+        return
+    span = loop.clock.switch(CHECKPOINT) if loop.clock is not None else None
+    loop.background.before_update()
+    if loop.clock is not None:
+        loop.clock.switch(span)
 
 
 def evaluate(loop: Loop, state: TrainState) -> float:

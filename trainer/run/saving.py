@@ -45,6 +45,7 @@ class Saver:
     clock: AttemptClock | None = None
     writer: Writer | None = field(init=False, default=None)
     stager: HostStager = field(init=False, default_factory=HostStager)
+    _entry: dict | None = field(init=False, default=None)  # the clock's entry of the save in flight
 
     def __post_init__(self) -> None:
         ps = self.model.pstate
@@ -75,17 +76,18 @@ class Saver:
             else:
                 ckpt.save_checkpoint(self.cfg.dir, state.iteration, files.pop(ckpt.SHARD_FILE), self.layout,
                                      self.cfg.keep, files)
-        copied = time.monotonic() - t0
+        started = time.monotonic() - t0
         if final:
             self.wait()
         blocked = time.monotonic() - t0
+        self._entry = entry
         if self.clock is not None and entry is not None:
             self.clock.save_blocked(entry, blocked)
             if not background:
                 self.clock.save_written(entry, blocked)
         if background and not final:
-            log.info("checkpoint of iteration %d: training blocked %.2f s (host copy); written in the "
-                     "background", state.iteration, copied)
+            log.info("checkpoint of iteration %d: started in %.2f s; its host copy and files are made in "
+                     "the background", state.iteration, started)
 
     def _started(self, iteration: int, background: bool, content) -> dict | None:
         if self.clock is None:
@@ -102,6 +104,19 @@ class Saver:
                 self.clock.write()
 
         return done
+
+    def before_update(self) -> None:
+        """Before the optimizer changes the parameters and its state: wait for the host copy of the save
+        in flight, the time counted as that save's (the loop's clock counts it as checkpoint time)."""
+        if self.writer is None or not self.writer.copying():
+            return
+        waited = self.writer.before_update()
+        if self.clock is not None and self._entry is not None:
+            self.clock.save_blocked(self._entry, waited)
+        log.info("training waited %.2f s for the host copy of the checkpoint in flight", waited)
+
+    def copying(self) -> bool:
+        return self.writer is not None and self.writer.copying()
 
     def failed(self) -> bool:
         """The background save in flight has failed (the loop agrees on it with the stop flag)."""
