@@ -79,7 +79,10 @@ def _status(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as err:  # not a run, or a damaged sweep.json
         sys.stderr.write(f"{err}\n")
         return 2
-    sys.stdout.write("\n".join([format_rows(rows), *launch_notes(args.path, rows)]) + "\n")
+    from orchestrator.readback.goodput import goodput_notes
+
+    notes = [*launch_notes(args.path, rows), *goodput_notes(args.path)]
+    sys.stdout.write("\n".join([format_rows(rows), *notes]) + "\n")
     if args.history:
         sys.stdout.write("\nLaunches:\n" + format_history(args.path) + "\n")
     if args.plot is not None:

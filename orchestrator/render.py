@@ -40,6 +40,7 @@ from orchestrator.base.redaction import is_secret_name
 from orchestrator.container_render import PyxisSpec, pyxis_preamble, pyxis_srun_flags
 from trainer.formulas import PORT_BASE, PORT_SPAN
 from trainer.run_files import (
+    ALLOC_START_ENV,
     ATTEMPT_ENV,
     BAD_NODES_DIR,
     BAD_NODES_MARKER,
@@ -160,6 +161,7 @@ _LOOP = r"""
 export MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"
 {port_line}
 restart=${{SLURM_RESTART_COUNT:-0}}
+export {alloc_env}="${{SLURM_JOB_START_TIME:-$(date +%s)}}"
 state={state}
 logs={log_dir}
 mkdir -p "$state"
@@ -308,7 +310,7 @@ def render_sbatch(spec: ScriptSpec) -> str:
                 max_timeouts=r.max_timeouts,
                 max_retries=r.max_retries,
                 requeue=EXIT_REQUEUE,
-                attempt_env=ATTEMPT_ENV,
+                attempt_env=ATTEMPT_ENV, alloc_env=ALLOC_START_ENV,
                 requeues=REQUEUES,
                 retries=RETRIES,
                 exclude=_EXCLUDE_CALL.format(bad_nodes_glob=_BAD_NODES_GLOB) if spec.run_dir else "",

@@ -22,6 +22,9 @@ job.
 - ``SLIPWAY_STALL_TRAIN=N``: after iteration N every rank pauses until a signal arrives or the file
   ``resume_N`` appears beside the stall markers (at most 10 min), so fault tests preempt, time out, kill or
   cut off a job at a known point instead of racing a fast run.
+- ``SLIPWAY_CRASH_TRAIN=N,M,...``: after each of those iterations the first rank to get there SIGKILLs
+  itself (a marker per iteration makes it once per run: the retry that replays the iteration goes on),
+  as a node or process failure would (bench/goodput.py injects its failures so).
 - ``SLIPWAY_KERNEL_FAULT=op[:kind],...``: a resolved op made wrong (tests/seam_kernels.py).
 
 The plugin loads no torch itself: the launcher loads it for its failpoints and stays torch-free.
@@ -43,6 +46,7 @@ from trainer.faults import (
     CKPT_FAILPOINT,
     CKPT_FAILPOINT_ONCE,
     CONVERT_FAILPOINT,
+    CRASH_TRAIN,
     FAIL_TRAIN,
     FAIL_TRIAL,
     LAUNCH_FAILPOINT,
@@ -153,12 +157,14 @@ def trial_on_step(index: int, rank: int, environ: Mapping[str, str] | None = Non
 
 def train_on_step(marker_dir: str, rank: int, environ: Mapping[str, str] | None = None
                   ) -> Callable[[int, float], None] | None:
-    """The trainer's ``on_step`` hook for ``SLIPWAY_STALL_TRAIN`` and ``SLIPWAY_FAIL_TRAIN=oom@R:N``
-    (None when neither is set)."""
+    """The trainer's ``on_step`` hook for ``SLIPWAY_STALL_TRAIN``, ``SLIPWAY_FAIL_TRAIN=oom@R:N`` and
+    ``SLIPWAY_CRASH_TRAIN`` (None when none is set)."""
     env = os.environ if environ is None else environ
     value = env.get(STALL_TRAIN)
     hooks = [h for h in (stall_hook(int(value), marker_dir, rank) if value else None,
-                         oom_hook(env.get(FAIL_TRAIN, ""), rank)) if h is not None]
+                         oom_hook(env.get(FAIL_TRAIN, ""), rank),
+                         crash_hook(env[CRASH_TRAIN], marker_dir) if env.get(CRASH_TRAIN) else None)
+             if h is not None]
     if not hooks:
         return None
 
@@ -189,6 +195,31 @@ def oom_hook(value: str, rank: int) -> Callable[[int, float], None] | None:
             import torch
 
             torch.empty(1 << 62, dtype=torch.uint8)
+
+    return on_step
+
+
+def crash_hook(value: str, marker_dir: str) -> Callable[[int, float], None]:
+    """``on_step`` of ``SLIPWAY_CRASH_TRAIN``: after each listed iteration, the rank that creates the marker
+    ``crashed_<iteration>`` first SIGKILLs itself (once per run; the others die with it by srun's
+    --kill-on-bad-exit, or hang in a collective until they do)."""
+    try:
+        iterations = {int(x) for x in value.split(",") if x.strip()}
+    except ValueError:
+        raise ValueError(f"{CRASH_TRAIN}={value!r}: expected <iteration>,...; unset it (a test hook)"
+                         ) from None
+
+    def on_step(it: int, loss: float) -> None:
+        if it not in iterations:
+            return
+        marker = Path(marker_dir) / f"crashed_{it}"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        log.warning("%s=%s (test hook): SIGKILL after iteration %d", CRASH_TRAIN, value, it)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     return on_step
 

@@ -15,7 +15,7 @@ def test_trainer_warns_for_each_active_hook(tmp_path, monkeypatch):
               faults.NODE_NAME: "node-under-test", faults.KERNEL_FAULT: "bias_gelu",
               faults.LAUNCH_FAILPOINT: "after_sbatch",  # launch- and stage-side: named, not acted on
               faults.CONVERT_FAILPOINT: "between_renames",  # the convert stage's: named here, not acted on
-              faults.FAIL_TRAIN: "start", faults.STALL_TRAIN: "999",
+              faults.FAIL_TRAIN: "start", faults.STALL_TRAIN: "999", faults.CRASH_TRAIN: "999",
               faults.FAIL_TRIAL: "99"}  # a trial index this run is not
     assert set(values) == set(faults.ENV_HOOKS)
     for k, v in values.items():

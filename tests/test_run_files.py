@@ -16,7 +16,8 @@ OWNER = ROOT / "trainer" / "run_files.py"
 # Names distinctive enough that any string holding them is a copy (a path, a message, a shell line).
 DISTINCT = [run_files.RUN_JSON, run_files.WANDB_RUN, run_files.METRICS, run_files.DATA_REPORT,
             run_files.SAMPLE, run_files.LOSS_PLOT, run_files.SUMMARY, run_files.COMPLETE, run_files.FAILED,
-            run_files.ATTEMPT_ENV, run_files.BAD_NODES, run_files.LAYOUT_TABLE, run_files.LAYOUT_TABLE_TEXT,
+            run_files.ATTEMPT_ENV, run_files.ALLOC_START_ENV, run_files.BAD_NODES, run_files.LAYOUT_TABLE,
+            run_files.LAYOUT_TABLE_TEXT,
             run_files.TRIAL_SPEC, "trial_rank", run_files.JOB_RECORD, run_files.LAUNCH_LOCK,
             run_files.CKPT_WRITER, run_files.HANGS, "_log.", "fatal_{", "stopped_{"]
 # The dataset-prefix rule: an f-string part that starts with it ("{prefix}_{key}_document").
@@ -26,7 +27,7 @@ PREFIX_RULE = "_document"
 FOLDERS = {run_files.CHECKPOINTS, run_files.HF, run_files.EVAL, run_files.LOGS, run_files.JOBS,
            run_files.STAGES, run_files.LAUNCHES, run_files.REQUEUES, run_files.RETRIES, run_files.CONFIG,
            run_files.PIDS, run_files.BAD_NODES_DIR, run_files.EXCLUSIONS, run_files.TUNE,
-           run_files.HEARTBEATS}
+           run_files.HEARTBEATS, run_files.GOODPUT, run_files.COMPILE_CACHE}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

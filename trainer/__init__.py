@@ -12,8 +12,9 @@ perplexity of the converted model), and ``run``: the training run itself (``run(
 Facts several packages share, and the orchestrator too, live torch-free in ``config`` and in the
 top-level modules: ``config_issues``, ``formulas`` (FLOPs, vocab padding, batch rules, the pipeline split),
 ``memory_formulas`` (activations, state bytes per parameter), ``time_formulas`` (the step time's terms),
-``signals`` (exit codes), ``metrics_file``, ``run_files`` (every file of a run), ``devices`` (the GPU table),
-``wandb_key``, ``wandb_online``, ``disk``, ``faults`` (the fault tests' seam) and ``log`` (the logger);
+``signals`` (exit codes), ``metrics_file``, ``goodput`` (where a run's time went), ``run_files`` (every
+file of a run), ``devices`` (the GPU table), ``wandb_key``, ``wandb_online``, ``disk``, ``faults`` (the
+fault tests' seam) and ``log`` (the logger);
 :data:`CONTRACT` lists every module the orchestrator may import. ``cli`` generates a command line's
 flags from a config dataclass; ``extension`` loads the csrc kernels.
 
@@ -36,5 +37,6 @@ CONTRACT = (
     "trainer.data.blend", "trainer.data.splits", "trainer.data.hf_tokenizer",
     "trainer.metrics_file", "trainer.checkpoint.files", "trainer.checkpoint.verify", "trainer.health",
     "trainer.eval.results", "trainer.wandb_key", "trainer.wandb_online", "trainer.devices",
-    "trainer.measured", "trainer.kernel_build",
+    "trainer.measured", "trainer.kernel_build", "trainer.goodput", "trainer.goodput.account",
+    "trainer.goodput.clock",
 )

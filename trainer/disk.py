@@ -41,6 +41,18 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(path).free
 
 
+def folder_bytes(path: str) -> int:
+    """Bytes of every file under ``path`` (a checkpoint folder); 0 when it does not exist."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                continue
+    return total
+
+
 def size(n: int) -> str:
     """Bytes, exactly, with MiB for reading."""
     return f"{n} bytes ({n / 2**20:.1f} MiB)"

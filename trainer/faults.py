@@ -32,6 +32,7 @@ PLUGIN = "SLIPWAY_FAULT_PLUGIN"  # the importable module that implements the hoo
 FAIL_TRAIN = "SLIPWAY_FAIL_TRAIN"
 FAIL_TRIAL = "SLIPWAY_FAIL_TRIAL"
 STALL_TRAIN = "SLIPWAY_STALL_TRAIN"
+CRASH_TRAIN = "SLIPWAY_CRASH_TRAIN"
 KERNEL_FAULT = "SLIPWAY_KERNEL_FAULT"
 CKPT_FAILPOINT = "SLIPWAY_CKPT_FAILPOINT"
 CKPT_FAILPOINT_ONCE = "SLIPWAY_CKPT_FAILPOINT_ONCE"
@@ -46,6 +47,7 @@ ENV_HOOKS = {
                 "of memory after that iteration, on purpose",
     FAIL_TRIAL: "<trial>[:oom|hang],...: those layout=auto trials run out of memory or hang on purpose",
     STALL_TRAIN: "every rank pauses after that iteration until a signal arrives",
+    CRASH_TRAIN: "<iteration>,...: a training rank SIGKILLs itself after each of them, once per run",
     KERNEL_FAULT: "makes the named fused ops wrong on purpose (the kernel self-check's tests)",
     CKPT_FAILPOINT: "the process SIGKILLs itself at that point of a checkpoint save",
     CKPT_FAILPOINT_ONCE: "only the first process to create this file is killed by the checkpoint failpoint",

@@ -30,6 +30,8 @@ literal file name of a run anywhere else is a second copy (tests/test_run_files.
       summary.txt              what a finished local run printed (orchestrator/readback/summary.py)
       bad_nodes.jsonl          every node a preflight or hang watchdog named, and why (trainer/health)
       bad_nodes/               per attempt and reporter: the nodes the batch script keeps out of the next
+      goodput/                 one record per training attempt: where its wall time went (trainer/goodput)
+      compile_cache/           torch.compile's (Inductor's) cache, so a requeued job does not compile again
 """
 
 from __future__ import annotations
@@ -67,6 +69,10 @@ BAD_NODES = "bad_nodes.jsonl"  # one JSON line per node a preflight or watchdog 
 BAD_NODES_DIR = "bad_nodes"  # per attempt: "<node>\t<why>" lines (the batch script reads them)
 # A file of BAD_NODES_DIR: one per job attempt and reporting process (no two ranks write the same file).
 BAD_NODES_MARKER = "{job}_r{restart}_a{attempt}.{reporter}"
+COMPILE_CACHE = "compile_cache"  # TORCHINDUCTOR_CACHE_DIR of the run's jobs (trainer/run/kernels.py)
+GOODPUT = "goodput"  # one JSON record per training attempt (trainer/goodput), rewritten while it runs
+# An attempt's record: its clock's start (ms since the epoch: the names sort in time order) and job.
+GOODPUT_RECORD = "{start_ms:013d}_{job}_r{restart}_a{attempt}.json"
 
 # layout=auto's trials (orchestrator/stages/tune.py) and the decision (orchestrator/tuning.py).
 TUNE = "tune"
@@ -99,6 +105,9 @@ LOCAL_EXITS = "{job}_exits.jsonl"
 
 # The environment variable the training job script sets per attempt (0, 1, ...), read by the stage.
 ATTEMPT_ENV = "SLIPWAY_ATTEMPT"
+# When the job's allocation began (seconds since the epoch): Slurm's SLURM_JOB_START_TIME where it sets one
+# (23.02 on), else the batch script's own start; the goodput records' allocation start (trainer/goodput).
+ALLOC_START_ENV = "SLIPWAY_ALLOC_START"
 
 
 # The shared data stages' outputs (in their cache folders): the corpus stage's JSONL and the BPE it trains,
@@ -160,6 +169,12 @@ class RunDir:
     pids = property(lambda self: self.root / PIDS)
     bad_nodes = property(lambda self: self.root / BAD_NODES)
     bad_nodes_dir = property(lambda self: self.root / BAD_NODES_DIR)
+    goodput = property(lambda self: self.root / GOODPUT)
+    compile_cache = property(lambda self: self.root / COMPILE_CACHE)
+
+    def goodput_record(self, start_ms: int, job: str, restart: str, attempt: str) -> Path:
+        return self.goodput / GOODPUT_RECORD.format(start_ms=start_ms, job=job, restart=restart,
+                                                    attempt=attempt)
 
     def heartbeat(self, rank: int) -> Path:
         return self.heartbeats / f"rank_{rank:05d}.json"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orchestrator.base.estimate import fmt_duration
+from orchestrator.readback.goodput import run_lines
 from orchestrator.record.launches import current
 from orchestrator.stages.convert import NAME as CONVERT
 from orchestrator.stages.tuning import verdict as verdict_of
@@ -40,6 +41,7 @@ class RunOutcome:
     kernel_check: dict | None = None  # the start-up kernel self-check (train_metrics.jsonl)
     layout: str | None = None  # layout=auto tune=true: the decision training took (stages/tuning.py)
     layout_wandb_dirs: list[str] = field(default_factory=list)  # its table's offline W&B run(s)
+    goodput: list[str] = field(default_factory=list)  # readback/goodput.py: over every training attempt
 
 
 def _losses(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
@@ -80,7 +82,8 @@ def outcome(run_dir: str) -> RunOutcome:
     return RunOutcome(run_dir, train, valid, hf, verdict, hf_iter, checkpoint_iter(run, launch), sample, how,
                       dirs[-1] if dirs else None, dirs, read_warnings(run_dir), read_results(run_dir),
                       last_kernel_check(run_dir), verdict_of(table) if table else None,
-                      sorted(str(p) for p in RunDir(run).tune.glob("wandb/offline-run-*") if p.is_dir()))
+                      sorted(str(p) for p in RunDir(run).tune.glob("wandb/offline-run-*") if p.is_dir()),
+                      run_lines(run))
 
 
 def plot_losses(o: RunOutcome, out: Path) -> Path | None:
@@ -154,6 +157,7 @@ def format_summary(o: RunOutcome, png: Path | None, elapsed_s: float | None = No
         table = RunDir(o.run_dir).layout_table_text
         lines += [f"  layout (auto)    {o.layout}", f"                   ({table})"]
     lines += [f"  checkpoint       WARNING: {w}" for w in o.checkpoint_warnings]
+    lines += [f"  {'goodput' if i == 0 else '':<16} {g}" for i, g in enumerate(o.goodput)]
     lines += _kernel_lines(o.kernel_check)
     if o.evaluation:
         found = describe(o.evaluation) or ["n/a (nothing evaluated)"]

@@ -99,7 +99,8 @@ def train(rank: int, *cfgs: dict) -> None:
 def run_configs(root: Path, data: str) -> dict[str, tuple[int, dict]]:
     """name -> (world size, config) of every Slipway run the model checks read, in ``root/name``.
     GPT-2 ``mcore{tp}`` (Megatron-core names, torch format) and ``dist{tp}`` (checkpoint.format=
-    torch_dist; deterministic, so the same weights); the Llama runs of LLAMA_RUNS; LOW_RUNS; ``uneven``."""
+    torch_dist; deterministic, so the same weights), two of them written asynchronously (mcore2, dist1);
+    the Llama runs of LLAMA_RUNS; LOW_RUNS; ``uneven``."""
     tokenizer = write_tokenizer(root / "tokenizer")
     runs = {}
     for tp in (1, 2):
@@ -108,7 +109,10 @@ def run_configs(root: Path, data: str) -> dict[str, tuple[int, dict]]:
                 str(root / name), data, parallel={"tp_size": tp, "pp_size": 1},
                 model={"hidden_dropout": 0.0, "attention_dropout": 0.0},
                 train={"micro_batch_size": 2, "global_batch_size": 2, "iters": ITERS, "eval_interval": None},
-                checkpoint={"format": fmt}, tokenizer=tokenizer, run_id=f"{fmt}-tp{tp}"))
+                # Megatron loads checkpoints of both save paths: mcore2 and dist1 written by the
+                # background writer (checkpoint.async_save), mcore1 and dist2 synchronously.
+                checkpoint={"format": fmt, "async_save": (tp == 2) == (fmt == "mcore")}, tokenizer=tokenizer,
+                run_id=f"{fmt}-tp{tp}"))
     # Megatron's uneven splits in Slipway runs (3 layers as 1 + 2 and 2 + 1 on 2 stages; world 2: the tp 2
     # spawn).
     for name, split in UNEVEN_SPLITS.items():

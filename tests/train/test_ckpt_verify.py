@@ -108,9 +108,12 @@ def test_keep_never_deletes_the_last_good_checkpoint_to_keep_a_damaged_one(two):
     assert any(n.startswith("iter_0000020.damaged-") for n in os.listdir(two))  # moved aside, not deleted
 
 
-def test_a_run_resumes_from_the_previous_checkpoint_when_the_latest_is_truncated(tmp_path):
-    """End to end through the trainer: one truncated shard of the latest checkpoint costs the iterations
-    since the previous one, not the run; the warning is logged and recorded for status and the summary."""
+@pytest.mark.parametrize("damage, seen", [(_truncate, "truncated"), (_flip_one_byte, "SHA-256")])
+def test_a_run_resumes_from_the_previous_checkpoint_when_the_latest_is_damaged(tmp_path, damage, seen):
+    """End to end through the trainer: one damaged shard of the latest checkpoint costs the iterations
+    since the previous one, not the run; the warning is logged and recorded for status and the summary.
+    A truncation is seen by the sizes before loading; a same-size corruption by the checksums computed
+    while the checkpoint loads (trainer.run.choice), after which the one before it is loaded over it."""
     data = write_dataset(str(tmp_path / "data"))
     cfg = tiny_config(str(tmp_path / "run"), data, train={"iters": 15, "save_interval": 5})
     run_cfg(cfg)
@@ -120,14 +123,28 @@ def test_a_run_resumes_from_the_previous_checkpoint_when_the_latest_is_truncated
     shutil.copytree(ckpts, tmp_path / "ref" / "checkpoints")
     shutil.rmtree(tmp_path / "ref" / "checkpoints" / "iter_0000015")
     (tmp_path / "ref" / "checkpoints" / ckpt.TRACKER).write_text("10")
-    _truncate(_shard(ckpts, 15))
+    damage(_shard(ckpts, 15))
     cfg["train"]["iters"] = 20
     resumed, expected = run_cfg(cfg), run_cfg(ref)
     assert sorted(resumed.losses) == list(range(11, 21))  # from iteration 10, the newest good one
     assert resumed.losses == expected.losses
     rows = [json.loads(x) for x in (tmp_path / "run" / ckpt_verify.WARNINGS_FILE).read_text().splitlines()]
-    assert len(rows) == 1 and "iteration 15" in rows[0]["warning"] and "truncated" in rows[0]["warning"]
+    assert len(rows) == 1 and "iteration 15" in rows[0]["warning"] and seen in rows[0]["warning"], rows
+    assert any(n.startswith("iter_0000015.damaged-") for n in os.listdir(ckpts))
     assert ckpt_verify.read_warnings(str(tmp_path / "run")) == [rows[0]["warning"]]
+
+
+def test_a_corrupt_only_checkpoint_found_while_loading_refuses_to_start_over(tmp_path):
+    """The checksums fail after the weights were loaded and there is no checkpoint before: the run stops
+    (a fresh start over the damaged weights would train from them), nothing is trained."""
+    data = write_dataset(str(tmp_path / "data"))
+    cfg = tiny_config(str(tmp_path / "run"), data, train={"iters": 5, "save_interval": 5})
+    run_cfg(cfg)
+    _flip_one_byte(_shard(tmp_path / "run" / "checkpoints", 5))
+    cfg["train"]["iters"] = 10
+    refused = "no checkpoint in .* verifies: checkpoint iteration 5 .*SHA"
+    with pytest.raises(ckpt.CheckpointError, match=refused):
+        run_cfg(cfg)
 
 
 def test_skipped_checkpoints_are_named_in_status_and_the_summary(tmp_path):

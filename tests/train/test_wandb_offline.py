@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.readback.goodput import goodput_notes
 from orchestrator.readback.status import collect, format_rows
 from orchestrator.readback.summary import write_summary
 from tests.logs import captured
@@ -198,7 +199,15 @@ def test_a_requeued_runs_offline_folders_are_all_listed_and_uploaded_by_one_comm
     line = next((x for x in status.splitlines() if x.startswith("W&B: run run: ")), "")
     command = f"wandb sync {dirs[0]} {dirs[1]}"  # oldest first; every folder, no --append
     assert line == f"W&B: run run: logged offline in 2 folder(s), upload with: {command}", status
-    assert command in write_summary(run_dir)
+    summary = write_summary(run_dir)
+    assert command in summary
+    # Goodput over both attempts: in W&B (the resumed job's rows), status and the summary alike.
+    last = wandb_reader.history(files[1])[-1]
+    assert last["goodput/attempts"] == 2 and 0 < last["goodput/fraction"] < 1, last
+    assert last["goodput/lost_checkpoint_s"] > 0 and last["goodput/lost_startup_s"] > 0, last
+    [note] = [x for x in goodput_notes(run_dir) if x.startswith("GOODPUT: run run: goodput ")]
+    assert "(2 attempts, 1 allocation)" in note, note
+    assert "  goodput          goodput " in summary and "(2 attempts, 1 allocation)" in summary, summary
     # The printed command as it reads, run by this interpreter's wandb (``python -m wandb``: the `wandb`
     # script of make's venv need not be on PATH).
     words = shlex.split(line.split("upload with: ", 1)[1])

@@ -54,28 +54,32 @@ class Piece:
     global_shape: tuple[int, ...] | None = None
 
 
-def _planner(pieces: list[Piece]):
+def _planner(pieces: list[Piece], like: list[Piece] | None = None):
+    """A save planner that writes ``pieces``; ``like``: the pieces whose tensors' properties the metadata
+    records (an asynchronous save writes host copies of them, pinned on a GPU: the metadata stays the one
+    a synchronous save writes)."""
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-    def item(p: Piece) -> WriteItem:
+    def item(p: Piece, source: Piece) -> WriteItem:
         if p.offsets is None:
             return WriteItem(index=MetadataIndex(p.key), type=WriteItemType.BYTE_IO)
         chunk = ChunkStorageMetadata(offsets=torch.Size(p.offsets), sizes=p.data.size())
+        props = TensorProperties.create_from_tensor(source.data)
         return WriteItem(index=MetadataIndex(p.key, torch.Size(p.offsets)), type=WriteItemType.SHARD,
-                         tensor_data=TensorWriteData(chunk=chunk,
-                                                     properties=TensorProperties.create_from_tensor(p.data),
+                         tensor_data=TensorWriteData(chunk=chunk, properties=props,
                                                      size=torch.Size(p.global_shape)))
 
     by_index = {(p.key, p.offsets): p.data for p in pieces}
+    sources = like if like is not None else pieces
 
     class PiecePlanner(DefaultSavePlanner):
         """The default planner (global plan, metadata, validation) over this rank's pieces instead of a
         state dict's values."""
 
         def create_local_plan(self) -> SavePlan:
-            self.plan = SavePlan([item(p) for p in pieces])
+            self.plan = SavePlan([item(p, q) for p, q in zip(pieces, sources, strict=True)])
             return self.plan
 
         def lookup_object(self, index: MetadataIndex) -> Any:
@@ -84,27 +88,49 @@ def _planner(pieces: list[Piece]):
     return PiecePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
+def _writer(folder: str):
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.FileSystemWriter(folder, sync_files=True, thread_count=1, overwrite=True)
+
+
+def own_files(folder: str) -> list[str]:
+    """The data files this rank wrote into ``folder`` (a rank with nothing to write, dp > 0, still gets an
+    empty one, which .metadata names nowhere: removed)."""
+    prefix, written = f"__{ckpt.global_rank()}_", []
+    for name in sorted(n for n in os.listdir(folder) if n.startswith(prefix) and n.endswith(".distcp")):
+        if os.path.getsize(os.path.join(folder, name)) == 0:
+            os.remove(os.path.join(folder, name))
+        else:
+            written.append(name)
+    return written
+
+
 def write_pieces(folder: str, pieces: list[Piece]) -> list[str]:
     """Collective over the default process group: every rank's pieces into ``folder`` (data files and,
     from rank 0, ``.metadata``). Returns the data files this rank wrote."""
     import torch.distributed.checkpoint as dcp
 
-    writer = dcp.FileSystemWriter(folder, sync_files=True, thread_count=1, overwrite=True)
-    dcp.save({}, storage_writer=writer, planner=_planner(pieces), no_dist=not _distributed())
-    prefix, written = f"__{ckpt.global_rank()}_", []
-    for name in sorted(n for n in os.listdir(folder) if n.startswith(prefix) and n.endswith(".distcp")):
-        if os.path.getsize(os.path.join(folder, name)) == 0:  # a rank with nothing to write (dp > 0) still
-            os.remove(os.path.join(folder, name))  # gets a file; .metadata names none of it
-        else:
-            written.append(name)
-    return written
+    dcp.save({}, storage_writer=_writer(folder), planner=_planner(pieces), no_dist=not _distributed())
+    return own_files(folder)
+
+
+def start_pieces(folder: str, pieces: list[Piece], like: list[Piece], group: Any):
+    """``write_pieces`` in the background: ``torch.distributed.checkpoint.async_save`` of ``pieces`` (host
+    copies of ``like``) with its collectives on ``group`` (the checkpoint group, or None: the default
+    one). Returns its future (the data files and ``.metadata`` are written, fsynced, when it is done)."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp.async_save({}, storage_writer=_writer(folder), planner=_planner(pieces, like),
+                          process_group=group, no_dist=not _distributed())
 
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _write_common(folder: str, common: dict) -> None:
+def write_common(folder: str, common: dict) -> None:
+    """Rank 0's ``common.pt`` and ``metadata.json`` (fsynced)."""
     with open(os.path.join(folder, DIST_COMMON), "wb") as f:
         torch.save(common, f)
         f.flush()
@@ -115,7 +141,14 @@ def _write_common(folder: str, common: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _shared_tmp(ckpt_dir: str, iteration: int) -> str:
+def no_space(ckpt_dir: str, iteration: int) -> ckpt.CheckpointSpaceError:
+    return ckpt.CheckpointSpaceError(
+        f"no space left on the device of {ckpt_dir} while writing the torch_dist checkpoint of iteration "
+        f"{iteration}. Nothing was committed: the latest checkpoint is unchanged. Free space, lower "
+        "checkpoint.keep, or set checkpoint.dir elsewhere")
+
+
+def shared_tmp(ckpt_dir: str, iteration: int) -> str:
     """Step 1's folder: one name every rank derives alike (rank 0 empties a leftover of a killed save)."""
     tmp = os.path.join(ckpt_dir, f"{ckpt._TMP_PREFIX}{iter_dir_name(iteration)}")
     if ckpt.global_rank() == 0:
@@ -126,7 +159,7 @@ def _shared_tmp(ckpt_dir: str, iteration: int) -> str:
     return tmp
 
 
-def _commit(ckpt_dir: str, tmp: str, iteration: int, layout: ckpt.ShardLayout, keep: int | None) -> None:
+def commit(ckpt_dir: str, tmp: str, iteration: int, layout: ckpt.ShardLayout, keep: int | None) -> None:
     """Step 3, on global rank 0."""
     final = os.path.join(ckpt_dir, iter_dir_name(iteration))
     for name in (DIST_METADATA, DIST_COMMON, DIST_INFO):
@@ -148,32 +181,28 @@ def save_dist_checkpoint(ckpt_dir: str, iteration: int, pieces: list[Piece], com
                          layout: ckpt.ShardLayout, keep: int | None) -> bool:
     """Collective over all ranks: the torch_dist counterpart of :func:`protocol.save_checkpoint` (same
     return value, same space check and errors). ``common``: rank 0's ``common.pt`` (others may pass {})."""
-    if ckpt.read_tracker(ckpt_dir) == iteration and os.path.isdir(ckpt.iter_path(ckpt_dir, iteration)):
-        log.info("checkpoint at iteration %d already committed in %s", iteration, ckpt_dir)
+    if ckpt.already_committed(ckpt_dir, iteration):
         ckpt._barrier()
         return False
     mine = {"pieces": [p.data for p in pieces], "common": common if ckpt.global_rank() == 0 else {}}
     ckpt.check_space(ckpt_dir, iteration, mine, layout)
-    tmp = _shared_tmp(ckpt_dir, iteration)
+    tmp = shared_tmp(ckpt_dir, iteration)
     faults.at("checkpoint:before_write", iteration=iteration)
     try:
         written = write_pieces(tmp, pieces)
         if ckpt.global_rank() == 0:
-            _write_common(tmp, common)
+            write_common(tmp, common)
     except (OSError, RuntimeError) as e:  # torch wraps an OSError in a RuntimeError
         if not out_of_space(e):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ckpt.CheckpointSpaceError(
-            f"no space left on the device of {ckpt_dir} while writing the torch_dist checkpoint of "
-            f"iteration {iteration}. Nothing was committed: the latest checkpoint is unchanged. Free space, "
-            "lower checkpoint.keep, or set checkpoint.dir elsewhere") from e
+        raise no_space(ckpt_dir, iteration) from e
     faults.at("checkpoint:mid_write", iteration=iteration)
     for name in written:  # hashed from what is on disk, by the rank that wrote it
         ckpt_verify.write_digest(tmp, name)
     ckpt._barrier()  # step 2: every rank's files are complete on disk
     if ckpt.global_rank() == 0:
-        _commit(ckpt_dir, tmp, iteration, layout, keep)
+        commit(ckpt_dir, tmp, iteration, layout, keep)
     ckpt._barrier()
     log.info("saved torch_dist checkpoint at iteration %d to %s", iteration, ckpt_dir)
     return True

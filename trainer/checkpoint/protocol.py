@@ -138,20 +138,23 @@ def _write_shard(state: dict, final_dir: str, iteration: int, extra_files: dict[
     os.makedirs(tmp)
     faults.at("checkpoint:before_write", iteration=iteration)
     files = {SHARD_FILE: state, **(extra_files or {})}
+    digests = {}
     try:
         for name, content in files.items():
             with open(os.path.join(tmp, name), "wb") as f:
-                torch.save(content, f)
+                out = ckpt_verify.HashingWriter(f)
+                torch.save(content, out)
                 faults.at("checkpoint:mid_write", iteration=iteration)
                 f.flush()
                 os.fsync(f.fileno())
+            digests[name] = out.digest()
     except (OSError, RuntimeError) as e:  # torch.save wraps the OSError in a RuntimeError
         if not out_of_space(e):
             raise
         _discard(tmp, parent)
         raise CheckpointSpaceError(_enospc_message(final_dir, iteration, files)) from e
-    for name in files:
-        ckpt_verify.write_digest(tmp, name)  # for the manifest; hashed from what is on disk
+    for name in files:  # for the manifest: the bytes written, hashed as they were written
+        ckpt_verify.write_digest(tmp, name, digests[name])
     fsync_dir(tmp)
     faults.at("checkpoint:before_rename", iteration=iteration)
     if os.path.exists(final_dir):  # an uncommitted leftover of this iteration (see save_checkpoint)
@@ -222,46 +225,67 @@ def check_space(ckpt_dir: str, iteration: int, state: dict, layout: ShardLayout)
             "checkpoint.keep, or set checkpoint.dir to a larger filesystem")
 
 
+def already_committed(ckpt_dir: str, iteration: int) -> bool:
+    """The iteration is the committed one (then nothing is rewritten: the state at an iteration is unique)."""
+    if read_tracker(ckpt_dir) == iteration and os.path.isdir(_iter_dir(ckpt_dir, iteration)):
+        log.info("checkpoint at iteration %d already committed in %s", iteration, ckpt_dir)
+        return True
+    return False
+
+
+def write_files(ckpt_dir: str, iteration: int, files: dict[str, Any], layout: ShardLayout) -> None:
+    """Step 1 on a writing rank: ``files`` (name → content: the shard first) into its shard folder."""
+    if layout.writes:
+        final = os.path.join(ckpt_dir, iter_dir_name(iteration),
+                             shard_dir_name(layout.tp_rank, layout.pp_rank, layout.pp_size))
+        files = dict(files)
+        _write_shard(files.pop(SHARD_FILE), final, iteration, files)
+
+
+def commit(ckpt_dir: str, iteration: int, layout: ShardLayout, keep: int | None) -> None:
+    """Step 3 on global rank 0, once every shard is complete: manifest, tracker, prune."""
+    missing = [p for t in range(layout.tp_size) for p in range(layout.pp_size)
+               if not os.path.isfile(shard_path(ckpt_dir, iteration, t, p, layout.pp_size))]
+    if missing:
+        raise CheckpointError(f"shards {missing} of iteration {iteration} are missing after the barrier; "
+                              f"is {ckpt_dir} on a filesystem shared by all nodes?")
+    ckpt_verify.write_manifest(_iter_dir(ckpt_dir, iteration), iteration, layout.tp_size,
+                               layout.pp_size, SHARD_FILE)
+    faults.at("checkpoint:before_manifest_commit", iteration=iteration)
+    _write_tracker(ckpt_dir, iteration)
+    prune(ckpt_dir, iteration, keep)
+
+
 def save_checkpoint(ckpt_dir: str, iteration: int, state: dict, layout: ShardLayout,
                     keep: int | None, extra_files: dict[str, dict] | None = None) -> bool:
     """Collective over all ranks: check the space, write this rank's shard, commit, prune. Returns False
     when the iteration was already committed (then nothing is rewritten: the state at an iteration is
-    unique). ``extra_files``: name → content written beside this rank's shard (``distrib_optim.pt``)."""
-    if read_tracker(ckpt_dir) == iteration and os.path.isdir(_iter_dir(ckpt_dir, iteration)):
-        log.info("checkpoint at iteration %d already committed in %s", iteration, ckpt_dir)
+    unique). ``extra_files``: name → content written beside this rank's shard (``distrib_optim.pt``).
+    The asynchronous counterpart runs the same steps in the background (trainer.checkpoint.background)."""
+    if already_committed(ckpt_dir, iteration):
         _barrier()
         return False
-    check_space(ckpt_dir, iteration, {SHARD_FILE: state, **(extra_files or {})}, layout)
-    if layout.writes:
-        final = os.path.join(ckpt_dir, iter_dir_name(iteration),
-                             shard_dir_name(layout.tp_rank, layout.pp_rank, layout.pp_size))
-        _write_shard(state, final, iteration, extra_files)
+    files = {SHARD_FILE: state, **(extra_files or {})}
+    check_space(ckpt_dir, iteration, files, layout)
+    write_files(ckpt_dir, iteration, files, layout)
     _barrier()  # step 2: every shard of this iteration is complete on disk
     if global_rank() == 0:
-        missing = [p for t in range(layout.tp_size) for p in range(layout.pp_size)
-                   if not os.path.isfile(shard_path(ckpt_dir, iteration, t, p, layout.pp_size))]
-        if missing:
-            raise CheckpointError(f"shards {missing} of iteration {iteration} are missing after the barrier; "
-                                  f"is {ckpt_dir} on a filesystem shared by all nodes?")
-        ckpt_verify.write_manifest(_iter_dir(ckpt_dir, iteration), iteration, layout.tp_size,
-                                   layout.pp_size, SHARD_FILE)
-        faults.at("checkpoint:before_manifest_commit", iteration=iteration)
-        _write_tracker(ckpt_dir, iteration)
-        prune(ckpt_dir, iteration, keep)
+        commit(ckpt_dir, iteration, layout, keep)
     _barrier()
     log.info("saved checkpoint at iteration %d to %s", iteration, ckpt_dir)
     return True
 
 
-def select_latest(ckpt_dir: str, *, act: bool = True) -> ckpt_verify.Choice:
-    """Collective: the newest checkpoint of ``ckpt_dir`` that verifies (:func:`ckpt_verify.choose_latest`).
-    Global rank 0 decides — with ``act``, it moves damaged checkpoints aside and points the tracker at its
-    choice — and every rank gets the same answer. Raises :class:`CheckpointError` when checkpoints exist
-    but none verifies (starting over would overwrite them)."""
+def select_latest(ckpt_dir: str, *, act: bool = True, full: bool = True) -> ckpt_verify.Choice:
+    """Collective: the newest checkpoint of ``ckpt_dir`` that verifies (:func:`ckpt_verify.choose_latest`;
+    ``full=False``: by sizes, the checksums being the caller's: trainer.checkpoint.deferred). Global rank 0
+    decides — with ``act``, it moves damaged checkpoints aside and points the tracker at its choice — and
+    every rank gets the same answer. Raises :class:`CheckpointError` when checkpoints exist but none
+    verifies (starting over would overwrite them)."""
     out: list[Any] = [None]
     if global_rank() == 0:
         try:
-            choice = ckpt_verify.choose_latest(ckpt_dir, act=act)
+            choice = ckpt_verify.choose_latest(ckpt_dir, act=act, full=full)
             if act and choice.iteration is not None and choice.iteration != choice.tracker_iteration:
                 _write_tracker(ckpt_dir, choice.iteration)
             out = [choice]

@@ -16,6 +16,7 @@ Torch-free: the orchestrator checks sizes at plan time (``full=False``) without 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -47,14 +48,37 @@ def _digest_name(file_name: str) -> str:
     return DIGEST_FILE if file_name == SHARD_FILE else f"{DIGEST_FILE}.{file_name}"
 
 
-def write_digest(shard_dir: str, file_name: str) -> None:
-    """The writing rank's half: ``{size} {sha256}`` of one file of its shard folder, beside it (fsynced)."""
+def write_digest(shard_dir: str, file_name: str, known: tuple[int, str] | None = None) -> None:
+    """The writing rank's half: ``{size} {sha256}`` of one file of its shard folder, beside it (fsynced).
+    ``known``: (size, sha256) of the bytes the writer handed to the file as it wrote them (no second read
+    of the file: :class:`HashingWriter`); else read back from the file."""
     path = os.path.join(shard_dir, file_name)
-    line = f"{os.path.getsize(path)} {sha256_file(path)}\n"
+    size, digest = known if known is not None else (os.path.getsize(path), sha256_file(path))
+    line = f"{size} {digest}\n"
     with open(os.path.join(shard_dir, _digest_name(file_name)), "w", encoding="utf-8") as f:
         f.write(line)
         f.flush()
         os.fsync(f.fileno())
+
+
+class HashingWriter:
+    """A binary file's ``write`` that also hashes and counts what goes through it (torch.save writes a
+    file object sequentially, handing over each storage as one memoryview: hashlib hashes it without a
+    copy and without the GIL), so a file's digest costs no second read of its bytes."""
+
+    def __init__(self, f) -> None:
+        self.f, self.size, self._sha = f, 0, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self._sha.update(data)
+        self.size += memoryview(data).nbytes
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def digest(self) -> tuple[int, str]:
+        return self.size, self._sha.hexdigest()
 
 
 def _atomic_json(path: str, obj: dict) -> None:

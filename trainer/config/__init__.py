@@ -178,6 +178,14 @@ class CheckpointConfig(Section):
     Megatron-core's decoder.layers.* names: Megatron-LM --ckpt-format torch) or torch_dist (Megatron-core's
     distributed format, Megatron-LM's default since core 0.7: loads at any tp/pp in Megatron-LM, with
     --no-load-optim as the optimizer state is Slipway's). Every format resumes, torch_dist at any layout."""
+    async_save: bool = True
+    """true: training blocks only while each rank copies its state to host memory (pinned on a GPU); a
+    background thread writes the files and commits the checkpoint once every rank's files are durable
+    (same files, same bytes, same commit point as a synchronous save). Costs one copy of each rank's
+    checkpoint state in host memory for the run (host memory is usually many times a GPU's share); the
+    save before a stop and the last one are waited for before the job exits. false: every save blocks
+    training until it is committed. On by default: a save's stall is what limits how often a run can
+    afford to save (docs/operations.md, "Goodput")."""
 
     def _normalise(self) -> None:
         if self.load is None:  # "resume when there is something to resume"

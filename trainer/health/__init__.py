@@ -101,6 +101,9 @@ class Monitor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._backstop = False
+        # Called after each heartbeat write, from the heartbeat thread (the attempt's goodput record):
+        # what a killed process did is on disk up to its last heartbeat. Each must never raise.
+        self.writers: list[Callable[[], None]] = []
 
     # -- the loop's side: cheap, no I/O --------------------------------------------------------------
     def tick(self, iteration: int | None = None, phase: str | None = None, arm: bool = False) -> None:
@@ -182,6 +185,8 @@ class Monitor:
             now = time.monotonic()  # heartbeat writes are paced in real time, whatever the progress clock
             if now >= next_write:
                 self.write()
+                for write in self.writers:
+                    write()
                 next_write = now + self.cfg.heartbeat_interval_s
 
     def _rearm_backstop(self, timeout: float) -> None:

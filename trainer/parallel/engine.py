@@ -124,12 +124,15 @@ class ParallelModel:
 
 def build_model(cfg: ModelConfig, pcfg: ParallelConfig, pstate: ParallelState, seed: int,
                 dtype: torch.dtype = torch.float32, kernels: str | KernelSet = "auto",
-                recompute: Recompute = NO_RECOMPUTE) -> ParallelModel:
+                recompute: Recompute = NO_RECOMPUTE, init: bool = True) -> ParallelModel:
     """This rank's stage and TP shard, initialised from the full weights for ``seed`` (the same in every
     layout), on ``pstate.device`` with parameters (and gradients) in ``dtype``; also seeds the dropout
     RNGs (trainer.parallel.random). For bf16 training prefer fp32 parameters and ``model.autocast``.
     ``kernels``: the kernel set (the top-level ``kernels`` key, trainer.ops.resolve); ``recompute``: what
-    to recompute in backward (trainer.model.recompute; the tracker's states are restored around it)."""
+    to recompute in backward (trainer.model.recompute; the tracker's states are restored around it).
+    ``init=False``: the parameters are left uninitialised, for a caller that loads every one of them next
+    (a resume: the checkpoint's weights are loaded strictly, all or an error; initialising them first
+    costs a full model's random numbers per rank, seconds at 300M parameters, for nothing)."""
     check_compatible(cfg, pcfg)
     if (pcfg.tp_size, pcfg.pp_size) != (pstate.tp_size, pstate.pp_size):
         raise ValueError(f"ParallelConfig tp={pcfg.tp_size}, pp={pcfg.pp_size} != ParallelState "
@@ -146,7 +149,8 @@ def build_model(cfg: ModelConfig, pcfg: ParallelConfig, pstate: ParallelState, s
             apply_tensor_parallel(module, pstate, pcfg.sequence_parallel, tracker)
         recompute_model(module, recompute, tracker)
         materialize(module, pstate.device, dtype)
-        init_weights(module, seed)
+        if init:
+            init_weights(module, seed)
         chunks.append(module)
     return ParallelModel(chunks if len(chunks) > 1 else chunks[0], pstate, pcfg, tracker)
 

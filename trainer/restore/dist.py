@@ -110,10 +110,10 @@ def rng_key(ps: Any) -> str:
     return f"rng_state/shard_{ps.pp_rank}.{ps.tp_rank}_{ps.pp_size}.{ps.tp_size}"
 
 
-def save_torch_dist(ckpt_dir: str, keep: int | None, model: ParallelModel, parts: Restorable, args: Any,
-                    state: TrainState, config: dict) -> bool:
-    """Collective over all ranks: the checkpoint of ``state.iteration`` in torch_dist, committed by the
-    save protocol (:func:`trainer.checkpoint.dist_write.save_dist_checkpoint`)."""
+def dist_content(model: ParallelModel, parts: Restorable, args: Any, state: TrainState,
+                 config: dict) -> tuple[list[Piece], dict]:
+    """Collective over all ranks: this rank's pieces and ``common.pt`` (what rank 0 writes) of the
+    checkpoint of ``state.iteration``."""
     ps = model.pstate
     opt_state, step = optimizer_by_name(model, parts.optimizer)
     rng = ckpt.gather_rng_states(model.tracker.state_dict(), ps.dp_group.pg, ps.dp_size)
@@ -122,8 +122,16 @@ def save_torch_dist(ckpt_dir: str, keep: int | None, model: ParallelModel, parts
               "slipway": {"optimizer_step": step, "grad_scaler": parts.scaler.state_dict(),
                           "skipped_iters": state.skipped_iters, "nan_iters": state.nan_iters,
                           "config": config, "log_window": state.log_window}}
+    return pieces(model, opt_state, rng), common
+
+
+def save_torch_dist(ckpt_dir: str, keep: int | None, model: ParallelModel, parts: Restorable, args: Any,
+                    state: TrainState, config: dict) -> bool:
+    """Collective over all ranks: the checkpoint of ``state.iteration`` in torch_dist, committed by the
+    save protocol (:func:`trainer.checkpoint.dist_write.save_dist_checkpoint`)."""
+    ps = model.pstate
     layout = ckpt.ShardLayout(ps.tp_rank, ps.pp_rank, ps.tp_size, ps.pp_size, ps.dp_rank, ps.dp_size)
-    mine = pieces(model, opt_state, rng)
+    mine, common = dist_content(model, parts, args, state, config)
     return save_dist_checkpoint(ckpt_dir, state.iteration, mine, common, layout, keep)
 
 

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import os
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,15 +31,16 @@ import torch.distributed as dist
 
 from trainer import faults, formulas, health
 from trainer.checkpoint import protocol as ckpt
-from trainer.checkpoint import verify as ckpt_verify
 from trainer.checkpoint.chunks import saved_split
 from trainer.checkpoint.files import config_differences
-from trainer.config import CheckpointConfig, ModelConfig, RunConfig
+from trainer.config import ModelConfig, RunConfig
 from trainer.config.train import precision_recipe, recipe_line
 from trainer.config_issues import ConfigError
 from trainer.convert import dist as dist_ckpt
 from trainer.convert.spec import unsupported_options
 from trainer.data.tokenizer_identity import TokenizerId, identify
+from trainer.disk import folder_bytes
+from trainer.goodput import AttemptClock
 from trainer.health.rendezvous import Rendezvous, check_rendezvous
 from trainer.log import get_logger
 from trainer.metrics_file import metrics_path, truncate_after
@@ -53,24 +55,24 @@ from trainer.parallel import ParallelModel, ParallelState, build_model, init_dis
 from trainer.parallel.dist_optimizer import build_distributed_optimizer
 from trainer.parallel.interleaved import check_microbatches
 from trainer.parallel.launch import DistEnv
-from trainer.restore.dist import restore_dist, save_torch_dist
-from trainer.restore.distrib_optim import extra_files, is_distributed, read_beside
+from trainer.restore.dist import restore_dist
+from trainer.restore.distrib_optim import is_distributed, read_beside
 from trainer.restore.state import (
     Restorable,
     RunFacts,
     TrainState,
-    build_state,
     check_tokenizer,
-    checkpoint_args,
     restore_merged,
     restore_resharded,
     restore_same_layout,
 )
 from trainer.run import metrics, oom
+from trainer.run.choice import LoadCheck, load_checked, resolve_load
 from trainer.run.data import DataShape, build_data, resolve_vocab
 from trainer.run.host import host_group
-from trainer.run.kernels import checked_kernels, optimizer_after_check
+from trainer.run.kernels import checked_kernels, optimizer_after_check, use_run_compile_cache
 from trainer.run.loop import Cadence, Loop, NonFiniteError, Throughput, train
+from trainer.run.saving import Saver
 from trainer.signals import (
     EXIT_NONFINITE,
     EXIT_OK,
@@ -129,45 +131,6 @@ def _configure_determinism(deterministic: bool) -> None:
         torch.backends.cudnn.benchmark = False
 
 
-def resolve_load(cfg: CheckpointConfig, run_dir: str | None = None) -> tuple[str, int, bool] | None:
-    """(directory, iteration, model_only) to load at start, or None to start fresh. "Latest" means the
-    newest checkpoint that verifies (:func:`checkpoint.select_latest`): a damaged one is moved aside and
-    the one before it loaded, a missing tracker never means "start over" while checkpoints exist. What
-    was skipped is logged and recorded in ``<run_dir>/checkpoint_warnings.jsonl`` (status, summary)."""
-    if cfg.load == "none":
-        own = ckpt.read_tracker(cfg.dir)
-        if own is not None:
-            log.warning("checkpoint.load=none: starting fresh although %s holds iteration %d", cfg.dir, own)
-        return None
-    load_dir = cfg.load_dir or cfg.dir
-    foreign = os.path.abspath(load_dir) != os.path.abspath(cfg.dir)
-    own = _latest(cfg.dir, run_dir, act=True)
-    if own is not None and foreign:
-        return cfg.dir, own, False  # a restarted run continues from its own checkpoints
-    if cfg.load == "model-only":
-        if not foreign:
-            raise ValueError("checkpoint.load=model-only reads checkpoint.load_dir (another run's "
-                             "checkpoints); set load_dir to a directory other than checkpoint.dir")
-        it = _latest(load_dir, run_dir, act=False)  # another run's folder: verify, never move
-        if it is None:
-            raise ckpt.CheckpointError(f"checkpoint.load=model-only but {load_dir} holds no checkpoint "
-                                       f"({ckpt.TRACKER} and iter_* folders are missing)")
-        return load_dir, it, True
-    if cfg.load == "latest":
-        it = own if not foreign else _latest(load_dir, run_dir, act=False)
-        return None if it is None else (load_dir, it, False)
-    return load_dir, int(cfg.load), False
-
-
-def _latest(ckpt_dir: str, run_dir: str | None, act: bool) -> int | None:
-    choice = ckpt.select_latest(ckpt_dir, act=act)
-    for warning in choice.warnings:
-        log.warning("%s", warning)
-    if choice.warnings and run_dir and ckpt.global_rank() == 0:
-        ckpt_verify.record_warnings(run_dir, choice.warnings)
-    return choice.iteration
-
-
 def load_checkpoint(plan: tuple[str, int, bool], gpt: ModelConfig, model: ParallelModel,
                     parts: Restorable, tok: TokenizerId | None = None) -> TrainState:
     """Restore from ``plan`` (see resolve_load), resharding when the saved (tp, pp) differ; ``tok``: the
@@ -219,23 +182,6 @@ def _check_model(args: Any, gpt: ModelConfig, ckpt_dir: str, iteration: int) -> 
                                    f"(saved, configured): {wrong}; fix the model section or load another")
 
 
-def _saver(cfg: RunConfig, gpt: ModelConfig, model: ParallelModel, parts: Restorable,
-           facts: RunFacts) -> Callable[[TrainState], None]:
-    ps = model.pstate
-    layout = ckpt.ShardLayout(ps.tp_rank, ps.pp_rank, ps.tp_size, ps.pp_size, ps.dp_rank, ps.dp_size)
-
-    def save(state: TrainState) -> None:
-        args = checkpoint_args(gpt, model, facts, state)
-        if cfg.checkpoint.format == "torch_dist":
-            save_torch_dist(cfg.checkpoint.dir, cfg.checkpoint.keep, model, parts, args, state, facts.config)
-            return
-        shard = build_state(model, parts, args, state, facts.config)
-        beside = extra_files(parts.optimizer)  # distrib_optim.pt (collective over dp) or nothing
-        ckpt.save_checkpoint(cfg.checkpoint.dir, state.iteration, shard, layout, cfg.checkpoint.keep, beside)
-
-    return save
-
-
 @dataclass
 class Components:
     """This rank's model and what updates it (``build_components``)."""
@@ -248,16 +194,19 @@ class Components:
     kernel_check: KernelCheck | None = None
 
 
-def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int = 0) -> Components:
+def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int = 0,
+                     init: bool = True) -> Components:
     """Model, optimizer, scheduler and loss scaler for this rank, on the kernels that passed the start-up
-    self-check (``train.kernel_check``; its record names ``start_iteration``)."""
+    self-check (``train.kernel_check``; its record names ``start_iteration``). ``init=False``: the weights
+    are not initialised, a checkpoint's are loaded into all of them next (trainer.parallel.build_model)."""
     t = cfg.train
     gbs = formulas.global_batch_size(t.global_batch_size, t.micro_batch_size, pstate.dp_size)
     vocab_size, eod = resolve_vocab(cfg.model, cfg.tokenizer)
     gpt = gpt_config(cfg.model, vocab_size)
     check = checked_kernels(cfg, gpt, pstate, start_iteration)  # before the model: it takes the checked set
     recompute = Recompute(t.recompute_granularity, t.recompute_method, t.recompute_num_layers)
-    model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=check.kernels, recompute=recompute)
+    model = build_model(gpt, cfg.parallel, pstate, t.seed, kernels=check.kernels, recompute=recompute,
+                        init=init)
     log.info("%s", attention.describe(gpt, pstate.device, DTYPES[t.precision], t.micro_batch_size,
                                       pstate.tp_size))  # raises when a named SDPA kernel cannot serve it
     recipe = _apply_recipe(model, t, cfg.optim.distributed)
@@ -274,33 +223,69 @@ def build_components(cfg: RunConfig, pstate: ParallelState, start_iteration: int
 
 
 def _loop(cfg: RunConfig, b: Components, state: TrainState, hooks: RunHooks, facts: RunFacts,
-          monitor: health.Monitor) -> Loop:
+          monitor: health.Monitor, clock: AttemptClock) -> Loop:
     ps, t = b.model.pstate, cfg.train
     m = formulas.num_microbatches(b.global_batch_size, t.micro_batch_size, ps.dp_size)
     if len(b.model.chunks) > 1:  # refuse at start-up, not at the first step
         check_microbatches(m, ps.pp_size)
     shape = DataShape(b.gpt.seq_length, b.global_batch_size, cfg.run_dir)
+    clock.switch("data")
     train_data, valid_data = build_data(cfg.data, cfg.train, shape, ps, state)
     wandb_config = {**cfg.to_dict(), "derived": {"world_size": ps.world_size, "dp_size": ps.dp_size,
                                                  "global_batch_size": b.global_batch_size,
                                                  "num_microbatches": m,
                                                  "kernel_check": b.kernel_check.record() if b.kernel_check
                                                  else None}}
+    clock.switch("wandb")
     logger = metrics.WandbLogger(cfg.logging.wandb, cfg.run_dir, cfg.run_id, wandb_config, ps.rank == 0,
                                  state.iteration)
     padded = b.gpt.padded_vocab_size(ps.tp_size)
     flops = formulas.model_flops_per_iteration(b.gpt, b.global_batch_size, padded)
     peak = metrics.detect_peak_tflops(ps.device, cfg.logging.peak_tflops)
+    saver = Saver(cfg.checkpoint, b.gpt, b.model, b.parts, facts, clock)  # collective (its group)
     return Loop(
         model=b.model, optimizer=b.parts.optimizer, scheduler=b.parts.scheduler, scaler=b.parts.scaler,
         precision=t.precision, clip_grad=cfg.optim.clip_grad, global_batch_size=b.global_batch_size,
         num_microbatches=m, train_iters=t.iters, train_data=train_data, valid_data=valid_data,
-        save=_saver(cfg, b.gpt, b.model, b.parts, facts), wandb=logger,
+        save=saver, wandb=logger,
         cadence=Cadence(t.log_interval, t.eval_interval, t.eval_iters, t.save_interval),
         throughput=Throughput(flops, b.global_batch_size * b.gpt.seq_length, ps.world_size, peak),
         metrics_file=metrics_path(cfg.run_dir), on_step=hooks.on_step, monitor=monitor,
         kernel_fallbacks=tuple(b.kernel_check.fallbacks) if b.kernel_check else (),
-        stop_group=host_group())  # collective: every rank builds its loop
+        stop_group=host_group(), clock=clock, background=saver)  # collective: every rank builds its loop
+
+
+def _start(cfg: RunConfig, pstate: ParallelState | None, hb: health.Monitor, clock: AttemptClock
+           ) -> tuple[Components, TrainState, TokenizerId]:
+    """Set-up up to the loaded state, each phase on the attempt's clock (trainer.goodput)."""
+    if pstate is None:
+        clock.switch("rendezvous")
+        pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None,
+                                  before=_rendezvous_check(cfg))
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    clock.switch("preflight")
+    hb.begin(pstate.device)  # heartbeats, then the preflight (multi-rank worlds)
+    clock.begin(pstate.rank, pstate.world_size)
+    hb.writers.append(clock.write)  # the record is rewritten at every heartbeat
+    clock.switch("checkpoint_select")
+    chosen: list = []
+    plan = resolve_load(cfg.checkpoint, cfg.run_dir, full=False, deferred=chosen)  # sizes now:
+    check = LoadCheck.start(plan, chosen)  # checksums while it loads (rank 0, a thread)
+    tok = identify(cfg.tokenizer)  # read once: what is checked is what the checkpoints record
+    clock.switch("build")
+    b = build_components(cfg, pstate, plan[1] if plan and not plan[2] else 0, init=plan is None)
+    if b.kernel_check is not None:
+        clock.moved(b.kernel_check.seconds, "build", "kernel_check")
+    clock.switch("checkpoint_load")
+    t0 = time.monotonic()
+    plan, state = load_checked(plan, check, lambda p: load_checkpoint(p, b.gpt, b.model, b.parts, tok),
+                               lambda: resolve_load(cfg.checkpoint, cfg.run_dir))
+    state = state or TrainState()
+    if plan:
+        clock.loaded(plan[1], folder_bytes(ckpt.iter_path(plan[0], plan[1])), time.monotonic() - t0)
+    if pstate.rank == 0:  # the iterations after the checkpoint are logged again: once, not twice
+        truncate_after(metrics_path(cfg.run_dir), state.iteration)
+    return b, state, tok
 
 
 def _rendezvous_check(cfg: RunConfig) -> Callable[[DistEnv, str], object] | None:
@@ -321,27 +306,19 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
     group over the same ranks within one process would reuse its store keys.
     """
     hooks = hooks or RunHooks()
+    clock = AttemptClock(cfg.run_dir)  # first: the imports are measured up to here
+    use_run_compile_cache(cfg.run_dir)
     faults.warn_active(log, os.environ)  # a stray test hook must not go unnoticed in a real job
     metrics.check_wandb_credentials(cfg.logging.wandb.mode)  # before anything slow or collective
     _configure_determinism(cfg.train.deterministic)
     # StopRequest from the start: a signal during set-up stops at the first step boundary.
     with StopRequest() as stop, health.Monitor(cfg.train.health(), cfg.run_dir) as hb, oom.named(cfg, hb):
-        if pstate is None:
-            pstate = init_distributed(cfg.parallel, backend="gloo" if cfg.train.device == "cpu" else None,
-                                      before=_rendezvous_check(cfg))
-        os.makedirs(cfg.run_dir, exist_ok=True)
-        hb.begin(pstate.device)  # heartbeats, then the preflight (multi-rank worlds)
-        plan = resolve_load(cfg.checkpoint, cfg.run_dir)
-        tok = identify(cfg.tokenizer)  # read once: what is checked is what the checkpoints record
-        b = build_components(cfg, pstate, plan[1] if plan and not plan[2] else 0)
-        state = load_checkpoint(plan, b.gpt, b.model, b.parts, tok) if plan else TrainState()
-        if pstate.rank == 0:  # the iterations after the checkpoint are logged again: once, not twice
-            truncate_after(metrics_path(cfg.run_dir), state.iteration)
+        b, state, tok = _start(cfg, pstate, hb, clock)
         if hooks.on_build is not None:
             hooks.on_build(b.model)
         facts = RunFacts(cfg.to_dict(), b.global_batch_size, b.eod, cfg.run_id, tok.digest)
         hb.iteration = state.iteration
-        loop = _loop(cfg, b, state, hooks, facts, hb)  # the loop's progress ticks arm the hang watchdog
+        loop = _loop(cfg, b, state, hooks, facts, hb, clock)  # the loop's progress ticks arm the watchdog
         reason = ""
         try:
             code = train(loop, state, stop)
@@ -356,7 +333,12 @@ def run(cfg: RunConfig, hooks: RunHooks | None = None, pstate: ParallelState | N
             # and the hook's ConnectionResetError traceback would end the log instead of the cause.
             loop.wandb.finish(128 + signal.SIGINT if isinstance(e, KeyboardInterrupt) else 1)
             raise
+        finally:
+            loop.save.settle()  # a save still in flight (an earlier, good iteration) is committed
+    clock.end(code)
+    clock.switch("shutdown")
     loop.wandb.finish(0 if code in (EXIT_OK, EXIT_REQUEUE) else code)
+    clock.write()
     check = b.kernel_check.record() if b.kernel_check and b.kernel_check.results else None
     return RunResult(code, state.iteration, loop.losses, loop.eval_losses, state.skipped_iters,
                      loop.wandb.run_id, check, reason)

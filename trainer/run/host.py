@@ -10,9 +10,9 @@ every iteration when a caller's ``on_step`` hook wants the loss as a float). Her
   one transfer at the next synchronisation point;
 - :class:`Clock`: wall time between synchronisation points (the device is synchronised before the clock
   is read, so the time of the queued work is counted where it ran);
-- :class:`StopAgreement`: the ranks agree on a stop signal every iteration on the host alone (a world of
-  one reads its own flag; otherwise a MAX all-reduce of a host tensor over a gloo group: never a device
-  collective, never a read of device memory);
+- :class:`StopAgreement`: the ranks agree on a stop signal (and on a failed background save) every
+  iteration on the host alone (a world of one reads its own flags; otherwise a MAX all-reduce of a host
+  tensor over a gloo group: never a device collective, never a read of device memory);
 - :func:`to_device`: batches through pinned memory with non-blocking copies.
 """
 
@@ -101,18 +101,24 @@ def host_group() -> dist.ProcessGroup | None:
 
 class StopAgreement:
     """All ranks stop together if any rank received a stop signal; checked every iteration on the host.
+    The same all-reduce carries a second flag, "a background save failed here"
+    (trainer.checkpoint.background), so every rank raises that error at the same step.
 
-    The flag is a host tensor over numpy memory, read through numpy after the all-reduce: no device
+    The flags are a host tensor over numpy memory, read through numpy after the all-reduce: no device
     collective and no read of a device value (the reduction over a gloo group is host-to-host)."""
 
     def __init__(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
-        self._buf = np.zeros(1, dtype=np.float32)
-        self._flag = torch.from_numpy(self._buf)
+        self._buf = np.zeros(2, dtype=np.float32)
+        self._flags = torch.from_numpy(self._buf)
+        self.save_failed = False  # the last call's agreed second flag
 
-    def __call__(self, requested: bool) -> bool:
+    def __call__(self, requested: bool, save_failed: bool = False) -> bool:
         if self.group is None:
+            self.save_failed = save_failed
             return requested
         self._buf[0] = 1.0 if requested else 0.0
-        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
+        self._buf[1] = 1.0 if save_failed else 0.0
+        dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self.group)
+        self.save_failed = bool(self._buf[1] > 0.0)
         return bool(self._buf[0] > 0.0)

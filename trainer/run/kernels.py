@@ -31,6 +31,7 @@ from trainer.ops.selfcheck import (
 from trainer.optim.precision import param_dtype, uses_master_weights
 from trainer.parallel import ParallelState
 from trainer.run.layer_check import check_compiled_layer
+from trainer.run_files import RunDir
 
 log = get_logger(__name__)
 
@@ -45,6 +46,21 @@ def require_compiled(kernels: str, device_type: str) -> None:
     if device_type == "cuda" and kernels in COMPILED_KERNEL_SETS and not csrc_available("cuda"):
         raise KernelsMissingError(f"kernels={kernels}: {extension.missing_message('cuda')}; nothing was "
                                   "trained")
+
+
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def use_run_compile_cache(run_dir: str) -> str:
+    """Keep torch.compile's cache (Inductor's compiled graphs and kernels, Triton's under it) in the run
+    directory unless the job's environment names one: its default lives in the node's temporary folder,
+    which a requeued or retried job on another node (or with a job-private /tmp) never sees again, so every
+    restart compiled again (kernels=compile, compile_layer: the slowest part of start-up). Call it before
+    anything imports torch._inductor (train.deterministic does), which may settle the folder. Returns it."""
+    cache = os.environ.get(INDUCTOR_CACHE_ENV)
+    if not cache:
+        cache = os.environ[INDUCTOR_CACHE_ENV] = str(RunDir(run_dir).compile_cache)
+    return cache
 
 
 def record_builds(run_dir: str, rank: int, start_iteration: int) -> list[dict]:

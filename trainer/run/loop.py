@@ -23,9 +23,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
 
+from trainer.checkpoint.files import CheckpointError
+from trainer.goodput import AttemptClock
+from trainer.goodput.clock import CHECKPOINT, EVALUATION
 from trainer.health import Monitor
 from trainer.log import get_logger
 from trainer.metrics_file import append_record
@@ -64,6 +68,19 @@ class StepOutcome:
         return float(self.norm_t)
 
 
+class BackgroundSaves(Protocol):
+    """The loop's view of asynchronous saves: is the host copy of the one in flight still being made, wait
+    for it before an update; has it failed; wait for all of it (raising)."""
+
+    def copying(self) -> bool: ...
+
+    def before_update(self) -> None: ...
+
+    def failed(self) -> bool: ...
+
+    def wait(self) -> float: ...
+
+
 @dataclass(frozen=True)
 class Cadence:
     """When the loop logs, evaluates and saves (iterations; the ``train`` section's values)."""
@@ -100,7 +117,7 @@ class Loop:
     train_iters: int
     train_data: Iterator | None
     valid_data: Iterator | None
-    save: Callable[[TrainState], None]
+    save: Callable[..., None]  # save(state, final=False): trainer.run.saving.Saver
     wandb: metrics.WandbLogger
     cadence: Cadence
     throughput: Throughput
@@ -109,6 +126,8 @@ class Loop:
     monitor: Monitor | None = None
     kernel_fallbacks: tuple[str, ...] = ()  # named in every log line (trainer.ops.selfcheck)
     stop_group: object = None  # where the ranks agree on a stop (trainer.run.host.host_group)
+    clock: AttemptClock | None = None  # where the attempt's time goes (trainer.goodput)
+    background: BackgroundSaves | None = None  # the saves in flight (trainer.run.saving.Saver)
     losses: dict[int, float] = field(default_factory=dict)
     eval_losses: dict[int, float] = field(default_factory=dict)
 
@@ -121,6 +140,7 @@ def step(loop: Loop, batches: list[dict]) -> StepOutcome:
     loss = train_step(model, batches)
     unscale_main_grads_(model, loop.scaler.scale)  # the distributed optimizer's are its shards
     norm = clip_by_global_norm(model, loop.clip_grad)
+    _before_update(loop)
     applied = True
     if loop.scaler.dynamic:  # fp16: skip the update on overflow, decided now (one read per step)
         applied = bool(torch.isfinite(norm) & torch.isfinite(loss))
@@ -129,6 +149,17 @@ def step(loop: Loop, batches: list[dict]) -> StepOutcome:
         loop.optimizer.step()
     loop.scheduler.step(loop.global_batch_size)  # Megatron advances the schedule on skipped steps too
     return StepOutcome(loss, norm, applied)
+
+
+def _before_update(loop: Loop) -> None:
+    """The forward and backward ran beside the host copy of a save in flight; the update changes what it
+    copies, so it waits for the copy here (checkpoint time, not training time)."""
+    if loop.background is None or not loop.background.copying():
+        return
+    span = loop.clock.switch(CHECKPOINT) if loop.clock is not None else None
+    loop.background.before_update()
+    if loop.clock is not None:
+        loop.clock.switch(span)
 
 
 def evaluate(loop: Loop, state: TrainState) -> float:
@@ -154,14 +185,26 @@ def next_batches(loop: Loop, stream: Iterator | None, phase: str) -> list[dict]:
     return out
 
 
-def _save(loop: Loop, state: TrainState) -> None:
-    """Save, with the monitor's phase saying so (a slow save is reported as one, not as a hang)."""
+def _save(loop: Loop, state: TrainState, final: bool) -> None:
+    """Save (``final``: synchronously, the run waits for it anyway), with the monitor's phase saying so (a
+    slow save is reported as one, not as a hang) and the clock counting the time training is blocked."""
     previous = loop.monitor.phase if loop.monitor is not None else None
     if loop.monitor is not None:
         loop.monitor.tick(phase="save")
-    loop.save(state)
+    span = loop.clock.switch(CHECKPOINT) if loop.clock is not None else None
+    loop.save(state, final=final)
+    if loop.clock is not None:
+        loop.clock.switch(span)
     if loop.monitor is not None:
         loop.monitor.tick(phase=previous)
+
+
+def _raise_failed_save(loop: Loop, state: TrainState) -> None:
+    """A background save failed on some rank (agreed at this step): every rank raises its error now."""
+    if loop.background is not None:
+        loop.background.wait()  # raises the failed save's error
+    raise CheckpointError(f"a background checkpoint failed on another rank (found at iteration "
+                          f"{state.iteration}); the latest checkpoint is unchanged")
 
 
 def _log_interval(loop: Loop, state: TrainState, stats: metrics.IntervalStats) -> None:
@@ -173,7 +216,10 @@ def _log_interval(loop: Loop, state: TrainState, stats: metrics.IntervalStats) -
                                 loop.scaler.scale, loop.kernel_fallbacks)
     log.info(metrics.format_log_line(report, stats, thr))
     values = metrics.interval_metrics(report, stats, thr)
-    loop.wandb.log(values, step=state.iteration)
+    loop.wandb.log({**values, **(loop.clock.run_values() if loop.clock is not None else {})},
+                   step=state.iteration)
+    if loop.clock is not None:  # rank 0's record (no-op elsewhere): how far this attempt got
+        loop.clock.write()
     _append_metrics(loop, {"iteration": state.iteration, **values})
 
 
@@ -188,7 +234,10 @@ def _append_metrics(loop: Loop, row: dict) -> None:
 
 def _run_eval(loop: Loop, state: TrainState) -> None:
     previous = loop.monitor.phase if loop.monitor is not None else None
+    span = loop.clock.switch(EVALUATION) if loop.clock is not None else None
     loss = evaluate(loop, state)
+    if loop.clock is not None:
+        loop.clock.switch(span)
     if loop.monitor is not None:  # the next training batches may already be read (prefetched)
         loop.monitor.tick(phase=previous)
     loop.eval_losses[state.iteration] = loss
@@ -228,11 +277,14 @@ def _read_back(loop: Loop, state: TrainState, stats: metrics.IntervalStats, pend
 
 
 def train(loop: Loop, state: TrainState, stop: StopRequest) -> int:
-    """Iterate until ``train_iters`` or an agreed stop; returns the exit code (signals module)."""
+    """Iterate until ``train_iters`` or an agreed stop; returns the exit code (signals module). A failed
+    background save raises its error here, on every rank at the same step."""
     c = loop.cadence
     stats = metrics.IntervalStats(**state.log_window)
     pending, clock = Pending(), Clock(loop.model.pstate.device)
     agree = StopAgreement(loop.stop_group)
+    if loop.clock is not None:
+        loop.clock.training(state.iteration)
     batches = next_batches(loop, loop.train_data, "train") if state.iteration < loop.train_iters else []
     while state.iteration < loop.train_iters:
         out = step(loop, batches)
@@ -247,17 +299,22 @@ def train(loop: Loop, state: TrainState, stop: StopRequest) -> int:
         evals = bool(c.eval_interval and state.iteration % c.eval_interval == 0 and c.eval_iters)
         if logs or evals or loop.on_step is not None:
             _read_back(loop, state, stats, pending, clock)
+        if loop.clock is not None:
+            loop.clock.step(state.iteration)
         if logs:
             _log_interval(loop, state, stats)
             stats = metrics.IntervalStats()
         if evals:
             _run_eval(loop, state)
-        stopping = agree(stop.requested)
+        stopping = agree(stop.requested, loop.background is not None and loop.background.failed())
+        if agree.save_failed:
+            _raise_failed_save(loop, state)
         periodic = c.save_interval and state.iteration % c.save_interval == 0
-        if stopping or periodic or state.iteration == loop.train_iters:
+        final = bool(stopping) or state.iteration == loop.train_iters
+        if final or periodic:
             _read_back(loop, state, stats, pending, clock)  # nothing non-finite is ever saved
             state.log_window = asdict(stats) if stats.iters else {}
-            _save(loop, state)
+            _save(loop, state, final)
         if evals or stopping or periodic:
             clock.restart()  # evaluation and saving are not training time
         if stopping and state.iteration < loop.train_iters:
