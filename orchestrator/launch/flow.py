@@ -45,9 +45,9 @@ from orchestrator.readback.follow import LogFollower, failure_tails, log_path
 from orchestrator.readback.summary import write_summary
 from orchestrator.record import launches
 from orchestrator.record.writer_lock import record_writer, single_writer
-from orchestrator.stages.base import NOT_RUN
 from orchestrator.stages.train import NAME as TRAIN
 from orchestrator.stages.train import run_name
+from orchestrator.stages.upstream import NOT_RUN
 from orchestrator.world import queue
 from orchestrator.world.runs import (
     RUN_JSON,

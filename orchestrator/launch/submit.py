@@ -11,7 +11,8 @@ nodes. Planning (plan.py, the pure checks in checks/, estimate.py) and rendering
 Slurm jobs use :class:`SlipwaySlurmExecutor`: submitit's executor (pickled callable, job files, results)
 with Slipway's own rendered sbatch script (render.py: retry loop, USR2 forwarding, requeue). Local jobs
 use submitit's LocalExecutor; they have no scheduler dependencies, so each stage callable waits for its
-upstream's completion marker instead (stages/base.py wait_for), which keeps the launch non-blocking there too.
+upstream's completion marker instead (stages/upstream.py wait_for), which keeps the launch non-blocking
+there too.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from orchestrator.base.schema import ContainerConfig, SlipwayConfig
 from orchestrator.record.launches import LaunchRecord, job_comment, launch_dir
 from orchestrator.stages import get as stage_def
 from orchestrator.stages import preprocess
-from orchestrator.stages.base import StageDef, Upstream, job_name
+from orchestrator.stages.base import StageDef, job_name
+from orchestrator.stages.upstream import Upstream
 from orchestrator.world.container import WRAPPER_KINDS, host_paths, job_image
 from orchestrator.world.local_jobs import LocalExecutor
 from orchestrator.world.queue import live_state
@@ -266,7 +268,7 @@ def _upstream(plan: Plan, stage: StagePlan, done: dict[str, Submitted]
               ) -> tuple[tuple[str, ...], tuple[str, ...], list[Upstream]]:
     """(afterok ids, afterany ids, what the node callable waits for). A reused upstream is complete
     already; every other is waited for by its job id: Slurm's afterok (afterany for ``stage.after_any``),
-    and the same rule for local jobs (stages/base.py wait_for: only that job's marker counts)."""
+    and the same rule for local jobs (stages/upstream.py wait_for: only that job's marker counts)."""
     ups = [done[d] for d in stage.depends_on if d in done and done[d].action != "reused"]
     slurm = [(u.job_id, u.stage in stage.after_any) for u in ups if u.job_id and u.executor == "slurm"]
     upstream = [Upstream(_abs(plan.stage(u.stage).state_dir), u.job_id, u.executor,

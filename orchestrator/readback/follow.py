@@ -8,7 +8,7 @@ bar written to the log (the preprocess stage draws one on local runs) redraws in
 
 What a failure adds to the terminal is its cause, once: a traceback is shown as its exception line alone
 (:class:`Condenser`; the whole traceback stays in the log, whose path the stage's header names), and a
-stage that did not run because its upstream failed (stages/base.py ``NOT_RUN``) is not streamed: the
+stage that did not run because its upstream failed (stages/upstream.py ``NOT_RUN``) is not streamed: the
 launcher's state line for it says so, in one line.
 """
 

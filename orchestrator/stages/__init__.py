@@ -14,12 +14,13 @@ import importlib
 import pkgutil
 
 from orchestrator.base.plan_types import StagePlan
-from orchestrator.stages.base import NodeStage, StageDef, Upstream
+from orchestrator.stages.base import NodeStage, StageDef
 from orchestrator.stages.convert import ConvertJob, ConvertStage
 from orchestrator.stages.corpus import CorpusStage
 from orchestrator.stages.eval import EvalStage
 from orchestrator.stages.preprocess import PreprocessStage
 from orchestrator.stages.train import TrainJob, TrainStage
+from orchestrator.stages.upstream import Upstream
 from trainer.run_files import COMPLETE, FAILED
 
 __all__ = ["COMPLETE", "FAILED", "STAGES", "ConvertJob", "ConvertStage", "CorpusStage",

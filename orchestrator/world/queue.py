@@ -361,7 +361,7 @@ def read_exits(folder: str | Path, job_id: str | int) -> list[dict]:
 
 def _waiting(entry: dict) -> bool:
     """A live local job is still held by its dependencies (``waits_for``, recorded at submission: the local
-    upstream jobs its callable waits for, stages/base.py wait_for): an afterok one has not written its
+    upstream jobs its callable waits for, stages/upstream.py wait_for): an afterok one has not written its
     ``_COMPLETE``, an afterany one has not ended. Slurm holds such a job PENDING (Dependency) the same way,
     including after the upstream failed (DependencyNeverSatisfied) until it is cancelled; a local one then
     fails within a second."""

@@ -2,7 +2,7 @@
 for the multi-node tests' negative control (tests/orchestrator/test_multinode.py): ``handoff_write`` leaves
 a file for the next stage in node-local /tmp (its output folder is there: the mistake under test), and
 ``handoff_read``, after it, reads it on both nodes of the cpu partition. The node that did not write it
-cannot see it: the stage base's wait for upstream output (orchestrator/stages/base.py, UpstreamNotVisible)
+cannot see it: the stage base's wait for upstream output (orchestrator/stages/upstream.py, UpstreamNotVisible)
 fails there, naming the folder and the node. Both plan only for a run whose id is :data:`RUN`."""
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ import pytest
 
 from orchestrator.readback.follow import Condenser, LogFollower, condensed, failure_tails
 from orchestrator.stages import base
-from orchestrator.stages.base import NodeStage, Upstream, UpstreamFailed, mark
+from orchestrator.stages.base import NodeStage, mark
+from orchestrator.stages.upstream import Upstream, UpstreamFailed
 from orchestrator.world.runs import write_json
 from trainer.run_files import FAILED, SUBMITIT_LOG, RunDir
 from trainer.signals import EXIT_PERMANENT

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pickle
 
-from orchestrator.stages.base import Upstream
 from orchestrator.stages.convert import ConvertJob, ConvertStage
 from orchestrator.stages.corpus import CorpusStage
 from orchestrator.stages.train import TrainJob, TrainStage
+from orchestrator.stages.upstream import Upstream
 from trainer.config import CorpusConfig
 from trainer.convert.run_config import ConvertRunConfig
 from trainer.data.corpus_config import CorpusRun
@@ -22,8 +22,10 @@ OLD_NAMES = [
     (b"orchestrator.stages.train\nTrainJob", b"orchestrator.jobs\nTrainJob"),
     (b"orchestrator.stages.convert\nConvertJob", b"orchestrator.jobs\nConvertJob"),
     (b"trainer.data.corpus_config\nCorpusRun", b"orchestrator.jobs\nCorpusJob"),
-    (b"orchestrator.stages.base\nUpstream", b"orchestrator.jobs\nUpstream"),
+    (b"orchestrator.stages.upstream\nUpstream", b"orchestrator.jobs\nUpstream"),
 ]
+# Upstream lived in orchestrator.stages.base from f24446f until the upstream wait got its own module.
+BASE_UPSTREAM = (b"orchestrator.stages.upstream\nUpstream", b"orchestrator.stages.base\nUpstream")
 
 
 def as_written_before(obj: object) -> bytes:
@@ -47,3 +49,11 @@ def test_old_stage_pickles_load():
         assert type(loaded) is type(fn) and vars(loaded).keys() == vars(fn).keys()
         assert type(loaded.job) is type(fn.job) and vars(loaded.job) == vars(fn.job)
         assert loaded.upstream == fn.upstream
+
+
+def test_upstreams_pickled_while_they_lived_in_the_stage_base_load():
+    up = [Upstream("/cache/preprocess/k", "12", "slurm", after_any=True)]
+    blob = pickle.dumps(TrainStage(TrainJob("/runs/r", {}, []), "/runs/r/train", up, "t"), protocol=2)
+    old = blob.replace(*BASE_UPSTREAM)
+    assert old != blob and BASE_UPSTREAM[0] not in old
+    assert pickle.loads(old).upstream == up

@@ -95,7 +95,7 @@ def test_a_zombie_is_no_live_process_and_no_upstream_to_wait_for(tmp_path):
     """A job shell that ended but was not reaped yet (its launcher busy) is a zombie: kill(pid, 0) still
     succeeds on it. It is no live job: a downstream stage waiting for it fails at once (afterok), instead of
     waiting out its upstream timeout (an hour on the local executor)."""
-    from orchestrator.stages.base import Upstream, wait_for
+    from orchestrator.stages.upstream import Upstream, wait_for
 
     child = subprocess.Popen(["true"])  # not reaped until the end of the test
     try:

@@ -15,7 +15,8 @@ import sys
 import pytest
 
 from orchestrator.readback.status import _failure
-from orchestrator.stages.base import Upstream, mark, wait_for
+from orchestrator.stages.base import mark
+from orchestrator.stages.upstream import Upstream, wait_for
 from orchestrator.world import queue
 from trainer.run_files import COMPLETE, FAILED
 
