@@ -21,12 +21,12 @@ from orchestrator.stages.base import (
     PlanContext,
     StageDef,
     StageLook,
-    Upstream,
     common_resources,
     job_of_task,
     stable_hash,
 )
 from orchestrator.stages.trainer_job import export_torch_env, run_name, trainer_config
+from orchestrator.stages.upstream import Upstream
 from orchestrator.world import progress, queue
 from orchestrator.world.runs import write_json
 from trainer import faults
