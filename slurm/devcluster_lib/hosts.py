@@ -16,8 +16,9 @@ UTS and a mount namespace (mounts of this machine still reach it: propagation ``
 name, bind the node's own folders over /tmp and /var/tmp, mount a fresh tmpfs on /dev/shm, bind the
 cluster's hosts file over /etc/hosts, then exec slurmd. Job steps are slurmd's children, so they run in
 the node's namespaces too. Everything else of this machine is shared, as a site's nodes share their
-filesystems (the checkout, runs_root, the cache, the data and tokenizer folders), and so is the test
-suite's folder in /tmp (SUITE_TMP), where the tests keep their runs.
+filesystems (the checkout, runs_root, the cache, the data and tokenizer folders), and so are, under /tmp,
+the test suite's folder (SUITE_TMP), where the tests keep their runs, and the checkout the cluster runs
+from (REPO: CI clones it under /tmp; its .venv is the software every job runs).
 
 The hosts file names every node at its address and this machine (the login node) at the bridge address.
 This machine's own /etc/hosts is not changed for the nodes: two clusters both have a node n1, at two
@@ -42,6 +43,7 @@ PRIVATE_DIRS = ("/tmp", "/var/tmp")  # each node's own; /dev/shm is a tmpfs of i
 # The test suite's folder (pytest's tmp_path lives below it): the tests keep their runs there, as a site
 # keeps runs on a filesystem every node mounts, so the nodes share it; the rest of /tmp is each node's own.
 SUITE_TMP = "/tmp/pytest-of-{user}"
+REPO = Path(__file__).resolve().parents[2]  # the checkout: its .venv and .make/ are what the jobs run
 IP_TIMEOUT_S = 30
 # `ip route` words that come before a route's destination.
 ROUTE_TYPES = ("local", "broadcast", "unreachable", "prohibit", "blackhole", "multicast", "anycast", "nat")
@@ -243,8 +245,9 @@ def _under(path: Path, folder: str) -> str | None:
 
 def shared_folders(layout: Layout) -> list[Path]:
     """Folders under /tmp or /var/tmp that every node shares: the cluster's own state there (a state folder
-    in /tmp, the short socket folder) and the test suite's (SUITE_TMP)."""
-    return [layout.root, layout.short, Path(SUITE_TMP.format(user=pwd.getpwuid(os.geteuid()).pw_name))]
+    in /tmp, the short socket folder), the test suite's (SUITE_TMP) and the checkout (REPO), as a site's
+    software and runs are on filesystems every node mounts."""
+    return [layout.root, layout.short, Path(SUITE_TMP.format(user=pwd.getpwuid(os.geteuid()).pw_name)), REPO]
 
 
 def prepare_shared(layout: Layout) -> None:
@@ -261,7 +264,8 @@ def node_script(layout: Layout, node: str) -> str:
     lines = ["set -e", f"hostname {q(node)}"]
     for private in PRIVATE_DIRS:
         own = layout.node_dir(node) / private.strip("/").replace("/", "-")
-        keep = sorted({r for p in shared_folders(layout) if (r := _under(p, private)) is not None})
+        under = {r for p in shared_folders(layout) if (r := _under(p, private)) is not None}
+        keep = sorted(r for r in under if not any(r.startswith(f"{o}/") for o in under))  # outermost
         lines += [f"cd {q(private)}", f"mount --bind {q(str(own))} {q(private)}"]
         # --no-canonicalize: mount(8) would make ./r absolute, which names the new, empty folder.
         lines += [f"mkdir -p {q(f'{private}/{r}')} && "

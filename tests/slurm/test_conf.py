@@ -170,3 +170,17 @@ def test_a_node_keeps_its_own_tmp_but_binds_back_the_shared_folders_under_it(tmp
     assert "mount --bind /tmp/x/state/etc/hosts /etc/hosts" in inside and inside.endswith('exec "$@"')
     outside = hosts.node_script(Layout(Path("/srv/state")), "n2")
     assert "./srv" not in outside and "mount --bind /srv/state/nodes/n2/var-tmp /var/tmp" in outside
+
+
+def test_a_checkout_under_tmp_is_shared_with_the_nodes_once(monkeypatch):
+    """CI clones the repository under /tmp: its .venv is what every job step executes, so the nodes bind it
+    back (a node without it fails each job with 'execve(): .../.venv/bin/python: No such file'); a state
+    folder inside the checkout needs no bind of its own."""
+    from devcluster_lib import hosts
+
+    monkeypatch.setattr(hosts, "REPO", Path("/tmp/ci"))
+    inside = hosts.node_script(Layout(Path("/tmp/ci/.devcluster")), "n1")
+    assert "mkdir -p /tmp/ci && mount --no-canonicalize --bind ./ci /tmp/ci" in inside
+    assert "./ci/.devcluster" not in inside
+    monkeypatch.setattr(hosts, "REPO", Path("/srv/slipway"))  # a checkout outside /tmp: nothing to bind
+    assert "./ci" not in hosts.node_script(Layout(Path("/srv/slipway/.devcluster")), "n1")
