@@ -206,22 +206,23 @@ def same_training(a: Path, b: Path, iters: int, tp: int) -> dict:
         sa = ckpt.load_file(ckpt.shard_path(str(RunDir(a).checkpoints), iters, t, 0, 1), mmap=True)
         sb = ckpt.load_file(ckpt.shard_path(str(RunDir(b).checkpoints), iters, t, 0, 1), mmap=True)
         for key in ("model", "optimizer", "opt_param_scheduler", "rng_state"):
-            flat_a, flat_b = _tensors(sa[key]), _tensors(sb[key])
+            flat_a, flat_b = flat_tensors(sa[key]), flat_tensors(sb[key])
             if flat_a.keys() != flat_b.keys() or any(not torch.equal(flat_a[k], flat_b[k]) for k in flat_a):
                 differ.append(f"rank {t} {key}")
     return {"losses_equal": la == lb and len(la) == iters, "iterations_compared": len(la),
             "final_checkpoint_tensors_equal": not differ, "differ": differ}
 
 
-def _tensors(obj, prefix: str = "") -> dict:
+def flat_tensors(obj, prefix: str = "") -> dict:
+    """Every tensor in a nested state (dicts, lists), by its path: two states compare key by key."""
     import torch
 
     if isinstance(obj, torch.Tensor):
         return {prefix: obj}
     if isinstance(obj, dict):
-        return {k: v for key, val in obj.items() for k, v in _tensors(val, f"{prefix}/{key}").items()}
+        return {k: v for key, val in obj.items() for k, v in flat_tensors(val, f"{prefix}/{key}").items()}
     if isinstance(obj, (list, tuple)):
-        return {k: v for i, val in enumerate(obj) for k, v in _tensors(val, f"{prefix}/{i}").items()}
+        return {k: v for i, val in enumerate(obj) for k, v in flat_tensors(val, f"{prefix}/{i}").items()}
     return {}
 
 

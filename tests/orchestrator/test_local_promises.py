@@ -209,13 +209,8 @@ def _launch_and_stop(over: list[str], run: Path, stop: int | str, stall: int) ->
             assert "Traceback" not in log and re.search(r"interrupted by SIGINT: the job was cancelled .*; "
                                                         r"launch the same run_id again to resume\n$", log), \
                 log[-3000:]
-    finally:  # on a failure, leave nothing running
-        for p in pids:
-            if _alive(p):
-                os.kill(p, signal.SIGKILL)
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    finally:
+        _end_cleanly(proc, pids)
 
 
 @pytest.mark.timeout(1200)

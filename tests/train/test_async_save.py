@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from bench.goodput import flat_tensors
 from tests.seam import hook_env
 from tests.train.harness import load_json, run_cfg, save_json, spawn, tiny_config, write_dataset
 from tests.waits import NEVER_S, wait_until
@@ -288,15 +289,6 @@ def test_the_update_after_a_save_waits_for_its_host_copy(tmp_path, data):
     theirs, ours = (ckpt.load_file(ckpt.shard_path(str(tmp_path / r / "checkpoints"), 4, 0, 0, 1))
                     for r in ("sync", "async"))
     for key in ("model", "optimizer"):
-        a, b = _tensors(theirs[key]), _tensors(ours[key])
+        a, b = flat_tensors(theirs[key]), flat_tensors(ours[key])
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), key
 
-
-def _tensors(obj, prefix: str = "") -> dict:
-    if isinstance(obj, torch.Tensor):
-        return {prefix: obj}
-    if isinstance(obj, dict):
-        return {k: v for key, val in obj.items() for k, v in _tensors(val, f"{prefix}/{key}").items()}
-    if isinstance(obj, (list, tuple)):
-        return {k: v for i, val in enumerate(obj) for k, v in _tensors(val, f"{prefix}/{i}").items()}
-    return {}
