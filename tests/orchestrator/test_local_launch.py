@@ -49,12 +49,14 @@ def test_failed_training_never_converts_and_data_is_reused(tmp_path: Path, capsy
     err = capsys.readouterr().err
     assert "──── corpus (job" in err and "tokenizer: wrote" in err and "preprocess: 100%" in err
     assert "──── train: last lines of" in err and "training failed on purpose" in err
-    # Its cause, once per rank (rank 0 streamed, the others' tails) and no traceback; each stage that did
-    # not run after it is one state line, none streamed.
+    # Its cause, at most once per rank (rank 0 streamed, the others' tails), and no traceback: the first rank
+    # to fail ends the attempt's other processes (as srun --kill-on-bad-exit), so a rank killed before it got
+    # there has no cause of its own to show (seen in CI: rank 2 first, ranks 0 and 1 ended). Each stage
+    # that did not run after it is one state line, none streamed.
     assert "Traceback" not in err and "Submitted job triggered an exception" not in err, err[-5000:]
     tails = [line for line in err.splitlines() if line.startswith("──── train: last lines of")]
     assert len(tails) == 3 and not any("_0_log.err" in t for t in tails), tails  # rank 0's was streamed
-    assert err.count("training failed on purpose") == 4, err[-5000:]
+    assert 1 <= err.count("training failed on purpose") <= 4, err[-5000:]
     not_run = [line for line in err.splitlines() if "not run: upstream" in line]
     assert [line.split("] ")[1].split(" job")[0] for line in not_run] == ["convert", "eval"], not_run
     assert "──── convert (job" not in err and "──── eval (job" not in err
