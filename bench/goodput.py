@@ -299,12 +299,13 @@ def summary(result: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="the tiny model (the bench's own test)")
-    p.add_argument("--root", default=None, help="runs_root of the bench's runs (default: a folder in /tmp)")
+    p.add_argument("--root", default=None, help="runs_root of the bench's runs (default: runs/ of this "
+                   "checkout, which every devcluster node sees; /tmp is each node's own)")
     p.add_argument("--results", default=None, help=f"where the JSON goes (default {RESULTS}; --tiny: none)")
     p.add_argument("--keep", action="store_true", help="keep the runs' checkpoints (default: removed)")
     args = p.parse_args(argv)
     spec = TINY if args.tiny else BIG
-    root = Path(args.root or f"/tmp/slipway-goodput-bench-{os.getpid()}")
+    root = Path(args.root or Path(__file__).resolve().parents[1] / "runs" / f"goodput-bench-{os.getpid()}")
     root.mkdir(parents=True, exist_ok=True)
     free = available_gib()
     if free < spec.need_gib:
