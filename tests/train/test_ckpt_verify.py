@@ -93,6 +93,32 @@ def test_an_empty_directory_starts_fresh(tmp_path):
     assert ckpt.select_latest(str(tmp_path / "nothing")).iteration is None
 
 
+def test_a_first_save_killed_mid_write_is_no_checkpoint(tmp_path):
+    """What a kill inside a run's first save leaves (the shard still in its temporary folder, no manifest,
+    no tracker) is not a checkpoint: the run starts fresh instead of refusing to, and the folder is left
+    for the next save of that iteration. The real kill: tests/train/test_faults.py."""
+    d = tmp_path / "checkpoints"
+    partial = d / "iter_0000004" / ".tmp-mp_rank_00-123"
+    partial.mkdir(parents=True)
+    (partial / ckpt.SHARD_FILE).write_bytes(b"half a shard")
+    choice = ckpt.select_latest(str(d))
+    assert choice.iteration is None and not choice.damaged, choice
+    assert "never completed" in choice.warnings[0] and len(choice.warnings) == 1, choice.warnings
+    assert partial.is_dir() and not (d / ckpt.TRACKER).exists()
+
+
+def test_an_unfinished_save_beside_committed_checkpoints_with_the_tracker_lost(two):
+    (two / ckpt.TRACKER).unlink()
+    partial = two / "iter_0000030" / ".tmp-mp_rank_00-123"
+    partial.mkdir(parents=True)
+    choice = ckpt.select_latest(str(two))
+    assert choice.iteration == 20 and not choice.damaged and partial.is_dir(), choice
+    _truncate(_shard(two, 10))
+    _truncate(_shard(two, 20))
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint .* verifies"):  # real ones still count
+        ckpt.select_latest(str(two))
+
+
 def test_checkpoints_without_a_manifest_are_checked_for_completeness(two):
     for it in (10, 20):
         (two / f"iter_{it:07d}" / ckpt_verify.MANIFEST).unlink()

@@ -80,6 +80,23 @@ def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, reference, mode
     assert sorted(os.listdir(ckpt_dir)) == ["iter_0000015", "iter_0000020", ckpt.TRACKER]  # keep=2
 
 
+@pytest.mark.parametrize("mode,failpoint", [("async", "mid_write"), ("sync", "before_rename"),
+                                            ("torch_dist", "mid_write")])
+def test_a_run_killed_inside_its_first_save_starts_over(tmp_path, reference, mode, failpoint):
+    """No checkpoint was ever committed: the retry trains from the start (it used to refuse, taking the
+    unfinished folder for a damaged checkpoint; seen in CI, the goodput bench's async run)."""
+    data, straight = reference
+    d = tiny_config(str(tmp_path / "run"), data, train={"iters": 20, "save_interval": 5},
+                    checkpoint=dict(SAVE_MODES[mode]))
+    with pytest.raises(mp.ProcessExitedException):  # SIGKILLed inside the save at 5
+        spawn(1, str(tmp_path), _run_with_failpoint, d, f"{failpoint}@5")
+    assert ckpt.read_tracker(str(tmp_path / "run" / "checkpoints")) is None
+    spawn(1, str(tmp_path), _resume, d, str(tmp_path / "resumed.json"))
+    resumed = load_json(str(tmp_path / "resumed.json"))
+    assert resumed["code"] == EXIT_OK and sorted(map(int, resumed["losses"])) == list(range(1, 21))
+    assert all(resumed["losses"][str(i)] == straight[i] for i in range(1, 21))
+
+
 def _signal_storm(rank: int, d: dict, out: str) -> None:
     """From iteration 10 on, SIGTERM and SIGUSR2 arrive in turn every millisecond. The save at 10 holds in
     the middle of writing its shard (file written, not yet fsynced or renamed) until several of each kind

@@ -189,6 +189,17 @@ def problems(iter_dir: str, file_name: str, *, full: bool = True) -> list[str]:
     return out
 
 
+def never_committed(iter_dir: str) -> bool:
+    """A folder a save was still writing when it was stopped: no manifest (written just before the
+    tracker, the commit point) and a shard still in its temporary folder (trainer.checkpoint.protocol,
+    step 1). Loaders ignore such a folder, and the next save of the iteration replaces it."""
+    try:
+        names = os.listdir(iter_dir)
+    except OSError:
+        return False
+    return MANIFEST not in names and any(n.startswith(".tmp-") for n in names)
+
+
 def quarantine(iter_dir: str) -> str:
     """Move a damaged checkpoint aside (``iter_N.damaged-<time>``): kept for inspection, never loaded,
     never pruned by ``checkpoint.keep``. Returns the new path."""
@@ -228,6 +239,13 @@ def choose_latest(ckpt_dir: str, *, full: bool = True, act: bool = True) -> Choi
     if tracked is not None:
         candidates = [tracked] + [i for i in reversed(found) if i < tracked]
     else:
+        # A save killed before its commit left a folder without manifest, its shards still temporary (the
+        # first save of a run, or any with the tracker lost): not a checkpoint, whatever else is there.
+        unfinished = [i for i in found if never_committed(iter_path(ckpt_dir, i))]
+        choice.warnings += [f"{iter_path(ckpt_dir, i)} is a save that never completed (no manifest, a shard "
+                            "still in its temporary folder): not a checkpoint; the next save of that "
+                            "iteration replaces it" for i in unfinished]
+        found = [i for i in found if i not in unfinished]
         candidates = list(reversed(found))
         if found:
             why = "is missing" if text is None else f"holds {text!r}, not an iteration number"
