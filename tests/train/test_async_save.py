@@ -139,15 +139,18 @@ def _held_run(rank: int, d: dict, out: str) -> None:
     signal arrives at 10 (after the save at 8 began). Every fault point and step is recorded with its
     thread."""
     events: list[tuple[str, int, str]] = []
-    release, real = threading.Event(), faults.at
+    reached, release, real = threading.Event(), threading.Event(), faults.at
 
     def at(point: str, **where):
         events.append((point, where["iteration"], threading.current_thread().name))
         if point == "checkpoint:mid_write" and where["iteration"] == 4:
+            reached.set()
             assert release.wait(NEVER_S), "step 7 never came while the save at 4 was held"
         return real(point, **where)
 
     def on_step(it: int, loss: float) -> None:
+        if it == 5:  # the writer thread may start after step 5 did (seen in CI): step 5 ends once it writes
+            assert reached.wait(NEVER_S), "the background write of 4 never began"
         events.append(("step", it, threading.current_thread().name))
         if it == 7:
             release.set()
