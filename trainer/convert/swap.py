@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from trainer import faults
+from trainer.checkpoint.files import fsync_dir
 from trainer.log import get_logger
 from trainer.run_files import PARTIAL_SUFFIX, PREVIOUS_SUFFIX
 
@@ -42,14 +43,6 @@ def is_verified(folder: Path) -> bool:
     return (folder / CONFIG).is_file() and not (folder / INVALID).exists()
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def recover(out: Path) -> str | None:
     """Finish a swap that a killed process left between its renames (``<out>`` missing): the verified new
     model is renamed in, else the previous one is put back; a leftover ``<out>.previous`` beside a model in
@@ -60,7 +53,7 @@ def recover(out: Path) -> str | None:
         for candidate, what in ((partial, "the verified new model"), (previous, "the previous model")):
             if candidate.is_dir() and is_verified(candidate):
                 os.rename(candidate, out)
-                _fsync_dir(out.parent)
+                fsync_dir(str(out.parent))
                 done = (f"{out} was missing (a conversion was stopped mid-swap): renamed {what} {candidate} "
                         "there")
                 log.warning("%s", done)
@@ -110,5 +103,5 @@ def commit(partial: Path, out: Path) -> None:
         os.rename(out, previous)
         faults.at("convert:between_renames")
     os.rename(partial, out)
-    _fsync_dir(out.parent)
+    fsync_dir(str(out.parent))
     shutil.rmtree(previous, ignore_errors=True)
